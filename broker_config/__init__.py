@@ -1,0 +1,1 @@
+"""fairq: broker_config."""

@@ -1,0 +1,279 @@
+"""The fairq configuration: one TOML file parsed into typed, validated structures.
+
+Errors name the file, the field (as a path such as `tenants.acme.weight`) and the bad
+value, so a typo in production config is found from the message alone.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from costmodel.units import ModelProfile
+
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+CostMode = Literal["request", "token", "model_units"]
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "example.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used, with the file, field and value named."""
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Per tenant and endpoint. Absent fields inherit; absent everywhere means unlimited.
+
+    Token counts for `tpm` and `monthly_quota_tokens` are input tokens plus the
+    request's max_tokens at admission; the quota is refunded what the request did
+    not use when it completes.
+    """
+
+    rpm: Positive | None = None
+    rpm_burst: PositiveInt | None = None
+    tpm: Positive | None = None
+    tpm_burst: PositiveInt | None = None
+    monthly_quota_tokens: PositiveInt | None = None
+    max_queued: PositiveInt | None = None
+
+    def merged_over(self, base: Limits) -> Limits:
+        """These limits, with every unset field taken from `base`."""
+        values = {
+            f: getattr(self, f) if getattr(self, f) is not None else getattr(base, f)
+            for f in self.__struct_fields__
+        }
+        return Limits(**values)
+
+
+class BatchCapacity(msgspec.Struct, forbid_unknown_fields=True):
+    """A worker's default capacity for an endpoint, until its heartbeats say otherwise."""
+
+    sequences: PositiveInt = 64
+    tokens: PositiveInt = 262_144
+    model_units: Positive = 1e9
+
+
+class Endpoint(msgspec.Struct, forbid_unknown_fields=True):
+    profile: str = "default"
+    cost: CostMode = "request"
+    quantum: Positive = 1.0
+    latency_target_s: Positive = 30.0
+    max_tokens_cap: PositiveInt = 4096
+    batch: BatchCapacity = msgspec.field(default_factory=BatchCapacity)
+    # Share of each worker's capacity that only tenants below their fair share may use,
+    # so a newcomer never waits for a flooding tenant's sequences to finish.
+    newcomer_reserve: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.03
+
+
+class Tier(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+    weight: Positive = 1.0
+    limits: Limits = msgspec.field(default_factory=Limits)
+    endpoint_limits: dict[Name, Limits] = msgspec.field(default_factory=dict)
+
+
+class Tenant(msgspec.Struct, forbid_unknown_fields=True):
+    tier: Name
+    weight: Positive | None = None
+    limits: dict[Name, Limits] = msgspec.field(default_factory=dict)
+
+
+class UnlistedTenants(msgspec.Struct, forbid_unknown_fields=True):
+    policy: Literal["reject", "admit"] = "reject"
+    tier: Name | None = None
+    weight: Positive = 1.0
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True):
+    endpoints: dict[Name, Endpoint]
+    tiers: list[Tier]
+    profiles: dict[Name, ModelProfile] = msgspec.field(default_factory=dict)
+    tenants: dict[Name, Tenant] = msgspec.field(default_factory=dict)
+    unlisted_tenants: UnlistedTenants = msgspec.field(default_factory=UnlistedTenants)
+    subject_prefix: Name = "fq"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """What the registry says about one tenant: resolved once, used on every request."""
+
+    name: str
+    tier: str
+    tier_rank: int  # 0 is the highest tier
+    weight: float
+    limits: dict[str, Limits]  # per endpoint, fully merged
+
+    def limits_for(self, endpoint: str) -> Limits:
+        return self.limits[endpoint]
+
+
+class Registry:
+    """Server-side tenant registry: tier, weight and limits come from here, never a request."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.tier_rank = {tier.name: rank for rank, tier in enumerate(config.tiers)}
+        self._tiers = {tier.name: tier for tier in config.tiers}
+        self._policies = {name: self._resolve(name, t.tier, t.weight, t.limits)
+                          for name, t in config.tenants.items()}
+
+    def profile(self, endpoint: str) -> ModelProfile:
+        name = self.config.endpoints[endpoint].profile
+        return self.config.profiles.get(name) or ModelProfile(name=name)
+
+    def tenant(self, name: str) -> TenantPolicy | None:
+        """The tenant's policy; None when it is unlisted and unlisted tenants are rejected."""
+        policy = self._policies.get(name)
+        if policy is not None:
+            return policy
+        unlisted = self.config.unlisted_tenants
+        if unlisted.policy == "reject":
+            return None
+        policy = self._resolve(name, unlisted.tier, unlisted.weight, {})
+        # Bounded only by how many tenant names reach admission, which the broker's
+        # per-subject stream limits already bound.
+        self._policies[name] = policy
+        return policy
+
+    def _resolve(self, name: str, tier_name: str, weight: float | None,
+                 own: dict[str, Limits]) -> TenantPolicy:
+        tier = self._tiers[tier_name]
+        limits = {}
+        for endpoint in self.config.endpoints:
+            merged = tier.limits
+            if endpoint in tier.endpoint_limits:
+                merged = tier.endpoint_limits[endpoint].merged_over(merged)
+            if endpoint in own:
+                merged = own[endpoint].merged_over(merged)
+            limits[endpoint] = merged
+        return TenantPolicy(name, tier_name, self.tier_rank[tier_name],
+                            weight if weight is not None else tier.weight, limits)
+
+
+def load_config(path: str | Path = EXAMPLE_CONFIG) -> Config:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from exc
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: bytes | str, source: str = "<config>") -> Config:
+    try:
+        document = msgspec.toml.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+    try:
+        config = msgspec.convert(document, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_describe_validation_error(source, document, exc)) from exc
+    except ValueError as exc:  # raised by __post_init__ checks, e.g. in ModelProfile
+        raise ConfigError(f"{source}: {exc}") from exc
+    _check_references(config, source)
+    return config
+
+
+def _describe_validation_error(source: str, document: Any, exc: Exception) -> str:
+    """Turn msgspec's `... - at `$.a[...].b`` into the field's real path and value."""
+    message = str(exc)
+    match = re.search(r" - at `\$(.*)`$", message)
+    if not match:
+        return f"{source}: {message}"
+    reason = message[: match.start()]
+    value: Any = document
+    hint: Any = Config
+    names: list[str] = []
+    for key, index, any_key in re.findall(r"\.([A-Za-z0-9_-]+)|\[(\d+)\]|\[(\.\.\.)\]",
+                                          match.group(1)):
+        hint = _unwrap(hint)
+        if key:
+            names.append(key)
+            hint = typing.get_type_hints(hint).get(key, Any) if _is_struct(hint) else Any
+            value = value.get(key) if isinstance(value, dict) else None
+        elif index:
+            names[-1] += f"[{index}]"
+            hint = typing.get_args(hint)[0] if typing.get_args(hint) else Any
+            value = value[int(index)] if isinstance(value, list) else None
+        else:  # a dict entry: msgspec does not say which key, so find the failing one
+            hint = typing.get_args(hint)[1] if typing.get_args(hint) else Any
+            bad_key = _first_invalid_key(value, hint)
+            names.append(bad_key or "?")
+            value = value.get(bad_key) if isinstance(value, dict) else None
+        if value is None:
+            break
+    shown = "" if value is None or isinstance(value, dict) else f" (value: {value!r})"
+    return f"{source}: field `{'.'.join(names)}`: {reason}{shown}"
+
+
+def _unwrap(hint: Any) -> Any:
+    """Annotated[X, ...] -> X, X | None -> X."""
+    while True:
+        if typing.get_origin(hint) is typing.Annotated:
+            hint = typing.get_args(hint)[0]
+        elif typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        else:
+            return hint
+
+
+def _is_struct(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, msgspec.Struct)
+
+
+def _first_invalid_key(mapping: Any, value_type: Any) -> str | None:
+    if not isinstance(mapping, dict):
+        return None
+    for key, item in mapping.items():
+        try:
+            msgspec.convert(item, type=value_type)
+        except (msgspec.ValidationError, ValueError):
+            return str(key)
+    return None
+
+
+def _check_references(config: Config, source: str) -> None:
+    def fail(field: str, value: object, why: str) -> None:
+        raise ConfigError(f"{source}: field `{field}`: {why} (value: {value!r})")
+
+    if not config.tiers:
+        fail("tiers", [], "at least one tier is required")
+    if not config.endpoints:
+        fail("endpoints", {}, "at least one endpoint is required")
+    tier_names = [t.name for t in config.tiers]
+    if len(set(tier_names)) != len(tier_names):
+        fail("tiers", tier_names, "tier names must be unique")
+    for i, tier in enumerate(config.tiers):
+        for endpoint in tier.endpoint_limits:
+            if endpoint not in config.endpoints:
+                fail(f"tiers[{i}].endpoint_limits", endpoint, "unknown endpoint")
+    for name, endpoint in config.endpoints.items():
+        if endpoint.profile not in config.profiles and endpoint.cost == "model_units":
+            fail(f"endpoints.{name}.profile", endpoint.profile,
+                 "a model_units endpoint needs a profile defined under [profiles]")
+    for name, tenant in config.tenants.items():
+        if tenant.tier not in tier_names:
+            fail(f"tenants.{name}.tier", tenant.tier, f"unknown tier; known: {tier_names}")
+        for endpoint in tenant.limits:
+            if endpoint not in config.endpoints:
+                fail(f"tenants.{name}.limits", endpoint, "unknown endpoint")
+    unlisted = config.unlisted_tenants
+    if unlisted.policy == "admit":
+        if unlisted.tier is None:
+            fail("unlisted_tenants.tier", None, "required when policy is 'admit'")
+        if unlisted.tier not in tier_names:
+            fail("unlisted_tenants.tier", unlisted.tier, f"unknown tier; known: {tier_names}")
+    for name, profile in config.profiles.items():
+        if not math.isfinite(profile.alpha + profile.beta + profile.gamma):
+            fail(f"profiles.{name}", profile, "coefficients must be finite")

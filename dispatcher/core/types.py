@@ -1,0 +1,137 @@
+"""Plain data shared by every stage of the scheduling core.
+
+Times are floats in seconds on whatever clock the caller uses (wall clock in the
+dispatcher, virtual clock in the simulator); the core never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Outcome(enum.Enum):
+    """Every way a request can leave admission or the queue.
+
+    This enum is also the only metrics label for outcomes, so keep it small.
+    """
+
+    ADMITTED = "admitted"
+    INVALID = "invalid"
+    UNKNOWN_ENDPOINT = "unknown_endpoint"
+    UNKNOWN_TENANT = "unknown_tenant"
+    RATE_LIMITED = "rate_limited"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    OVERLOADED = "overloaded"
+    QUEUE_FULL = "queue_full"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+
+    @property
+    def error_code(self) -> str:
+        """The wire contract's error code for a rejection with this outcome."""
+        return _ERROR_CODES[self]
+
+
+_ERROR_CODES = {
+    Outcome.ADMITTED: "",
+    Outcome.INVALID: "invalid_request",
+    Outcome.UNKNOWN_ENDPOINT: "unknown_endpoint",
+    Outcome.UNKNOWN_TENANT: "unknown_tenant",
+    Outcome.RATE_LIMITED: "rate_limited",
+    Outcome.QUOTA_EXCEEDED: "quota_exceeded",
+    Outcome.OVERLOADED: "overloaded",
+    # A full per-tenant queue is overload from the client's point of view.
+    Outcome.QUEUE_FULL: "overloaded",
+    Outcome.DEADLINE_EXCEEDED: "deadline_exceeded",
+    Outcome.CANCELLED: "cancelled",
+}
+
+
+@dataclass(slots=True)
+class Request:
+    """The scheduler's view of one request.
+
+    `payload` is opaque to the core: the network service keeps its JetStream message
+    there, the simulator its trace record.
+    """
+
+    id: str
+    tenant: str
+    endpoint: str
+    arrival: float
+    input_tokens: int
+    max_tokens: int
+    priority: int = 0
+    deadline: float | None = None
+    session: str | None = None
+    other_units: float = 0.0
+    payload: Any = None
+    # Filled in by the scheduler on admission and dispatch.
+    charged_cost: float = 0.0
+    estimated_output_tokens: int = 0
+    dispatched_at: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Capacity:
+    """Room on a worker, in the three dimensions a batch can run out of."""
+
+    sequences: int
+    tokens: int
+    model_units: float
+
+    def fits(self, need: Capacity) -> bool:
+        return (
+            need.sequences <= self.sequences
+            and need.tokens <= self.tokens
+            and need.model_units <= self.model_units
+        )
+
+    def minus(self, used: Capacity) -> Capacity:
+        return Capacity(
+            self.sequences - used.sequences,
+            self.tokens - used.tokens,
+            self.model_units - used.model_units,
+        )
+
+    def scaled(self, factor: float) -> Capacity:
+        return Capacity(
+            round(self.sequences * factor),
+            round(self.tokens * factor),
+            self.model_units * factor,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """What a request really consumed, reported by the worker on completion."""
+
+    input_tokens: int
+    output_tokens: int
+    other_units: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """The answer of admission: admitted, or rejected with an outcome and a hint."""
+
+    outcome: Outcome
+    message: str = ""
+    retry_after_s: float | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome is Outcome.ADMITTED
+
+
+ADMITTED = Decision(Outcome.ADMITTED)
+
+
+@dataclass(slots=True)
+class Batch:
+    """What `next_batch` hands back: requests to send, and requests it dropped."""
+
+    requests: list[Request] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)

@@ -1,0 +1,92 @@
+"""The Engine protocol: what a worker needs from an inference engine.
+
+Implementations: `workers.sim_engine.SimEngine` (simulated continuous batching) and
+`workers.vllm_engine.VLLMEngine` (the only module that imports vllm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(slots=True, frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One request as the engine sees it. Exactly one of `prompt` and `messages` is set."""
+
+    id: str
+    max_tokens: int
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # fairq priority: higher is served first (engines that order the other way map it).
+    priority: int = 0
+    # Known token counts, when the dispatcher or a trace already has them.
+    input_tokens: int | None = None
+    # What the engine should generate, for simulated engines replaying a trace.
+    target_output_tokens: int | None = None
+    images: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class Delta:
+    """A piece of output. The last delta of a request has `finished=True` and its usage."""
+
+    text: str
+    token_count: int
+    finished: bool = False
+    input_tokens: int = 0
+    output_tokens: int = 0
+    # Seconds from the engine accepting the request to its first token (final delta only).
+    ttft_s: float | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineCapacity:
+    """Limits the engine can run at once; reported in worker heartbeats."""
+
+    max_sequences: int
+    max_tokens: int  # KV-cache tokens: input plus output over all running sequences
+    model_units: float = 1e9
+
+
+class EngineError(RuntimeError):
+    """The engine failed a request (as opposed to the request being invalid)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine, used as an async context manager by the worker service."""
+
+    @property
+    def capacity(self) -> EngineCapacity: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    async def __aenter__(self) -> Engine: ...
+
+    async def __aexit__(self, *exc_info: object) -> None: ...
+
+    def count_tokens(self, request: EngineRequest) -> int:
+        """Input tokens of a request, with the engine's own tokenizer or chat template."""
+        ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
+        """Stream deltas in order; ends with exactly one delta where finished is True.
+
+        Raises EngineError if the engine fails the request; a request aborted with
+        `abort` ends with a finished delta whose finish_reason is "abort".
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; a no-op for an unknown or finished id."""
+        ...
