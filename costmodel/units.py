@@ -9,9 +9,13 @@ replica completes per second once batching overlaps requests.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 
 class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -28,10 +32,16 @@ class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma", "capacity_mu_per_s", "cached_input_factor"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"profile {self.name!r}: {name} must be >= 0")
-        if self.capacity_mu_per_s <= 0:
+            value = getattr(self, name)
+            # `not value >= 0` also catches NaN, which compares false with everything.
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"profile {self.name!r}: {name} must be finite and >= 0, "
+                                 f"got {value!r}")
+        if self.capacity_mu_per_s == 0:
             raise ValueError(f"profile {self.name!r}: capacity_mu_per_s must be > 0")
+        if self.cached_input_factor > 1:
+            raise ValueError(f"profile {self.name!r}: cached_input_factor must be <= 1 "
+                             f"(a discount), got {self.cached_input_factor!r}")
 
     def model_units(
         self,
@@ -41,18 +51,26 @@ class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cached_input_tokens: float = 0.0,
     ) -> float:
         """Cost of one request; cached input tokens are charged at `cached_input_factor`."""
-        cached = min(cached_input_tokens, input_tokens)
+        cached = min(max(cached_input_tokens, 0.0), input_tokens)
         effective_input = input_tokens - cached + cached * self.cached_input_factor
         return self.alpha * effective_input + self.beta * output_tokens + self.gamma * other
 
 
-def load_profile(path: str | Path) -> ModelProfile:
-    """Read a profile TOML (the format `dump_profile` and `fairq calibrate` write)."""
-    data = Path(path).read_bytes()
+def read_toml(path: str | Path, type_: type[T]) -> T:
+    """Decode a TOML file into `type_`; every failure is a ValueError naming the file."""
     try:
-        return msgspec.toml.decode(data, type=ModelProfile)
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        return msgspec.toml.decode(data, type=type_)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from exc
+
+
+def load_profile(path: str | Path) -> ModelProfile:
+    """Read a profile TOML (the format `dump_profile` and `fairq calibrate` write)."""
+    return read_toml(path, ModelProfile)
 
 
 def dump_profile(profile: ModelProfile, path: str | Path) -> None:

@@ -69,7 +69,8 @@ class Request:
     other_units: float = 0.0
     payload: Any = None
     # Filled in by the scheduler on admission and dispatch.
-    charged_cost: float = 0.0
+    charged_cost: float = 0.0  # DRR charge at dispatch, in the endpoint's cost unit
+    model_units: float = 0.0  # estimated model units, for throttle, routing and capacity
     estimated_output_tokens: int = 0
     dispatched_at: float | None = None
 

@@ -1,0 +1,192 @@
+"""Admission: GCRA rate limits, calendar-month quotas and the latency throttle.
+
+The algorithm is split from its storage. `limit_checks` turns a tenant's limits into a
+list of checks; a store applies a list atomically (all pass and are charged, or none
+is). `MemoryLimiterStore` is the in-process store; `dispatcher.redis_limits` runs the
+same arithmetic as one Lua script, and the same contract tests cover both.
+
+GCRA with bucket size `burst` and emission interval T = 60 / per_minute: a request of
+cost c is allowed at `now` when max(tat, now) + c*T - burst*T <= now, and then moves
+the theoretical arrival time `tat` to max(tat, now) + c*T. From an idle key this admits
+exactly `burst` unit requests at once and one more every T; in any window of length W
+at most floor(W / T) + burst.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from dispatcher.core.config import Limits
+from dispatcher.core.types import ADMITTED, Decision, Outcome
+
+# Float slack when comparing times, so a request exactly on its emission time passes.
+CLOCK_EPSILON_S = 1e-9
+
+# Default bucket: a tenth of a minute's allowance, so short bursts pass and floods don't.
+DEFAULT_BURST_FRACTION = 0.1
+
+
+@dataclass(slots=True, frozen=True)
+class RateCheck:
+    """GCRA: `cost` units against `per_minute`, with a bucket of `burst` units."""
+
+    key: str
+    per_minute: float
+    burst: float
+    cost: float
+    outcome: Outcome = Outcome.RATE_LIMITED
+
+    @property
+    def interval(self) -> float:
+        return 60.0 / self.per_minute
+
+
+@dataclass(slots=True, frozen=True)
+class QuotaCheck:
+    """A counter that may not exceed `limit` within the period ending at `expires_at`."""
+
+    key: str
+    limit: float
+    cost: float
+    expires_at: float
+    outcome: Outcome = Outcome.QUOTA_EXCEEDED
+
+
+Check = RateCheck | QuotaCheck
+
+
+def gcra(tat: float, now: float, check: RateCheck) -> tuple[bool, float, float]:
+    """One GCRA step: (allowed, new_tat, retry_after_s). Pure; stores call this."""
+    interval = check.interval
+    # A request bigger than the whole bucket could never pass; charge it a full bucket.
+    cost = min(check.cost, check.burst)
+    new_tat = max(tat, now) + cost * interval
+    allow_at = new_tat - check.burst * interval
+    if allow_at <= now + CLOCK_EPSILON_S:
+        return True, new_tat, 0.0
+    return False, tat, allow_at - now
+
+
+def month_end(now: float) -> float:
+    """Unix time at which the calendar month (UTC) containing `now` ends."""
+    day = dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
+    first_next = (day.replace(day=1) + dt.timedelta(days=32)).replace(
+        day=1, hour=0, minute=0, second=0, microsecond=0)
+    return first_next.timestamp()
+
+
+def month_key(now: float) -> str:
+    return dt.datetime.fromtimestamp(now, tz=dt.timezone.utc).strftime("%Y-%m")
+
+
+def request_tokens(input_tokens: int, max_tokens: int) -> int:
+    """Tokens a request is charged at admission: its input plus its output cap."""
+    return input_tokens + max_tokens
+
+
+def limit_checks(tenant: str, endpoint: str, limits: Limits, tokens: int,
+                 now: float) -> list[Check]:
+    """The checks one request must pass, for any store."""
+    prefix = f"{endpoint}:{tenant}"
+    checks: list[Check] = []
+    if limits.rpm is not None:
+        burst = limits.rpm_burst or _default_burst(limits.rpm)
+        checks.append(RateCheck(f"rpm:{prefix}", limits.rpm, burst, 1.0))
+    if limits.tpm is not None:
+        burst = limits.tpm_burst or _default_burst(limits.tpm)
+        checks.append(RateCheck(f"tpm:{prefix}", limits.tpm, burst, float(tokens)))
+    if limits.monthly_quota_tokens is not None:
+        checks.append(quota_check(tenant, endpoint, limits.monthly_quota_tokens, tokens, now))
+    return checks
+
+
+def quota_check(tenant: str, endpoint: str, limit: float, tokens: float,
+                now: float) -> QuotaCheck:
+    return QuotaCheck(f"quota:{endpoint}:{tenant}:{month_key(now)}", float(limit),
+                      float(tokens), month_end(now))
+
+
+def _default_burst(per_minute: float) -> float:
+    return max(1.0, math.floor(per_minute * DEFAULT_BURST_FRACTION))
+
+
+class LimiterStore(Protocol):
+    """Applies checks atomically: all pass and are charged, or the first failure is returned."""
+
+    def apply(self, checks: list[Check], now: float) -> Decision: ...
+
+    def refund(self, check: QuotaCheck) -> None:
+        """Give back `check.cost` units of a quota (what a request did not use)."""
+        ...
+
+
+class MemoryLimiterStore:
+    """The embedded default store: a dict per key, expired lazily."""
+
+    def __init__(self) -> None:
+        self._tat: dict[str, float] = {}
+        self._used: dict[str, tuple[float, float]] = {}  # key -> (used, expires_at)
+
+    def apply(self, checks: list[Check], now: float) -> Decision:
+        updates_tat: list[tuple[str, float]] = []
+        updates_used: list[tuple[str, float, float]] = []
+        for check in checks:
+            if isinstance(check, RateCheck):
+                allowed, new_tat, retry = gcra(self._tat.get(check.key, now), now, check)
+                if not allowed:
+                    return Decision(check.outcome, f"{_describe(check)} exceeded", retry)
+                updates_tat.append((check.key, new_tat))
+            else:
+                used = self._quota_used(check.key, now)
+                if used + check.cost > check.limit:
+                    return Decision(check.outcome,
+                                    f"monthly quota of {check.limit:.0f} tokens exhausted",
+                                    check.expires_at - now)
+                updates_used.append((check.key, used + check.cost, check.expires_at))
+        for key, tat in updates_tat:
+            self._tat[key] = tat
+        for key, used, expires_at in updates_used:
+            self._used[key] = (used, expires_at)
+        self._forget_idle(now)
+        return ADMITTED
+
+    def refund(self, check: QuotaCheck) -> None:
+        used, expires_at = self._used.get(check.key, (0.0, check.expires_at))
+        self._used[check.key] = (max(0.0, used - check.cost), expires_at)
+
+    def _quota_used(self, key: str, now: float) -> float:
+        used, expires_at = self._used.get(key, (0.0, math.inf))
+        return used if now < expires_at else 0.0
+
+    def _forget_idle(self, now: float) -> None:
+        # A key whose tat has passed is indistinguishable from an absent one; dropping
+        # those keeps memory bounded by the tenants active in the last bucket period.
+        if len(self._tat) > 4096:
+            self._tat = {k: t for k, t in self._tat.items() if t > now}
+            self._used = {k: v for k, v in self._used.items() if v[1] > now}
+
+
+def _describe(check: RateCheck) -> str:
+    kind = "requests" if check.key.startswith("rpm:") else "tokens"
+    return f"limit of {check.per_minute:g} {kind} per minute"
+
+
+def throttle(expected_wait_s: float, now: float, latency_target_s: float,
+             deadline: float | None) -> Decision:
+    """Reject at once a request whose expected queueing delay already misses its target."""
+    budget = latency_target_s
+    if deadline is not None:
+        budget = min(budget, deadline - now)
+    if expected_wait_s <= budget:
+        return ADMITTED
+    if deadline is not None and deadline - now < latency_target_s:
+        return Decision(Outcome.OVERLOADED,
+                        f"expected wait {expected_wait_s:.1f}s is past the deadline",
+                        max(0.0, expected_wait_s - latency_target_s))
+    return Decision(Outcome.OVERLOADED,
+                    f"expected wait {expected_wait_s:.1f}s exceeds the "
+                    f"{latency_target_s:g}s latency target",
+                    expected_wait_s - budget)

@@ -1,0 +1,132 @@
+"""Stage 3, Deficit Round Robin between the tenants of one tier.
+
+Each backlogged tenant (a flow) sits in a ring. The flow at the head receives its
+quantum once per visit and sends requests while its deficit covers their cost; then the
+visit ends and the ring turns. A flow whose queue empties leaves the ring and keeps no
+positive deficit (no credit hoarded while idle), but keeps any debt: completion
+corrections may drive a deficit negative, and the flow then sits out whole rounds until
+its quanta have repaid it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from dispatcher.core.config import TenantPolicy
+from dispatcher.core.queues import OrderKey, TenantQueue, priority_order
+from dispatcher.core.types import Request
+
+
+class TenantFlow:
+    """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
+
+    __slots__ = ("policy", "queue", "quantum", "deficit", "granted", "in_ring",
+                 "running", "running_model_units", "served_cost")
+
+    def __init__(self, policy: TenantPolicy, endpoint_quantum: float,
+                 order: OrderKey = priority_order) -> None:
+        self.policy = policy
+        self.queue = TenantQueue(order)
+        self.quantum = endpoint_quantum * policy.weight
+        self.deficit = 0.0
+        self.granted = False  # has this visit's quantum been added?
+        self.in_ring = False
+        self.running = 0
+        self.running_model_units = 0.0
+        self.served_cost = 0.0
+
+    @property
+    def tenant(self) -> str:
+        return self.policy.name
+
+    @property
+    def weight(self) -> float:
+        return self.policy.weight
+
+    def __repr__(self) -> str:
+        return (f"TenantFlow({self.tenant!r}, queued={len(self.queue)}, "
+                f"deficit={self.deficit:.3f}, running={self.running})")
+
+
+class DrrRing:
+    """The ring of backlogged flows of one tier on one endpoint."""
+
+    __slots__ = ("_ring",)
+
+    def __init__(self) -> None:
+        self._ring: deque[TenantFlow] = deque()
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __iter__(self):
+        return iter(self._ring)
+
+    def activate(self, flow: TenantFlow) -> None:
+        """Put a flow that just became backlogged at the tail of the ring."""
+        if not flow.in_ring:
+            flow.in_ring = True
+            flow.granted = False
+            self._ring.append(flow)
+
+    def select(self) -> TenantFlow | None:
+        """The flow whose head request goes next, or None if the ring is empty."""
+        ring = self._ring
+        misses = 0
+        while ring:
+            flow = ring[0]
+            request = flow.queue.peek()
+            if request is None:  # emptied by cancels since it was last visited
+                self._leave(ring.popleft())
+                continue
+            if not flow.granted:
+                flow.deficit += flow.quantum
+                flow.granted = True
+            if request.charged_cost <= flow.deficit:
+                return flow
+            flow.granted = False
+            ring.rotate(-1)
+            misses += 1
+            if misses >= len(ring):
+                self._skip_idle_rounds()
+                misses = 0
+        return None
+
+    def charge(self, flow: TenantFlow, request: Request) -> None:
+        """Account for `request`, just popped from the head flow's queue."""
+        flow.deficit -= request.charged_cost
+        flow.served_cost += request.charged_cost
+        if flow.queue.peek() is None:
+            self._leave(self._ring.popleft())
+
+    def drop_if_empty(self, flow: TenantFlow) -> None:
+        """After the head flow lost a request without being charged (expiry)."""
+        if flow.queue.peek() is None:
+            self._leave(self._ring.popleft())
+
+    def set_aside(self) -> TenantFlow:
+        """Take the head flow out for the rest of a batch (its request does not fit)."""
+        return self._ring.popleft()
+
+    def restore(self, flow: TenantFlow) -> None:
+        """Put a set-aside flow back at the head, its visit state intact."""
+        self._ring.appendleft(flow)
+
+    @staticmethod
+    def _leave(flow: TenantFlow) -> None:
+        flow.in_ring = False
+        flow.granted = False
+        flow.deficit = min(flow.deficit, 0.0)
+
+    def _skip_idle_rounds(self) -> None:
+        # A whole pass sent nothing: every flow is in debt or short of its head's cost.
+        # Grant at once the rounds after which the first flow can send, instead of
+        # turning the ring that many times.
+        rounds = min(
+            math.ceil((flow.queue.peek().charged_cost - flow.deficit) / flow.quantum)
+            for flow in self._ring
+        )
+        if rounds > 1:
+            for flow in self._ring:
+                flow.deficit += (rounds - 1) * flow.quantum

@@ -1,0 +1,409 @@
+"""The scheduling core: admission, then tier -> DRR -> priority, repeated per batch.
+
+Synchronous and clock-free: every method takes `now`. The network service and the
+simulator drive the same object:
+
+    result = scheduler.check(request, now)        # validation + throttle, or checks
+    decision = store.apply(result, now)            # rate limits and quota (any store)
+    scheduler.enqueue(request, now)                # if admitted
+    batch = scheduler.next_batch(endpoint, free, now, total)
+    scheduler.complete(tenant, request_id, usage, now)
+
+`Scheduler.admit` does the first three with a synchronous store.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Literal
+
+from costmodel.estimate import OutputEstimator
+from costmodel.units import ModelProfile
+from dispatcher.core.admission import (
+    Check,
+    LimiterStore,
+    QuotaCheck,
+    limit_checks,
+    quota_check,
+    request_tokens,
+    throttle,
+)
+from dispatcher.core.config import Config, Endpoint, Registry
+from dispatcher.core.drr import TenantFlow
+from dispatcher.core.queues import arrival_order, priority_order
+from dispatcher.core.tiers import FifoSelector, Selector, TierLadder
+from dispatcher.core.types import (
+    Batch,
+    Capacity,
+    Decision,
+    Outcome,
+    Request,
+    Usage,
+)
+
+Policy = Literal["fairq", "fifo"]
+RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
+
+# Flows set aside in one batch before giving up on filling it: bounds the work of one
+# `next_batch` when many heads are too large for the room left.
+MAX_SET_ASIDE = 64
+
+
+@dataclass(slots=True, frozen=True)
+class DepthRow:
+    endpoint: str
+    tier: str
+    tenant: str
+    queued: int
+    running: int
+    oldest_wait_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class Completed:
+    """A finished request, and the quota to give back to the limiter store, if any."""
+
+    request: Request
+    refund: QuotaCheck | None
+
+
+class EndpointQueues:
+    """Everything the scheduler keeps for one endpoint."""
+
+    def __init__(self, name: str, spec: Endpoint, profile: ModelProfile,
+                 selector: Selector, reserve_fraction: float) -> None:
+        self.name = name
+        self.spec = spec
+        self.profile = profile
+        self.selector = selector
+        self.reserve_fraction = reserve_fraction
+        self.flows: dict[str, TenantFlow] = {}
+        self.default_total = Capacity(spec.batch.sequences, spec.batch.tokens,
+                                      spec.batch.model_units)
+        self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
+        self.running = 0
+        # Flows with queued or running work, and the sum of their weights.
+        self.present_flows = 0
+        self.present_weight = 0.0
+
+    def reserve(self, total: Capacity) -> Capacity:
+        if self.reserve_fraction <= 0:
+            return Capacity(0, 0, 0.0)
+        reserved = total.scaled(self.reserve_fraction)
+        return Capacity(max(1, reserved.sequences), reserved.tokens, reserved.model_units)
+
+    def below_fair_share(self, flow: TenantFlow) -> bool:
+        """Runs fewer sequences than its weighted share of what the endpoint runs now."""
+        return flow.running * self.present_weight < flow.weight * max(self.running, 1)
+
+
+class Scheduler:
+    def __init__(self, config: Config, *, policy: Policy = "fairq",
+                 estimator: OutputEstimator | None = None) -> None:
+        if policy not in ("fairq", "fifo"):
+            raise ValueError(f"unknown policy {policy!r}; expected 'fairq' or 'fifo'")
+        self.config = config
+        self.policy = policy
+        self.registry = Registry(config)
+        self.estimator = estimator or OutputEstimator()
+        self._order = priority_order if policy == "fairq" else arrival_order
+        self.endpoints = {
+            name: EndpointQueues(
+                name, spec, self.registry.profile(name),
+                TierLadder(len(config.tiers)) if policy == "fairq" else FifoSelector(),
+                spec.newcomer_reserve if policy == "fairq" else 0.0)
+            for name, spec in config.endpoints.items()
+        }
+        self._queued: dict[RequestKey, TenantFlow] = {}
+        self._running: dict[RequestKey, tuple[Request, TenantFlow]] = {}
+        self._deadlines: list[tuple[float, str, str]] = []
+
+    # -- admission ---------------------------------------------------------------
+
+    def check(self, request: Request, now: float) -> Decision | list[Check]:
+        """Everything admission decides without the limiter store: a rejection, or the
+        rate-limit and quota checks the store must pass for the request to enter."""
+        endpoint = self.endpoints.get(request.endpoint)
+        if endpoint is None:
+            return Decision(Outcome.UNKNOWN_ENDPOINT, f"unknown endpoint {request.endpoint!r}")
+        policy = self.registry.tenant(request.tenant)
+        if policy is None:
+            return Decision(Outcome.UNKNOWN_TENANT, f"unknown tenant {request.tenant!r}")
+        if request.input_tokens < 0 or request.max_tokens < 1:
+            return Decision(Outcome.INVALID, "input_tokens must be >= 0 and max_tokens >= 1")
+        key = (request.tenant, request.id)
+        if key in self._queued or key in self._running:
+            return Decision(Outcome.INVALID, f"request {request.id!r} is already queued or running")
+        if request.deadline is not None and request.deadline <= now:
+            return Decision(Outcome.DEADLINE_EXCEEDED, "the deadline has already passed")
+        request.max_tokens = min(request.max_tokens, endpoint.spec.max_tokens_cap)
+        limits = policy.limits_for(request.endpoint)
+        flow = endpoint.flows.get(request.tenant)
+        if flow is not None and limits.max_queued is not None \
+                and len(flow.queue) >= limits.max_queued:
+            return Decision(Outcome.QUEUE_FULL,
+                            f"tenant queue is full ({limits.max_queued} requests)", 1.0)
+        decision = throttle(self._expected_wait(endpoint, flow, policy.weight, policy.tier_rank),
+                            now, endpoint.spec.latency_target_s, request.deadline)
+        if not decision.admitted:
+            return decision
+        tokens = request_tokens(request.input_tokens, request.max_tokens)
+        return limit_checks(request.tenant, request.endpoint, limits, tokens, now)
+
+    def admit(self, request: Request, now: float, store: LimiterStore) -> Decision:
+        """check -> store.apply -> enqueue, for callers with a synchronous store."""
+        result = self.check(request, now)
+        if isinstance(result, Decision):
+            return result
+        decision = store.apply(result, now)
+        if decision.admitted:
+            self.enqueue(request, now)
+        return decision
+
+    def enqueue(self, request: Request, now: float) -> None:
+        """Queue a request that passed `check` and the limiter store."""
+        endpoint = self.endpoints[request.endpoint]
+        flow = self._flow(endpoint, request.tenant)
+        self._estimate(endpoint, request)
+        self._mark_present(endpoint, flow)
+        flow.queue.push(request)
+        self._queued[(request.tenant, request.id)] = flow
+        endpoint.selector.activate(flow)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.tenant, request.id))
+            if len(self._deadlines) > 2 * len(self._queued) + 1024:
+                self._deadlines = [d for d in self._deadlines if d[1:] in self._queued]
+                heapq.heapify(self._deadlines)
+
+    # -- dispatch ----------------------------------------------------------------
+
+    def next_batch(self, endpoint_name: str, free: Capacity, now: float,
+                   total: Capacity | None = None) -> Batch:
+        """Fill `free` with the next requests, in tier -> DRR -> priority order.
+
+        `total` is the worker's whole capacity (default: the endpoint's batch setting);
+        it sizes the newcomer reserve and recognises a request larger than a whole batch,
+        which is sent alone once the worker is idle rather than starved.
+        """
+        endpoint = self.endpoints[endpoint_name]
+        total = total or endpoint.default_total
+        selector = endpoint.selector
+        reserve = endpoint.reserve(total)
+        batch = Batch()
+        room = free
+        set_aside = 0
+        while room.sequences > 0:
+            flow = selector.select()
+            if flow is None:
+                break
+            request = flow.queue.peek()
+            if request.deadline is not None and request.deadline <= now:
+                flow.queue.pop()
+                selector.drop_if_empty(flow)
+                self._forget_queued(endpoint, flow, request)
+                batch.expired.append(request)
+                continue
+            need = Capacity(1, request.input_tokens + request.max_tokens, request.model_units)
+            usable = room if endpoint.below_fair_share(flow) else room.minus(reserve)
+            if usable.fits(need):
+                room = room.minus(need)
+            elif not total.fits(need) and not batch.requests and free == total:
+                room = Capacity(0, 0, 0.0)  # larger than a whole batch: it goes alone
+            elif not total.fits(need) or selector.blocks_on_misfit:
+                break  # hold the worker for an oversized head, or block like a plain FIFO
+            else:
+                selector.set_aside(flow)
+                set_aside += 1
+                if set_aside >= MAX_SET_ASIDE:
+                    break
+                continue
+            flow.queue.pop()
+            selector.charge(flow, request)
+            self._start(endpoint, flow, request, now)
+            batch.requests.append(request)
+        selector.restore_set_aside()
+        return batch
+
+    # -- completion, cancellation, expiry -----------------------------------------
+
+    def complete(self, tenant: str, request_id: str, usage: Usage,
+                 now: float) -> Completed | None:
+        """Settle a finished request: correct its tenant's DRR charge with real usage."""
+        entry = self._running.pop((tenant, request_id), None)
+        if entry is None:
+            return None
+        request, flow = entry
+        endpoint = self.endpoints[request.endpoint]
+        correction = self._cost(endpoint, usage.input_tokens, usage.output_tokens,
+                                usage.other_units) - request.charged_cost
+        flow.deficit -= correction
+        flow.served_cost += correction
+        if not flow.in_ring:
+            flow.deficit = min(flow.deficit, 0.0)
+        self._stop(endpoint, flow, request)
+        self.estimator.observe((tenant, request.endpoint), usage.output_tokens,
+                               request.max_tokens)
+        return Completed(request, self._quota_refund(request, usage))
+
+    def requeue(self, tenant: str, request_id: str) -> Request | None:
+        """Put a running request back in its queue (its worker failed); it keeps its
+        place by arrival and its tenant gets its charge back."""
+        entry = self._running.pop((tenant, request_id), None)
+        if entry is None:
+            return None
+        request, flow = entry
+        endpoint = self.endpoints[request.endpoint]
+        flow.deficit += request.charged_cost
+        flow.served_cost -= request.charged_cost
+        self._stop(endpoint, flow, request)
+        request.dispatched_at = None
+        self._mark_present(endpoint, flow)
+        flow.queue.push(request)
+        self._queued[(tenant, request_id)] = flow
+        endpoint.selector.activate(flow)
+        return request
+
+    def cancel(self, tenant: str, request_id: str) -> Request | None:
+        """Remove a queued request. A running one is the service's to abort."""
+        flow = self._queued.get((tenant, request_id))
+        if flow is None:
+            return None
+        request = flow.queue.remove(request_id)
+        self._forget_queued(self.endpoints[request.endpoint], flow, request)
+        return request
+
+    def expire(self, now: float) -> list[Request]:
+        """Drop queued requests whose deadline has passed (they get deadline_exceeded)."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, tenant, request_id = heapq.heappop(self._deadlines)
+            request = self.cancel(tenant, request_id)
+            if request is not None:
+                expired.append(request)
+        return expired
+
+    # -- observation ---------------------------------------------------------------
+
+    def state(self, tenant: str, request_id: str) -> tuple[str, int | None] | None:
+        """("queued", position in its tenant's queue), ("running", None), or None."""
+        key = (tenant, request_id)
+        if key in self._running:
+            return "running", None
+        flow = self._queued.get(key)
+        if flow is None:
+            return None
+        return "queued", flow.queue.position(request_id)
+
+    def running_request(self, tenant: str, request_id: str) -> Request | None:
+        entry = self._running.get((tenant, request_id))
+        return entry[0] if entry else None
+
+    def queued_count(self, endpoint: str | None = None) -> int:
+        if endpoint is None:
+            return len(self._queued)
+        return sum(len(f.queue) for f in self.endpoints[endpoint].flows.values())
+
+    def depth(self, now: float) -> list[DepthRow]:
+        rows = []
+        for endpoint in self.endpoints.values():
+            for flow in endpoint.flows.values():
+                if not len(flow.queue) and not flow.running:
+                    continue
+                oldest = flow.queue.oldest_arrival()
+                rows.append(DepthRow(endpoint.name, flow.policy.tier, flow.tenant,
+                                     len(flow.queue), flow.running,
+                                     0.0 if oldest is None else max(0.0, now - oldest)))
+        return rows
+
+    def set_capacity(self, endpoint: str, mu_per_s: float) -> None:
+        """Model units per second the endpoint's workers complete (for the throttle)."""
+        self.endpoints[endpoint].capacity_mu_per_s = mu_per_s
+
+    def flow(self, endpoint: str, tenant: str) -> TenantFlow | None:
+        return self.endpoints[endpoint].flows.get(tenant)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _flow(self, endpoint: EndpointQueues, tenant: str) -> TenantFlow:
+        flow = endpoint.flows.get(tenant)
+        if flow is None:
+            policy = self.registry.tenant(tenant)
+            flow = TenantFlow(policy, endpoint.spec.quantum, self._order)
+            endpoint.flows[tenant] = flow
+        return flow
+
+    def _estimate(self, endpoint: EndpointQueues, request: Request) -> None:
+        output = self.estimator.estimate((request.tenant, request.endpoint), request.max_tokens)
+        request.estimated_output_tokens = output
+        request.model_units = endpoint.profile.model_units(
+            request.input_tokens, output, request.other_units)
+        request.charged_cost = self._cost(endpoint, request.input_tokens, output,
+                                          request.other_units)
+
+    @staticmethod
+    def _cost(endpoint: EndpointQueues, input_tokens: int, output_tokens: int,
+              other: float) -> float:
+        mode = endpoint.spec.cost
+        if mode == "request":
+            return 1.0
+        if mode == "token":
+            return float(max(input_tokens, 1))
+        return endpoint.profile.model_units(input_tokens, output_tokens, other)
+
+    def _expected_wait(self, endpoint: EndpointQueues, flow: TenantFlow | None,
+                       weight: float, tier_rank: int) -> float:
+        """The tenant's queued model units over its weighted share of capacity."""
+        if flow is None or not len(flow.queue) or endpoint.capacity_mu_per_s <= 0:
+            return 0.0
+        competing = sum(f.weight for f in endpoint.flows.values()
+                        if f.policy.tier_rank <= tier_rank and (len(f.queue) or f.running))
+        share = endpoint.capacity_mu_per_s * weight / max(competing, weight)
+        return flow.queue.queued_model_units / share
+
+    @staticmethod
+    def _mark_present(endpoint: EndpointQueues, flow: TenantFlow) -> None:
+        """Call before adding work to `flow`."""
+        if not len(flow.queue) and not flow.running:
+            endpoint.present_weight += flow.weight
+            endpoint.present_flows += 1
+
+    @staticmethod
+    def _mark_absent_if_idle(endpoint: EndpointQueues, flow: TenantFlow) -> None:
+        """Call after taking work from `flow`."""
+        if not len(flow.queue) and not flow.running:
+            endpoint.present_flows -= 1
+            # Reset at zero so float error cannot build up over a long life.
+            endpoint.present_weight = (endpoint.present_weight - flow.weight
+                                       if endpoint.present_flows else 0.0)
+
+    def _start(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request,
+               now: float) -> None:
+        del self._queued[(request.tenant, request.id)]
+        request.dispatched_at = now
+        self._running[(request.tenant, request.id)] = (request, flow)
+        flow.running += 1
+        flow.running_model_units += request.model_units
+        endpoint.running += 1
+
+    def _stop(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request) -> None:
+        flow.running -= 1
+        flow.running_model_units -= request.model_units
+        endpoint.running -= 1
+        self._mark_absent_if_idle(endpoint, flow)
+
+    def _forget_queued(self, endpoint: EndpointQueues, flow: TenantFlow,
+                       request: Request) -> None:
+        del self._queued[(request.tenant, request.id)]
+        self._mark_absent_if_idle(endpoint, flow)
+
+    def _quota_refund(self, request: Request, usage: Usage) -> QuotaCheck | None:
+        policy = self.registry.tenant(request.tenant)
+        limit = policy.limits_for(request.endpoint).monthly_quota_tokens if policy else None
+        if limit is None:
+            return None
+        unused = (request_tokens(request.input_tokens, request.max_tokens)
+                  - request_tokens(usage.input_tokens, usage.output_tokens))
+        if unused <= 0:
+            return None
+        return quota_check(request.tenant, request.endpoint, limit, unused, request.arrival)

@@ -1,0 +1,123 @@
+"""Stage 2, the tier selector, and the FIFO baseline behind the same interface.
+
+A selector answers one question for batch assembly: which tenant's head request goes
+next. `TierLadder` (fairq) asks each tier's DRR ring in strict order, so a lower tier is
+served only when no higher tier can dispatch. `FifoSelector` is the naive shared queue:
+oldest request first, whoever sent it, used as the baseline in every comparison.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import count
+from typing import Protocol
+
+from dispatcher.core.drr import DrrRing, TenantFlow
+from dispatcher.core.types import Request
+
+
+class Selector(Protocol):
+    # True for the naive queue: a head request that does not fit stops the batch.
+    blocks_on_misfit: bool
+
+    def activate(self, flow: TenantFlow) -> None:
+        """`flow` got a request while not scheduled."""
+
+    def select(self) -> TenantFlow | None:
+        """The flow whose head request is next, or None when nothing is queued."""
+
+    def charge(self, flow: TenantFlow, request: Request) -> None:
+        """`request` was just popped from the selected flow and dispatched."""
+
+    def drop_if_empty(self, flow: TenantFlow) -> None:
+        """The selected flow lost its head without dispatch (expiry)."""
+
+    def set_aside(self, flow: TenantFlow) -> None:
+        """Skip the selected flow until `restore_set_aside` (its head does not fit)."""
+
+    def restore_set_aside(self) -> None: ...
+
+
+class TierLadder:
+    """One DRR ring per tier, asked in strict tier order."""
+
+    blocks_on_misfit = False
+
+    def __init__(self, tier_count: int) -> None:
+        self.rings = [DrrRing() for _ in range(tier_count)]
+        self._set_aside: list[TenantFlow] = []
+
+    def activate(self, flow: TenantFlow) -> None:
+        self.rings[flow.policy.tier_rank].activate(flow)
+
+    def select(self) -> TenantFlow | None:
+        for ring in self.rings:
+            if ring:
+                flow = ring.select()
+                if flow is not None:
+                    return flow
+        return None
+
+    def charge(self, flow: TenantFlow, request: Request) -> None:
+        self.rings[flow.policy.tier_rank].charge(flow, request)
+
+    def drop_if_empty(self, flow: TenantFlow) -> None:
+        self.rings[flow.policy.tier_rank].drop_if_empty(flow)
+
+    def set_aside(self, flow: TenantFlow) -> None:
+        self._set_aside.append(self.rings[flow.policy.tier_rank].set_aside())
+
+    def restore_set_aside(self) -> None:
+        while self._set_aside:
+            flow = self._set_aside.pop()
+            self.rings[flow.policy.tier_rank].restore(flow)
+
+
+class FifoSelector:
+    """Global arrival order across tenants: a k-way merge of the tenants' queues."""
+
+    blocks_on_misfit = True
+
+    def __init__(self) -> None:
+        self._heads: list[tuple[float, int, int, TenantFlow]] = []
+        self._tiebreak = count()
+
+    def activate(self, flow: TenantFlow) -> None:
+        if not flow.in_ring:
+            flow.in_ring = True
+            self._push(flow)
+
+    def select(self) -> TenantFlow | None:
+        heads = self._heads
+        while heads:
+            arrival, rank, _, flow = heads[0]
+            if flow.queue.peek() is None:
+                heapq.heappop(heads)
+                flow.in_ring = False
+            elif flow.queue.head_rank() != (arrival, rank):  # head was cancelled
+                heapq.heappop(heads)
+                self._push(flow)
+            else:
+                return flow
+        return None
+
+    def charge(self, flow: TenantFlow, request: Request) -> None:
+        flow.served_cost += request.charged_cost
+        self.drop_if_empty(flow)
+
+    def drop_if_empty(self, flow: TenantFlow) -> None:
+        heapq.heappop(self._heads)
+        if flow.queue.peek() is None:
+            flow.in_ring = False
+        else:
+            self._push(flow)
+
+    def set_aside(self, flow: TenantFlow) -> None:
+        raise AssertionError("the FIFO baseline blocks on a misfit instead")
+
+    def restore_set_aside(self) -> None:
+        return None
+
+    def _push(self, flow: TenantFlow) -> None:
+        arrival, rank = flow.queue.head_rank()
+        heapq.heappush(self._heads, (arrival, rank, next(self._tiebreak), flow))
