@@ -176,17 +176,13 @@ def _describe(check: RateCheck) -> str:
 
 def throttle(expected_wait_s: float, now: float, latency_target_s: float,
              deadline: float | None) -> Decision:
-    """Reject at once a request whose expected queueing delay already misses its target."""
-    budget = latency_target_s
-    if deadline is not None:
-        budget = min(budget, deadline - now)
+    """Reject at once a request whose expected queueing delay already misses its target
+    (or its deadline); retry_after_s is how much the backlog must shrink first."""
+    budget, target = latency_target_s, f"the {latency_target_s:g}s latency target"
+    if deadline is not None and deadline - now < budget:
+        budget, target = deadline - now, "the request's deadline"
     if expected_wait_s <= budget:
         return ADMITTED
-    if deadline is not None and deadline - now < latency_target_s:
-        return Decision(Outcome.OVERLOADED,
-                        f"expected wait {expected_wait_s:.1f}s is past the deadline",
-                        max(0.0, expected_wait_s - latency_target_s))
     return Decision(Outcome.OVERLOADED,
-                    f"expected wait {expected_wait_s:.1f}s exceeds the "
-                    f"{latency_target_s:g}s latency target",
+                    f"expected wait {expected_wait_s:.1f}s exceeds {target}",
                     expected_wait_s - budget)

@@ -21,12 +21,15 @@ from dispatcher.core.types import Request
 class TenantFlow:
     """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
 
-    __slots__ = ("policy", "queue", "quantum", "deficit", "granted", "in_ring",
-                 "running", "running_model_units", "served_cost")
+    __slots__ = ("policy", "weight", "tier_rank", "queue", "quantum", "deficit", "granted",
+                 "in_ring", "running", "running_model_units", "served_cost")
 
     def __init__(self, policy: TenantPolicy, endpoint_quantum: float,
                  order: OrderKey = priority_order) -> None:
         self.policy = policy
+        # Copied out of the policy: read on every pick.
+        self.weight = policy.weight
+        self.tier_rank = policy.tier_rank
         self.queue = TenantQueue(order)
         self.quantum = endpoint_quantum * policy.weight
         self.deficit = 0.0
@@ -40,10 +43,6 @@ class TenantFlow:
     def tenant(self) -> str:
         return self.policy.name
 
-    @property
-    def weight(self) -> float:
-        return self.policy.weight
-
     def __repr__(self) -> str:
         return (f"TenantFlow({self.tenant!r}, queued={len(self.queue)}, "
                 f"deficit={self.deficit:.3f}, running={self.running})")
@@ -52,27 +51,21 @@ class TenantFlow:
 class DrrRing:
     """The ring of backlogged flows of one tier on one endpoint."""
 
-    __slots__ = ("_ring",)
+    __slots__ = ("flows",)
 
     def __init__(self) -> None:
-        self._ring: deque[TenantFlow] = deque()
-
-    def __len__(self) -> int:
-        return len(self._ring)
-
-    def __iter__(self):
-        return iter(self._ring)
+        self.flows: deque[TenantFlow] = deque()
 
     def activate(self, flow: TenantFlow) -> None:
         """Put a flow that just became backlogged at the tail of the ring."""
         if not flow.in_ring:
             flow.in_ring = True
             flow.granted = False
-            self._ring.append(flow)
+            self.flows.append(flow)
 
     def select(self) -> TenantFlow | None:
         """The flow whose head request goes next, or None if the ring is empty."""
-        ring = self._ring
+        ring = self.flows
         misses = 0
         while ring:
             flow = ring[0]
@@ -98,20 +91,20 @@ class DrrRing:
         flow.deficit -= request.charged_cost
         flow.served_cost += request.charged_cost
         if flow.queue.peek() is None:
-            self._leave(self._ring.popleft())
+            self._leave(self.flows.popleft())
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
         """After the head flow lost a request without being charged (expiry)."""
         if flow.queue.peek() is None:
-            self._leave(self._ring.popleft())
+            self._leave(self.flows.popleft())
 
     def set_aside(self) -> TenantFlow:
         """Take the head flow out for the rest of a batch (its request does not fit)."""
-        return self._ring.popleft()
+        return self.flows.popleft()
 
     def restore(self, flow: TenantFlow) -> None:
         """Put a set-aside flow back at the head, its visit state intact."""
-        self._ring.appendleft(flow)
+        self.flows.appendleft(flow)
 
     @staticmethod
     def _leave(flow: TenantFlow) -> None:
@@ -125,8 +118,8 @@ class DrrRing:
         # turning the ring that many times.
         rounds = min(
             math.ceil((flow.queue.peek().charged_cost - flow.deficit) / flow.quantum)
-            for flow in self._ring
+            for flow in self.flows
         )
         if rounds > 1:
-            for flow in self._ring:
+            for flow in self.flows:
                 flow.deficit += (rounds - 1) * flow.quantum

@@ -94,7 +94,8 @@ class EndpointQueues:
         return Capacity(max(1, reserved.sequences), reserved.tokens, reserved.model_units)
 
     def below_fair_share(self, flow: TenantFlow) -> bool:
-        """Runs fewer sequences than its weighted share of what the endpoint runs now."""
+        """Runs fewer sequences than its weighted share of what the endpoint runs now
+        (inlined in `Scheduler.next_batch`, the hot path)."""
         return flow.running * self.present_weight < flow.weight * max(self.running, 1)
 
 
@@ -191,9 +192,10 @@ class Scheduler:
         selector = endpoint.selector
         reserve = endpoint.reserve(total)
         batch = Batch()
-        room = free
+        # The room left, unpacked: this loop is the dispatcher's hot path.
+        seqs, tokens, units = free.sequences, free.tokens, free.model_units
         set_aside = 0
-        while room.sequences > 0:
+        while seqs > 0:
             flow = selector.select()
             if flow is None:
                 break
@@ -204,14 +206,23 @@ class Scheduler:
                 self._forget_queued(endpoint, flow, request)
                 batch.expired.append(request)
                 continue
-            need = Capacity(1, request.input_tokens + request.max_tokens, request.model_units)
-            usable = room if endpoint.below_fair_share(flow) else room.minus(reserve)
-            if usable.fits(need):
-                room = room.minus(need)
-            elif not total.fits(need) and not batch.requests and free == total:
-                room = Capacity(0, 0, 0.0)  # larger than a whole batch: it goes alone
-            elif not total.fits(need) or selector.blocks_on_misfit:
-                break  # hold the worker for an oversized head, or block like a plain FIFO
+            need_tokens = request.input_tokens + request.max_tokens
+            need_units = request.model_units
+            if flow.running * endpoint.present_weight < flow.weight * max(endpoint.running, 1):
+                fits = need_tokens <= tokens and need_units <= units
+            else:
+                fits = (seqs > reserve.sequences and need_tokens <= tokens - reserve.tokens
+                        and need_units <= units - reserve.model_units)
+            if fits:
+                seqs -= 1
+                tokens -= need_tokens
+                units -= need_units
+            elif not total.fits(Capacity(1, need_tokens, need_units)):
+                if batch.requests or free != total:
+                    break  # hold the worker until it is idle for an oversized head
+                seqs = 0  # larger than a whole batch: it goes alone
+            elif selector.blocks_on_misfit:
+                break
             else:
                 selector.set_aside(flow)
                 set_aside += 1
@@ -357,7 +368,7 @@ class Scheduler:
         if flow is None or not len(flow.queue) or endpoint.capacity_mu_per_s <= 0:
             return 0.0
         competing = sum(f.weight for f in endpoint.flows.values()
-                        if f.policy.tier_rank <= tier_rank and (len(f.queue) or f.running))
+                        if f.tier_rank <= tier_rank and (len(f.queue) or f.running))
         share = endpoint.capacity_mu_per_s * weight / max(competing, weight)
         return flow.queue.queued_model_units / share
 

@@ -48,29 +48,29 @@ class TierLadder:
         self._set_aside: list[TenantFlow] = []
 
     def activate(self, flow: TenantFlow) -> None:
-        self.rings[flow.policy.tier_rank].activate(flow)
+        self.rings[flow.tier_rank].activate(flow)
 
     def select(self) -> TenantFlow | None:
         for ring in self.rings:
-            if ring:
+            if ring.flows:
                 flow = ring.select()
                 if flow is not None:
                     return flow
         return None
 
     def charge(self, flow: TenantFlow, request: Request) -> None:
-        self.rings[flow.policy.tier_rank].charge(flow, request)
+        self.rings[flow.tier_rank].charge(flow, request)
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
-        self.rings[flow.policy.tier_rank].drop_if_empty(flow)
+        self.rings[flow.tier_rank].drop_if_empty(flow)
 
     def set_aside(self, flow: TenantFlow) -> None:
-        self._set_aside.append(self.rings[flow.policy.tier_rank].set_aside())
+        self._set_aside.append(self.rings[flow.tier_rank].set_aside())
 
     def restore_set_aside(self) -> None:
         while self._set_aside:
             flow = self._set_aside.pop()
-            self.rings[flow.policy.tier_rank].restore(flow)
+            self.rings[flow.tier_rank].restore(flow)
 
 
 class FifoSelector:

@@ -1,0 +1,238 @@
+"""Example-based tests of the scheduling core and its configuration."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from dispatcher.core.admission import MemoryLimiterStore, month_end, month_key
+from dispatcher.core.config import ConfigError, Registry, load_config, parse_config
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.types import Capacity, Outcome, Usage
+from tests.core_support import ONE_SLOT, make_config, req
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN = {"asyncio", "nats", "redis", "vllm"}
+
+
+@pytest.mark.parametrize("package", ["dispatcher/core", "costmodel"])
+def test_pure_packages_import_no_io_libraries(package):
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in FORBIDDEN, f"{path} imports {name}"
+
+
+def admit_all(scheduler, requests, now=0.0):
+    store = MemoryLimiterStore()
+    return [scheduler.admit(r, now, store) for r in requests]
+
+
+# -- configuration ---------------------------------------------------------------
+
+def test_example_config_has_the_promised_shape():
+    config = load_config()
+    assert [t.name for t in config.tiers] == ["enterprise", "standard", "free"]
+    assert config.endpoints["chat"].cost == "model_units"
+    assert config.endpoints["embed"].cost == "token"
+    registry = Registry(config)
+    assert registry.tenant("acme").tier == "enterprise"
+    assert registry.tenant("globex").tier == "standard"
+    assert registry.tenant("initech").tier == "free"
+    stranger = registry.tenant("someone-new")
+    assert (stranger.tier, stranger.weight) == ("free", 1.0)
+    for tier in config.tiers:
+        for endpoint in config.endpoints:
+            limits = registry.tenant("acme" if tier.name == "enterprise" else
+                                     "globex" if tier.name == "standard" else "initech")
+            assert limits.limits_for(endpoint).rpm >= 600
+
+
+@pytest.mark.parametrize("body, field, value", [
+    ('[endpoints.chat]\nquantum = "x"\n[[tiers]]\nname = "a"', "endpoints.chat.quantum", "'x'"),
+    ('[endpoints.chat]\n[[tiers]]\nname = "a"\nweight = -1', "tiers[0].weight", "-1"),
+    ('[endpoints.chat]\n[[tiers]]\nname = "a"\n[tenants.t]\ntier = "zz"', "tenants.t.tier",
+     "'zz'"),
+    ('[endpoints.chat]\ncost = "tokens"\n[[tiers]]\nname = "a"', "endpoints.chat.cost",
+     "'tokens'"),
+    ('[endpoints.chat]\n[[tiers]]\nname = "a"\n[tenants.t]\ntier = "a"\nlimits.chat = '
+     '{ rpm = "f" }', "tenants.t.limits.chat.rpm", "'f'"),
+])
+def test_config_errors_name_file_field_and_value(body, field, value):
+    with pytest.raises(ConfigError) as info:
+        parse_config(body, source="bad.toml")
+    message = str(info.value)
+    assert message.startswith("bad.toml: ")
+    assert f"`{field}`" in message
+    assert value in message
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="missing.toml"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[endpoints\n")
+    with pytest.raises(ConfigError, match="broken.toml: not valid TOML"):
+        load_config(broken)
+
+
+# -- admission -----------------------------------------------------------------------
+
+def test_admission_outcomes():
+    scheduler = Scheduler(make_config(limits="rpm = 60, rpm_burst = 2, max_queued = 3"))
+    store = MemoryLimiterStore()
+    assert scheduler.admit(req("zz", 1), 0.0, store).outcome is Outcome.UNKNOWN_TENANT
+    assert scheduler.admit(req("a", 1, endpoint="nope"), 0.0, store).outcome \
+        is Outcome.UNKNOWN_ENDPOINT
+    assert scheduler.admit(req("a", 1, deadline=0.0), 1.0, store).outcome \
+        is Outcome.DEADLINE_EXCEEDED
+    assert scheduler.admit(req("a", 1), 0.0, store).admitted
+    assert scheduler.admit(req("a", 1), 0.0, store).outcome is Outcome.INVALID  # duplicate
+    assert scheduler.admit(req("a", 2), 0.0, store).admitted
+    limited = scheduler.admit(req("a", 3), 0.0, store)
+    assert limited.outcome is Outcome.RATE_LIMITED
+    assert limited.retry_after_s == pytest.approx(1.0)
+    assert scheduler.admit(req("a", 3), 1.0, store).admitted
+    full = scheduler.admit(req("a", 4), 10.0, store)
+    assert full.outcome is Outcome.QUEUE_FULL and full.outcome.error_code == "overloaded"
+
+
+def test_quota_is_charged_with_max_tokens_and_refunded_with_real_usage():
+    scheduler = Scheduler(make_config(limits="monthly_quota_tokens = 100"))
+    store = MemoryLimiterStore()
+    assert scheduler.admit(req("a", 1, input_tokens=10, max_tokens=40), 0.0, store).admitted
+    assert scheduler.admit(req("a", 2, input_tokens=10, max_tokens=40), 0.0, store).admitted
+    refused = scheduler.admit(req("a", 3, input_tokens=10, max_tokens=40), 0.0, store)
+    assert refused.outcome is Outcome.QUOTA_EXCEEDED
+    assert refused.retry_after_s == pytest.approx(month_end(0.0))
+    first = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
+    completed = scheduler.complete("a", first.id, Usage(10, 5), 1.0)
+    store.refund(completed.refund)  # 35 unused tokens come back
+    assert scheduler.admit(req("a", 3, input_tokens=10, max_tokens=25), 1.0, store).admitted
+
+
+def test_month_boundaries_are_utc_calendar_months():
+    feb = 1_709_251_199.0  # 2024-02-29T23:59:59Z
+    assert month_key(feb) == "2024-02"
+    assert month_end(feb) == 1_709_251_200.0
+    assert month_key(month_end(feb)) == "2024-03"
+
+
+def test_throttle_rejects_when_the_backlog_misses_the_latency_target():
+    scheduler = Scheduler(make_config(cost="model_units", latency_target_s=10.0))
+    scheduler.set_capacity("ep", 100.0)  # model units per second
+    store = MemoryLimiterStore()
+    # Each request: 10 input + 10 max_tokens * 0.5 prior ratio * beta 2 = 20 model units.
+    decisions = [scheduler.admit(req("a", i), 0.0, store) for i in range(60)]
+    admitted = sum(d.admitted for d in decisions)
+    # Alone, tenant a has all 100 mu/s: 10 s of backlog is 1000 mu = 50 requests (+1).
+    assert admitted == 51
+    rejected = decisions[-1]
+    assert rejected.outcome is Outcome.OVERLOADED and rejected.retry_after_s > 0
+    # A second tenant halves a's share, but its own empty queue passes.
+    assert scheduler.admit(req("b", 0), 0.0, store).admitted
+    # A deadline tighter than the target is held to the same standard.
+    # b's backlog is one request: 20 mu at its half share of 50 mu/s = 0.4 s.
+    assert scheduler.admit(req("b", 1, deadline=1.0), 0.0, store).admitted
+    tight = scheduler.admit(req("b", 2, deadline=0.5), 0.0, store)  # now 0.8 s ahead
+    assert tight.outcome is Outcome.OVERLOADED and "deadline" in tight.message
+    assert tight.retry_after_s == pytest.approx(0.3)
+
+
+# -- queues, cancel, expiry, requeue ---------------------------------------------------
+
+def test_cancel_and_expire_remove_queued_requests():
+    scheduler = Scheduler(make_config())
+    admit_all(scheduler, [req("a", 1), req("a", 2, deadline=5.0), req("a", 3)])
+    assert scheduler.state("a", "3") == ("queued", 2)
+    assert scheduler.cancel("a", "1").id == "1"
+    assert scheduler.cancel("a", "1") is None
+    assert scheduler.state("a", "3") == ("queued", 1)
+    assert [r.id for r in scheduler.expire(6.0)] == ["2"]
+    batch = scheduler.next_batch("ep", Capacity(8, 10**6, 1e9), 6.0)
+    assert [r.id for r in batch.requests] == ["3"]
+    assert scheduler.state("a", "3") == ("running", None)
+    assert scheduler.depth(6.0)[0].running == 1
+
+
+def test_next_batch_drops_expired_heads():
+    scheduler = Scheduler(make_config())
+    admit_all(scheduler, [req("a", 1, deadline=2.0), req("a", 2)])
+    batch = scheduler.next_batch("ep", Capacity(8, 10**6, 1e9), 3.0)
+    assert [r.id for r in batch.expired] == ["1"]
+    assert [r.id for r in batch.requests] == ["2"]
+
+
+def test_requeue_puts_a_running_request_back_in_its_place():
+    scheduler = Scheduler(make_config())
+    admit_all(scheduler, [req("a", 1, arrival=0.0), req("a", 2, arrival=1.0)])
+    first = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
+    assert scheduler.requeue("a", first.id) is first
+    again = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
+    assert again.id == "1"
+
+
+def test_a_cancelled_tenant_leaves_the_ring_without_breaking_rotation():
+    scheduler = Scheduler(make_config(quantum=10.0))
+    admit_all(scheduler, [req("a", 1), req("b", 1), req("b", 2)])
+    scheduler.cancel("a", "1")
+    batch = scheduler.next_batch("ep", Capacity(8, 10**6, 1e9), 0.0)
+    assert [(r.tenant, r.id) for r in batch.requests] == [("b", "1"), ("b", "2")]
+
+
+# -- batch assembly ------------------------------------------------------------------
+
+def test_a_request_larger_than_a_whole_batch_goes_alone_when_the_worker_is_idle():
+    scheduler = Scheduler(make_config(tokens=100, quantum=1000.0))
+    total = Capacity(4, 100, 1e12)
+    admit_all(scheduler, [req("a", "big", input_tokens=500), req("b", "small")])
+    busy = scheduler.next_batch("ep", Capacity(3, 80, 1e12), 0.0, total)
+    assert busy.requests == []  # held: the worker drains for the oversized head
+    idle = scheduler.next_batch("ep", total, 0.0, total)
+    assert [r.id for r in idle.requests] == ["big"]
+    rest = scheduler.next_batch("ep", total, 0.0, total)
+    assert [r.id for r in rest.requests] == ["small"]
+
+
+def test_a_head_that_does_not_fit_is_set_aside_and_keeps_its_turn():
+    scheduler = Scheduler(make_config(quantum=1000.0))
+    total = Capacity(4, 100, 1e12)
+    admit_all(scheduler, [req("a", 1, input_tokens=60, max_tokens=10),
+                          req("b", 1, input_tokens=5, max_tokens=5)])
+    batch = scheduler.next_batch("ep", Capacity(4, 50, 1e12), 0.0, total)
+    assert [r.tenant for r in batch.requests] == ["b"]
+    batch = scheduler.next_batch("ep", total, 0.0, total)
+    assert [r.tenant for r in batch.requests] == ["a"]
+
+
+def test_fifo_baseline_blocks_on_its_head():
+    scheduler = Scheduler(make_config(), policy="fifo")
+    total = Capacity(4, 100, 1e12)
+    admit_all(scheduler, [req("a", 1, arrival=0.0, input_tokens=60),
+                          req("b", 1, arrival=1.0, input_tokens=5)])
+    assert scheduler.next_batch("ep", Capacity(4, 50, 1e12), 0.0, total).requests == []
+
+
+def test_newcomer_reserve_is_kept_for_tenants_below_their_share():
+    scheduler = Scheduler(make_config(reserve=0.25))
+    total = Capacity(8, 10**6, 1e12)
+    admit_all(scheduler, [req("a", i) for i in range(20)])
+    first = scheduler.next_batch("ep", total, 0.0, total)
+    # The flooding tenant alone may use all but the reserve (2 of 8 sequences); its
+    # first request counts as a newcomer's.
+    assert len(first.requests) == 6
+    admit_all(scheduler, [req("b", 1)])
+    second = scheduler.next_batch("ep", Capacity(2, 10**6, 1e12), 0.0, total)
+    assert [r.tenant for r in second.requests] == ["b"]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown policy"):
+        Scheduler(make_config(), policy="lifo")
