@@ -1,0 +1,248 @@
+"""JetStream resources fairq needs, declared once and applied idempotently.
+
+- Stream `<PREFIX>_REQUESTS` over `<prefix>.req.*.*`, work-queue retention: a message
+  stays until the dispatcher acks it, which it does only once the request's final event
+  is stored. So the messages on one subject are exactly that tenant's unfinished
+  requests to that endpoint, and `max_msgs_per_subject` with discard-new-per-subject is
+  the per-tenant queue cap, enforced at the publisher (see `is_backlog_full`).
+- KV bucket `<PREFIX>_RESULTS`: final events by `Subjects.result_key(tenant, id)`,
+  history 1, kept `results_ttl_s` (24 h by default).
+
+`provision` is safe on every start: it creates what is missing and updates what exists
+to the current settings (a setting the server cannot change in place, such as the
+storage type, raises ProvisionError naming it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+)
+from nats.js.errors import APIError
+from nats.js.kv import KeyValue
+
+from broker_config.subjects import TOKEN_PATTERN, Subjects
+
+# JetStream API error codes (err_code) that provisioning and publishers act on.
+JS_ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
+JS_ERR_MAX_MSGS_PER_SUBJECT = 10077  # "maximum messages per subject exceeded"
+JS_ERR_CONSUMER_NOT_UNIQUE = 10100  # "filtered consumer not unique on workqueue stream"
+
+# nats-py's own KV duplicate window; a bucket whose TTL is shorter must use the TTL.
+_KV_DUPLICATE_WINDOW_S = 120.0
+_MIN_DUPLICATE_WINDOW_S = 0.1  # the server rejects shorter windows
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+ByteLimit = Annotated[int, msgspec.Meta(ge=-1)]  # -1: unlimited
+
+
+class ProvisionError(RuntimeError):
+    """A stream, bucket or consumer that cannot be brought to the configured settings."""
+
+
+class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The broker's knobs. Decodes from TOML/JSON with the same names."""
+
+    prefix: Annotated[str, msgspec.Meta(pattern=f"^{TOKEN_PATTERN}$")] = "fq"
+    # Per (endpoint, tenant): unfinished requests the broker holds before refusing more.
+    max_queued_per_subject: PositiveInt = 20_000
+    # Same Nats-Msg-Id within this window is stored once (stream-wide, see docs/protocol.md).
+    duplicate_window_s: Annotated[float, msgspec.Meta(ge=_MIN_DUPLICATE_WINDOW_S)] = 120.0
+    # 0 keeps unfinished requests until acked; otherwise they are dropped after this age.
+    max_age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    max_bytes: ByteLimit = -1
+    max_msg_size: ByteLimit = -1
+    storage: Literal["file", "memory"] = "file"
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    results_ttl_s: Annotated[float, msgspec.Meta(ge=1)] = 86_400.0
+    results_max_bytes: ByteLimit = -1
+
+    def __post_init__(self) -> None:
+        if self.max_age_s and self.duplicate_window_s > self.max_age_s:
+            raise ValueError(f"duplicate_window_s ({self.duplicate_window_s}) must not exceed "
+                             f"max_age_s ({self.max_age_s})")
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+
+def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
+    subjects = settings.subjects
+    return StreamConfig(
+        name=subjects.requests_stream,
+        description="fairq submitted requests, until their final event is stored",
+        subjects=[subjects.all_requests],
+        retention=RetentionPolicy.WORK_QUEUE,
+        max_msgs_per_subject=settings.max_queued_per_subject,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        duplicate_window=settings.duplicate_window_s,
+        max_age=settings.max_age_s,
+        max_bytes=settings.max_bytes,
+        max_msg_size=settings.max_msg_size,
+        storage=StorageType(settings.storage),
+        num_replicas=settings.replicas,
+    )
+
+
+def results_bucket_config(settings: BrokerSettings) -> KeyValueConfig:
+    return KeyValueConfig(
+        bucket=settings.subjects.results_bucket,
+        description="fairq final events by <tenant>.<request id>",
+        history=1,
+        ttl=settings.results_ttl_s,
+        max_bytes=settings.results_max_bytes,
+        storage=StorageType(settings.storage),
+        replicas=settings.replicas,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Provisioned:
+    requests: StreamInfo
+    results: KeyValue
+
+
+async def provision(js: JetStreamContext, settings: BrokerSettings) -> Provisioned:
+    """Create or update the requests stream and the results bucket."""
+    requests = await apply_stream(js, requests_stream_config(settings))
+    results = await apply_key_value(js, results_bucket_config(settings))
+    return Provisioned(requests, results)
+
+
+async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """Create the stream, or update it in place if it exists with another config."""
+    try:
+        return await js.add_stream(config)
+    except APIError as exc:
+        if exc.err_code != JS_ERR_STREAM_NAME_IN_USE:
+            raise ProvisionError(f"stream {config.name}: cannot create: {exc.description}") from exc
+    try:
+        return await js.update_stream(config)
+    except APIError as exc:
+        raise ProvisionError(f"stream {config.name}: cannot update: {exc.description}") from exc
+
+
+async def apply_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    """Create the bucket, or update its limits in place if it exists with others.
+
+    nats-py has no KV update, so the update edits the bucket's backing stream, keeping
+    every KV convention nats-py set on it and changing only the limits.
+    """
+    try:
+        return await js.create_key_value(config)
+    except APIError as exc:
+        if exc.err_code != JS_ERR_STREAM_NAME_IN_USE:
+            raise ProvisionError(
+                f"bucket {config.bucket}: cannot create: {exc.description}") from exc
+    stream = f"KV_{config.bucket}"
+    try:
+        current = (await js.stream_info(stream)).config
+        window = min(_KV_DUPLICATE_WINDOW_S, config.ttl) if config.ttl else _KV_DUPLICATE_WINDOW_S
+        await js.update_stream(current.evolve(
+            max_age=config.ttl,
+            max_msgs_per_subject=config.history,
+            max_bytes=config.max_bytes,
+            duplicate_window=window,
+        ))
+    except APIError as exc:
+        raise ProvisionError(f"bucket {config.bucket}: cannot update: {exc.description}") from exc
+    return await js.key_value(config.bucket)
+
+
+# -- consumers -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerLimits:
+    """Delivery limits of a durable pull consumer.
+
+    `ack_wait_s` must outlast a request's processing unless the holder marks it in
+    progress (`msg.in_progress()`) more often than that; `max_ack_pending` bounds the
+    requests the dispatcher holds from this consumer, hence its memory per tenant.
+    """
+
+    ack_wait_s: float = 60.0
+    max_ack_pending: int = 1_000
+    max_deliver: int = -1
+    # Remove the durable after this long without pulls (None: never), for idle tenants.
+    inactive_threshold_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    durable: str
+    filter_subject: str
+    limits: ConsumerLimits = ConsumerLimits()
+
+    @classmethod
+    def for_tenant(cls, subjects: Subjects, endpoint: str, tenant: str,
+                   limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
+        """One tenant's requests to one endpoint."""
+        return cls(subjects.consumer(endpoint, tenant), subjects.request(endpoint, tenant), limits)
+
+    @classmethod
+    def for_endpoint(cls, subjects: Subjects, endpoint: str,
+                     limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
+        """Every tenant's requests to one endpoint (cannot coexist with per-tenant ones)."""
+        return cls(subjects.consumer(endpoint), subjects.endpoint_requests(endpoint), limits)
+
+    def config(self) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=self.durable,
+            filter_subject=self.filter_subject,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.limits.ack_wait_s,
+            max_ack_pending=self.limits.max_ack_pending,
+            max_deliver=self.limits.max_deliver,
+            inactive_threshold=self.limits.inactive_threshold_s,
+        )
+
+
+async def ensure_consumer(js: JetStreamContext, stream: str, spec: ConsumerSpec) -> ConsumerInfo:
+    """Create the durable pull consumer, or update its limits if it exists.
+
+    On a work-queue stream the filters of all consumers must be disjoint: per-tenant and
+    per-endpoint consumers of the same endpoint cannot coexist.
+    """
+    try:
+        return await js.add_consumer(stream, spec.config())
+    except APIError as exc:
+        hint = (" (a consumer with an overlapping filter exists: per-tenant and per-endpoint "
+                "consumers of one endpoint cannot coexist)"
+                if exc.err_code == JS_ERR_CONSUMER_NOT_UNIQUE else "")
+        raise ProvisionError(
+            f"consumer {spec.durable} on {stream}: {exc.description}{hint}") from exc
+
+
+async def pull_subscription(js: JetStreamContext, stream: str,
+                            spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
+    """Ensure the consumer and bind a pull subscription to it (then `fetch` batches)."""
+    await ensure_consumer(js, stream, spec)
+    return await js.pull_subscribe_bind(spec.durable, stream)
+
+
+def is_backlog_full(exc: BaseException) -> bool:
+    """True for the publish error of a full per-(endpoint, tenant) backlog.
+
+    nats-py raises `nats.js.errors.ServiceUnavailableError` (code 503) with err_code
+    10077, "maximum messages per subject exceeded"; the code alone is not enough, since
+    503 also means JetStream is unavailable.
+    """
+    return isinstance(exc, APIError) and exc.err_code == JS_ERR_MAX_MSGS_PER_SUBJECT

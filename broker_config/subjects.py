@@ -1,0 +1,242 @@
+"""Subjects, headers and JetStream names: the addressing half of the wire contract.
+
+Public subjects (firm, see docs/protocol.md):
+
+    <prefix>.req.<endpoint>.<tenant>     submit (JetStream publish)
+    <prefix>.api.status.<tenant>         request/reply
+    <prefix>.api.cancel.<tenant>         request/reply
+    <prefix>.api.depth                   request/reply
+
+Internal subjects (may change; only fairq's own services use them) live under
+`<prefix>.int.`, so one permission line covers them all:
+
+    <prefix>.int.work.<endpoint>.<worker>   dispatcher -> worker: batches
+    <prefix>.int.abort.<endpoint>           dispatcher -> all workers of an endpoint: abort ids
+    <prefix>.int.hb.<endpoint>.<worker>     worker -> dispatcher: heartbeats
+    <prefix>.int.done.<endpoint>.<worker>   worker -> dispatcher: completions
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+TOKEN_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+REQUEST_ID_PATTERN = r"[A-Za-z0-9._-]{1,128}"
+_TOKEN_RE = re.compile(TOKEN_PATTERN)
+_REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_REPLY = "Fq-Reply"
+HDR_CONTENT_TYPE = "Content-Type"
+CONTENT_TYPE_JSON = "application/json"
+CONTENT_TYPE_MSGPACK = "application/msgpack"
+
+# NATS puts no hard limit on subject length; this one keeps a hostile Fq-Reply small.
+MAX_REPLY_LENGTH = 256
+# Prefix of every tenant's inbox; a tenant user may subscribe only below its own.
+TENANT_INBOX_BASE = "_INBOX_"
+
+
+class SubjectError(ValueError):
+    """A subject, token or name that does not follow the contract."""
+
+
+class ApiKind(Enum):
+    STATUS = "status"
+    CANCEL = "cancel"
+    DEPTH = "depth"
+
+
+def is_token(value: str) -> bool:
+    """True for a valid tenant, endpoint, worker id or subject prefix."""
+    return _TOKEN_RE.fullmatch(value) is not None
+
+
+def is_request_id(value: str) -> bool:
+    return _REQUEST_ID_RE.fullmatch(value) is not None
+
+
+def check_token(value: str, what: str) -> str:
+    """`value` if it is a valid token, else a SubjectError naming `what`."""
+    if not isinstance(value, str) or not is_token(value):
+        raise SubjectError(f"invalid {what} {value!r}: must match {TOKEN_PATTERN}")
+    return value
+
+
+def check_request_id(value: str) -> str:
+    if not isinstance(value, str) or not is_request_id(value):
+        raise SubjectError(f"invalid request id {value!r}: must match {REQUEST_ID_PATTERN}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Every subject and JetStream name fairq uses, derived from one prefix.
+
+    Deployments sharing a server need prefixes that differ in more than letter case,
+    because stream and bucket names are the upper-cased prefix.
+    """
+
+    prefix: str = "fq"
+
+    def __post_init__(self) -> None:
+        check_token(self.prefix, "subject prefix")
+
+    # -- submit -------------------------------------------------------------------------
+
+    def request(self, endpoint: str, tenant: str) -> str:
+        """`<prefix>.req.<endpoint>.<tenant>`: where a client submits."""
+        return (f"{self.prefix}.req.{check_token(endpoint, 'endpoint')}"
+                f".{check_token(tenant, 'tenant')}")
+
+    def parse_request(self, subject: str) -> tuple[str, str]:
+        """`(endpoint, tenant)` of a request subject."""
+        parts = subject.split(".")
+        if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "req":
+            raise SubjectError(f"not a request subject: {subject!r} "
+                               f"(expected {self.prefix}.req.<endpoint>.<tenant>)")
+        return check_token(parts[2], "endpoint"), check_token(parts[3], "tenant")
+
+    @property
+    def all_requests(self) -> str:
+        """Filter for every request subject; also the request stream's subject."""
+        return f"{self.prefix}.req.*.*"
+
+    def endpoint_requests(self, endpoint: str) -> str:
+        """Filter for every tenant's requests to one endpoint."""
+        return f"{self.prefix}.req.{check_token(endpoint, 'endpoint')}.*"
+
+    def tenant_requests(self, tenant: str) -> str:
+        """Filter for one tenant's requests to every endpoint."""
+        return f"{self.prefix}.req.*.{check_token(tenant, 'tenant')}"
+
+    # -- request/reply APIs -------------------------------------------------------------
+
+    def status(self, tenant: str) -> str:
+        return f"{self.prefix}.api.status.{check_token(tenant, 'tenant')}"
+
+    def cancel(self, tenant: str) -> str:
+        return f"{self.prefix}.api.cancel.{check_token(tenant, 'tenant')}"
+
+    @property
+    def depth(self) -> str:
+        return f"{self.prefix}.api.depth"
+
+    def api_filter(self, kind: ApiKind) -> str:
+        """What the dispatcher subscribes to for one API (every tenant's status, ...)."""
+        return self.depth if kind is ApiKind.DEPTH else f"{self.prefix}.api.{kind.value}.*"
+
+    def tenant_api(self, tenant: str) -> str:
+        """Filter for every API subject of one tenant (its user's publish permission)."""
+        return f"{self.prefix}.api.*.{check_token(tenant, 'tenant')}"
+
+    def parse_api(self, subject: str) -> tuple[ApiKind, str | None]:
+        """`(kind, tenant)` of an API subject; tenant is None for depth."""
+        if subject == self.depth:
+            return ApiKind.DEPTH, None
+        parts = subject.split(".")
+        kinds = {ApiKind.STATUS.value: ApiKind.STATUS, ApiKind.CANCEL.value: ApiKind.CANCEL}
+        if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "api" or parts[2] not in kinds:
+            raise SubjectError(f"not an API subject: {subject!r}")
+        return kinds[parts[2]], check_token(parts[3], "tenant")
+
+    # -- internal (may change) ----------------------------------------------------------
+
+    @property
+    def internal(self) -> str:
+        """Filter for every internal subject."""
+        return f"{self.prefix}.int.>"
+
+    def work(self, endpoint: str, worker_id: str) -> str:
+        """Batches for one worker."""
+        return self._internal("work", endpoint, worker_id)
+
+    def abort(self, endpoint: str) -> str:
+        """Abort broadcast to every worker of an endpoint."""
+        return f"{self.prefix}.int.abort.{check_token(endpoint, 'endpoint')}"
+
+    def heartbeat(self, endpoint: str, worker_id: str) -> str:
+        return self._internal("hb", endpoint, worker_id)
+
+    def heartbeats(self, endpoint: str) -> str:
+        """Filter for every heartbeat of an endpoint's workers."""
+        return f"{self.prefix}.int.hb.{check_token(endpoint, 'endpoint')}.*"
+
+    def completion(self, endpoint: str, worker_id: str) -> str:
+        return self._internal("done", endpoint, worker_id)
+
+    def completions(self, endpoint: str) -> str:
+        """Filter for every completion of an endpoint's workers."""
+        return f"{self.prefix}.int.done.{check_token(endpoint, 'endpoint')}.*"
+
+    def _internal(self, kind: str, endpoint: str, worker_id: str) -> str:
+        return (f"{self.prefix}.int.{kind}.{check_token(endpoint, 'endpoint')}"
+                f".{check_token(worker_id, 'worker id')}")
+
+    # -- JetStream names ----------------------------------------------------------------
+
+    @property
+    def requests_stream(self) -> str:
+        return f"{self.prefix.upper()}_REQUESTS"
+
+    @property
+    def results_bucket(self) -> str:
+        return f"{self.prefix.upper()}_RESULTS"
+
+    def consumer(self, endpoint: str, tenant: str | None = None) -> str:
+        """Durable pull consumer name: per endpoint and tenant, or per endpoint if no tenant.
+
+        `~` cannot occur in a token, so the name is unambiguous even though tokens may
+        contain `_` and `-`.
+        """
+        name = f"{self.prefix}~req~{check_token(endpoint, 'endpoint')}"
+        return name if tenant is None else f"{name}~{check_token(tenant, 'tenant')}"
+
+    @staticmethod
+    def result_key(tenant: str, request_id: str) -> str:
+        """KV key of a request's final event: `<tenant>.<id>`, with `.` in the id as `=`.
+
+        Ids may contain dots (even `..`), which would break a KV key into empty tokens;
+        `=` never occurs in an id, so the mapping is reversible.
+        """
+        return f"{check_token(tenant, 'tenant')}.{check_request_id(request_id).replace('.', '=')}"
+
+    @staticmethod
+    def parse_result_key(key: str) -> tuple[str, str]:
+        """`(tenant, request_id)` of a result key."""
+        tenant, sep, encoded = key.partition(".")
+        if not sep:
+            raise SubjectError(f"not a result key: {key!r} (expected <tenant>.<id>)")
+        return check_token(tenant, "tenant"), check_request_id(encoded.replace("=", "."))
+
+    # -- tenant inboxes and reply subjects ----------------------------------------------
+
+    @staticmethod
+    def inbox_prefix(tenant: str) -> str:
+        """The inbox prefix a tenant's client must use (nats-py: `inbox_prefix=`)."""
+        return f"{TENANT_INBOX_BASE}{check_token(tenant, 'tenant')}"
+
+    def check_reply(self, reply: str, tenant: str, *, tenant_inboxes: bool = False) -> str:
+        """`reply` if fairq may publish a request's events there, else a SubjectError.
+
+        fairq's services publish with full permissions, so a reply subject inside fairq's
+        own namespace or a `$` system namespace would let a client inject messages (for
+        example a forged request into another tenant's queue). With per-tenant users
+        (`tenant_inboxes`), a reply must also lie in the tenant's own inbox.
+        """
+        if not reply or len(reply) > MAX_REPLY_LENGTH:
+            raise SubjectError(f"invalid {HDR_REPLY} subject {reply[:MAX_REPLY_LENGTH]!r}: "
+                               f"must be 1 to {MAX_REPLY_LENGTH} characters")
+        tokens = reply.split(".")
+        if any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
+            raise SubjectError(f"invalid {HDR_REPLY} subject {reply!r}: must be a subject without "
+                               "empty tokens, wildcards or whitespace")
+        if tokens[0] == self.prefix or reply.startswith("$"):
+            raise SubjectError(f"invalid {HDR_REPLY} subject {reply!r}: subjects under "
+                               f"'{self.prefix}.' and '$' are reserved")
+        inbox = self.inbox_prefix(tenant)
+        if tenant_inboxes and (tokens[0] != inbox or len(tokens) < 2):
+            raise SubjectError(f"invalid {HDR_REPLY} subject {reply!r}: must start with '{inbox}.'")
+        return reply

