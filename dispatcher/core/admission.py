@@ -22,8 +22,9 @@ from typing import Protocol
 from dispatcher.core.config import Limits
 from dispatcher.core.types import ADMITTED, Decision, Outcome
 
-# Float slack when comparing times, so a request exactly on its emission time passes.
-CLOCK_EPSILON_S = 1e-9
+# Slack when comparing times, so a request exactly on its emission time passes despite
+# float rounding; a microsecond is above a double's resolution at today's unix times.
+CLOCK_EPSILON_S = 1e-6
 
 # Default bucket: a tenth of a minute's allowance, so short bursts pass and floods don't.
 DEFAULT_BURST_FRACTION = 0.1
@@ -137,14 +138,12 @@ class MemoryLimiterStore:
             if isinstance(check, RateCheck):
                 allowed, new_tat, retry = gcra(self._tat.get(check.key, now), now, check)
                 if not allowed:
-                    return Decision(check.outcome, f"{_describe(check)} exceeded", retry)
+                    return rejection(check, retry)
                 updates_tat.append((check.key, new_tat))
             else:
                 used = self._quota_used(check.key, now)
                 if used + check.cost > check.limit:
-                    return Decision(check.outcome,
-                                    f"monthly quota of {check.limit:.0f} tokens exhausted",
-                                    check.expires_at - now)
+                    return rejection(check, check.expires_at - now)
                 updates_used.append((check.key, used + check.cost, check.expires_at))
         for key, tat in updates_tat:
             self._tat[key] = tat
@@ -169,9 +168,14 @@ class MemoryLimiterStore:
             self._used = {k: v for k, v in self._used.items() if v[1] > now}
 
 
-def _describe(check: RateCheck) -> str:
-    kind = "requests" if check.key.startswith("rpm:") else "tokens"
-    return f"limit of {check.per_minute:g} {kind} per minute"
+def rejection(check: Check, retry_after_s: float) -> Decision:
+    """The Decision for `check` failing, worded the same by every store."""
+    if isinstance(check, RateCheck):
+        kind = "requests" if check.key.startswith("rpm:") else "tokens"
+        return Decision(check.outcome, f"limit of {check.per_minute:g} {kind} per minute "
+                        "exceeded", retry_after_s)
+    return Decision(check.outcome, f"monthly quota of {check.limit:.0f} tokens exhausted",
+                    retry_after_s)
 
 
 def throttle(expected_wait_s: float, now: float, latency_target_s: float,
