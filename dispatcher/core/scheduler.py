@@ -72,7 +72,7 @@ class EndpointQueues:
     """Everything the scheduler keeps for one endpoint."""
 
     def __init__(self, name: str, spec: Endpoint, profile: ModelProfile,
-                 selector: Selector, reserve_fraction: float) -> None:
+                 selector: Selector, reserve_fraction: float, tier_count: int) -> None:
         self.name = name
         self.spec = spec
         self.profile = profile
@@ -83,9 +83,11 @@ class EndpointQueues:
                                       spec.batch.model_units)
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
         self.running = 0
-        # Flows with queued or running work, and the sum of their weights.
+        # Flows with queued or running work, and the sum of their weights (overall and
+        # per tier rank, for the throttle's fair-share estimate).
         self.present_flows = 0
         self.present_weight = 0.0
+        self.present_weight_by_rank = [0.0] * tier_count
 
     def reserve(self, total: Capacity) -> Capacity:
         if self.reserve_fraction <= 0:
@@ -113,7 +115,8 @@ class Scheduler:
             name: EndpointQueues(
                 name, spec, self.registry.profile(name),
                 TierLadder(len(config.tiers)) if policy == "fairq" else FifoSelector(),
-                spec.newcomer_reserve if policy == "fairq" else 0.0)
+                spec.newcomer_reserve if policy == "fairq" else 0.0,
+                len(config.tiers))
             for name, spec in config.endpoints.items()
         }
         self._queued: dict[RequestKey, TenantFlow] = {}
@@ -367,8 +370,7 @@ class Scheduler:
         """The tenant's queued model units over its weighted share of capacity."""
         if flow is None or not len(flow.queue) or endpoint.capacity_mu_per_s <= 0:
             return 0.0
-        competing = sum(f.weight for f in endpoint.flows.values()
-                        if f.tier_rank <= tier_rank and (len(f.queue) or f.running))
+        competing = sum(endpoint.present_weight_by_rank[:tier_rank + 1])
         share = endpoint.capacity_mu_per_s * weight / max(competing, weight)
         return flow.queue.queued_model_units / share
 
@@ -377,6 +379,7 @@ class Scheduler:
         """Call before adding work to `flow`."""
         if not len(flow.queue) and not flow.running:
             endpoint.present_weight += flow.weight
+            endpoint.present_weight_by_rank[flow.tier_rank] += flow.weight
             endpoint.present_flows += 1
 
     @staticmethod
@@ -384,9 +387,11 @@ class Scheduler:
         """Call after taking work from `flow`."""
         if not len(flow.queue) and not flow.running:
             endpoint.present_flows -= 1
-            # Reset at zero so float error cannot build up over a long life.
-            endpoint.present_weight = (endpoint.present_weight - flow.weight
-                                       if endpoint.present_flows else 0.0)
+            endpoint.present_weight -= flow.weight
+            endpoint.present_weight_by_rank[flow.tier_rank] -= flow.weight
+            if not endpoint.present_flows:  # so float error cannot build up over a long life
+                endpoint.present_weight = 0.0
+                endpoint.present_weight_by_rank = [0.0] * len(endpoint.present_weight_by_rank)
 
     def _start(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request,
                now: float) -> None:
