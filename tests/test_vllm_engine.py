@@ -1,0 +1,303 @@
+"""The real vLLM engine on a CPU, with the tiny model built offline into a temp dir.
+
+Runs only in the venv that `.ci/vllm-env.sh` makes; elsewhere the module is skipped, except
+in CI with FQ_VLLM=1, where a missing vllm is a failure. One engine serves the whole module
+(startup takes ~20 s); it runs one sequence at a time, which makes queueing observable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from workers.engine import ChatMessage, Delta, EngineError, EngineRequest
+
+if importlib.util.find_spec("vllm") is None:
+    _WHY = "vllm is not installed here: run these tests with the python of .ci/vllm-env.sh"
+    if os.environ.get("CI") == "true" and os.environ.get("FQ_VLLM") == "1":
+        pytest.fail(_WHY, pytrace=False)
+    pytest.skip(_WHY, allow_module_level=True)
+
+from workers.tiny_model import build_tiny_model  # noqa: E402
+from workers.vllm_engine import VLLMEngine, VLLMEngineConfig  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+KV_CACHE_BYTES = 64 << 20
+# Tiny model: 2 layers x (K and V) x 2 KV heads x head_dim 64 x 2 bytes (bf16).
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2
+LONG = 2000  # max_tokens of a request that must still be running when we act on it (< 2048)
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Offline, loopback only, scratch files in a temp dir; inherited by vLLM's processes."""
+    scratch = tmp_path_factory.mktemp("vllm-scratch")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        mp.setenv("VLLM_NO_USAGE_STATS", "1")
+        mp.setenv("VLLM_HOST_IP", "127.0.0.1")
+        mp.setenv("TMPDIR", str(scratch))
+        mp.setenv("VLLM_CACHE_ROOT", str(scratch / "cache"))
+        mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_env: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:
+    config = VLLMEngineConfig(
+        model=str(model_dir),
+        max_num_seqs=1,
+        max_model_len=2048,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        ignore_eos=True,
+    )
+    async with VLLMEngine(config) as running:
+        yield running
+
+
+@pytest.fixture
+def vllm_outputs(engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """Every RequestOutput vLLM hands the engine, by request id: vLLM's own counts."""
+    seen: dict[str, list[Any]] = defaultdict(list)
+    original = engine.llm.generate
+
+    async def spy(prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        async with contextlib.aclosing(original(prompt, params, request_id, **kwargs)) as outs:
+            async for out in outs:
+                seen[request_id].append(out)
+                yield out
+
+    monkeypatch.setattr(engine.llm, "generate", spy)
+    return seen
+
+
+async def until_unfinished(engine: VLLMEngine, n: int) -> None:
+    """Wait until vLLM itself holds `n` unfinished requests (so they are queued in it)."""
+    async with asyncio.timeout(WAIT_S):
+        while engine.llm.get_num_unfinished_requests() != n:
+            await asyncio.sleep(0.01)
+
+
+async def collect(engine: VLLMEngine, request: EngineRequest) -> list[Delta]:
+    async def run() -> list[Delta]:
+        return [delta async for delta in engine.generate(request)]
+
+    return await asyncio.wait_for(run(), WAIT_S)
+
+
+class Streaming:
+    """A request generating in a background task, its deltas collected as they arrive."""
+
+    def __init__(self, engine: VLLMEngine, request: EngineRequest, order: list[str]) -> None:
+        self.request = request
+        self.deltas: list[Delta] = []
+        self._order = order
+        self.task = asyncio.create_task(self._run(engine))
+
+    async def _run(self, engine: VLLMEngine) -> None:
+        async for delta in engine.generate(self.request):
+            if delta.token_count and not any(d.token_count for d in self.deltas):
+                self._order.append(self.request.id)
+            self.deltas.append(delta)
+
+    @property
+    def tokens(self) -> int:
+        return sum(d.token_count for d in self.deltas)
+
+    async def wait_tokens(self, n: int) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while self.tokens < n:
+                await asyncio.sleep(0.01)
+
+    async def done(self) -> Delta:
+        await asyncio.wait_for(self.task, WAIT_S)
+        return self.deltas[-1]
+
+
+def assert_usage(deltas: list[Delta], outputs: list[Any]) -> Delta:
+    """One final delta, whose usage is the sum of the stream and vLLM's own counts."""
+    final = deltas[-1]
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert final.output_tokens == sum(d.token_count for d in deltas)
+    assert final.output_tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert final.output_tokens == outputs[-1].metrics.num_generation_tokens
+    assert final.input_tokens == len(outputs[-1].prompt_token_ids)
+    assert "".join(d.text for d in deltas) == "".join(o.outputs[0].text for o in outputs)
+    return final
+
+
+async def test_engine_not_running_refuses_work() -> None:
+    idle = VLLMEngine(VLLMEngineConfig(model="never-started"))
+    assert not idle.healthy
+    with pytest.raises(EngineError, match="not running"):
+        idle.capacity
+    with pytest.raises(EngineError, match="not running"):
+        idle.count_tokens(EngineRequest(id="r", max_tokens=1, prompt="hi"))
+
+
+async def test_capacity_is_the_engines_real_limits(engine: VLLMEngine) -> None:
+    assert engine.healthy
+    assert engine.capacity.max_sequences == 1
+    assert engine.capacity.max_tokens == KV_CACHE_BYTES // KV_BYTES_PER_TOKEN
+
+
+async def test_concurrent_requests_stream_with_the_engines_usage(
+    engine: VLLMEngine, vllm_outputs: dict[str, list[Any]]
+) -> None:
+    requests = [
+        EngineRequest(id=f"c{i}", max_tokens=8 + 2 * i, prompt=f"def f{i}(x):\n    return x * {i}")
+        for i in range(8)
+    ]
+    results = await asyncio.gather(*(collect(engine, r) for r in requests))
+    for request, deltas in zip(requests, results, strict=True):
+        final = assert_usage(deltas, vllm_outputs[request.id])
+        assert len(deltas) > 1, "output came in one piece instead of streaming"
+        assert final.finish_reason == "length"
+        assert final.output_tokens == request.max_tokens
+        assert final.input_tokens == engine.count_tokens(request)
+        assert final.ttft_s is not None and 0 < final.ttft_s < WAIT_S
+
+
+async def test_count_tokens_uses_the_models_tokenizer(engine: VLLMEngine, tokenizer: Any) -> None:
+    prompt = "import os\nprint(os.getcwd())"
+    request = EngineRequest(id="count", max_tokens=1, prompt=prompt)
+    assert engine.count_tokens(request) == len(tokenizer(prompt)["input_ids"])
+
+
+async def test_messages_go_through_the_chat_template(
+    engine: VLLMEngine, tokenizer: Any, vllm_outputs: dict[str, list[Any]]
+) -> None:
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "What is 2 + 2?")]
+    request = EngineRequest(id="chat", max_tokens=4, messages=messages)
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert text.endswith("<|im_start|>assistant\n")
+
+    assert engine.count_tokens(request) == len(expected)
+    deltas = await collect(engine, request)
+    assert_usage(deltas, vllm_outputs["chat"])
+    assert list(vllm_outputs["chat"][0].prompt_token_ids) == expected
+
+
+@pytest.mark.parametrize(
+    "request_, match",
+    [
+        (EngineRequest(id="none", max_tokens=4), "neither a prompt nor messages"),
+        (
+            EngineRequest(id="both", max_tokens=4, prompt="a", messages=[ChatMessage("user", "b")]),
+            "both a prompt and messages",
+        ),
+        (EngineRequest(id="img", max_tokens=4, prompt="a", images=[b"png"]), "text requests only"),
+        (EngineRequest(id="long", max_tokens=4, prompt="x = 1\n" * 3000), "context length"),
+    ],
+)
+async def test_bad_requests_are_value_errors(
+    engine: VLLMEngine, request_: EngineRequest, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        engine.count_tokens(request_)
+    with pytest.raises(ValueError, match=match):
+        await collect(engine, request_)
+
+
+async def test_zero_max_tokens_is_a_value_error(engine: VLLMEngine) -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        await collect(engine, EngineRequest(id="zero", max_tokens=0, prompt="a"))
+
+
+async def test_abort_ends_a_running_request_early(
+    engine: VLLMEngine, vllm_outputs: dict[str, list[Any]]
+) -> None:
+    running = Streaming(engine, EngineRequest(id="long", max_tokens=LONG, prompt="while"), [])
+    await running.wait_tokens(3)
+    with pytest.raises(ValueError, match="already running"):
+        await collect(engine, EngineRequest(id="long", max_tokens=4, prompt="again"))
+    await engine.abort("long")
+    final = await running.done()
+    assert final.finish_reason == "abort"
+    assert 3 <= final.output_tokens < LONG
+    assert_usage(running.deltas, vllm_outputs["long"])
+    # Unknown and finished ids are no-ops.
+    await engine.abort("long")
+    await engine.abort("never-seen")
+    assert engine.healthy
+
+
+async def test_abort_ends_a_queued_request(engine: VLLMEngine) -> None:
+    blocker = Streaming(engine, EngineRequest(id="blocker", max_tokens=LONG, prompt="for"), [])
+    await blocker.wait_tokens(1)
+    queued = Streaming(engine, EngineRequest(id="queued", max_tokens=8, prompt="if"), [])
+    await until_unfinished(engine, 2)
+    await engine.abort("queued")
+    final = await queued.done()
+    assert not blocker.task.done(), "the queued request only ended when the blocker did"
+    assert (final.finish_reason, final.output_tokens) == ("abort", 0)
+    await engine.abort("blocker")
+    assert (await blocker.done()).finish_reason == "abort"
+
+
+async def test_higher_fairq_priority_is_served_first(engine: VLLMEngine) -> None:
+    order: list[str] = []
+    blocker = Streaming(engine, EngineRequest(id="blocker", max_tokens=LONG, prompt="try"), order)
+    await blocker.wait_tokens(1)
+    # Queued one by one, in this order, while the only sequence slot is taken.
+    priorities = {"low": 1, "mid": 3, "high": 9, "mid-later": 3}
+    waiting = []
+    for rid, priority in priorities.items():
+        request = EngineRequest(id=rid, max_tokens=4, prompt="class", priority=priority)
+        waiting.append(Streaming(engine, request, order))
+        await until_unfinished(engine, 1 + len(waiting))
+    await engine.abort("blocker")
+    for streaming in [blocker, *waiting]:
+        await streaming.done()
+    assert order == ["blocker", "high", "mid", "mid-later", "low"]
+
+
+async def test_a_dead_engine_fails_requests_and_reports_unhealthy(model_dir: Path) -> None:
+    """Its own engine: the module's one must survive. Kills only the engine core it started."""
+    import psutil
+
+    config = VLLMEngineConfig(model=str(model_dir), kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    async with VLLMEngine(config) as doomed:
+        running = Streaming(doomed, EngineRequest(id="doomed", max_tokens=LONG, prompt="x"), [])
+        await running.wait_tokens(1)
+        [core] = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.name() == "VLLM::EngineCore"
+        ]
+        core.kill()
+        with pytest.raises(EngineError):
+            await running.done()
+        assert not doomed.healthy
+        with pytest.raises(EngineError):
+            await collect(doomed, EngineRequest(id="after", max_tokens=4, prompt="x"))
