@@ -259,9 +259,11 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
-    """Stop these requests wherever they run; each gets an error event with `code`."""
+    """Stop these requests of one tenant wherever they run; each gets an error event
+    with `code`. Ids are unique per tenant only, hence the tenant."""
 
     endpoint: str
+    tenant: str
     ids: list[str]
     code: ErrorCode = ErrorCode.CANCELLED
 
@@ -277,6 +279,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str
     capacity: Capacity
     used: Capacity
+    # `Subjects.result_key(tenant, id)` of every request on the worker.
     in_flight: list[str]
     healthy: bool
     started_at: float

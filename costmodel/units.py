@@ -68,6 +68,16 @@ def read_toml(path: str | Path, type_: type[T]) -> T:
         raise ValueError(f"{path}: {exc}") from exc
 
 
+# Characters per token of the rough count used where no tokenizer is at hand (admission
+# before the worker's engine has counted, and the simulated engine).
+CHARS_PER_TOKEN = 4
+
+
+def approx_tokens(text: str) -> int:
+    """A tokenizer-free token count: one per CHARS_PER_TOKEN characters, at least 1."""
+    return max(1, -(-len(text) // CHARS_PER_TOKEN))
+
+
 def load_profile(path: str | Path) -> ModelProfile:
     """Read a profile TOML (the format `dump_profile` and `fairq calibrate` write)."""
     return read_toml(path, ModelProfile)

@@ -421,7 +421,7 @@ def test_internal_messages_round_trip() -> None:
     done = Completion(id="r-1", tenant="acme", endpoint="chat", worker_id="w1",
                       usage=DONE.usage, stored=True, finished_at=4.0)
     stored = StoredResult(tenant="acme", endpoint="chat", event=DONE, stored_at=4.0)
-    abort = Abort(endpoint="chat", ids=["r-1"])
+    abort = Abort(endpoint="chat", tenant="acme", ids=["r-1"])
     for message, codec in ((batch, BATCH), (beat, HEARTBEAT), (done, COMPLETION),
                            (stored, STORED_RESULT), (abort, ABORT)):
         for encoding in Encoding:

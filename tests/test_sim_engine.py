@@ -12,7 +12,8 @@ import pytest
 
 from costmodel.engine_model import BatchingEngineModel, EngineParams
 from workers.engine import ChatMessage, Delta, Engine, EngineError, EngineRequest
-from workers.sim_engine import CHARS_PER_TOKEN, Faults, SimEngine
+from costmodel.units import CHARS_PER_TOKEN
+from workers.sim_engine import Faults, SimEngine
 
 pytestmark = pytest.mark.timeout(30)
 

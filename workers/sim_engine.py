@@ -23,10 +23,10 @@ from itertools import chain
 from typing import cast
 
 from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
+from costmodel.units import approx_tokens
 from workers.engine import ChatMessage, Delta, EngineCapacity, EngineError, EngineRequest
 
 # Characters per token of the simulated tokenizer (about right for English text).
-CHARS_PER_TOKEN = 4
 _WORDS = tuple(" " + word for word in (
     "the quick model queue token batch tenant fair share worker engine stream "
     "prefill decode cache step").split())
@@ -186,7 +186,7 @@ class SimEngine:
     # -- Engine protocol --------------------------------------------------------------
 
     def count_tokens(self, request: EngineRequest) -> int:
-        return _count(_render(request))
+        return approx_tokens(_render(request))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         stream = self._register(request)
@@ -219,7 +219,7 @@ class SimEngine:
             raise ValueError(f"request {request.id!r}: max_tokens must be >= 1, "
                              f"got {request.max_tokens!r}")
         text = _render(request)  # checked even when the input length is given
-        input_tokens = request.input_tokens if request.input_tokens is not None else _count(text)
+        input_tokens = request.input_tokens if request.input_tokens is not None else approx_tokens(text)
         digest = int.from_bytes(hashlib.blake2b(f"{self._seed}\0{request.id}".encode(),
                                                 digest_size=8).digest())
         wanted = request.target_output_tokens
@@ -305,7 +305,3 @@ def _render(request: EngineRequest) -> str:
 def _chat_turn(message: ChatMessage) -> str:
     # A minimal chat template: role markers cost tokens, as in a real template.
     return f"<|{message.role}|>\n{message.content}\n"
-
-
-def _count(text: str) -> int:
-    return max(1, -(-len(text) // CHARS_PER_TOKEN))
