@@ -1,0 +1,298 @@
+"""A discrete-event simulator: the real scheduling core, a trace, a virtual clock.
+
+Pure (no I/O, no wall clock, no randomness): the same trace, config and engine always
+give the same result. The loop mirrors what the network dispatcher does with workers:
+
+- events are trace arrivals and engine step completions, taken in time order (at equal
+  times: step completions, then arrivals, each in their own order), all events of one
+  instant before any dispatch;
+- an arrival goes through `Scheduler.admit` with an in-process limiter store; a
+  rejection is recorded with its outcome;
+- a replica that is not in the middle of a step asks `next_batch` for its free
+  capacity: sequences = max_sequences - running - waiting, tokens = KV-cache tokens
+  minus input + max_tokens of everything sent to it and not finished (the dispatcher's
+  own reservation, which bounds the engine's real use, so the engine's own queue never
+  holds work the dispatcher could still reorder), model units = the endpoint's batch
+  model units minus the estimates in flight; `total` is the replica's whole capacity;
+- the batch goes into the replica's `BatchingEngineModel`, which then runs one step;
+  the step's first tokens and finishes happen when the step ends; a finished request
+  is settled with `Scheduler.complete` and its real usage.
+
+Each endpoint has its own `replicas` engines, all with the same `EngineParams`, and the
+scheduler's throttle is told the endpoint's capacity (replicas x the profile's
+`capacity_mu_per_s`). The scheduler sees only `max_tokens` (the trace's, else the
+endpoint's cap); the engine generates `min(output_tokens, max_tokens)` tokens. A
+request whose input plus max_tokens can never fit a replica's KV cache is rejected as
+`invalid`, like a prompt longer than the model's context.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
+from dispatcher.core.admission import MemoryLimiterStore
+from dispatcher.core.config import Config, Tier, UnlistedTenants
+from dispatcher.core.fairness import DEFAULT_METRICS, MetricOptions, RequestRecord, summarize
+from dispatcher.core.scheduler import Policy, Scheduler
+from dispatcher.core.types import Capacity, Outcome, Request, Usage
+
+# Event kinds, in the order they are handled at one instant.
+_STEP_END = 0
+_ARRIVAL = 1
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRecord:
+    """One request of a trace.
+
+    `arrival_s` and `deadline_s` are on the trace's clock (seconds; the deadline is
+    absolute, like the wire contract's). `output_tokens` is what the engine produces;
+    the scheduler sees only `max_tokens` (None: the endpoint's cap). `endpoint` None
+    means the config's first endpoint.
+    """
+
+    tenant: str
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    priority: int = 0
+    deadline_s: float | None = None
+    session: str | None = None
+    max_tokens: int | None = None
+    endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        check_trace_record(self)
+
+
+class TraceRecordError(ValueError):
+    """A trace record the simulator cannot run; `column` names the bad field."""
+
+    def __init__(self, column: str, message: str) -> None:
+        super().__init__(f"{column}: {message}")
+        self.column = column
+        self.reason = message
+
+
+def check_trace_record(record: TraceRecord) -> None:
+    """Raise TraceRecordError if `record` cannot be simulated."""
+    if not record.tenant:
+        raise TraceRecordError("tenant", "must not be empty")
+    if not (math.isfinite(record.arrival_s) and record.arrival_s >= 0):
+        raise TraceRecordError("arrival_s", f"must be finite and >= 0, got {record.arrival_s!r}")
+    for column in ("input_tokens", "output_tokens", "max_tokens"):
+        value = getattr(record, column)
+        if value is not None and value < 1:
+            raise TraceRecordError(column, f"must be >= 1, got {value!r}")
+    if record.deadline_s is not None and not math.isfinite(record.deadline_s):
+        raise TraceRecordError("deadline_s", f"must be finite, got {record.deadline_s!r}")
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    summary: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The RESULT.json shape: {"records": [...], "summary": {...}}."""
+        return {"records": [r.to_dict() for r in self.records], "summary": self.summary}
+
+
+@dataclass(slots=True)
+class _Entry:
+    """The simulator's mutable view of one trace record while it runs."""
+
+    request: Request
+    output_tokens: int  # what the engine will generate
+    outcome: Outcome = Outcome.ADMITTED
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Replica:
+    endpoint: str
+    engine: BatchingEngineModel
+    total: Capacity
+    reserved_tokens: int = 0
+    reserved_units: float = 0.0
+    inflight: dict[int, _Entry] = field(default_factory=dict)
+    step: StepResult | None = None  # the step under way, applied when it ends
+
+    def free(self) -> Capacity:
+        engine = self.engine
+        return Capacity(engine.params.max_sequences - engine.running - engine.waiting,
+                        self.total.tokens - self.reserved_tokens,
+                        self.total.model_units - self.reserved_units)
+
+
+class Simulation:
+    """One run; `simulate` is the usual entry point."""
+
+    def __init__(self, trace: Sequence[TraceRecord], config: Config,
+                 engine: EngineParams | None = None, *, replicas: int = 1,
+                 policy: Policy = "fairq") -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+        self.config = config
+        self.params = engine or EngineParams()
+        self.scheduler = Scheduler(config, policy=policy)
+        self.store = MemoryLimiterStore()
+        self.default_endpoint = next(iter(config.endpoints))
+        self.replicas: list[_Replica] = []
+        for name, spec in config.endpoints.items():
+            total = Capacity(self.params.max_sequences, self.params.kv_cache_tokens,
+                             spec.batch.model_units)
+            self.replicas += [_Replica(name, BatchingEngineModel(self.params), total)
+                              for _ in range(replicas)]
+            profile = self.scheduler.registry.profile(name)
+            self.scheduler.set_capacity(name, replicas * profile.capacity_mu_per_s)
+        self.entries = [self._entry(i, record) for i, record in enumerate(trace)]
+        self._events: list[tuple[float, int, int]] = [
+            (e.request.arrival, _ARRIVAL, i) for i, e in enumerate(self.entries)]
+        heapq.heapify(self._events)
+        self.now = 0.0
+
+    def _entry(self, index: int, record: TraceRecord) -> _Entry:
+        endpoint = record.endpoint or self.default_endpoint
+        spec = self.config.endpoints.get(endpoint)
+        asked = record.max_tokens or (spec.max_tokens_cap if spec else record.output_tokens)
+        # The scheduler caps max_tokens too; capping here as well gives the engine's
+        # output length without waiting for admission (an unknown endpoint never runs).
+        max_tokens = min(asked, spec.max_tokens_cap) if spec else asked
+        request = Request(str(index), record.tenant, endpoint, record.arrival_s,
+                          record.input_tokens, max_tokens, priority=record.priority,
+                          deadline=record.deadline_s, session=record.session,
+                          payload=index)
+        return _Entry(request, min(record.output_tokens, max_tokens))
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> list[RequestRecord]:
+        events = self._events
+        while events:
+            self.now = events[0][0]
+            while events and events[0][0] == self.now:
+                _, kind, index = heapq.heappop(events)
+                if kind == _STEP_END:
+                    self._end_step(self.replicas[index])
+                else:
+                    self._arrive(self.entries[index])
+            for request in self.scheduler.expire(self.now):
+                self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
+            for index, replica in enumerate(self.replicas):
+                if replica.step is None:
+                    self._dispatch(replica)
+                    self._start_step(index, replica)
+        if self.scheduler.queued_count():
+            raise RuntimeError(
+                f"simulation ended with {self.scheduler.queued_count()} requests queued "
+                "and every replica idle: the scheduler withheld admissible work")
+        return [self._record(e) for e in self.entries]
+
+    def _arrive(self, entry: _Entry) -> None:
+        request = entry.request
+        if request.endpoint in self.config.endpoints and \
+                request.input_tokens + request.max_tokens > self.params.kv_cache_tokens:
+            entry.outcome = Outcome.INVALID
+            return
+        entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
+
+    def _dispatch(self, replica: _Replica) -> None:
+        batch = self.scheduler.next_batch(replica.endpoint, replica.free(), self.now,
+                                          replica.total)
+        for request in batch.expired:
+            self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
+        for request in batch.requests:
+            entry = self.entries[request.payload]
+            # Same priority for all: the engine admits in dispatch order, the scheduler's.
+            replica.engine.add(request.payload, request.input_tokens, entry.output_tokens)
+            replica.inflight[request.payload] = entry
+            replica.reserved_tokens += request.input_tokens + request.max_tokens
+            replica.reserved_units += request.model_units
+
+    def _start_step(self, index: int, replica: _Replica) -> None:
+        if replica.engine.idle:
+            return
+        replica.step = replica.engine.step()
+        heapq.heappush(self._events, (self.now + replica.step.duration_s, _STEP_END, index))
+
+    def _end_step(self, replica: _Replica) -> None:
+        step = replica.step
+        assert step is not None
+        replica.step = None
+        for seq in step.first_tokens:
+            replica.inflight[seq].first_token = self.now
+        for seq in step.finished:
+            entry = replica.inflight.pop(seq)
+            entry.finished = self.now
+            request = entry.request
+            replica.reserved_tokens -= request.input_tokens + request.max_tokens
+            replica.reserved_units -= request.model_units
+            completed = self.scheduler.complete(
+                request.tenant, request.id,
+                Usage(request.input_tokens, entry.output_tokens), self.now)
+            if completed is not None and completed.refund is not None:
+                self.store.refund(completed.refund)
+        if not replica.inflight:
+            replica.reserved_units = 0.0  # an idle replica holds nothing: drop float drift
+
+    @staticmethod
+    def _record(entry: _Entry) -> RequestRecord:
+        request = entry.request
+        return RequestRecord(
+            id=request.id, tenant=request.tenant, arrival=request.arrival,
+            dispatched=request.dispatched_at, first_token=entry.first_token,
+            finished=entry.finished, input_tokens=request.input_tokens,
+            output_tokens=entry.output_tokens, outcome=entry.outcome.value,
+            endpoint=request.endpoint)
+
+
+def simulate(trace: Sequence[TraceRecord], config: Config,
+             engine: EngineParams | None = None, *, replicas: int = 1,
+             policy: Policy = "fairq",
+             metrics: MetricOptions = DEFAULT_METRICS) -> SimResult:
+    """Run `trace` through the scheduler and `replicas` engines per endpoint."""
+    simulation = Simulation(trace, config, engine, replicas=replicas, policy=policy)
+    records = simulation.run()
+    summary = summarize(records, metrics, tenant_weights(simulation.scheduler, records))
+    summary["simulation"] = {
+        "policy": policy,
+        "replicas": replicas,
+        "requests": len(records),
+        "makespan_s": max((r.finished for r in records if r.finished is not None),
+                          default=0.0),
+        "engine_steps": sum(r.engine.steps for r in simulation.replicas),
+    }
+    return SimResult(records, summary)
+
+
+def tenant_weights(scheduler: Scheduler, records: Sequence[RequestRecord]) -> Mapping[str, float]:
+    """Each known tenant's configured weight (for the weighted fairness index)."""
+    weights = {}
+    for tenant in {r.tenant for r in records}:
+        policy = scheduler.registry.tenant(tenant)
+        if policy is not None:
+            weights[tenant] = policy.weight
+    return weights
+
+
+def scheduling_only(config: Config) -> Config:
+    """`config` with admission out of the way, to study dispatch order alone.
+
+    No rate limits, quotas or queue caps and no latency target (a request's own
+    deadline still applies); every tenant is admitted into one tier with weight 1.
+    Endpoints (profile, cost mode, quantum, caps, newcomer reserve) stay as they are.
+    """
+    endpoints = {name: msgspec.structs.replace(spec, latency_target_s=math.inf)
+                 for name, spec in config.endpoints.items()}
+    return msgspec.structs.replace(
+        config, endpoints=endpoints, tiers=[Tier(name="all")], tenants={},
+        unlisted_tenants=UnlistedTenants(policy="admit", tier="all", weight=1.0))

@@ -1,0 +1,373 @@
+"""The virtual-clock simulator, its fairness metrics, the trace tools and `fairq sim`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dispatcher.core.config import EXAMPLE_CONFIG, Config, load_config, parse_config
+from dispatcher.core.fairness import (
+    MetricOptions,
+    RequestRecord,
+    jain_index,
+    max_min_shares,
+    percentile,
+    summarize,
+)
+from dispatcher.core.sim import SimResult, TraceRecord, scheduling_only, simulate
+from producers.cli import main
+from producers.loadgen import (
+    TraceError,
+    assign_azure_trace,
+    noisy_neighbour,
+    read_trace,
+    sample_trace,
+    write_trace,
+)
+
+SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "configs" / "sample_trace.csv"
+
+
+def scheduling_config(reserve: float = 0.03) -> Config:
+    """The example config with admission out of the way (`scheduling_only`).
+
+    The acceptance scenario is about scheduling order: with the example's 30 s latency
+    target the throttle would reject most of tenant A's 10,000 requests at once (and
+    the free tier's rate limits would too), and B would then never compete with a
+    backlog. Endpoint `chat` (profile, cost mode, quantum, max_tokens cap) stays the
+    example's; only its newcomer reserve is set here.
+    """
+    config = scheduling_only(load_config(EXAMPLE_CONFIG))
+    chat = msgspec.structs.replace(config.endpoints["chat"], newcomer_reserve=reserve)
+    return msgspec.structs.replace(config, endpoints={**config.endpoints, "chat": chat})
+
+
+def p95_ttft(result: SimResult, tenant: str) -> float:
+    value = result.summary["tenants"][tenant]["ttft_s"]["p95"]
+    assert value is not None
+    return value
+
+
+# -- the noisy-neighbour acceptance scenario -------------------------------------------------
+
+# Tenant A sends 10,000 requests at t=0; B-E send Poisson 0.5 req/s each for 300 s.
+# A's backlog takes about 1,100 s of virtual time to drain, so it stays backlogged for
+# the whole arrival period; 300 s gives B about 150 requests, enough for a stable p95,
+# and each run takes about a second.
+NOISY_DURATION_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def noisy_runs() -> dict[str, SimResult]:
+    trace = noisy_neighbour(1, noisy_requests=10_000, small_tenants=4, small_rate=0.5,
+                            duration_s=NOISY_DURATION_S)
+    config = scheduling_config()
+    return {
+        "alone": simulate([r for r in trace if r.tenant == "B"], config, policy="fairq"),
+        "fairq": simulate(trace, config, policy="fairq"),
+        "fifo": simulate(trace, config, policy="fifo"),
+    }
+
+
+def test_noisy_tenant_stays_backlogged_through_the_arrival_period(noisy_runs) -> None:
+    for policy in ("fairq", "fifo"):
+        a_records = [r for r in noisy_runs[policy].records if r.tenant == "A"]
+        assert len(a_records) == 10_000
+        assert all(r.outcome == "admitted" and r.served for r in a_records)
+        last_dispatch = max(r.dispatched for r in a_records)
+        assert last_dispatch > NOISY_DURATION_S + 60
+
+
+def test_fifo_baseline_makes_the_small_tenant_wait_behind_the_flood(noisy_runs) -> None:
+    alone, fifo = p95_ttft(noisy_runs["alone"], "B"), p95_ttft(noisy_runs["fifo"], "B")
+    assert fifo >= 20 * alone, (fifo, alone)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Not reachable with the engine model's physics, whatever the dispatch order: an "
+    "arrival waits for the step under way and its own step is longer with a full batch "
+    "(decode 0.044 s at 64 sequences vs 0.025 s alone) and carries others' prefill "
+    "chunks. Measured B p95 TTFT ratio to alone (seeds 1-3): fairq 1.77-3.82; an ideal "
+    "dispatcher (B-E in a strictly higher tier, 30% reserve) 1.45-1.89. See the "
+    "section 'Simulator: noisy neighbour' of docs/benchmarks.md."))
+def test_fairq_keeps_the_small_tenant_close_to_running_alone(noisy_runs) -> None:
+    alone, fairq = p95_ttft(noisy_runs["alone"], "B"), p95_ttft(noisy_runs["fairq"], "B")
+    assert fairq <= 1.5 * alone, (fairq, alone)
+
+
+def test_newcomer_reserve_costs_under_3_percent_when_one_tenant_floods_alone() -> None:
+    flood = noisy_neighbour(1, noisy_requests=2_000, small_tenants=0)
+    with_reserve = simulate(flood, scheduling_config(0.03)).summary
+    without = simulate(flood, scheduling_config(0.0)).summary
+    cost = 1 - with_reserve["throughput_tokens_per_s"] / without["throughput_tokens_per_s"]
+    print(f"newcomer reserve 0.03: throughput cost {cost:.2%} when one tenant floods alone")
+    assert 0 < cost < 0.03  # > 0: the reserve really held capacity back from the flood
+
+
+# -- summary shape and metric sanity ---------------------------------------------------------
+
+
+def test_result_has_the_documented_shape(noisy_runs) -> None:
+    document = json.loads(json.dumps(noisy_runs["fairq"].to_dict()))
+    assert set(document) == {"records", "summary"}
+    record = document["records"][0]
+    assert {"tenant", "arrival", "dispatched", "first_token", "finished", "input_tokens",
+            "output_tokens", "outcome"} <= set(record)
+    summary = document["summary"]
+    for key in ("throughput_tokens_per_s", "service_diff_max", "service_diff_avg",
+                "jain_index_mean"):
+        assert isinstance(summary[key], float), key
+    assert set(summary["tenants"]) == {"A", "B", "C", "D", "E"}
+    for row in summary["tenants"].values():
+        assert isinstance(row["count"], int) and isinstance(row["service"], float)
+        for metric in ("queue_wait_s", "ttft_s"):
+            assert set(row[metric]) == {"p50", "p95", "p99"}
+            assert 0 <= row[metric]["p50"] <= row[metric]["p95"] <= row[metric]["p99"]
+
+
+def test_fairness_figures_are_sane_and_separate_the_policies(noisy_runs) -> None:
+    fairq, fifo = noisy_runs["fairq"].summary, noisy_runs["fifo"].summary
+    for summary in (fairq, fifo):
+        assert len(summary["windows"]) == math.floor((NOISY_DURATION_S - 30) / 60)
+        assert all(j is None or 0 < j <= 1 + 1e-12 for j in summary["jain_index"])
+        assert all(d >= 0 for d in summary["service_diff"])
+        assert summary["throughput_tokens_per_s"] > 0
+    assert fifo["service_diff_max"] > fairq["service_diff_max"]
+    assert fifo["service_diff_avg"] > 2 * fairq["service_diff_avg"]
+    assert fifo["jain_index_mean"] < fairq["jain_index_mean"]
+
+
+def test_served_records_are_consistent(noisy_runs) -> None:
+    trace_cap = scheduling_config().endpoints["chat"].max_tokens_cap
+    for record in noisy_runs["fairq"].records:
+        assert record.served
+        assert record.arrival <= record.dispatched < record.first_token <= record.finished
+        assert 1 <= record.output_tokens <= trace_cap
+
+
+def record(tenant: str, arrival: float, first: float | None, finished: float | None,
+           input_tokens: int = 100, output_tokens: int = 50) -> RequestRecord:
+    served = first is not None
+    return RequestRecord(f"{tenant}{arrival}", tenant, arrival, first if served else None,
+                         first, finished, input_tokens, output_tokens, "admitted")
+
+
+def test_service_difference_counts_what_a_starved_tenant_asked_for() -> None:
+    options = MetricOptions(window_s=10.0, warmup_s=0.0)
+    # A is served evenly over [0, 10]; B asks for 200 units at t=1 and is served only
+    # after the window. One window [0, 10): s_A = 20/s, s_B = 0, d_A = 20/s, d_B = 20/s.
+    records = [record("A", 0.0, 0.0, 10.0), record("B", 1.0, 12.0, 13.0),
+               record("A", 10.0, 10.0, 11.0)]
+    summary = summarize(records, options)
+    assert summary["windows"] == [[0.0, 10.0]]
+    assert summary["service_diff"] == [pytest.approx(20.0)]  # min(20 - 0, |20 - 0|)
+    # Served as soon as asked: no difference.
+    fair = [record("A", 0.0, 0.0, 10.0), record("B", 0.0, 0.0, 10.0),
+            record("A", 10.0, 10.0, 11.0)]
+    assert summarize(fair, options)["service_diff"] == [pytest.approx(0.0)]
+
+
+def test_jain_index_normalises_by_max_min_fair_share() -> None:
+    assert jain_index([1.0, 1.0, 1.0]) == 1.0
+    assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
+    assert max_min_shares({"small": 10.0, "big": 1000.0}, 100.0) == \
+        {"small": 10.0, "big": 90.0}
+    assert max_min_shares({"a": 100.0, "b": 100.0}, 90.0, {"a": 2.0}) == \
+        {"a": pytest.approx(60.0), "b": pytest.approx(30.0)}
+    options = MetricOptions(window_s=10.0, warmup_s=0.0)
+    # A small tenant that got all it asked for and a big one that got the rest: fair.
+    fair = [record("S", 0.0, 0.0, 10.0), record("A", 0.0, 0.0, 10.0, 1000, 1000),
+            record("A", 10.0, 10.0, 20.0)]
+    assert summarize(fair, options)["jain_index"] == [pytest.approx(1.0)]
+    # The same demands, but S waits until after the window: unfair.
+    unfair = [record("S", 0.0, 11.0, 12.0), record("A", 0.0, 0.0, 10.0, 1000, 1000),
+              record("A", 10.0, 10.0, 20.0)]
+    assert summarize(unfair, options)["jain_index"][0] == pytest.approx(0.5)
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 95) == pytest.approx(4.8)
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+# -- determinism and simulator behaviour -----------------------------------------------------
+
+
+def test_same_inputs_give_the_same_result_and_seeds_change_scenarios() -> None:
+    config = load_config(EXAMPLE_CONFIG)
+    first = json.dumps(simulate(sample_trace(), config, replicas=2).to_dict())
+    second = json.dumps(simulate(sample_trace(), config, replicas=2).to_dict())
+    assert first == second
+    assert noisy_neighbour(5, noisy_requests=50) == noisy_neighbour(5, noisy_requests=50)
+    assert noisy_neighbour(5, noisy_requests=50) != noisy_neighbour(6, noisy_requests=50)
+
+
+def test_shipped_sample_trace_is_the_documented_scenario() -> None:
+    assert read_trace(SAMPLE_TRACE) == sample_trace()
+
+
+def test_rejections_and_drops_are_recorded_with_their_outcome() -> None:
+    config = parse_config("""
+[profiles.p]
+alpha = 0.000125
+beta = 0.025
+[endpoints.chat]
+profile = "p"
+cost = "model_units"
+latency_target_s = 1e9
+max_tokens_cap = 512
+[[tiers]]
+name = "t"
+limits = { rpm = 60, rpm_burst = 1 }
+[tenants.known]
+tier = "t"
+""")
+    trace = [
+        TraceRecord("known", 0.0, 100, 10),
+        TraceRecord("known", 0.0, 100, 10),  # second within the burst of 1: rate limited
+        TraceRecord("stranger", 0.0, 100, 10),  # unlisted tenants are rejected
+        TraceRecord("known", 0.0, 200_000, 10),  # can never fit the KV cache
+        TraceRecord("known", 0.0, 100, 10, endpoint="nope"),
+        TraceRecord("known", 2.0, 100, 2000, max_tokens=64),  # the engine stops at 64
+    ]
+    records = simulate(trace, config).records
+    assert [r.outcome for r in records] == [
+        "admitted", "rate_limited", "unknown_tenant", "invalid", "unknown_endpoint",
+        "admitted"]
+    assert records[0].served and records[5].served and records[5].output_tokens == 64
+    assert not any(r.served or r.dispatched is not None for r in records[1:5])
+
+
+def test_deadline_passes_while_queued_behind_a_full_engine() -> None:
+    config = scheduling_config()
+    flood = [TraceRecord("A", 0.0, 100, 500) for _ in range(200)]
+    late = TraceRecord("B", 0.0, 100, 10, deadline_s=0.001)
+    records = simulate([*flood, late], config, policy="fifo").records
+    assert records[-1].outcome == "deadline_exceeded" and not records[-1].served
+
+
+def test_more_replicas_finish_a_backlog_sooner() -> None:
+    trace = noisy_neighbour(3, noisy_requests=600, small_tenants=0)
+    config = scheduling_config()
+    one = simulate(trace, config, replicas=1).summary["simulation"]["makespan_s"]
+    two = simulate(trace, config, replicas=2).summary["simulation"]["makespan_s"]
+    assert two < 0.6 * one
+
+
+# -- trace files ------------------------------------------------------------------------------
+
+
+def test_trace_round_trips_through_csv(tmp_path: Path) -> None:
+    records = [TraceRecord("a", 0.5, 10, 20),
+               TraceRecord("b", 1.25, 30, 40, priority=2, deadline_s=9.0, session="s1",
+                           max_tokens=64, endpoint="chat")]
+    path = tmp_path / "t.csv"
+    write_trace(records, path)
+    assert path.read_text().splitlines()[0] == \
+        "tenant,arrival_s,input_tokens,output_tokens,priority,deadline_s,session," \
+        "max_tokens,endpoint"
+    assert read_trace(path) == records
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "line 1: empty file"),
+    ("tenant,arrival_s,input_tokens\n", "line 1: missing required column 'output_tokens'"),
+    ("tenant,arrival_s,input_tokens,output_tokens,colour\n", "line 1: unknown column 'colour'"),
+    ("tenant,arrival_s,input_tokens,output_tokens,tenant\n", "column 'tenant' appears twice"),
+    ("tenant,arrival_s,input_tokens,output_tokens\na,0,10,5\na,1,ten,5\n",
+     "line 3: column 'input_tokens': expected an integer, got 'ten'"),
+    ("tenant,arrival_s,input_tokens,output_tokens\na,-1,10,5\n",
+     "line 2: column 'arrival_s': must be finite and >= 0"),
+    ("tenant,arrival_s,input_tokens,output_tokens\na,nan,10,5\n",
+     "line 2: column 'arrival_s': expected a number, got 'nan'"),
+    ("tenant,arrival_s,input_tokens,output_tokens\na,0,10,0\n",
+     "line 2: column 'output_tokens': must be >= 1"),
+    ("tenant,arrival_s,input_tokens,output_tokens\n,0,10,5\n",
+     "line 2: column 'tenant' is empty"),
+    ("tenant,arrival_s,input_tokens,output_tokens\na,0,10\n", "line 2: 3 cells, expected 4"),
+    ("tenant,arrival_s,input_tokens,output_tokens,max_tokens\na,0,10,5,-3\n",
+     "line 2: column 'max_tokens': must be >= 1"),
+])
+def test_bad_trace_errors_name_file_line_and_column(tmp_path: Path, text: str,
+                                                    message: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(TraceError) as error:
+        read_trace(path)
+    assert str(error.value).startswith(f"{path}: ")
+    assert message in str(error.value)
+
+
+def test_missing_trace_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot read trace"):
+        read_trace(tmp_path / "absent.csv")
+    with pytest.raises(TraceError, match="Azure trace not found"):
+        assign_azure_trace(tmp_path / "absent.csv", seed=1)
+
+
+def test_azure_assignment_is_seeded_zipf_plus_an_extra_noisy_flood(tmp_path: Path) -> None:
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"2023-11-16 18:{m:02d}:{s:02d}.5000000,{100 + s},{10 + m}"
+             for m in range(10) for s in range(0, 60, 3)]  # 200 rows, one every 3 s
+    rows.append("2023-11-16 18:10:00.0000000,0,5")  # no input: dropped
+    path = tmp_path / "azure.csv"
+    path.write_text("\n".join(rows) + "\n")
+    records = assign_azure_trace(path, seed=3, tenants=5, zipf_s=1.1, noisy_share=0.5,
+                                 noisy_start_s=60.0, noisy_window_s=30.0)
+    assert records == assign_azure_trace(path, seed=3, tenants=5, zipf_s=1.1,
+                                         noisy_share=0.5, noisy_start_s=60.0,
+                                         noisy_window_s=30.0)
+    real = [r for r in records if r.tenant != "noisy"]
+    noisy = [r for r in records if r.tenant == "noisy"]
+    assert len(real) == 200 and len(noisy) == 100
+    assert real[0].arrival_s == 0.0 and real[-1].arrival_s == pytest.approx(597.0)
+    assert all(60.0 <= r.arrival_s < 90.0 for r in noisy)
+    counts = {t: sum(r.tenant == t for r in real) for t in ("t01", "t02", "t03", "t04", "t05")}
+    assert counts["t01"] > counts["t05"] and set(counts) == {r.tenant for r in real}
+    assert [r.arrival_s for r in records] == sorted(r.arrival_s for r in records)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def test_fairq_sim_writes_json_and_png(tmp_path: Path, capsys) -> None:
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    code = main(["sim", "--trace", str(SAMPLE_TRACE), "--policy", "fairq", "--out", str(out),
+                 "--plot", str(plot), "--replicas", "1", "--seed", "4"])
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert len(document["records"]) == len(sample_trace())
+    assert document["summary"]["simulation"]["policy"] == "fairq"
+    assert set(document["summary"]["tenants"]) == {"A", "B", "C", "D", "E"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "throughput" in capsys.readouterr().out
+
+
+def test_fairq_sim_runs_a_generated_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    # On the example config the free tier's limits and the throttle reject most of A's
+    # flood; --scheduling-only admits it all, so the run is about dispatch order.
+    for flag, a_admitted in (([], False), (["--scheduling-only"], True)):
+        assert main(["sim", "--scenario", "noisy-neighbour", "--policy", "fifo",
+                     "--out", str(out), *flag]) == 0
+        summary = json.loads(out.read_text())["summary"]
+        assert summary["simulation"]["source"] == "scenario:noisy-neighbour"
+        a_row = summary["tenants"]["A"]
+        assert a_row["count"] == 10_000
+        assert (a_row["outcomes"] == {"admitted": 10_000}) is a_admitted
+
+
+def test_fairq_sim_reports_bad_input_without_a_traceback(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("tenant,arrival_s\n")
+    assert main(["sim", "--trace", str(bad), "--out", str(tmp_path / "r.json")]) == 2
+    assert "missing required column" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
