@@ -60,8 +60,11 @@ class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     prefix: Annotated[str, msgspec.Meta(pattern=f"^{TOKEN_PATTERN}$")] = "fq"
     # Per (endpoint, tenant): unfinished requests the broker holds before refusing more.
     max_queued_per_subject: PositiveInt = 20_000
-    # Same Nats-Msg-Id within this window is stored once (stream-wide, see docs/protocol.md).
-    duplicate_window_s: Annotated[float, msgspec.Meta(ge=_MIN_DUPLICATE_WINDOW_S)] = 120.0
+    # Same Nats-Msg-Id within this window is stored once. The window is stream-wide, not
+    # per tenant, so it is kept at the server's minimum: the dispatcher de-duplicates by
+    # (tenant, id) itself, and a long window would drop another tenant's request that
+    # happens to reuse an id (docs/protocol.md, "Deduplication").
+    duplicate_window_s: Annotated[float, msgspec.Meta(ge=_MIN_DUPLICATE_WINDOW_S)] = 0.1
     # 0 keeps unfinished requests until acked; otherwise they are dropped after this age.
     max_age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     max_bytes: ByteLimit = -1

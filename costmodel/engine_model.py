@@ -260,7 +260,12 @@ class BatchingEngineModel:
         budget = self.params.max_batched_tokens
         used = images = 0
         completed: list[_Sequence] = []
-        for seq in self._prefilling.values():
+        prefilling = self._prefilling.values()
+        if len(self._prefilling) > 1:
+            # Priority scheduling (vLLM's "priority" policy): chunks go to the highest
+            # priority first, then admission order (sorted() is stable).
+            prefilling = sorted(prefilling, key=lambda seq: -seq.priority)
+        for seq in prefilling:
             if used == budget:
                 break
             if seq.prefilled == 0:

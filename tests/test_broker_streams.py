@@ -67,7 +67,7 @@ async def test_provision_creates_the_contract_resources(js: JetStreamContext) ->
     assert config.retention == RetentionPolicy.WORK_QUEUE
     assert config.discard == DiscardPolicy.NEW and config.discard_new_per_subject
     assert config.max_msgs_per_subject == 20_000
-    assert config.duplicate_window == 120.0
+    assert config.duplicate_window == 0.1  # per-tenant dedup is the dispatcher's
     assert config.storage == StorageType.FILE
     assert done.requests.config.name == "FQ_REQUESTS"
     status = await done.results.status()
@@ -109,7 +109,7 @@ async def test_custom_prefix_gets_its_own_resources(js: JetStreamContext) -> Non
 
 def test_settings_validation() -> None:
     with pytest.raises(ValueError, match=r"duplicate_window_s \(120.0\) must not exceed max_age_s"):
-        BrokerSettings(max_age_s=60.0)
+        BrokerSettings(duplicate_window_s=120.0, max_age_s=60.0)
     with pytest.raises(msgspec.ValidationError, match="max_queued_per_subject"):
         msgspec.convert({"max_queued_per_subject": 0}, BrokerSettings)
     with pytest.raises(msgspec.ValidationError, match="unknown field `max_queue`"):

@@ -22,7 +22,7 @@ class TenantFlow:
     """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
 
     __slots__ = ("policy", "weight", "tier_rank", "queue", "quantum", "deficit", "granted",
-                 "in_ring", "running", "running_model_units", "served_cost")
+                 "in_ring", "lane", "running", "running_model_units", "served_cost")
 
     def __init__(self, policy: TenantPolicy, endpoint_quantum: float,
                  order: OrderKey = priority_order) -> None:
@@ -35,6 +35,7 @@ class TenantFlow:
         self.deficit = 0.0
         self.granted = False  # has this visit's quantum been added?
         self.in_ring = False
+        self.lane: deque[TenantFlow] | None = None  # the ring lane it waits in
         self.running = 0
         self.running_model_units = 0.0
         self.served_cost = 0.0
@@ -49,22 +50,47 @@ class TenantFlow:
 
 
 class DrrRing:
-    """The ring of backlogged flows of one tier on one endpoint."""
+    """The backlogged flows of one tier on one endpoint, in two lanes (as in FQ-CoDel).
 
-    __slots__ = ("flows",)
+    A flow that becomes backlogged joins the *new* lane, served before the *old* one,
+    and may send while its deficit is positive, so a sparse tenant's request leaves at
+    once instead of after a whole round of a flooding tenant's. What it sends beyond
+    its quantum is debt carried into the old lane, where plain DRR applies: a tenant
+    gains nothing in the long run by arriving in bursts.
+    """
+
+    __slots__ = ("new", "flows")
 
     def __init__(self) -> None:
+        self.new: deque[TenantFlow] = deque()
         self.flows: deque[TenantFlow] = deque()
 
+    def __bool__(self) -> bool:
+        return bool(self.flows or self.new)
+
     def activate(self, flow: TenantFlow) -> None:
-        """Put a flow that just became backlogged at the tail of the ring."""
+        """A flow that just became backlogged: to the new lane, with a fresh quantum."""
         if not flow.in_ring:
             flow.in_ring = True
-            flow.granted = False
-            self.flows.append(flow)
+            flow.granted = True
+            flow.deficit += flow.quantum
+            flow.lane = self.new
+            self.new.append(flow)
 
     def select(self) -> TenantFlow | None:
         """The flow whose head request goes next, or None if the ring is empty."""
+        new = self.new
+        while new:
+            flow = new[0]
+            if flow.queue.peek() is None:  # emptied by cancels
+                self._leave(new.popleft())
+            elif flow.deficit > 0:
+                return flow
+            else:  # its first quantum is spent: on to the old lane
+                new.popleft()
+                flow.granted = False
+                flow.lane = self.flows
+                self.flows.append(flow)
         ring = self.flows
         misses = 0
         while ring:
@@ -87,29 +113,31 @@ class DrrRing:
         return None
 
     def charge(self, flow: TenantFlow, request: Request) -> None:
-        """Account for `request`, just popped from the head flow's queue."""
+        """Account for `request`, just popped from the selected flow's queue."""
         flow.deficit -= request.charged_cost
         flow.served_cost += request.charged_cost
         if flow.queue.peek() is None:
-            self._leave(self.flows.popleft())
+            self._leave(flow.lane.popleft())
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
-        """After the head flow lost a request without being charged (expiry)."""
+        """After the selected flow lost a request without being charged (expiry)."""
         if flow.queue.peek() is None:
-            self._leave(self.flows.popleft())
+            self._leave(flow.lane.popleft())
 
     def set_aside(self) -> TenantFlow:
-        """Take the head flow out for the rest of a batch (its request does not fit)."""
-        return self.flows.popleft()
+        """Take the selected flow out for the rest of a batch (its request does not fit)."""
+        lane = self.new if self.new else self.flows
+        return lane.popleft()
 
     def restore(self, flow: TenantFlow) -> None:
-        """Put a set-aside flow back at the head, its visit state intact."""
-        self.flows.appendleft(flow)
+        """Put a set-aside flow back at the head of its lane, its visit state intact."""
+        flow.lane.appendleft(flow)
 
     @staticmethod
     def _leave(flow: TenantFlow) -> None:
         flow.in_ring = False
         flow.granted = False
+        flow.lane = None
         flow.deficit = min(flow.deficit, 0.0)
 
     def _skip_idle_rounds(self) -> None:

@@ -211,7 +211,9 @@ class Scheduler:
                 continue
             need_tokens = request.input_tokens + request.max_tokens
             need_units = request.model_units
-            if flow.running * endpoint.present_weight < flow.weight * max(endpoint.running, 1):
+            below_share = (flow.running * endpoint.present_weight
+                           < flow.weight * max(endpoint.running, 1))
+            if below_share:
                 fits = need_tokens <= tokens and need_units <= units
             else:
                 fits = (seqs > reserve.sequences and need_tokens <= tokens - reserve.tokens
@@ -234,6 +236,7 @@ class Scheduler:
                 continue
             flow.queue.pop()
             selector.charge(flow, request)
+            request.expedited = below_share
             self._start(endpoint, flow, request, now)
             batch.requests.append(request)
         selector.restore_set_aside()

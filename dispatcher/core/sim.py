@@ -212,8 +212,10 @@ class Simulation:
             self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
         for request in batch.requests:
             entry = self.entries[request.payload]
-            # Same priority for all: the engine admits in dispatch order, the scheduler's.
-            replica.engine.add(request.payload, request.input_tokens, entry.output_tokens)
+            # The engine runs in dispatch order, except that requests of tenants below
+            # their fair share go first (as the worker asks vLLM to).
+            replica.engine.add(request.payload, request.input_tokens, entry.output_tokens,
+                               priority=int(request.expedited))
             replica.inflight[request.payload] = entry
             replica.reserved_tokens += request.input_tokens + request.max_tokens
             replica.reserved_units += request.model_units

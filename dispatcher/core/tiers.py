@@ -52,7 +52,7 @@ class TierLadder:
 
     def select(self) -> TenantFlow | None:
         for ring in self.rings:
-            if ring.flows:
+            if ring:
                 flow = ring.select()
                 if flow is not None:
                     return flow

@@ -73,6 +73,10 @@ class Request:
     model_units: float = 0.0  # estimated model units, for throttle, routing and capacity
     estimated_output_tokens: int = 0
     dispatched_at: float | None = None
+    # Dispatched while its tenant ran less than its fair share: the worker asks the
+    # engine to schedule it ahead of the rest (engine priority), so a newcomer's first
+    # token does not wait behind a flooding tenant's prefills.
+    expedited: bool = False
 
 
 @dataclass(slots=True, frozen=True)

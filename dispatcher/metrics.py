@@ -1,0 +1,53 @@
+"""Prometheus metrics of a dispatcher, on a registry of its own (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from dispatcher.core.types import Outcome
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class DispatcherMetrics:
+    def __init__(self, endpoints: list[str]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge("fairq_queue_depth", "Requests queued in the dispatcher",
+                                 ["endpoint", "tier", "tenant"], registry=r)
+        self.running = Gauge("fairq_running", "Requests running on workers",
+                             ["endpoint", "tier", "tenant"], registry=r)
+        self.admissions = Counter("fairq_admissions", "Admission decisions by outcome",
+                                  ["endpoint", "outcome"], registry=r)
+        self.queue_wait = Histogram("fairq_queue_wait_seconds", "Time from intake to dispatch",
+                                    ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("fairq_time_to_first_token_seconds",
+                              "Time from intake to first token", ["endpoint"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.output_tps = Histogram("fairq_output_tokens_per_second",
+                                    "Output tokens per second of a finished request",
+                                    ["endpoint"],
+                                    buckets=(1, 5, 10, 20, 40, 80, 160, 320, 640, 1280),
+                                    registry=r)
+        self.worker_utilisation = Gauge("fairq_worker_model_unit_utilisation",
+                                        "Model units in flight over the worker's capacity",
+                                        ["endpoint", "worker"], registry=r)
+        self.batch_fill = Histogram("fairq_batch_fill_ratio",
+                                    "Sequences sent over the worker's free sequences",
+                                    ["endpoint"], buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+                                    registry=r)
+        for endpoint in endpoints:  # export every outcome from the start, also at zero
+            for outcome in Outcome:
+                self.admissions.labels(endpoint, outcome.value)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose /metrics over HTTP; returns the bound port (0 picks a free one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -1,0 +1,576 @@
+"""The dispatcher: the scheduling core on the wire.
+
+    async with Dispatcher(nc, config, limiter=..., options=...) as dispatcher:
+        await dispatcher.stopped()          # or until SIGTERM
+
+Intake: one durable pull consumer over `fq.req.*.*`, fetched in batches by one task. The requests stream has work-queue retention and a
+per-subject cap (= per tenant and endpoint), so the messages a tenant can have in the
+stream, and hence in the dispatcher's memory, are bounded by that cap whatever it
+publishes; a tenant behind a deep backlog of another's is fetched within a few batches
+(about 50k messages/s for one consumer on this machine), not after it.
+
+Each message is parsed (`broker_config.wire.parse_submission`), de-duplicated by
+(tenant, id) against what is held and the results bucket, admitted (core check ->
+limiter store -> enqueue) or rejected (error event stored, sent to Fq-Reply, message
+terminated). One dispatch task fills every worker's free capacity from
+`Scheduler.next_batch`, least model-unit load first. Workers report completions; the
+JetStream message is acked only after a completion says the final event is stored.
+
+Drain order on exit (SIGTERM): stop fetching; stop dispatching; wait up to
+`grace_s` for running requests to complete; nak everything still held so another
+dispatcher gets it at once; unsubscribe and flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from broker_config import wire
+from broker_config.streams import (
+    BrokerSettings,
+    ConsumerLimits,
+    ConsumerSpec,
+    provision,
+    pull_subscription,
+)
+from broker_config.subjects import HDR_CONTENT_TYPE, ApiKind, Subjects
+from costmodel.units import approx_tokens
+from dispatcher.core.config import Config
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.types import Capacity, Decision, Outcome, Request, Usage
+from dispatcher.metrics import DispatcherMetrics
+from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable, MemoryLimiterAsync
+
+log = logging.getLogger("fairq.dispatcher")
+Key = tuple[str, str]  # (tenant, request id)
+
+
+class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
+    fetch_batch: int = 256
+    # JetStream redelivers what is not acked within this; held messages are marked in
+    # progress every third of it.
+    ack_wait_s: float = 60.0
+    max_ack_pending: int = 1_000_000
+    # A worker silent this long is out of rotation and its requests are requeued.
+    worker_timeout_s: float = 5.0
+    # After a (re)start, wait this long for heartbeats before dispatching, so requests
+    # still running on workers are recognised instead of run twice.
+    settle_s: float = 1.5
+    grace_s: float = 30.0
+    tick_s: float = 0.25
+    tenant_inboxes: bool = False
+
+
+@dataclass(slots=True)
+class Held:
+    """A request the dispatcher holds a JetStream message for."""
+
+    msg: Msg
+    submission: wire.Submission
+    received_at: float
+    worker: str | None = None
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    endpoint: str
+    started_at: float
+    capacity: Capacity
+    last_seen: float
+    healthy: bool = True
+    # What the dispatcher sent and has not seen complete: key -> (request, sent_at).
+    assigned: dict[Key, tuple[Request, float]] = field(default_factory=dict)
+    # Keys missing from consecutive heartbeats (a lost batch message).
+    missing: dict[Key, int] = field(default_factory=dict)
+    reported: set[str] = field(default_factory=set)
+
+    def used(self) -> Capacity:
+        tokens = sum(r.input_tokens + r.max_tokens for r, _ in self.assigned.values())
+        units = sum(r.model_units for r, _ in self.assigned.values())
+        return Capacity(len(self.assigned), tokens, units)
+
+    def free(self) -> Capacity:
+        return self.capacity.minus(self.used())
+
+
+class Dispatcher:
+    def __init__(self, nc: NATS, config: Config, *, limiter: AsyncLimiterStore | None = None,
+                 options: DispatcherOptions | None = None,
+                 settings: BrokerSettings | None = None,
+                 metrics: DispatcherMetrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.config = config
+        self.options = options or DispatcherOptions()
+        self.settings = settings or BrokerSettings(prefix=config.subject_prefix)
+        self.subjects = self.settings.subjects
+        self.limiter = limiter or MemoryLimiterAsync()
+        self.metrics = metrics or DispatcherMetrics(list(config.endpoints))
+        self.clock = clock
+        self.scheduler = Scheduler(config)
+        self.workers: dict[str, WorkerState] = {}
+        self._held: dict[Key, Held] = {}
+        # Requests a worker already runs (seen in its heartbeat) when their message is
+        # redelivered after a dispatcher restart: acked on completion, never re-run.
+        self._adopted: dict[Key, Held] = {}
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._started_at = 0.0
+        self._stack = contextlib.AsyncExitStack()
+        self._intake_tasks: list[asyncio.Task] = []
+        self._dispatching = True
+        self.kv: KeyValue | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> Dispatcher:
+        provisioned = await provision(self.js, self.settings)
+        self.kv = provisioned.results
+        self._started_at = self.clock()
+        stack = self._stack
+        try:
+            for endpoint in self.config.endpoints:
+                await self._subscribe(self.subjects.heartbeats(endpoint), self._on_heartbeat)
+                await self._subscribe(self.subjects.completions(endpoint), self._on_completion)
+            await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self._on_status)
+            await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self._on_cancel)
+            await self._subscribe(self.subjects.depth, self._on_depth)
+            group = await stack.enter_async_context(asyncio.TaskGroup())
+            stack.push_async_callback(self._stop_background)
+            limits = ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
+                                    max_ack_pending=self.options.max_ack_pending)
+            # One consumer over every request subject: requests for an endpoint this
+            # config does not know are still answered (unknown_endpoint), not stranded.
+            spec = ConsumerSpec(f"{self.subjects.prefix}~requests", self.subjects.all_requests,
+                                limits)
+            subscription = await pull_subscription(self.js, self.subjects.requests_stream, spec)
+            self._intake_tasks.append(group.create_task(self._intake_loop(subscription),
+                                                        name="intake"))
+            group.create_task(self._dispatch_loop(), name="dispatch")
+            group.create_task(self._maintenance_loop(), name="maintenance")
+        except BaseException:
+            await stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._stack.aclose()
+
+    def stop(self) -> None:
+        """Ask for a drain (e.g. from a SIGTERM handler); `__aexit__` carries it out."""
+        self._stop.set()
+
+    async def stopped(self) -> None:
+        await self._stop.wait()
+
+    async def _subscribe(self, subject: str, handler: Callable[[Msg], Any]) -> None:
+        async def guarded(msg: Msg) -> None:
+            # Every loop that reads from the network survives a malformed message.
+            try:
+                await handler(msg)
+            except Exception:
+                log.exception("handling a message on %s failed", msg.subject)
+
+        subscription = await self.nc.subscribe(subject, cb=guarded)
+        self._stack.push_async_callback(subscription.unsubscribe)
+
+    async def _stop_background(self) -> None:
+        """The drain: runs before the task group is awaited."""
+        for task in self._intake_tasks:
+            task.cancel()
+        self._dispatching = False
+        deadline = self.clock() + self.options.grace_s
+        while any(h.worker for h in self._held.values()) and self.clock() < deadline:
+            await asyncio.sleep(self.options.tick_s)
+        self._stop.set()
+        self._wake.set()
+        for held in list(self._held.values()) + list(self._adopted.values()):
+            with contextlib.suppress(nats.errors.Error):
+                await held.msg.nak()
+        self._held.clear()
+        self._adopted.clear()
+        await self.nc.flush()
+
+    # -- intake ----------------------------------------------------------------------------
+
+    async def _intake_loop(self, subscription: Any) -> None:
+        while True:
+            try:
+                messages = await subscription.fetch(self.options.fetch_batch, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.ConnectionClosedError:
+                return
+            for msg in messages:
+                try:
+                    await self._intake(msg)
+                except Exception:
+                    log.exception("intake of %s failed; it will be redelivered", msg.subject)
+            self._wake.set()
+
+    async def _intake(self, msg: Msg) -> None:
+        now = self.clock()
+        try:
+            submission = wire.parse_submission(msg.subject, msg.data, msg.headers,
+                                               self.subjects,
+                                               tenant_inboxes=self.options.tenant_inboxes)
+        except wire.WireError as error:
+            await self._refuse_unparsed(msg, error)
+            return
+        key = (submission.tenant, submission.id)
+        held = self._held.get(key) or self._adopted.get(key)
+        if held is not None:
+            if held.msg.metadata.sequence.stream == msg.metadata.sequence.stream:
+                held.msg = msg  # our own message, redelivered: keep its newest ack token
+            else:
+                await msg.term()  # the same id published again: the first one answers
+            return
+        stored = await self._stored_result(*key)
+        if stored is not None:  # finished before a restart or a redelivery
+            await self._publish_event(submission.reply, submission.encoding, stored.event)
+            await msg.ack()
+            return
+        held = Held(msg, submission, now)
+        result_key = self.subjects.result_key(*key)
+        for worker in self.workers.values():
+            if result_key in worker.reported:
+                held.worker = worker.worker_id
+                self._adopted[key] = held
+                return
+        await self._admit(held, now)
+
+    async def _admit(self, held: Held, now: float) -> None:
+        sub, body = held.submission, held.submission.request
+        text = body.prompt if body.prompt is not None else "".join(
+            m.content for m in body.messages or [])
+        request = Request(
+            sub.id, sub.tenant, sub.endpoint, now,
+            body.input_tokens if body.input_tokens is not None else approx_tokens(text),
+            body.max_tokens or self._max_tokens_cap(sub.endpoint),
+            priority=body.priority, deadline=body.deadline, session=body.session,
+            other_units=float(len(body.images or ())), payload=held)
+        result = self.scheduler.check(request, now)
+        if isinstance(result, list):
+            try:
+                result = await self.limiter.apply(result, now)
+            except LimiterUnavailable as exc:
+                log.error("rate limiter unavailable: %s", exc)
+                await self._finish(held, wire.ErrorEvent(
+                    sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0))
+                self.metrics.admissions.labels(sub.endpoint, "internal").inc()
+                return
+        self.metrics.admissions.labels(
+            sub.endpoint if sub.endpoint in self.config.endpoints else "unknown",
+            result.outcome.value).inc()
+        if not result.admitted:
+            await self._reject(held, result)
+            return
+        self.scheduler.enqueue(request, now)
+        self._held[(sub.tenant, sub.id)] = held
+
+    def _max_tokens_cap(self, endpoint: str) -> int:
+        spec = self.config.endpoints.get(endpoint)
+        return spec.max_tokens_cap if spec else 1
+
+    async def _refuse_unparsed(self, msg: Msg, error: wire.WireError) -> None:
+        """A message that is not a valid request: answer where we safely can, then drop."""
+        log.info("invalid request on %s: %s", msg.subject, error)
+        event = error.to_event()
+        tenant = _tenant_of(self.subjects, msg.subject)
+        if error.request_id and tenant:  # the id is spent: its result is this error
+            await self._store(tenant, "", event)
+        await self._publish_event(error.reply, error.encoding, event)
+        await msg.term()
+
+    async def _reject(self, held: Held, decision: Decision) -> None:
+        await self._finish(held, wire.ErrorEvent(
+            held.submission.id, wire.ErrorCode(decision.outcome.error_code), decision.message,
+            decision.retry_after_s))
+
+    async def _finish(self, held: Held, event: wire.ErrorEvent) -> None:
+        """End a request here, without a worker: store, tell the client, drop the message."""
+        sub = held.submission
+        await self._store(sub.tenant, sub.endpoint, event)
+        await self._publish_event(sub.reply, sub.encoding, event)
+        await held.msg.term()
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        while not self._stop.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            if self._dispatching and self.clock() >= self._started_at + self.options.settle_s:
+                await self._dispatch_once()
+
+    async def _dispatch_once(self) -> None:
+        now = self.clock()
+        by_load = sorted((w for w in self.workers.values() if w.healthy),
+                         key=lambda w: w.used().model_units / max(w.capacity.model_units, 1e-9))
+        for worker in by_load:
+            free = worker.free()
+            if free.sequences <= 0:
+                continue
+            batch = self.scheduler.next_batch(worker.endpoint, free, now, worker.capacity)
+            for request in batch.expired:
+                self._held.pop((request.tenant, request.id), None)
+                await self._reject(request.payload, Decision(
+                    Outcome.DEADLINE_EXCEEDED, "the deadline passed while queued"))
+            if batch.requests:
+                await self._send(worker, batch.requests, now)
+                self.metrics.batch_fill.labels(worker.endpoint).observe(
+                    len(batch.requests) / free.sequences)
+
+    async def _send(self, worker: WorkerState, requests: list[Request], now: float) -> None:
+        items = []
+        for request in requests:
+            held: Held = request.payload
+            held.worker = worker.worker_id
+            worker.assigned[(request.tenant, request.id)] = (request, now)
+            body = held.submission.request
+            items.append(wire.BatchItem(
+                id=request.id, tenant=request.tenant, endpoint=request.endpoint,
+                max_tokens=request.max_tokens, prompt=body.prompt, messages=body.messages,
+                priority=body.priority, deadline=body.deadline, session=body.session,
+                input_tokens=body.input_tokens, images=body.images or [],
+                metadata=body.metadata or {}, reply=held.submission.reply,
+                encoding=held.submission.encoding, enqueued_at=held.received_at,
+                dispatched_at=now))
+            self.metrics.queue_wait.labels(request.endpoint).observe(now - held.received_at)
+        batch = wire.Batch(worker_id=worker.worker_id, endpoint=worker.endpoint, items=items,
+                           sent_at=now)
+        await self.nc.publish(self.subjects.work(worker.endpoint, worker.worker_id),
+                              wire.encode(batch, wire.Encoding.MSGPACK),
+                              headers={HDR_CONTENT_TYPE: wire.Encoding.MSGPACK.content_type})
+
+    # -- worker reports ------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        beat = wire.HEARTBEAT.decode(msg.data, _encoding(msg))
+        now = self.clock()
+        capacity = Capacity(beat.capacity.sequences, beat.capacity.tokens,
+                            beat.capacity.model_units)
+        worker = self.workers.get(beat.worker_id)
+        if worker is None or worker.started_at != beat.started_at:
+            if worker is not None:
+                log.warning("worker %s restarted; requeueing its requests", beat.worker_id)
+                await self._requeue_all(worker)
+            worker = WorkerState(beat.worker_id, beat.endpoint, beat.started_at, capacity, now)
+            self.workers[beat.worker_id] = worker
+        worker.capacity, worker.last_seen, worker.healthy = capacity, now, beat.healthy
+        worker.reported = set(beat.in_flight)
+        self._find_lost(worker, now)
+        self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
+            worker.used().model_units / max(capacity.model_units, 1e-9))
+        self._update_capacity(worker.endpoint)
+        self._wake.set()
+
+    def _find_lost(self, worker: WorkerState, now: float) -> None:
+        """Requests sent to a worker that two heartbeats in a row do not list were lost
+        on the way (core NATS is at most once): put them back in their queues."""
+        for key, (_, sent_at) in list(worker.assigned.items()):
+            if self.subjects.result_key(*key) in worker.reported or now - sent_at < 1.0:
+                worker.missing.pop(key, None)
+                continue
+            worker.missing[key] = worker.missing.get(key, 0) + 1
+            if worker.missing[key] >= 2:
+                log.warning("request %s never reached worker %s; requeued", key, worker.worker_id)
+                self._requeue(worker, key)
+
+    def _requeue(self, worker: WorkerState, key: Key) -> None:
+        worker.assigned.pop(key, None)
+        worker.missing.pop(key, None)
+        request = self.scheduler.requeue(*key)
+        if request is not None:
+            request.payload.worker = None
+
+    async def _requeue_all(self, worker: WorkerState) -> None:
+        """The worker lost its work (restart, silence): run it again elsewhere."""
+        for key in list(worker.assigned):
+            self._requeue(worker, key)
+        for key, held in list(self._adopted.items()):
+            if held.worker == worker.worker_id:
+                del self._adopted[key]
+                held.worker = None
+                await self._admit(held, self.clock())
+
+    def _update_capacity(self, endpoint: str) -> None:
+        healthy = sum(1 for w in self.workers.values() if w.endpoint == endpoint and w.healthy)
+        profile = self.scheduler.endpoints[endpoint].profile
+        self.scheduler.set_capacity(endpoint, healthy * profile.capacity_mu_per_s)
+
+    async def _on_completion(self, msg: Msg) -> None:
+        done = wire.COMPLETION.decode(msg.data, _encoding(msg))
+        key = (done.tenant, done.id)
+        worker = self.workers.get(done.worker_id)
+        if worker is not None:
+            worker.assigned.pop(key, None)
+            worker.missing.pop(key, None)
+        now = self.clock()
+        completed = self.scheduler.complete(
+            done.tenant, done.id, Usage(done.usage.input_tokens, done.usage.output_tokens),
+            now)
+        held = self._held.pop(key, None) if completed else self._adopted.pop(key, None)
+        if held is not None:
+            if done.stored:
+                await held.msg.ack()
+            else:
+                await held.msg.nak()  # the final event is not stored: run it again
+        if completed is not None:
+            if completed.refund is not None:
+                try:
+                    await self.limiter.refund(completed.refund)
+                except LimiterUnavailable as exc:
+                    log.warning("quota refund lost: %s", exc)
+            self._observe_completion(completed.request, done, now)
+        self._wake.set()
+
+    def _observe_completion(self, request: Request, done: wire.Completion, now: float) -> None:
+        if request.dispatched_at is None or done.code is not None:
+            return
+        elapsed = max(now - request.dispatched_at, 1e-6)
+        self.metrics.output_tps.labels(request.endpoint).observe(
+            done.usage.output_tokens / elapsed)
+
+    # -- request/reply APIs ------------------------------------------------------------------
+
+    async def _on_status(self, msg: Msg) -> None:
+        tenant = _tenant_of_api(self.subjects, msg.subject)
+        query = await self._api_request(msg, wire.STATUS_REQUEST)
+        if query is None or tenant is None:
+            return
+        state = self.scheduler.state(tenant, query.id)
+        if state is not None:
+            reply = wire.StatusReply(query.id, state[0], position=state[1])
+        elif (tenant, query.id) in self._adopted:
+            reply = wire.StatusReply(query.id, "running")
+        else:
+            stored = await self._stored_result(tenant, query.id)
+            if stored is None:
+                reply = wire.StatusReply(query.id, "unknown")
+            else:
+                finished = "done" if isinstance(stored.event, wire.DoneEvent) else "failed"
+                reply = wire.StatusReply(query.id, finished, result=stored.event)
+        await msg.respond(wire.encode(reply))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        tenant = _tenant_of_api(self.subjects, msg.subject)
+        query = await self._api_request(msg, wire.CANCEL_REQUEST)
+        if query is None or tenant is None:
+            return
+        cancelled = False
+        request = self.scheduler.cancel(tenant, query.id)
+        if request is not None:
+            held = self._held.pop((tenant, query.id))
+            await self._reject(held, Decision(Outcome.CANCELLED, "cancelled by the client"))
+            cancelled = True
+        else:
+            running = self.scheduler.running_request(tenant, query.id)
+            adopted = self._adopted.get((tenant, query.id))
+            if running is not None or adopted is not None:
+                endpoint = running.endpoint if running else adopted.submission.endpoint
+                await self.nc.publish(self.subjects.abort(endpoint), wire.encode(
+                    wire.Abort(endpoint=endpoint, tenant=tenant, ids=[query.id])))
+                cancelled = True
+        await msg.respond(wire.encode(wire.CancelReply(query.id, cancelled)))
+
+    async def _on_depth(self, msg: Msg) -> None:
+        if await self._api_request(msg, wire.DEPTH_REQUEST) is None:
+            return
+        rows = [wire.DepthEntry(r.endpoint, r.tier, r.tenant, r.queued, r.running,
+                                r.oldest_wait_s) for r in self.scheduler.depth(self.clock())]
+        await msg.respond(wire.encode(wire.DepthReply(rows)))
+
+    async def _api_request(self, msg: Msg, codec: wire.Codec) -> Any:
+        try:
+            return codec.decode_or_invalid(msg.data or b"{}")
+        except wire.WireError as error:
+            if msg.reply:
+                await msg.respond(wire.encode(error.to_event()))
+            return None
+
+    # -- maintenance --------------------------------------------------------------------------
+
+    async def _maintenance_loop(self) -> None:
+        last_extension = self.clock()
+        while not self._stop.is_set():
+            await asyncio.sleep(self.options.tick_s)
+            now = self.clock()
+            for request in self.scheduler.expire(now):
+                held = self._held.pop((request.tenant, request.id))
+                await self._reject(held, Decision(Outcome.DEADLINE_EXCEEDED,
+                                                  "the deadline passed while queued"))
+            for worker in list(self.workers.values()):
+                if worker.healthy and now - worker.last_seen > self.options.worker_timeout_s:
+                    log.warning("worker %s silent for %.1fs; out of rotation",
+                                worker.worker_id, now - worker.last_seen)
+                    worker.healthy = False
+                    await self._requeue_all(worker)
+                    self._update_capacity(worker.endpoint)
+            if now - last_extension > self.options.ack_wait_s / 3:
+                last_extension = now
+                for held in list(self._held.values()) + list(self._adopted.values()):
+                    with contextlib.suppress(nats.errors.Error):
+                        await held.msg.in_progress()
+            self._export_depth(now)
+            self._wake.set()
+
+    def _export_depth(self, now: float) -> None:
+        self.metrics.queue_depth.clear()
+        self.metrics.running.clear()
+        for row in self.scheduler.depth(now):
+            self.metrics.queue_depth.labels(row.endpoint, row.tier, row.tenant).set(row.queued)
+            self.metrics.running.labels(row.endpoint, row.tier, row.tenant).set(row.running)
+
+    # -- results ---------------------------------------------------------------------------
+
+    async def _stored_result(self, tenant: str, request_id: str) -> wire.StoredResult | None:
+        try:
+            entry = await self.kv.get(self.subjects.result_key(tenant, request_id))
+        except KeyNotFoundError:
+            return None
+        return wire.STORED_RESULT.decode(entry.value)
+
+    async def _store(self, tenant: str, endpoint: str, event: wire.ErrorEvent) -> None:
+        value = wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event,
+                                  stored_at=self.clock())
+        await self.kv.put(self.subjects.result_key(tenant, event.id), wire.encode(value))
+
+    async def _publish_event(self, reply: str | None, encoding: wire.Encoding,
+                             event: Any) -> None:
+        if reply:
+            await self.nc.publish(reply, wire.encode(event, encoding),
+                                  headers={HDR_CONTENT_TYPE: encoding.content_type})
+
+
+def _encoding(msg: Msg) -> wire.Encoding:
+    return wire.Encoding.from_content_type((msg.headers or {}).get(HDR_CONTENT_TYPE))
+
+
+def _tenant_of(subjects: Subjects, subject: str) -> str | None:
+    try:
+        return subjects.parse_request(subject)[1]
+    except ValueError:
+        return None
+
+
+def _tenant_of_api(subjects: Subjects, subject: str) -> str | None:
+    try:
+        return subjects.parse_api(subject)[1]
+    except ValueError:
+        return None
