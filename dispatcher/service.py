@@ -72,6 +72,8 @@ class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
     grace_s: float = 30.0
     tick_s: float = 0.25
     tenant_inboxes: bool = False
+    # "fifo" runs the naive shared queue behind the same service, for comparisons.
+    policy: str = "fairq"
 
 
 @dataclass(slots=True)
@@ -122,7 +124,7 @@ class Dispatcher:
         self.limiter = limiter or MemoryLimiterAsync()
         self.metrics = metrics or DispatcherMetrics(list(config.endpoints))
         self.clock = clock
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, policy=self.options.policy)
         self.workers: dict[str, WorkerState] = {}
         self._held: dict[Key, Held] = {}
         # Requests a worker already runs (seen in its heartbeat) when their message is

@@ -10,6 +10,9 @@ import sys
 # Subcommand modules, imported lazily so `fairq sim` never loads nats or redis.
 COMMANDS = {
     "sim": "dispatcher.simulate",
+    # One module, four commands (submit, status, cancel, top): `fairq status|cancel|top`
+    # are found by building the full parser.
+    "submit": "producers.commands",
 }
 
 

@@ -1,0 +1,374 @@
+"""`fairq submit | status | cancel | top`: the producer side of the command line.
+
+Exit codes: 0 success; 1 the request ended with an error event; 2 the command could not do
+what was asked (no server, no dispatcher, invalid input), reported as one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from broker_config.subjects import TOKEN_PATTERN, is_token
+from broker_config.wire import (
+    DepthEntry,
+    DepthReply,
+    DoneEvent,
+    Encoding,
+    ErrorEvent,
+    TokenEvent,
+)
+from producers.client import (
+    ApiError,
+    Client,
+    Connecting,
+    FairqError,
+    FairqTimeout,
+    NoDispatcher,
+    RequestFailed,
+    Submitted,
+)
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+EXIT_FAILED = 1
+EXIT_ERROR = 2
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+Main = Callable[[argparse.Namespace], Awaitable[int]]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register submit, status, cancel and top (one module, four commands)."""
+    connection = _connection_options()
+    tenant = _tenant_options()
+    _add_submit(subparsers, [connection, tenant])
+    _add_status(subparsers, [connection, tenant])
+    _add_cancel(subparsers, [connection, tenant])
+    _add_top(subparsers, [connection])
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+def _connection_options() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group("connection")
+    group.add_argument("--nats", metavar="URL", default=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
+                       help="NATS server (default: $NATS_URL, else %(default)s)")
+    group.add_argument("--user", default=os.environ.get("NATS_USER"),
+                       help="NATS user (default: $NATS_USER)")
+    group.add_argument("--password", default=os.environ.get("NATS_PASSWORD"),
+                       help="NATS password (default: $NATS_PASSWORD)")
+    group.add_argument("--prefix", type=_token, default="fq", help="subject prefix (default fq)")
+    group.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S",
+                       help="seconds to wait for the broker's or dispatcher's answer (default 5)")
+    return parser
+
+
+def _tenant_options() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tenant", type=_token, required=True)
+    parser.add_argument("--tenant-inbox", action="store_true",
+                        help="use the tenant's own inbox prefix (brokers with per-tenant users)")
+    return parser
+
+
+def _token(text: str) -> str:
+    if not is_token(text):
+        raise argparse.ArgumentTypeError(f"{text!r} must match {TOKEN_PATTERN}")
+    return text
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _messages(text: str) -> list[object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError('must be a JSON list like [{"role":"user","content":"Hi"}]')
+    return value
+
+
+def _add_submit(subparsers: argparse._SubParsersAction,
+                parents: list[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "submit", parents=parents, help="submit a request and stream its answer",
+        description="Submit a request. The answer's text streams to stdout as tokens arrive; "
+                    "a summary (usage, timings) goes to stderr.")
+    parser.add_argument("--endpoint", type=_token, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the input text")
+    source.add_argument("--messages", type=_messages, metavar="JSON",
+                        help='chat input: [{"role":"user","content":"..."}]')
+    parser.add_argument("--max-tokens", type=int, metavar="N")
+    parser.add_argument("--priority", type=int, default=0, metavar="N",
+                        help="higher is served first, inside the tenant's share (default 0)")
+    parser.add_argument("--deadline-in", type=_positive_float, metavar="S",
+                        help="drop the request if it has not started within S seconds")
+    parser.add_argument("--session", help="affinity key for sticky routing")
+    parser.add_argument("--id", help="request id (default: a random one)")
+    parser.add_argument("--msgpack", action="store_true", help="send and receive msgpack")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="print the request id and exit; collect it later with `fairq status`")
+    parser.add_argument("--idle-timeout", type=_positive_float, default=300.0, metavar="S",
+                        help="give up when no event arrives for S seconds (default 300)")
+    parser.set_defaults(run=_runner("submit", _submit))
+
+
+def _add_status(subparsers: argparse._SubParsersAction,
+                parents: list[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "status", parents=parents, help="a request's state and, once finished, its result",
+        description="Print a request's status as JSON (the final event under `result`).")
+    parser.add_argument("id")
+    parser.set_defaults(run=_runner("status", _status))
+
+
+def _add_cancel(subparsers: argparse._SubParsersAction,
+                parents: list[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("cancel", parents=parents, help="cancel a request",
+                                   description="Cancel a request and print the answer as JSON.")
+    parser.add_argument("id")
+    parser.set_defaults(run=_runner("cancel", _cancel))
+
+
+def _add_top(subparsers: argparse._SubParsersAction,
+             parents: list[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "top", parents=parents, help="live per-tenant queue table",
+        description="Show queued and running requests per endpoint, tier and tenant, "
+                    "refreshing in place until Ctrl-C.")
+    parser.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+                        help="seconds between refreshes (default 1)")
+    parser.add_argument("--once", action="store_true", help="print one table and exit")
+    parser.set_defaults(run=_runner("top", _top, interrupted=0))
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+def _runner(name: str, main: Main, *,
+            interrupted: int | None = None) -> Callable[[argparse.Namespace], int]:
+    """The command's entry: errors become one line on stderr and exit code 2.
+
+    `interrupted`: the exit code for Ctrl-C, for commands that run until interrupted.
+    """
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return asyncio.run(main(args))
+        except FairqError as exc:
+            print(f"fairq {name}: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        except KeyboardInterrupt:
+            if interrupted is None:
+                raise
+            return interrupted
+    return run
+
+
+def _connect(args: argparse.Namespace, *, tenant: str | None = None) -> Connecting:
+    """The client for a command; fails at once when the server is unreachable."""
+    return Client.connect(args.nats, prefix=args.prefix, user=args.user, password=args.password,
+                          tenant_inboxes=tenant, allow_reconnect=False,
+                          connect_timeout_s=args.timeout, publish_timeout_s=args.timeout,
+                          api_timeout_s=args.timeout)
+
+
+def _tenant_inbox(args: argparse.Namespace) -> str | None:
+    return args.tenant if args.tenant_inbox else None
+
+
+# -- submit --------------------------------------------------------------------------------
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    deadline = None if args.deadline_in is None else time.time() + args.deadline_in
+    async with _connect(args, tenant=_tenant_inbox(args)) as client:
+        submitted = await client.submit(
+            args.endpoint, args.tenant, prompt=args.prompt, messages=args.messages,
+            max_tokens=args.max_tokens, priority=args.priority, deadline=deadline,
+            session=args.session, id=args.id, reply=not args.no_wait,
+            encoding=Encoding.MSGPACK if args.msgpack else Encoding.JSON)
+        if submitted.duplicate:
+            print(f"fairq submit: request {submitted.id} was already submitted (deduplicated)",
+                  file=sys.stderr)
+        if args.no_wait:
+            print(submitted.id)
+            return 0
+        return await _print_answer(client, submitted, args.idle_timeout)
+
+
+async def _print_answer(client: Client, submitted: Submitted, idle_timeout_s: float) -> int:
+    """Stream the text to stdout; the summary or the error to stderr."""
+    printed = ""
+    events = client.stream(submitted, timeout_s=idle_timeout_s)
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    _write(event.text)
+                    printed += event.text
+                elif isinstance(event, DoneEvent):
+                    # The full text is authoritative: print what the tokens did not cover.
+                    _write(event.text[len(printed):] if event.text.startswith(printed) else "")
+                    _write("\n")
+                    print(_summary(event), file=sys.stderr)
+                    return 0
+                elif isinstance(event, ErrorEvent):
+                    if printed:
+                        _write("\n")
+                    print(f"fairq submit: {RequestFailed(event)}", file=sys.stderr)
+                    return EXIT_FAILED
+        except FairqTimeout as exc:
+            raise FairqTimeout(f"{exc}; the request is kept: collect its result later with "
+                               f"`fairq status --tenant {submitted.tenant} {submitted.id}`"
+                               ) from exc
+    raise FairqError(f"the events of request {submitted.id} ended without a final event")
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _summary(done: DoneEvent) -> str:
+    usage, timings = done.usage, done.timings
+    ttft = "-" if timings.ttft_s is None else f"{timings.ttft_s:.3f}s"
+    return (f"done id={done.id} input_tokens={usage.input_tokens} "
+            f"output_tokens={usage.output_tokens} model_units={usage.model_units:g} "
+            f"queued={timings.queued_s:.3f}s ttft={ttft} total={timings.total_s:.3f}s")
+
+
+# -- status, cancel ------------------------------------------------------------------------
+
+
+async def _status(args: argparse.Namespace) -> int:
+    async with _connect(args, tenant=_tenant_inbox(args)) as client:
+        print(msgspec.json.encode(await client.status(args.tenant, args.id)).decode())
+    return 0
+
+
+async def _cancel(args: argparse.Namespace) -> int:
+    async with _connect(args, tenant=_tenant_inbox(args)) as client:
+        print(msgspec.json.encode(await client.cancel(args.tenant, args.id)).decode())
+    return 0
+
+
+# -- top -----------------------------------------------------------------------------------
+
+QueueKey = tuple[str, str, str]  # endpoint, tier, tenant
+
+
+def _key(entry: DepthEntry) -> QueueKey:
+    return entry.endpoint, entry.tier, entry.tenant
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """Per-second change of a queue's queued and running counts since the last sample."""
+
+    queued_per_s: float
+    running_per_s: float
+
+
+class DepthTrend:
+    """Remembers the previous depth sample to turn counts into rates of change.
+
+    The depth reply lists only queues with a backlog, so a queue missing from a sample
+    counted zero then.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[float, dict[QueueKey, DepthEntry]] | None = None
+
+    def update(self, reply: DepthReply, now: float) -> dict[QueueKey, Change]:
+        """Changes since the previous sample (none for the first one)."""
+        current = {_key(entry): entry for entry in reply.queues}
+        last, self._last = self._last, (now, current)
+        if last is None or now <= last[0]:
+            return {}
+        elapsed = now - last[0]
+        changes = {}
+        for key, entry in current.items():
+            before = last[1].get(key)
+            queued, running = (before.queued, before.running) if before else (0, 0)
+            changes[key] = Change((entry.queued - queued) / elapsed,
+                                  (entry.running - running) / elapsed)
+        return changes
+
+
+_COLUMNS = ("ENDPOINT", "TIER", "TENANT", "QUEUED", "RUNNING", "OLDEST WAIT",
+            "QUEUED/S", "RUNNING/S")
+_NUMERIC_FROM = 3  # columns from here on are right-aligned
+
+
+def render_depth(reply: DepthReply, changes: Mapping[QueueKey, Change], title: str) -> str:
+    """The table `fairq top` shows: a title with totals, then one row per queue."""
+    entries = sorted(reply.queues, key=_key)
+    queued = sum(e.queued for e in entries)
+    running = sum(e.running for e in entries)
+    lines = [f"{title}  queues={len(entries)} queued={queued} running={running}", ""]
+    if not entries:
+        return "\n".join([*lines, "(no backlog)"])
+    rows = [_COLUMNS, *(_row(e, changes.get(_key(e))) for e in entries)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    for row in rows:
+        cells = [cell.rjust(w) if i >= _NUMERIC_FROM else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _row(entry: DepthEntry, change: Change | None) -> tuple[str, ...]:
+    rates = ((f"{change.queued_per_s:+.1f}", f"{change.running_per_s:+.1f}")
+             if change else ("-", "-"))
+    return (entry.endpoint, entry.tier, entry.tenant, str(entry.queued), str(entry.running),
+            f"{entry.oldest_wait_s:.1f}s", *rates)
+
+
+def _without_credentials(url: str) -> str:
+    """The URL as shown on screen: `user:password@` removed."""
+    parts = urllib.parse.urlsplit(url)
+    if not (parts.username or parts.password):
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+async def _top(args: argparse.Namespace) -> int:
+    trend = DepthTrend()
+    async with _connect(args) as client:
+        while True:
+            title = f"fairq top  {_without_credentials(args.nats)}  {time.strftime('%H:%M:%S')}"
+            try:
+                reply = await client.depth()
+                screen = render_depth(reply, trend.update(reply, time.monotonic()), title)
+            except (NoDispatcher, FairqTimeout, ApiError) as exc:
+                if args.once:
+                    raise
+                # Live: the dispatcher may come (back) any moment; keep polling.
+                screen = f"{title}\n\n{exc}"
+            if args.once:
+                print(screen)
+                return 0
+            _write(f"{CLEAR_SCREEN}{screen}\n")
+            await asyncio.sleep(args.interval)

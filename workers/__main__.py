@@ -1,0 +1,257 @@
+"""Run one worker: `python -m workers --nats URL --endpoint chat --worker-id w1 [...]`.
+
+The worker serves one endpoint with one engine: the simulated engine (`--engine sim`,
+timing from `--engine-config`, an `EngineParams` TOML such as configs/engine.toml) or vLLM
+(`--engine vllm`, `--engine-config` a `VLLMEngineConfig` TOML and/or `--model DIR`).
+`--config` (the fairq config the dispatcher runs with) supplies the endpoint's cost profile,
+so usage carries model units, and the subject prefix.
+
+The broker must be provisioned already (the dispatcher does it): the worker only opens the
+results bucket. SIGTERM or SIGINT drains the worker (see `WorkerService`) and exits 0;
+bad arguments exit 2, runtime failures (NATS unreachable, no results bucket, the engine
+failing to start, the connection lost) exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+from nats.js.errors import BucketNotFoundError
+
+from broker_config.subjects import SubjectError, Subjects, check_token
+from costmodel.engine_model import EngineParams, load_engine_params
+from costmodel.units import ModelProfile
+from dispatcher.core.config import Registry, load_config
+from workers.engine import Engine, EngineError
+from workers.service import WorkerService
+from workers.sim_engine import SimEngine
+
+log = logging.getLogger("workers")
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+CONNECT_TIMEOUT_S = 5.0  # one connection attempt
+
+
+class UsageError(ValueError):
+    """An argument, or a file it names, that cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    nats_url: str
+    connect_wait_s: float
+    endpoint: str
+    worker_id: str
+    subjects: Subjects
+    profile: ModelProfile | None
+    heartbeat_interval_s: float
+    drain_timeout_s: float
+    engine: Engine
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers", description="Run a fairq worker: batches in, events out.")
+    parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL",
+                        help=f"NATS server (default {DEFAULT_NATS_URL})")
+    parser.add_argument("--connect-wait", type=float, default=60.0, metavar="S",
+                        help="how long to keep trying to reach NATS at start (default 60)")
+    parser.add_argument("--endpoint", required=True, help="the endpoint this worker serves")
+    parser.add_argument("--worker-id", required=True, help="unique among the endpoint's workers")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--engine-config", type=Path, metavar="TOML",
+                        help="sim: EngineParams (e.g. configs/engine.toml); "
+                             "vllm: VLLMEngineConfig fields")
+    parser.add_argument("--time-scale", type=float, metavar="X",
+                        help="sim only: multiplies simulated step times (default 1.0)")
+    parser.add_argument("--seed", type=int, help="sim only: output text and lengths (default 0)")
+    parser.add_argument("--model", metavar="DIR", help="vllm only: the model directory")
+    parser.add_argument("--config", type=Path, metavar="TOML",
+                        help="fairq config: the endpoint's cost profile and the subject prefix")
+    parser.add_argument("--prefix", help="subject prefix (default: --config's, else fq)")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM, how long in-flight requests may take to finish")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return parser
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    """Everything the worker needs, checked before it connects; UsageError if unusable."""
+    try:
+        check_token(args.endpoint, "endpoint")
+        check_token(args.worker_id, "worker id")
+    except SubjectError as exc:
+        raise UsageError(str(exc)) from exc
+    if not (0 < args.heartbeat_interval < math.inf):
+        raise UsageError(f"--heartbeat-interval must be > 0, got {args.heartbeat_interval}")
+    if not (0 <= args.drain_timeout < math.inf):
+        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not (0 < args.connect_wait < math.inf):
+        raise UsageError(f"--connect-wait must be > 0, got {args.connect_wait}")
+    prefix, profile = args.prefix, None
+    if args.config is not None:
+        prefix_from_config, profile = _from_fairq_config(args.config, args.endpoint)
+        prefix = prefix or prefix_from_config
+    try:
+        subjects = Subjects(prefix or "fq")
+    except SubjectError as exc:
+        raise UsageError(str(exc)) from exc
+    engine = _sim_engine(args) if args.engine == "sim" else _vllm_engine(args)
+    return Options(args.nats, args.connect_wait, args.endpoint, args.worker_id, subjects, profile,
+                   args.heartbeat_interval, args.drain_timeout, engine)
+
+
+def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile]:
+    try:
+        config = load_config(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if endpoint not in config.endpoints:
+        known = ", ".join(sorted(config.endpoints)) or "none"
+        raise UsageError(f"{path}: no endpoint {endpoint!r} (configured: {known})")
+    return config.subject_prefix, Registry(config).profile(endpoint)
+
+
+def _sim_engine(args: argparse.Namespace) -> Engine:
+    if args.model is not None:
+        raise UsageError("--model is for --engine vllm; the simulated engine has no model")
+    try:
+        params = (load_engine_params(args.engine_config) if args.engine_config is not None
+                  else EngineParams())
+        return SimEngine(params, time_scale=1.0 if args.time_scale is None else args.time_scale,
+                         seed=0 if args.seed is None else args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _vllm_engine(args: argparse.Namespace) -> Engine:
+    for flag, value in (("--time-scale", args.time_scale), ("--seed", args.seed)):
+        if value is not None:
+            raise UsageError(f"{flag} is for --engine sim (set vLLM's seed in --engine-config)")
+    # Imported only here: its module is the one place fairq reaches vllm from.
+    from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    fields: dict[str, Any] = {}
+    if args.engine_config is not None:
+        fields = _read_toml_table(args.engine_config)
+    if args.model is not None:
+        fields["model"] = args.model
+    if "model" not in fields:
+        raise UsageError("--engine vllm needs --model DIR (or `model` in --engine-config)")
+    try:
+        return VLLMEngine(msgspec.convert(fields, VLLMEngineConfig))
+    except msgspec.ValidationError as exc:
+        where = args.engine_config or "--model"
+        raise UsageError(f"{where}: invalid vLLM engine config: {exc}") from exc
+
+
+def _read_toml_table(path: Path) -> dict[str, Any]:
+    try:
+        data = msgspec.toml.decode(path.read_bytes())
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from exc
+    except msgspec.DecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a table of settings")
+    return data
+
+
+class WorkerFailure(RuntimeError):
+    """The worker could not start or lost its connection; the message says why."""
+
+
+async def run(options: Options) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure."""
+    stop = asyncio.Event()
+    lost = closed_by_us = False
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def on_closed() -> None:
+        nonlocal lost
+        if not closed_by_us:  # nats-py gave up reconnecting
+            lost = True
+            stop.set()
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("NATS: %r", exc)
+
+    try:
+        # nats-py retries a failed first connect; the wait bounds it (NATS may start later).
+        async with asyncio.timeout(options.connect_wait_s):
+            nc = await nats.connect(options.nats_url, name=f"fairq-worker-{options.endpoint}-"
+                                    f"{options.worker_id}", connect_timeout=CONNECT_TIMEOUT_S,
+                                    error_cb=on_error, closed_cb=on_closed)
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        raise WorkerFailure(f"cannot connect to NATS at {options.nats_url} within "
+                            f"{options.connect_wait_s:g}s: {exc!r}") from exc
+    try:
+        await _serve(nc, options, stop)
+    finally:
+        if not nc.is_closed:
+            closed_by_us = True
+            await nc.close()
+    if lost:
+        raise WorkerFailure(f"lost the NATS connection to {options.nats_url}")
+
+
+async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event) -> None:
+    bucket = options.subjects.results_bucket
+    try:
+        results = await nc.jetstream().key_value(bucket)
+    except BucketNotFoundError as exc:
+        raise WorkerFailure(f"results bucket {bucket} not found on {options.nats_url}: the "
+                            "dispatcher provisions the broker, start it first") from exc
+    except nats.errors.Error as exc:
+        raise WorkerFailure(f"cannot open results bucket {bucket}: {exc!r}") from exc
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            engine = await stack.enter_async_context(options.engine)
+        except (EngineError, ImportError) as exc:
+            # ImportError: --engine vllm where vllm is not installed (see docs/vllm.md).
+            raise WorkerFailure(f"the engine failed to start: {exc}") from exc
+        await stack.enter_async_context(WorkerService(
+            nc, engine, endpoint=options.endpoint, worker_id=options.worker_id,
+            subjects=options.subjects, results=results, profile=options.profile,
+            heartbeat_interval_s=options.heartbeat_interval_s,
+            drain_timeout_s=options.drain_timeout_s))
+        log.info("worker %s serving endpoint %s", options.worker_id, options.endpoint)
+        await stop.wait()
+        log.info("worker %s draining", options.worker_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = parse_options(args)
+    except UsageError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run(options))
+    except WorkerFailure as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

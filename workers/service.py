@@ -1,0 +1,556 @@
+"""The worker service: the NATS edge of one inference worker.
+
+Batches come in on `Subjects.work(endpoint, worker_id)`, every item runs as one task in the
+service's task group, its output streams to the item's reply subject as `token` events, and
+its final event (`done` or `error`) is stored in the results bucket before anything else
+learns that the request finished. Heartbeats advertise capacity and load; aborts for the
+endpoint stop matching requests.
+
+Per request, in this order:
+
+1. token events to `item.reply` (seq from 0), in the request's encoding;
+2. the final event stored under `Subjects.result_key(tenant, id)` (bounded retries);
+3. the final event to `item.reply`, only once stored: if storing fails for good the
+   dispatcher redelivers the request, and the client must not see two final events;
+4. a `Completion` to `Subjects.completion(endpoint, worker_id)`, `stored` telling the
+   dispatcher whether it may ack the request.
+
+Internal messages (heartbeats, completions) are sent as JSON with a `Content-Type` header;
+batches and aborts are read in whichever encoding their `Content-Type` names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Self, TypeVar
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
+
+from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
+from broker_config.wire import (
+    ABORT,
+    BATCH,
+    BatchItem,
+    Capacity,
+    Completion,
+    DoneEvent,
+    Encoding,
+    ErrorCode,
+    ErrorEvent,
+    FinalEvent,
+    Heartbeat,
+    StoredResult,
+    Timings,
+    TokenEvent,
+    Usage,
+    WireError,
+    encode,
+    header,
+)
+from costmodel.units import ModelProfile
+from workers.engine import ChatMessage, Delta, Engine, EngineError, EngineRequest
+
+log = logging.getLogger(__name__)
+
+# Storing a final event: attempts, and the backoff before each retry (doubling, capped).
+STORE_ATTEMPTS = 5
+STORE_BACKOFF_S = 0.05
+STORE_BACKOFF_MAX_S = 1.0
+# Upper bound for the round trip that pushes the last messages out on shutdown.
+FLUSH_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
+
+_NO_CAPACITY = Capacity(sequences=0, tokens=0, model_units=0.0)
+_INTERNAL_ENCODING = Encoding.JSON
+
+
+@dataclass(frozen=True, slots=True)
+class _Ending:
+    """How a request ended: `code` None for done, else the error it ends with."""
+
+    code: ErrorCode | None
+    message: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Running:
+    """One request on this worker, from its batch to its Completion.
+
+    `key` (`Subjects.result_key(tenant, id)`) names it everywhere on the worker: ids are
+    unique per tenant only. It is also the request's id inside the engine.
+    """
+
+    key: str
+    item: BatchItem
+    input_tokens: int
+    footprint_mu: float
+    task: asyncio.Task[None] | None = None
+    # Set once, by an Abort message or the deadline; the request then ends with it.
+    stop: _Ending | None = None
+    # Handed to the engine; a request that never was costs no model units.
+    in_engine: bool = False
+    # From here on the request is storing/publishing its final event; drain waits for it.
+    finalizing: bool = False
+    seq: int = 0
+    parts: list[str] = field(default_factory=list)
+    output_tokens: int = 0
+    first_token_at: float | None = None  # unix time of the first token event
+
+
+class WorkerService:
+    """Runs one worker's requests on an engine, between NATS and the engine.
+
+    An async context manager; the engine must already be running (entered). Entering
+    subscribes to the worker's work subject and the endpoint's abort subject and sends a
+    heartbeat at once, then one every `heartbeat_interval_s`.
+
+    Leaving drains, in this order:
+
+    1. stop intake: the work subscription is drained (batches already delivered still
+       start), and a heartbeat advertises no free capacity (capacity equal to what is
+       in use, `healthy` unchanged) so the dispatcher sends nothing new and does not
+       re-dispatch the work still running here;
+    2. let in-flight requests finish, up to `drain_timeout_s`; aborts and deadlines still
+       apply meanwhile;
+    3. abandon the rest: cancel them and abort them in the engine WITHOUT storing or
+       publishing a final event and without a Completion, so the dispatcher never acks
+       them and they are redelivered elsewhere (the client may have seen some of their
+       token events; the run that finishes them streams from seq 0 again). Requests
+       already storing their final event are not abandoned: they finish (bounded by the
+       store retries);
+    4. unsubscribe from aborts, stop heartbeats, send a final heartbeat with
+       `healthy=False`, no capacity, nothing in flight, and flush the connection.
+
+    The dispatcher treats every request it sent to this worker that has no Completion
+    when that final heartbeat arrives (or when heartbeats stop) as lost, and requeues it.
+    """
+
+    def __init__(self, nc: Client, engine: Engine, *, endpoint: str, worker_id: str,
+                 subjects: Subjects, results: KeyValue, profile: ModelProfile | None = None,
+                 heartbeat_interval_s: float = 1.0, drain_timeout_s: float = 30.0) -> None:
+        check_token(endpoint, "endpoint")
+        check_token(worker_id, "worker id")
+        if not (0 < heartbeat_interval_s < math.inf):
+            raise ValueError(f"heartbeat_interval_s must be finite and > 0, "
+                             f"got {heartbeat_interval_s!r}")
+        if not (0 <= drain_timeout_s < math.inf):
+            raise ValueError(f"drain_timeout_s must be finite and >= 0, got {drain_timeout_s!r}")
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.subjects = subjects
+        # Constant for this service instance: a new value tells the dispatcher of a restart.
+        self.started_at = time.time()
+        self._nc = nc
+        self._engine = engine
+        self._results = results
+        self._profile = profile
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._drain_timeout_s = drain_timeout_s
+        self._running: dict[str, _Running] = {}
+        self._heartbeat_seq = 0
+        self._draining = False
+        self._tg: asyncio.TaskGroup | None = None
+        self._work_sub: Subscription | None = None
+        self._abort_sub: Subscription | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> list[str]:
+        """Result keys (`Subjects.result_key`) of the requests here, until their Completion."""
+        return list(self._running)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._tg is not None:
+            raise RuntimeError("this WorkerService is already running")
+        tg = asyncio.TaskGroup()
+        await tg.__aenter__()
+        self._tg = tg
+        try:
+            self._work_sub = await self._nc.subscribe(
+                self.subjects.work(self.endpoint, self.worker_id), cb=self._on_batch)
+            self._abort_sub = await self._nc.subscribe(
+                self.subjects.abort(self.endpoint), cb=self._on_abort)
+            # Subscribed on the server before the heartbeat announces this worker.
+            await self._nc.flush()
+        except BaseException:
+            await self._unsubscribe()
+            self._tg = None
+            await tg.__aexit__(None, None, None)
+            raise
+        await self._heartbeat()
+        self._heartbeat_task = tg.create_task(self._heartbeat_loop(), name="worker-heartbeats")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        tg = self._tg
+        if tg is None:
+            return
+        try:
+            await self._drain()
+        finally:
+            self._tg = None
+            # Every task has ended by now; this only surfaces a task that failed.
+            await tg.__aexit__(None, None, None)
+
+    async def _drain(self) -> None:
+        self._draining = True
+        if self._work_sub is not None:
+            await self._nats_step("stop taking batches", self._work_sub.drain())
+            self._work_sub = None
+        await self._heartbeat()
+        pending = [r.task for r in self._running.values() if r.task is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=self._drain_timeout_s)
+        await self._abandon_unfinished()
+        await self._unsubscribe()
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.wait([self._heartbeat_task])
+        await self._heartbeat(final=True)
+        await self._nats_step("flush", self._nc.flush(timeout=FLUSH_TIMEOUT_S))
+
+    async def _abandon_unfinished(self) -> None:
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        abandoned = [r for r in self._running.values() if not r.finalizing]
+        for running in abandoned:
+            log.warning("drain timeout: abandoning request %s (no final event; the dispatcher "
+                        "redelivers it)", running.key)
+            if running.task is not None:
+                running.task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        for running in abandoned:
+            await self._abort_in_engine(running.key)
+
+    async def _unsubscribe(self) -> None:
+        for sub in (self._work_sub, self._abort_sub):
+            if sub is not None:
+                await self._nats_step("unsubscribe", sub.unsubscribe())
+        self._work_sub = self._abort_sub = None
+
+    async def _nats_step(self, what: str, step: Awaitable[object]) -> None:
+        """Await one NATS call of the shutdown path; a failure is logged, not fatal."""
+        try:
+            await step
+        except nats.errors.Error as exc:
+            log.warning("shutdown: %s failed: %r", what, exc)
+
+    # -- intake -------------------------------------------------------------------------
+
+    async def _on_batch(self, msg: Msg) -> None:
+        batch = _decode_or_log(msg, "batch", BATCH.decode)
+        if batch is None:
+            return
+        if batch.endpoint != self.endpoint or batch.worker_id != self.worker_id:
+            log.error("skipping a batch for %s/%s sent to %s/%s", batch.endpoint,
+                      batch.worker_id, self.endpoint, self.worker_id)
+            return
+        for item in batch.items:
+            self._start(item)
+
+    def _start(self, item: BatchItem) -> None:
+        if item.endpoint != self.endpoint:
+            log.error("skipping request %s: it is for endpoint %r, this worker serves %r",
+                      item.id, item.endpoint, self.endpoint)
+            return
+        try:
+            key = self.subjects.result_key(item.tenant, item.id)
+        except SubjectError as exc:
+            log.error("skipping a request whose result cannot be stored: %s", exc)
+            return
+        if key in self._running:
+            log.warning("skipping request %s of %s: it is already running here", item.id,
+                        item.tenant)
+            return
+        assert self._tg is not None
+        input_tokens = item.input_tokens or 0  # counted when the request starts
+        running = _Running(key, item, input_tokens,
+                           self._model_units(item, input_tokens, item.max_tokens))
+        self._running[key] = running
+        running.task = self._tg.create_task(self._serve(running), name=f"request-{key}")
+
+    async def _on_abort(self, msg: Msg) -> None:
+        abort = _decode_or_log(msg, "abort", ABORT.decode)
+        if abort is None or abort.endpoint != self.endpoint:
+            return
+        message = ("cancelled" if abort.code is ErrorCode.CANCELLED
+                   else f"aborted by the dispatcher ({abort.code})")
+        for request_id in abort.ids:
+            running = self._find(abort.tenant, request_id)
+            if running is not None and self._stop(running, _Ending(abort.code, message)):
+                await self._abort_in_engine(running.key)
+
+    def _find(self, tenant: str, request_id: str) -> _Running | None:
+        try:
+            return self._running.get(self.subjects.result_key(tenant, request_id))
+        except SubjectError:
+            return None  # a malformed name cannot belong to a running request
+
+    def _stop(self, running: _Running, ending: _Ending) -> bool:
+        """Mark a request to end with `ending`; False if it is already ending."""
+        if running.stop is not None or running.finalizing:
+            return False
+        running.stop = ending
+        return True
+
+    def _expire(self, running: _Running) -> None:
+        ending = _Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while running")
+        if self._stop(running, ending) and self._tg is not None:
+            self._tg.create_task(self._abort_in_engine(running.key))
+
+    async def _abort_in_engine(self, key: str) -> None:
+        try:
+            await self._engine.abort(key)
+        except EngineError as exc:
+            log.warning("engine abort of %s failed: %s", key, exc)
+
+    # -- one request --------------------------------------------------------------------
+
+    async def _serve(self, running: _Running) -> None:
+        try:
+            ending = await self._execute(running)
+            running.finalizing = True
+            await self._finish(running, ending)
+        finally:
+            del self._running[running.key]
+
+    async def _execute(self, running: _Running) -> _Ending:
+        item = running.item
+        try:
+            request = await _engine_request(running.key, item)
+            if item.input_tokens is None:
+                running.input_tokens = self._engine.count_tokens(request)
+                running.footprint_mu = self._model_units(item, running.input_tokens,
+                                                         item.max_tokens)
+        except ValueError as exc:
+            return _Ending(ErrorCode.INVALID_REQUEST, str(exc))
+        if item.deadline is not None and time.time() >= item.deadline:
+            return _Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the start")
+        timer = self._deadline_timer(running)
+        try:
+            final = await self._stream(running, request)
+        except EngineError as exc:
+            return _Ending(ErrorCode.INTERNAL, str(exc))
+        except ValueError as exc:
+            return _Ending(ErrorCode.INVALID_REQUEST, str(exc))
+        except Exception as exc:
+            log.exception("engine failed request %s", running.key)
+            return _Ending(ErrorCode.INTERNAL, f"engine failure: {exc!r}")
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return _conclude(running, final)
+
+    def _deadline_timer(self, running: _Running) -> asyncio.TimerHandle | None:
+        deadline = running.item.deadline
+        if deadline is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + (deadline - time.time()), self._expire, running)
+
+    async def _stream(self, running: _Running, request: EngineRequest) -> Delta | None:
+        """Publish the engine's output; the final delta, or None if stopped before it."""
+        if running.stop is not None:
+            return None
+        running.in_engine = True
+        deltas = self._engine.generate(request)
+        try:
+            async for delta in deltas:
+                if delta.finished:
+                    await self._emit(running, delta)
+                    return delta
+                if running.stop is not None:
+                    return None
+                await self._emit(running, delta)
+            return None
+        finally:
+            await _close(deltas)
+
+    async def _emit(self, running: _Running, delta: Delta) -> None:
+        running.output_tokens += delta.token_count
+        if not delta.text:
+            return
+        if running.first_token_at is None:
+            running.first_token_at = time.time()
+        running.parts.append(delta.text)
+        event = TokenEvent(id=running.item.id, seq=running.seq, text=delta.text)
+        running.seq += 1
+        await self._send_event(running.item, event)
+
+    async def _finish(self, running: _Running, ending: _Ending) -> None:
+        item = running.item
+        cost = (self._model_units(item, running.input_tokens, running.output_tokens)
+                if running.in_engine else 0.0)
+        usage = Usage(input_tokens=running.input_tokens, output_tokens=running.output_tokens,
+                      model_units=cost)
+        event = self._final_event(running, ending, usage)
+        stored = await self._store(running.key, item, event)
+        if stored:
+            await self._send_event(item, event)
+        completion = Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
+                                worker_id=self.worker_id, usage=usage, code=ending.code,
+                                stored=stored, finished_at=time.time())
+        await self._publish_internal(self.subjects.completion(self.endpoint, self.worker_id),
+                                     completion)
+
+    @staticmethod
+    def _final_event(running: _Running, ending: _Ending, usage: Usage) -> FinalEvent:
+        item = running.item
+        if ending.code is not None:
+            return ErrorEvent(id=item.id, code=ending.code, message=ending.message)
+        first = running.first_token_at
+        timings = Timings(
+            queued_s=max(0.0, item.dispatched_at - item.enqueued_at),
+            ttft_s=None if first is None else max(0.0, first - item.enqueued_at),
+            total_s=max(0.0, time.time() - item.enqueued_at),
+        )
+        return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
+                         timings=timings, metadata=item.metadata)
+
+    async def _store(self, key: str, item: BatchItem, event: FinalEvent) -> bool:
+        value = encode(StoredResult(tenant=item.tenant, endpoint=item.endpoint, event=event,
+                                    stored_at=time.time()))
+        delay = STORE_BACKOFF_S
+        for attempt in range(1, STORE_ATTEMPTS + 1):
+            try:
+                await self._results.put(key, value)
+                return True
+            except nats.errors.Error as exc:
+                log.warning("storing the result of %s failed (attempt %d of %d): %r",
+                            key, attempt, STORE_ATTEMPTS, exc)
+            if attempt < STORE_ATTEMPTS:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, STORE_BACKOFF_MAX_S)
+        log.error("could not store the result of %s: reporting it unstored, so the "
+                  "dispatcher redelivers it", key)
+        return False
+
+    def _model_units(self, item: BatchItem, input_tokens: int, output_tokens: int) -> float:
+        if self._profile is None:
+            return 0.0
+        return self._profile.model_units(input_tokens, output_tokens, other=len(item.images))
+
+    # -- publishing ---------------------------------------------------------------------
+
+    async def _send_event(self, item: BatchItem, event: TokenEvent | FinalEvent) -> None:
+        if item.reply is None:
+            return
+        try:
+            await self._nc.publish(item.reply, encode(event, item.encoding),
+                                   headers={HDR_CONTENT_TYPE: item.encoding.content_type})
+        except nats.errors.Error as exc:
+            # Events are at-most-once; the final one is also in the results bucket.
+            log.warning("publishing an event of %s to %s failed: %r", item.id, item.reply, exc)
+
+    async def _publish_internal(self, subject: str, message: object) -> None:
+        try:
+            await self._nc.publish(subject, encode(message, _INTERNAL_ENCODING),
+                                   headers={HDR_CONTENT_TYPE: _INTERNAL_ENCODING.content_type})
+        except nats.errors.Error as exc:
+            log.error("publishing to %s failed: %r", subject, exc)
+
+    # -- heartbeats ---------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_interval_s)
+            await self._heartbeat()
+
+    async def _heartbeat(self, *, final: bool = False) -> None:
+        await self._publish_internal(self.subjects.heartbeat(self.endpoint, self.worker_id),
+                                     self._heartbeat_message(final=final))
+
+    def _heartbeat_message(self, *, final: bool) -> Heartbeat:
+        running = [] if final else list(self._running.values())
+        used = Capacity(sequences=len(running),
+                        tokens=sum(r.input_tokens + r.item.max_tokens for r in running),
+                        model_units=sum(r.footprint_mu for r in running))
+        healthy = not final and self._engine.healthy
+        if final:
+            capacity = _NO_CAPACITY
+        elif self._draining:
+            capacity = used  # no room: the dispatcher sends nothing new
+        else:
+            capacity, healthy = self._engine_capacity(healthy)
+        seq, self._heartbeat_seq = self._heartbeat_seq, self._heartbeat_seq + 1
+        return Heartbeat(worker_id=self.worker_id, endpoint=self.endpoint, capacity=capacity,
+                         used=used, in_flight=[r.key for r in running], healthy=healthy,
+                         started_at=self.started_at, sent_at=time.time(), seq=seq)
+
+    def _engine_capacity(self, healthy: bool) -> tuple[Capacity, bool]:
+        try:
+            limits = self._engine.capacity
+        except EngineError as exc:
+            log.error("the engine reports no capacity: %s", exc)
+            return _NO_CAPACITY, False
+        return Capacity(sequences=limits.max_sequences, tokens=limits.max_tokens,
+                        model_units=limits.model_units), healthy
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _decode_or_log(msg: Msg, what: str, decode: Callable[[bytes, Encoding], T]) -> T | None:
+    """The message, or None after logging why it cannot be read."""
+    try:
+        return decode(msg.data, Encoding.from_content_type(header(msg.headers, HDR_CONTENT_TYPE)))
+    except (msgspec.DecodeError, WireError) as exc:
+        log.warning("skipping a malformed %s on %s: %s", what, msg.subject, exc)
+        return None
+
+
+async def _engine_request(engine_id: str, item: BatchItem) -> EngineRequest:
+    """The engine's view of an item; ValueError for images that are not base64."""
+    images = await asyncio.to_thread(_decode_images, item.images) if item.images else []
+    messages = (None if item.messages is None
+                else [ChatMessage(m.role, m.content) for m in item.messages])
+    return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=item.prompt,
+                         messages=messages, priority=item.priority,
+                         input_tokens=item.input_tokens, images=images)
+
+
+def _decode_images(images: list[str]) -> list[bytes]:
+    decoded = []
+    for index, image in enumerate(images):
+        try:
+            decoded.append(base64.b64decode(image, validate=True))
+        except binascii.Error as exc:
+            raise ValueError(f"image {index} is not valid base64: {exc}") from exc
+    return decoded
+
+
+async def _close(deltas: AsyncIterator[Delta]) -> None:
+    """Close an engine stream left early, so the engine frees the request at once."""
+    aclose = getattr(deltas, "aclose", None)  # async generators; plain iterators have none
+    if aclose is not None:
+        await aclose()
+
+
+def _conclude(running: _Running, final: Delta | None) -> _Ending:
+    """How a request ended, from the engine's final delta (None: stopped before it)."""
+    if final is not None:
+        # The engine's own count is the usage, also for an aborted request.
+        running.input_tokens = final.input_tokens
+        running.output_tokens = final.output_tokens
+        if final.finish_reason != "abort":
+            return _Ending(None)
+    if running.stop is not None:
+        return running.stop
+    if final is None:
+        return _Ending(ErrorCode.INTERNAL, "the engine ended the request without a final output")
+    return _Ending(ErrorCode.INTERNAL, "the engine aborted the request")
