@@ -157,7 +157,10 @@ class _ServerProcess(abc.ABC):
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
                 [str(self.binary), *args], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, cwd=self.run_dir)
+                stderr=subprocess.STDOUT, cwd=self.run_dir,
+                # Its own session: a Ctrl-C meant for us must not kill the server before
+                # the clients have drained; stop() ends it in order.
+                start_new_session=True)
 
     def _wait_ready(self, probe: Callable[[], bool]) -> None:
         """Poll `probe` until true; fail early if the process exits, or after the timeout."""

@@ -302,6 +302,8 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     code: ErrorCode | None = None
     stored: bool
     finished_at: float
+    # Unix time of the first token event, if there was one (for TTFT metrics).
+    first_token_at: float | None = None
 
 
 class StoredResult(msgspec.Struct, frozen=True, kw_only=True):

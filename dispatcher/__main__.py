@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
     parser.add_argument("--redis-url", help="Redis for rate limits (default: in-process)")
     parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus /metrics on 127.0.0.1:PORT (0: a free port)")
+                        help="serve Prometheus /metrics on PORT (0: a free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address for /metrics (0.0.0.0 inside a container)")
     parser.add_argument("--ack-wait", type=float, default=60.0, metavar="S",
                         help="JetStream ack wait; held requests are extended every third")
     parser.add_argument("--grace", type=float, default=30.0, metavar="S",
@@ -44,8 +46,8 @@ async def serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     metrics = DispatcherMetrics(list(config.endpoints))
     if args.metrics_port is not None:
-        print(f"METRICS_URL=http://127.0.0.1:{metrics.serve(args.metrics_port)}/metrics",
-              flush=True)
+        port = metrics.serve(args.metrics_port, args.metrics_host)
+        print(f"METRICS_URL=http://{args.metrics_host}:{port}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -40,6 +40,7 @@ class StackOptions:
     engine: EngineParams | None = None
     redis_url: str | None = None
     heartbeat_interval_s: float = 0.5
+    drain_timeout_s: float = 30.0  # how long workers let running requests finish on exit
     dispatcher: DispatcherOptions = DispatcherOptions()
     settings: BrokerSettings | None = None
 
@@ -95,7 +96,8 @@ class LocalStack:
                 worker = await self._stack.enter_async_context(WorkerService(
                     self.nc, engine, endpoint=endpoint, worker_id=f"{endpoint}-w{n + 1}",
                     subjects=settings.subjects, results=results, profile=profile,
-                    heartbeat_interval_s=self.options.heartbeat_interval_s))
+                    heartbeat_interval_s=self.options.heartbeat_interval_s,
+                    drain_timeout_s=self.options.drain_timeout_s))
                 self.workers.append(worker)
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -110,15 +112,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "up", help="run nats-server, a dispatcher and simulated workers locally",
         description="Start an embedded nats-server, provision it, and run a dispatcher and "
                     "simulated workers with the given config until Ctrl-C.")
-    parser.add_argument("--port", type=int, default=4222,
-                        help="NATS port on 127.0.0.1 (default 4222; 0 picks a free one)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="NATS port on 127.0.0.1 (default: a free one, printed as NATS_URL)")
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
     parser.add_argument("--workers", type=int, default=2, help="simulated workers per endpoint")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiplies simulated engine time (0.1 = ten times faster)")
     parser.add_argument("--redis-url", help="use Redis for rate limits (default: in-process)")
     parser.add_argument("--metrics-port", type=int, default=9464,
-                        help="Prometheus /metrics port on 127.0.0.1 (0 picks a free one)")
+                        help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free "
+                             "one if that is taken)")
     parser.set_defaults(run=run_up)
 
 
@@ -137,7 +140,10 @@ async def _up(config: Config, options: StackOptions, port: int, metrics_port: in
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     metrics = DispatcherMetrics(list(config.endpoints))
-    bound = metrics.serve(metrics_port)
+    try:
+        bound = metrics.serve(metrics_port)
+    except OSError:  # the default port is taken: any free one, printed below
+        bound = metrics.serve(0)
     try:
         async with LocalStack(config, options, port=port, metrics=metrics) as stack:
             print(f"NATS_URL={stack.nats_url}", flush=True)

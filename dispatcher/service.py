@@ -56,6 +56,8 @@ from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable, Memor
 
 log = logging.getLogger("fairq.dispatcher")
 Key = tuple[str, str]  # (tenant, request id)
+# A fetch waits this long for messages; also how soon intake notices a drain.
+INTAKE_POLL_S = 0.5
 
 
 class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +137,7 @@ class Dispatcher:
         self._started_at = 0.0
         self._stack = contextlib.AsyncExitStack()
         self._intake_tasks: list[asyncio.Task] = []
+        self._intake_open = True
         self._dispatching = True
         self.kv: KeyValue | None = None
 
@@ -152,8 +155,6 @@ class Dispatcher:
             await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self._on_status)
             await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self._on_cancel)
             await self._subscribe(self.subjects.depth, self._on_depth)
-            group = await stack.enter_async_context(asyncio.TaskGroup())
-            stack.push_async_callback(self._stop_background)
             limits = ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
                                     max_ack_pending=self.options.max_ack_pending)
             # One consumer over every request subject: requests for an endpoint this
@@ -161,6 +162,10 @@ class Dispatcher:
             spec = ConsumerSpec(f"{self.subjects.prefix}~requests", self.subjects.all_requests,
                                 limits)
             subscription = await pull_subscription(self.js, self.subjects.requests_stream, spec)
+            stack.push_async_callback(subscription.unsubscribe)
+            # Unwound first: the drain runs while the subscriptions above still work.
+            group = await stack.enter_async_context(asyncio.TaskGroup())
+            stack.push_async_callback(self._stop_background)
             self._intake_tasks.append(group.create_task(self._intake_loop(subscription),
                                                         name="intake"))
             group.create_task(self._dispatch_loop(), name="dispatch")
@@ -193,8 +198,10 @@ class Dispatcher:
 
     async def _stop_background(self) -> None:
         """The drain: runs before the task group is awaited."""
-        for task in self._intake_tasks:
-            task.cancel()
+        # Not task.cancel(): nats-py's fetch can swallow a cancellation, and the loop
+        # would then never end; the flag stops it within one fetch timeout.
+        self._intake_open = False
+        await asyncio.gather(*self._intake_tasks, return_exceptions=True)
         self._dispatching = False
         deadline = self.clock() + self.options.grace_s
         while any(h.worker for h in self._held.values()) and self.clock() < deadline:
@@ -211,9 +218,10 @@ class Dispatcher:
     # -- intake ----------------------------------------------------------------------------
 
     async def _intake_loop(self, subscription: Any) -> None:
-        while True:
+        while self._intake_open:
             try:
-                messages = await subscription.fetch(self.options.fetch_batch, timeout=1.0)
+                messages = await subscription.fetch(self.options.fetch_batch,
+                                                    timeout=INTAKE_POLL_S)
             except nats.errors.TimeoutError:
                 continue
             except nats.errors.ConnectionClosedError:
@@ -439,15 +447,19 @@ class Dispatcher:
                     await self.limiter.refund(completed.refund)
                 except LimiterUnavailable as exc:
                     log.warning("quota refund lost: %s", exc)
-            self._observe_completion(completed.request, done, now)
+            self._observe_completion(completed.request, done)
         self._wake.set()
 
-    def _observe_completion(self, request: Request, done: wire.Completion, now: float) -> None:
-        if request.dispatched_at is None or done.code is not None:
+    def _observe_completion(self, request: Request, done: wire.Completion) -> None:
+        if done.code is not None or done.first_token_at is None:
             return
-        elapsed = max(now - request.dispatched_at, 1e-6)
-        self.metrics.output_tps.labels(request.endpoint).observe(
-            done.usage.output_tokens / elapsed)
+        held: Held = request.payload
+        self.metrics.ttft.labels(request.endpoint).observe(
+            max(0.0, done.first_token_at - held.received_at))
+        decoding = done.finished_at - done.first_token_at
+        if decoding > 0:
+            self.metrics.output_tps.labels(request.endpoint).observe(
+                done.usage.output_tokens / decoding)
 
     # -- request/reply APIs ------------------------------------------------------------------
 

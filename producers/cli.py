@@ -7,31 +7,33 @@ import argparse
 import importlib
 import sys
 
-# Subcommand modules, imported lazily so `fairq sim` never loads nats or redis.
+# Command -> the module that registers it, imported lazily so that `fairq sim` never
+# loads nats or redis. A module may register several commands.
 COMMANDS = {
+    "up": "dispatcher.local",
     "sim": "dispatcher.simulate",
-    # One module, four commands (submit, status, cancel, top): `fairq status|cancel|top`
-    # are found by building the full parser.
     "submit": "producers.commands",
+    "status": "producers.commands",
+    "cancel": "producers.commands",
+    "top": "producers.commands",
 }
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `only`, just that command's module is imported."""
     parser = argparse.ArgumentParser(
         prog="fairq", description="Fair multi-tenant LLM inference dispatch over NATS.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
-        if only is None or name == only:
-            importlib.import_module(module).add_parser(subparsers)
-        else:
-            subparsers.add_parser(name, help=f"see `fairq {name} --help`")
+    modules = [COMMANDS[only]] if only in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(module).add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)

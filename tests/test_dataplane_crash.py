@@ -47,10 +47,10 @@ tier = "all"
 """
 
 
-def start_dispatcher(nats_url: str, config: Path) -> subprocess.Popen:
+def start_dispatcher(nats_url: str, config: Path, ack_wait_s: float = 2.0) -> subprocess.Popen:
     process = subprocess.Popen(
         [sys.executable, "-m", "dispatcher", "--nats", nats_url, "--config", str(config),
-         "--ack-wait", "2", "--grace", "1"],
+         "--ack-wait", str(ack_wait_s), "--grace", "1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     line = process.stdout.readline()  # "running" once provisioned and subscribed
     assert "running" in line, line + process.stdout.read()
@@ -109,6 +109,54 @@ async def test_kill_9_of_the_dispatcher_loses_nothing(nats_url, tmp_path):
         assert stream.state.messages == 0  # every request acked once finished
         await nc.drain()
     finally:
+        dispatcher.send_signal(signal.SIGTERM)
+        try:
+            dispatcher.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            dispatcher.kill()
+
+
+async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path):
+    config = tmp_path / "fairq.toml"
+    config.write_text(CONFIG)
+    # A long ack wait: requests that come back quickly were handed back, not timed out.
+    dispatcher = start_dispatcher(nats_url, config, ack_wait_s=60)  # no workers: all queue
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        subjects = Subjects()
+        finals: dict[str, dict] = {}
+
+        async def on_event(msg):
+            event = json.loads(msg.data)
+            if event["type"] in ("done", "error"):
+                finals[event["id"]] = event
+
+        await nc.subscribe("_INBOX.term.>", cb=on_event)
+        for i in range(5):
+            await js.publish("fq.req.chat.acme", b'{"prompt":"wait","max_tokens":4}',
+                             headers={"Nats-Msg-Id": f"t{i}", "Fq-Reply": f"_INBOX.term.{i}"})
+        deadline = time.monotonic() + 10
+        while (await js.consumer_info(subjects.requests_stream, "fq~requests")
+               ).num_ack_pending < 5:
+            assert time.monotonic() < deadline, "the dispatcher never took the requests"
+            await asyncio.sleep(0.05)
+        dispatcher.send_signal(signal.SIGTERM)
+        assert dispatcher.wait(timeout=15) == 0
+        assert finals == {}  # nothing was answered: the requests were handed back
+        dispatcher = start_dispatcher(nats_url, config, ack_wait_s=60)
+        results = await js.key_value(subjects.results_bucket)
+        engine = SimEngine(load_engine_params(ENGINE_CONFIG), time_scale=0.1)
+        async with engine, WorkerService(nc, engine, endpoint="chat", worker_id="w1",
+                                         subjects=subjects, results=results,
+                                         heartbeat_interval_s=0.2):
+            deadline = time.monotonic() + 20  # far below the 60 s ack wait
+            while len(finals) < 5:
+                assert time.monotonic() < deadline, f"only {sorted(finals)} came back"
+                await asyncio.sleep(0.05)
+        assert all(event["type"] == "done" for event in finals.values())
+    finally:
+        await nc.drain()
         dispatcher.send_signal(signal.SIGTERM)
         try:
             dispatcher.wait(timeout=15)

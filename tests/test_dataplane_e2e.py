@@ -253,3 +253,47 @@ async def test_a_full_backlog_fails_at_the_publisher_only(nats_url, client):
         ack = await js.publish("fq.req.chat.globex", b'{"prompt":"x"}',
                                headers={"Nats-Msg-Id": "g0"})
         assert ack.seq > 0
+
+
+async def test_metrics_endpoint_reports_the_request_path(stack, client):
+    import urllib.request
+
+    _, sub = await submit(client, "chat", "acme", {"prompt": "measure me", "max_tokens": 8})
+    assert (await collect(sub))[-1]["type"] == "done"
+    await asyncio.sleep(0.5)  # one maintenance tick exports the depth gauges
+    port = stack.metrics.serve(0)
+    try:
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            .read().decode())
+    finally:
+        stack.metrics.close()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in body.splitlines() if line and not line.startswith("#")}
+    assert samples['fairq_admissions_total{endpoint="chat",outcome="admitted"}'] >= 1
+    assert samples['fairq_admissions_total{endpoint="chat",outcome="rate_limited"}'] == 0
+    for histogram in ("fairq_queue_wait_seconds", "fairq_time_to_first_token_seconds",
+                      "fairq_output_tokens_per_second", "fairq_batch_fill_ratio"):
+        assert samples[f'{histogram}_count{{endpoint="chat"}}'] >= 1, histogram
+    assert any(k.startswith("fairq_worker_model_unit_utilisation{") for k in samples)
+    assert "# TYPE fairq_queue_depth gauge" in body
+
+
+async def test_rate_limits_are_kept_in_redis_when_configured(nats_url, client, redis_url):
+    import redis.asyncio as aioredis
+
+    config = parse_config(ERROR_CONFIG)
+    options = stack_options(time_scale=0.05, redis_url=redis_url)
+    async with LocalStack(config, options, nats_url=nats_url):
+        ok = {"prompt": "x", "max_tokens": 4}
+        _, first = await submit(client, "chat", "limited", ok)
+        assert (await collect(first))[-1]["type"] == "done"
+        _, second = await submit(client, "chat", "limited", ok)
+        limited = (await collect(second))[-1]
+        assert limited["code"] == "rate_limited" and limited["retry_after_s"] > 0
+    redis = aioredis.from_url(redis_url)
+    try:
+        keys = [key.decode() async for key in redis.scan_iter("fq:limits:*")]
+    finally:
+        await redis.aclose()
+    assert any("rpm:chat:limited" in key for key in keys), keys

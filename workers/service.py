@@ -404,7 +404,8 @@ class WorkerService:
             await self._send_event(item, event)
         completion = Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
                                 worker_id=self.worker_id, usage=usage, code=ending.code,
-                                stored=stored, finished_at=time.time())
+                                stored=stored, finished_at=time.time(),
+                                first_token_at=running.first_token_at)
         await self._publish_internal(self.subjects.completion(self.endpoint, self.worker_id),
                                      completion)
 
