@@ -88,12 +88,10 @@ def test_fifo_baseline_makes_the_small_tenant_wait_behind_the_flood(noisy_runs) 
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "Not reachable with the engine model's physics, whatever the dispatch order: an "
-    "arrival waits for the step under way and its own step is longer with a full batch "
-    "(decode 0.044 s at 64 sequences vs 0.025 s alone) and carries others' prefill "
-    "chunks. Measured B p95 TTFT ratio to alone (seeds 1-3): fairq 1.77-3.82; an ideal "
-    "dispatcher (B-E in a strictly higher tier, 30% reserve) 1.45-1.89. See the "
-    "section 'Simulator: noisy neighbour' of docs/benchmarks.md."))
+    "Not reached: measured 1.79-2.68x on seeds 1-3 (an ideal dispatcher gets 1.45-1.89x "
+    "on this engine model): an arrival waits for the step under way and its own step is "
+    "longer with a full batch and others' prefill chunks. See docs/benchmarks.md, "
+    "'Simulator: noisy neighbour'."))
 def test_fairq_keeps_the_small_tenant_close_to_running_alone(noisy_runs) -> None:
     alone, fairq = p95_ttft(noisy_runs["alone"], "B"), p95_ttft(noisy_runs["fairq"], "B")
     assert fairq <= 1.5 * alone, (fairq, alone)
