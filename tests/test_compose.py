@@ -1,0 +1,190 @@
+"""compose.yaml and the Dockerfile agree with the code, checked without Docker.
+
+Every Python service's command goes through the real argument parser of the module it
+runs; paths under the image's /app are mapped back to the repo (the Dockerfile copies the
+repo there); URL hosts and depends_on must name services.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from dispatcher import __main__ as dispatcher_main
+from dispatcher.core.config import load_config
+from workers import __main__ as workers_main
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = REPO / "compose.yaml"
+APP_ROOT = PurePosixPath("/app")  # where the Dockerfile copies the repo
+
+PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "dispatcher": dispatcher_main.build_parser,
+    "workers": workers_main.build_parser,
+}
+# Python service -> the module its command runs.
+PYTHON_SERVICES = {"dispatcher": "dispatcher", "worker-1": "workers", "worker-2": "workers"}
+WORKERS = [name for name, module in PYTHON_SERVICES.items() if module == "workers"]
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(compose, dict) and isinstance(compose.get("services"), dict)
+    return compose["services"]
+
+
+@pytest.fixture(scope="module")
+def volumes() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text()).get("volumes") or {}
+
+
+def command_argv(service: dict[str, Any]) -> list[str]:
+    command = service.get("command")
+    assert isinstance(command, str), f"expected a string command, got {command!r}"
+    return shlex.split(command)
+
+
+def parse_python_command(service: dict[str, Any], module: str) -> argparse.Namespace:
+    argv = command_argv(service)
+    assert argv[:3] == ["python", "-m", module], argv
+    try:
+        return PARSERS[module]().parse_args(argv[3:])
+    except SystemExit as exc:  # argparse reports bad arguments by exiting
+        pytest.fail(f"`python -m {module}` rejects {argv[3:]} (exit {exc.code})")
+
+
+def repo_path(image_path: Path | str) -> Path:
+    path = PurePosixPath(image_path)
+    assert path.is_relative_to(APP_ROOT), f"{path} is not inside the image's {APP_ROOT}"
+    return REPO / path.relative_to(APP_ROOT)
+
+
+def container_ports(service: dict[str, Any]) -> set[int]:
+    """Container side of `ports` entries written as "HOST:CONTAINER"."""
+    return {int(str(entry).rsplit(":", 1)[-1]) for entry in service.get("ports", [])}
+
+
+def test_expected_services_exist(services: dict[str, dict[str, Any]]) -> None:
+    assert {"nats", "redis", *PYTHON_SERVICES} <= set(services)
+
+
+@pytest.mark.parametrize("name", PYTHON_SERVICES)
+def test_python_services_build_the_repo_dockerfile(
+        services: dict[str, dict[str, Any]], name: str) -> None:
+    build = services[name]["build"]
+    assert (COMPOSE_FILE.parent / build["context"]).resolve() == REPO
+    assert (REPO / build.get("dockerfile", "Dockerfile")).is_file()
+
+
+@pytest.mark.parametrize("name", PYTHON_SERVICES)
+def test_python_commands_parse_and_name_existing_configs(
+        services: dict[str, dict[str, Any]], name: str) -> None:
+    args = parse_python_command(services[name], PYTHON_SERVICES[name])
+    assert args.config is not None, "the image has no repo-relative default; name the config"
+    load_config(repo_path(args.config))
+
+
+def test_dispatcher_metrics_are_reachable_from_outside(
+        services: dict[str, dict[str, Any]]) -> None:
+    dispatcher = services["dispatcher"]
+    args = parse_python_command(dispatcher, "dispatcher")
+    assert args.metrics_port in container_ports(dispatcher)
+    # 127.0.0.1 inside a container is unreachable through the published port.
+    assert args.metrics_host == "0.0.0.0"
+
+
+def test_workers_serve_configured_endpoints_with_distinct_ids(
+        services: dict[str, dict[str, Any]]) -> None:
+    ids = []
+    for name in WORKERS:
+        args = parse_python_command(services[name], "workers")
+        args.config = repo_path(args.config)
+        # Checks the endpoint exists in the config and builds the engine, like startup does.
+        options = workers_main.parse_options(args)
+        ids.append((options.endpoint, options.worker_id))
+    assert len(set(ids)) == len(ids), ids
+
+
+def test_url_hosts_are_services(services: dict[str, dict[str, Any]]) -> None:
+    hosts = set()
+    for name in PYTHON_SERVICES:
+        for arg in command_argv(services[name]):
+            if "://" in arg:
+                hosts.add(urlsplit(arg).hostname)
+    assert hosts == {"nats", "redis"}
+    assert hosts <= set(services)
+
+
+def depends_on(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Compose allows a list of names or a mapping of name -> options."""
+    deps = service.get("depends_on") or {}
+    return {name: {} for name in deps} if isinstance(deps, list) else deps
+
+
+def test_depends_on_references_exist(services: dict[str, dict[str, Any]]) -> None:
+    for name, service in services.items():
+        for dependency, options in depends_on(service).items():
+            assert dependency in services and dependency != name, (name, dependency)
+            if options.get("condition") == "service_healthy":
+                assert "healthcheck" in services[dependency], (name, dependency)
+    assert set(depends_on(services["dispatcher"])) == {"nats", "redis"}
+    for name in WORKERS:
+        assert "dispatcher" in depends_on(services[name])
+
+
+def test_nats_runs_jetstream_on_a_volume(
+        services: dict[str, dict[str, Any]], volumes: dict[str, Any]) -> None:
+    nats = services["nats"]
+    argv = command_argv(nats)
+    assert "-js" in argv
+    store_dir = argv[argv.index("-sd") + 1]
+    mounts = dict(reversed(str(v).split(":")[:2]) for v in nats["volumes"])
+    assert store_dir in mounts, f"JetStream store {store_dir} is not on a volume"
+    assert mounts[store_dir] in volumes
+    assert 4222 in container_ports(nats)
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order; comments dropped, continuations joined."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        pending = ""
+    return instructions
+
+
+def test_dockerfile_installs_the_project_at_app_root() -> None:
+    instructions = dockerfile_instructions()
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    workdir = PurePosixPath("/")
+    copied = installed = False
+    user = "root"
+    for keyword, rest in instructions:
+        if keyword == "WORKDIR":
+            workdir = workdir / rest
+        elif keyword == "COPY":
+            *sources, dest = shlex.split(rest)
+            copied = copied or (sources == ["."] and workdir / dest == APP_ROOT)
+        elif keyword == "RUN" and "pip install" in rest:
+            argv = shlex.split(rest)
+            installed = copied and workdir == APP_ROOT and "." in argv[argv.index("install"):]
+        elif keyword == "USER":
+            user = rest
+    assert copied, f"no `COPY . {APP_ROOT}` (the compose paths assume the repo is there)"
+    assert installed, f"no `pip install .` in {APP_ROOT} after the COPY"
+    assert user not in ("root", "0"), "the services should not run as root"
