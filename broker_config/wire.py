@@ -202,7 +202,8 @@ class DepthRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class DepthEntry(msgspec.Struct, frozen=True):
-    """One queue: how many wait, how many run, and how long the oldest has waited."""
+    """One queue: how many wait, how many run, how long the oldest has waited, and how
+    many requests admission let in and turned away since the dispatcher started."""
 
     endpoint: str
     tier: str
@@ -210,6 +211,8 @@ class DepthEntry(msgspec.Struct, frozen=True):
     queued: int
     running: int
     oldest_wait_s: float
+    admitted: int = 0
+    rejected: int = 0
 
 
 class DepthReply(msgspec.Struct, frozen=True):

@@ -132,6 +132,9 @@ class Dispatcher:
         # Requests a worker already runs (seen in its heartbeat) when their message is
         # redelivered after a dispatcher restart: acked on completion, never re-run.
         self._adopted: dict[Key, Held] = {}
+        # (endpoint, tenant) -> [admitted, rejected] since start, for the depth API. Only
+        # tenants the registry knows, so a flood of made-up names cannot grow it.
+        self._admissions: dict[tuple[str, str], list[int]] = {}
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._started_at = 0.0
@@ -287,6 +290,9 @@ class Dispatcher:
         self.metrics.admissions.labels(
             sub.endpoint if sub.endpoint in self.config.endpoints else "unknown",
             result.outcome.value).inc()
+        if result.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
+            counts = self._admissions.setdefault((sub.endpoint, sub.tenant), [0, 0])
+            counts[0 if result.admitted else 1] += 1
         if not result.admitted:
             await self._reject(held, result)
             return
@@ -506,9 +512,17 @@ class Dispatcher:
     async def _on_depth(self, msg: Msg) -> None:
         if await self._api_request(msg, wire.DEPTH_REQUEST) is None:
             return
-        rows = [wire.DepthEntry(r.endpoint, r.tier, r.tenant, r.queued, r.running,
-                                r.oldest_wait_s) for r in self.scheduler.depth(self.clock())]
-        await msg.respond(wire.encode(wire.DepthReply(rows)))
+        rows = {(r.endpoint, r.tenant): r for r in self.scheduler.depth(self.clock())}
+        entries = []
+        for key in rows.keys() | self._admissions.keys():
+            row = rows.get(key)
+            admitted, rejected = self._admissions.get(key, (0, 0))
+            tier = row.tier if row else self.scheduler.registry.tenant(key[1]).tier
+            entries.append(wire.DepthEntry(
+                key[0], tier, key[1], row.queued if row else 0, row.running if row else 0,
+                row.oldest_wait_s if row else 0.0, admitted, rejected))
+        await msg.respond(wire.encode(wire.DepthReply(sorted(
+            entries, key=lambda e: (e.endpoint, e.tier, e.tenant)))))
 
     async def _api_request(self, msg: Msg, codec: wire.Codec) -> Any:
         try:

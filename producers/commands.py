@@ -285,17 +285,16 @@ def _key(entry: DepthEntry) -> QueueKey:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """Per-second change of a queue's queued and running counts since the last sample."""
+    """Per-second rates of a queue since the last sample."""
 
-    queued_per_s: float
-    running_per_s: float
+    admitted_per_s: float
+    rejected_per_s: float
 
 
 class DepthTrend:
-    """Remembers the previous depth sample to turn counts into rates of change.
+    """Remembers the previous depth sample to turn cumulative counts into rates.
 
-    The depth reply lists only queues with a backlog, so a queue missing from a sample
-    counted zero then.
+    A queue missing from the earlier sample counted zero then.
     """
 
     def __init__(self) -> None:
@@ -311,14 +310,14 @@ class DepthTrend:
         changes = {}
         for key, entry in current.items():
             before = last[1].get(key)
-            queued, running = (before.queued, before.running) if before else (0, 0)
-            changes[key] = Change((entry.queued - queued) / elapsed,
-                                  (entry.running - running) / elapsed)
+            admitted, rejected = (before.admitted, before.rejected) if before else (0, 0)
+            changes[key] = Change(max(0, entry.admitted - admitted) / elapsed,
+                                  max(0, entry.rejected - rejected) / elapsed)
         return changes
 
 
 _COLUMNS = ("ENDPOINT", "TIER", "TENANT", "QUEUED", "RUNNING", "OLDEST WAIT",
-            "QUEUED/S", "RUNNING/S")
+            "ADMITTED/S", "REJECTED/S")
 _NUMERIC_FROM = 3  # columns from here on are right-aligned
 
 
@@ -329,7 +328,7 @@ def render_depth(reply: DepthReply, changes: Mapping[QueueKey, Change], title: s
     running = sum(e.running for e in entries)
     lines = [f"{title}  queues={len(entries)} queued={queued} running={running}", ""]
     if not entries:
-        return "\n".join([*lines, "(no backlog)"])
+        return "\n".join([*lines, "(no traffic yet)"])
     rows = [_COLUMNS, *(_row(e, changes.get(_key(e))) for e in entries)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     for row in rows:
@@ -340,7 +339,7 @@ def render_depth(reply: DepthReply, changes: Mapping[QueueKey, Change], title: s
 
 
 def _row(entry: DepthEntry, change: Change | None) -> tuple[str, ...]:
-    rates = ((f"{change.queued_per_s:+.1f}", f"{change.running_per_s:+.1f}")
+    rates = ((f"{change.admitted_per_s:.1f}", f"{change.rejected_per_s:.1f}")
              if change else ("-", "-"))
     return (entry.endpoint, entry.tier, entry.tenant, str(entry.queued), str(entry.running),
             f"{entry.oldest_wait_s:.1f}s", *rates)

@@ -392,10 +392,11 @@ def test_status_reply_omits_absent_position_and_result() -> None:
 def test_cancel_and_depth_replies() -> None:
     assert json.loads(encode(CancelReply(id="r", cancelled=True))) == {"id": "r", "cancelled": True}
     depth = DepthReply(queues=[DepthEntry(endpoint="chat", tier="gold", tenant="acme",
-                                          queued=3, running=1, oldest_wait_s=0.25)])
+                                          queued=3, running=1, oldest_wait_s=0.25,
+                                          admitted=9, rejected=2)])
     assert json.loads(encode(depth)) == {"queues": [{
         "endpoint": "chat", "tier": "gold", "tenant": "acme", "queued": 3, "running": 1,
-        "oldest_wait_s": 0.25}]}
+        "oldest_wait_s": 0.25, "admitted": 9, "rejected": 2}]}
 
 
 def test_decode_api_reply_raises_error_objects() -> None:

@@ -492,23 +492,23 @@ async def test_tenant_user_submits_and_streams_through_its_own_inbox(
 
 
 def test_depth_trend_and_table() -> None:
-    first = DepthReply([DepthEntry("chat", "gold", "acme", 10, 2, 1.25)])
-    second = DepthReply([DepthEntry("chat", "gold", "acme", 4, 4, 0.5),
-                         DepthEntry("chat", "free", "zed", 6, 0, 3.0)])
+    first = DepthReply([DepthEntry("chat", "gold", "acme", 10, 2, 1.25, 100, 4)])
+    second = DepthReply([DepthEntry("chat", "gold", "acme", 4, 4, 0.5, 130, 10),
+                         DepthEntry("chat", "free", "zed", 6, 0, 3.0, 6, 0)])
     trend = DepthTrend()
     assert trend.update(first, 100.0) == {}
     changes = trend.update(second, 102.0)
-    assert changes[("chat", "gold", "acme")].queued_per_s == -3.0
-    assert changes[("chat", "gold", "acme")].running_per_s == 1.0
-    assert changes[("chat", "free", "zed")].queued_per_s == 3.0  # absent before: was 0
+    assert changes[("chat", "gold", "acme")].admitted_per_s == 15.0
+    assert changes[("chat", "gold", "acme")].rejected_per_s == 3.0
+    assert changes[("chat", "free", "zed")].admitted_per_s == 3.0  # absent before: was 0
 
     table = render_depth(second, changes, "TITLE").splitlines()
     assert table[0] == "TITLE  queues=2 queued=10 running=4"
     assert table[2].split() == ["ENDPOINT", "TIER", "TENANT", "QUEUED", "RUNNING", "OLDEST",
-                                "WAIT", "QUEUED/S", "RUNNING/S"]
-    assert table[3].split() == ["chat", "free", "zed", "6", "0", "3.0s", "+3.0", "+0.0"]
-    assert table[4].split() == ["chat", "gold", "acme", "4", "4", "0.5s", "-3.0", "+1.0"]
-    assert render_depth(DepthReply([]), {}, "T").splitlines()[-1] == "(no backlog)"
+                                "WAIT", "ADMITTED/S", "REJECTED/S"]
+    assert table[3].split() == ["chat", "free", "zed", "6", "0", "3.0s", "3.0", "0.0"]
+    assert table[4].split() == ["chat", "gold", "acme", "4", "4", "0.5s", "15.0", "3.0"]
+    assert render_depth(DepthReply([]), {}, "T").splitlines()[-1] == "(no traffic yet)"
     assert render_depth(first, {}, "T").splitlines()[-1].split()[-2:] == ["-", "-"]
 
 

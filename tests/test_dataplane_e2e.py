@@ -118,6 +118,11 @@ async def test_a_request_without_reply_is_collected_with_status(stack, client):
     assert status["result"]["type"] == "done" and status["result"]["id"] == rid
     other = await api(client, "fq.api.status.acme", {"id": rid})  # ids are per tenant
     assert other["state"] == "unknown"
+    depth = await api(client, "fq.api.depth", {})
+    globex = [q for q in depth["queues"] if q["tenant"] == "globex"]
+    assert globex == [{"endpoint": "chat", "tier": "standard", "tenant": "globex",
+                       "queued": 0, "running": 0, "oldest_wait_s": 0.0, "admitted": 1,
+                       "rejected": 0}]
 
 
 async def test_cancel_a_running_and_a_queued_request(nats_url, client):
