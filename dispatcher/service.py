@@ -225,8 +225,8 @@ class Dispatcher:
             try:
                 messages = await subscription.fetch(self.options.fetch_batch,
                                                     timeout=INTAKE_POLL_S)
-            except nats.errors.TimeoutError:
-                continue
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue  # nats-py raises either when nothing arrives within the poll
             except nats.errors.ConnectionClosedError:
                 return
             for msg in messages:
