@@ -3,11 +3,13 @@
     async with Dispatcher(nc, config, limiter=..., options=...) as dispatcher:
         await dispatcher.stopped()          # or until SIGTERM
 
-Intake: one durable pull consumer over `fq.req.*.*`, fetched in batches by one task. The requests stream has work-queue retention and a
-per-subject cap (= per tenant and endpoint), so the messages a tenant can have in the
-stream, and hence in the dispatcher's memory, are bounded by that cap whatever it
-publishes; a tenant behind a deep backlog of another's is fetched within a few batches
-(about 50k messages/s for one consumer on this machine), not after it.
+Intake: one durable pull consumer over `fq.req.*.*`, fetched in batches of 256 by one
+task. The requests stream has work-queue retention and a per-subject cap (= per tenant
+and endpoint), so the messages a tenant can have in the stream, and hence in the
+dispatcher's memory, are bounded by that cap whatever it publishes. The consumer reads
+in stream order, so a request published behind another tenant's backlog that is
+already in the stream waits for intake to pass it (about 7k requests/s here, see
+docs/benchmarks.md "Dispatcher intake"); once queued in the dispatcher, order is fair.
 
 Each message is parsed (`broker_config.wire.parse_submission`), de-duplicated by
 (tenant, id) against what is held and the results bucket, admitted (core check ->
@@ -58,6 +60,8 @@ log = logging.getLogger("fairq.dispatcher")
 Key = tuple[str, str]  # (tenant, request id)
 # A fetch waits this long for messages; also how soon intake notices a drain.
 INTAKE_POLL_S = 0.5
+# How often the queue-depth gauges are refreshed.
+DEPTH_EXPORT_S = 1.0
 
 
 class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -229,22 +233,40 @@ class Dispatcher:
                 continue  # nats-py raises either when nothing arrives within the poll
             except nats.errors.ConnectionClosedError:
                 return
-            for msg in messages:
-                try:
-                    await self._intake(msg)
-                except Exception:
-                    log.exception("intake of %s failed; it will be redelivered", msg.subject)
+            await self._intake_batch(messages)
             self._wake.set()
 
-    async def _intake(self, msg: Msg) -> None:
-        now = self.clock()
+    async def _intake_batch(self, messages: list[Msg]) -> None:
+        """Parse a fetched batch, look up stored results for all of it at once (one
+        round trip per batch instead of one per message), then admit in fetch order."""
+        parsed: list[tuple[Msg, wire.Submission]] = []
+        for msg in messages:
+            try:
+                parsed.append((msg, wire.parse_submission(
+                    msg.subject, msg.data, msg.headers, self.subjects,
+                    tenant_inboxes=self.options.tenant_inboxes)))
+            except wire.WireError as error:
+                await self._guarded(self._refuse_unparsed(msg, error), msg)
+        stored = await asyncio.gather(
+            *(self._stored_result(sub.tenant, sub.id) for _, sub in parsed),
+            return_exceptions=True)
+        for (msg, submission), result in zip(parsed, stored):
+            if isinstance(result, BaseException):
+                log.error("results lookup for %s failed (%s); it will be redelivered",
+                          msg.subject, result)
+                continue
+            await self._guarded(self._intake(msg, submission, result), msg)
+
+    @staticmethod
+    async def _guarded(step: Any, msg: Msg) -> None:
         try:
-            submission = wire.parse_submission(msg.subject, msg.data, msg.headers,
-                                               self.subjects,
-                                               tenant_inboxes=self.options.tenant_inboxes)
-        except wire.WireError as error:
-            await self._refuse_unparsed(msg, error)
-            return
+            await step
+        except Exception:
+            log.exception("intake of %s failed; it will be redelivered", msg.subject)
+
+    async def _intake(self, msg: Msg, submission: wire.Submission,
+                      stored: wire.StoredResult | None) -> None:
+        now = self.clock()
         key = (submission.tenant, submission.id)
         held = self._held.get(key) or self._adopted.get(key)
         if held is not None:
@@ -253,7 +275,6 @@ class Dispatcher:
             else:
                 await msg.term()  # the same id published again: the first one answers
             return
-        stored = await self._stored_result(*key)
         if stored is not None:  # finished before a restart or a redelivery
             await self._publish_event(submission.reply, submission.encoding, stored.event)
             await msg.ack()
@@ -535,7 +556,7 @@ class Dispatcher:
     # -- maintenance --------------------------------------------------------------------------
 
     async def _maintenance_loop(self) -> None:
-        last_extension = self.clock()
+        last_extension = last_export = self.clock()
         while not self._stop.is_set():
             await asyncio.sleep(self.options.tick_s)
             now = self.clock()
@@ -555,7 +576,9 @@ class Dispatcher:
                 for held in list(self._held.values()) + list(self._adopted.values()):
                     with contextlib.suppress(nats.errors.Error):
                         await held.msg.in_progress()
-            self._export_depth(now)
+            if now - last_export >= DEPTH_EXPORT_S:  # a scan of every queue: not every tick
+                last_export = now
+                self._export_depth(now)
             self._wake.set()
 
     def _export_depth(self, now: float) -> None:

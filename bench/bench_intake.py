@@ -1,0 +1,436 @@
+"""Throughput and head-of-line cost of the dispatcher's intake (one shared pull consumer).
+
+    python -m bench.bench_intake [--messages 20000] [--tenants 10 100 1000] [--no-profile]
+
+Every measurement gets its own fresh embedded nats-server. The backlog is published from
+this process; each consumer (raw or dispatcher) runs in a fresh spawned process, so one
+row's leftover heap cannot hide the next row's RSS growth. Rows:
+
+- raw JetStream: one durable pull consumer on the requests stream, batches of 256, with
+  and without acking each message. The dispatcher holds messages unacked until their
+  request finishes, so the unacked row is its like-for-like ceiling.
+- dispatcher intake: `Dispatcher` started over a pre-published backlog spread round-robin
+  over T tenants, timed until its scheduler holds every request. Nothing is dispatched (no
+  workers, settle_s=3600); no rate limits; unlisted tenants are admitted.
+- head of line: tenant B's one request published behind tenant A's backlog, timed until
+  the dispatcher has queued it.
+- profile: cProfile over one dispatcher intake, top functions by own time and the
+  cumulative time of each intake stage.
+
+Markdown on stdout; the same numbers as JSON in bench/results/intake.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import datetime
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from broker_config.server import EmbeddedNatsServer, find_nats_server
+from broker_config.streams import (
+    BrokerSettings,
+    ConsumerLimits,
+    ConsumerSpec,
+    provision,
+    pull_subscription,
+)
+from dispatcher.core.config import parse_config
+from dispatcher.service import Dispatcher, DispatcherOptions
+
+ENDPOINT = "chat"
+BODY = b'{"prompt":"hello","max_tokens":16}'
+FETCH_BATCH = DispatcherOptions().fetch_batch
+FETCH_TIMEOUT_S = 0.5
+PUBLISH_IN_FLIGHT = 1000
+POLL_S = 0.01
+RAW_TENANTS = 100
+# Bound on any one measurement, so a stuck run fails with a message instead of hanging.
+PHASE_TIMEOUT_S = 60.0
+TOP_FUNCTIONS = 5
+RESULTS_PATH = Path(__file__).resolve().parent / "results" / "intake.json"
+SETTINGS = BrokerSettings()
+
+# No rate limits, a latency target the throttle never reaches, every tenant admitted:
+# the run measures intake, not admission refusals.
+CONFIG_TOML = f"""
+[endpoints.{ENDPOINT}]
+cost = "request"
+latency_target_s = 1e9
+
+[[tiers]]
+name = "standard"
+
+[unlisted_tenants]
+policy = "admit"
+tier = "standard"
+"""
+
+# Intake stages in the profile: label -> (path suffix of the file, function name).
+STAGES: dict[str, tuple[str, str]] = {
+    "JetStream fetch (nats-py PullSubscription.fetch)": ("nats/js/client.py", "fetch"),
+    "parse: subject, headers, body (wire.parse_submission)": ("broker_config/wire.py",
+                                                               "parse_submission"),
+    "  of which JSON decode + msgspec validation (wire.decode_request)": (
+        "broker_config/wire.py", "decode_request"),
+    "result-bucket lookup, one KV get per message (Dispatcher._stored_result)": (
+        "dispatcher/service.py", "_stored_result"),
+    "admission + enqueue (Dispatcher._admit)": ("dispatcher/service.py", "_admit"),
+    "  of which Scheduler.check": ("dispatcher/core/scheduler.py", "check"),
+    "  of which limiter store (MemoryLimiterAsync.apply)": ("dispatcher/redis_limits.py",
+                                                            "apply"),
+    "  of which Scheduler.enqueue": ("dispatcher/core/scheduler.py", "enqueue"),
+    "whole per-message intake (Dispatcher._intake)": ("dispatcher/service.py", "_intake"),
+    # Other tasks: the KV get's socket send and its reply's parsing happen here.
+    "nats-py flusher task (socket sends)": ("nats/aio/client.py", "_flusher"),
+    "nats-py read loop (parse and route replies)": ("nats/aio/client.py", "_read_loop"),
+    "dispatcher maintenance loop (expiry, depth gauges)": ("dispatcher/service.py",
+                                                           "_maintenance_loop"),
+}
+IDLE_FUNCTION = "<method 'poll' of 'select.epoll' objects>"
+
+
+class BenchError(RuntimeError):
+    """A measurement that did not complete: timed out, or requests were refused."""
+
+
+def request_id(serial: int) -> str:
+    return f"r{serial}"
+
+
+def round_robin(messages: int, tenants: int) -> list[str]:
+    """The tenant of each message, `t0, t1, ..., t<T-1>, t0, ...`."""
+    return [f"t{i % tenants}" for i in range(messages)]
+
+
+@contextlib.asynccontextmanager
+async def connected(url: str) -> AsyncIterator[NATS]:
+    """A client that drains on exit (nats-py's own context manager closes without it)."""
+    nc = await nats.connect(url, connect_timeout=5)
+    try:
+        yield nc
+    finally:
+        await nc.drain()
+
+
+# -- publisher (this process) ------------------------------------------------------------
+
+
+async def publish(url: str, phases: list[list[str]]) -> float:
+    """Publish one request per tenant name, each phase acked before the next; seconds.
+
+    Ids run `r0, r1, ...` across all phases.
+    """
+    subjects = SETTINGS.subjects
+    async with connected(url) as nc:
+        js = nc.jetstream()
+        await provision(js, SETTINGS)
+        serial = 0
+        start = time.perf_counter()
+        for tenants in phases:
+            for first in range(0, len(tenants), PUBLISH_IN_FLIGHT):
+                chunk = tenants[first:first + PUBLISH_IN_FLIGHT]
+                await asyncio.gather(*(
+                    js.publish(subjects.request(ENDPOINT, tenant), BODY,
+                               headers={"Nats-Msg-Id": request_id(serial + offset)})
+                    for offset, tenant in enumerate(chunk)))
+                serial += len(chunk)
+        return time.perf_counter() - start
+
+
+# -- consumers (each in a fresh process) -------------------------------------------------
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise BenchError("no VmRSS in /proc/self/status: RSS is measured on Linux only")
+
+
+async def raw_fetch(url: str, expected: int, ack: bool) -> float:
+    """Seconds for one pull consumer to fetch `expected` messages (and ack each)."""
+    limits = ConsumerLimits(max_ack_pending=DispatcherOptions().max_ack_pending)
+    spec = ConsumerSpec("bench~raw", SETTINGS.subjects.all_requests, limits)
+    async with connected(url) as nc:
+        subscription = await pull_subscription(nc.jetstream(),
+                                               SETTINGS.subjects.requests_stream, spec)
+        received = 0
+        start = time.perf_counter()
+        while received < expected:
+            if time.perf_counter() - start > PHASE_TIMEOUT_S:
+                raise BenchError(f"raw consumer: {received} of {expected} fetched "
+                                 f"after {PHASE_TIMEOUT_S}s")
+            try:
+                messages = await subscription.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
+            except nats.errors.TimeoutError:
+                continue
+            if ack:
+                for msg in messages:
+                    await msg.ack()
+            received += len(messages)
+        if ack:
+            await nc.flush()  # the acks have reached the server
+        elapsed = time.perf_counter() - start
+        await subscription.unsubscribe()
+        return elapsed
+
+
+async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | None,
+                            profile: bool) -> dict[str, Any]:
+    """Start a dispatcher over the backlog; time until it has queued `expected` requests.
+
+    `watch` (tenant, id): also when that request was queued, and how many others were
+    queued by then. Times count from just before the dispatcher starts.
+    """
+    config = parse_config(CONFIG_TOML, source="bench_intake")
+    options = DispatcherOptions(settle_s=3600.0)  # hold everything: no dispatching
+    result: dict[str, Any] = {"watch_s": None, "queued_before_watch": None}
+    async with connected(url) as nc:
+        gc.collect()
+        result["rss_before_kb"] = rss_kb()
+        profiler = cProfile.Profile() if profile else None
+        start = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        async with Dispatcher(nc, config, options=options) as dispatcher:
+            scheduler = dispatcher.scheduler
+            while True:
+                queued = scheduler.queued_count()
+                now = time.perf_counter() - start
+                if watch and result["watch_s"] is None and scheduler.state(*watch) is not None:
+                    result["watch_s"], result["queued_before_watch"] = now, queued - 1
+                if queued >= expected:
+                    break
+                if now > PHASE_TIMEOUT_S:
+                    admissions = {s.labels["outcome"]: s.value for m in
+                                  dispatcher.metrics.admissions.collect() for s in m.samples
+                                  if s.name.endswith("_total")}
+                    raise BenchError(f"dispatcher: {queued} of {expected} queued after "
+                                     f"{PHASE_TIMEOUT_S}s; admissions {admissions}")
+                await asyncio.sleep(POLL_S)
+            result["elapsed_s"] = time.perf_counter() - start
+            if profiler:
+                profiler.disable()
+                result["profile"] = summarise_profile(profiler, result["elapsed_s"])
+            gc.collect()
+            result["rss_after_kb"] = rss_kb()
+    return result
+
+
+def summarise_profile(profiler: cProfile.Profile, wall_s: float) -> dict[str, Any]:
+    """Top functions by own time (idle epoll apart), and cumulative time per stage."""
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = [{"function": _describe(file, line, name), "file": file, "name": name,
+             "calls": calls, "own_s": own, "cumulative_s": cumulative}
+            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+    idle = sum(r["own_s"] for r in rows if r["name"] == IDLE_FUNCTION)
+    busy = sorted((r for r in rows if r["name"] != IDLE_FUNCTION),
+                  key=lambda r: r["own_s"], reverse=True)
+    stages = {}
+    for label, (suffix, name) in STAGES.items():
+        matches = [r for r in rows if r["name"] == name and r["file"].endswith(suffix)]
+        stages[label] = sum(r["cumulative_s"] for r in matches)
+    stages["idle, waiting on the network (epoll)"] = idle
+    keep = ("function", "calls", "own_s", "cumulative_s")
+    return {"wall_s": wall_s,
+            "top": [{k: r[k] for k in keep} for r in busy[:TOP_FUNCTIONS]],
+            "stages": stages}
+
+
+def _describe(file: str, line: int, name: str) -> str:
+    if file == "~":  # a builtin
+        return name
+    parts = Path(file).parts
+    return f"{'/'.join(parts[-2:])}:{line}({name})"
+
+
+# Spawned-process entry points: plain functions returning plain data.
+
+def raw_fetch_job(url: str, expected: int, ack: bool) -> float:
+    return asyncio.run(raw_fetch(url, expected, ack))
+
+
+def intake_job(url: str, expected: int, watch: tuple[str, str] | None,
+               profile: bool) -> dict[str, Any]:
+    return asyncio.run(dispatcher_intake(url, expected, watch, profile))
+
+
+# -- scenarios (this process) ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    scenario: str
+    tenants: int
+    messages: int
+    publish_msgs_per_s: float
+    consume_s: float
+    rss_kb_per_1k: float | None = None
+
+    @property
+    def msgs_per_s(self) -> float:
+        return self.messages / self.consume_s
+
+
+class Runner:
+    """Runs each consumer job in a fresh process and each scenario on a fresh server."""
+
+    def __init__(self, pool: ProcessPoolExecutor) -> None:
+        self.pool = pool
+
+    def job(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.pool.submit(fn, *args).result(timeout=2 * PHASE_TIMEOUT_S)
+
+    def raw(self, messages: int, ack: bool) -> Row:
+        with EmbeddedNatsServer() as server:
+            published = asyncio.run(publish(server.url, [round_robin(messages, RAW_TENANTS)]))
+            elapsed = self.job(raw_fetch_job, server.url, messages, ack)
+        name = "raw JetStream: fetch 256 + ack each" if ack else "raw JetStream: fetch 256, no ack"
+        return Row(name, RAW_TENANTS, messages, messages / published, elapsed)
+
+    def intake(self, messages: int, tenants: int) -> Row:
+        with EmbeddedNatsServer() as server:
+            published = asyncio.run(publish(server.url, [round_robin(messages, tenants)]))
+            result = self.job(intake_job, server.url, messages, None, False)
+        growth = (result["rss_after_kb"] - result["rss_before_kb"]) / (messages / 1000)
+        return Row("dispatcher intake", tenants, messages, messages / published,
+                   result["elapsed_s"], growth)
+
+    def head_of_line(self, backlog: int) -> dict[str, Any]:
+        watched = ("B", request_id(backlog))  # the message published after A's backlog
+        with EmbeddedNatsServer() as server:
+            asyncio.run(publish(server.url, [["A"] * backlog, [watched[0]]]))
+            result = self.job(intake_job, server.url, backlog + 1, watched, False)
+        return {"backlog_of_A": backlog, "B_queued_after_s": result["watch_s"],
+                "A_queued_before_B": result["queued_before_watch"],
+                "all_queued_after_s": result["elapsed_s"]}
+
+    def profile(self, messages: int, tenants: int) -> dict[str, Any]:
+        with EmbeddedNatsServer() as server:
+            asyncio.run(publish(server.url, [round_robin(messages, tenants)]))
+            result = self.job(intake_job, server.url, messages, None, True)
+        return {"messages": messages, "tenants": tenants, **result["profile"]}
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def machine_facts(command: str) -> dict[str, Any]:
+    server_version = subprocess.run([str(find_nats_server()), "--version"], check=False,
+                                    capture_output=True, text=True, timeout=10).stdout.strip()
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "loadavg_at_start": os.getloadavg(),
+        "nats_server": server_version,
+        "nats_py": nats.aio.client.__version__,
+        "msgspec": msgspec.__version__,
+    }
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = [header, ["---"] * len(header), *rows]
+    return ["| " + " | ".join(cells) + " |" for cells in lines]
+
+
+def render(facts: dict[str, Any], rows: list[Row], hol: dict[str, Any],
+           prof: dict[str, Any] | None) -> str:
+    out = ["# dispatcher intake benchmark", "", f"`{facts['command']}`", ""]
+    out += [f"- {key}: {value}" for key, value in facts.items() if key != "command"]
+    setup = (f"Batches of {FETCH_BATCH}, bodies `{BODY.decode()}` with Nats-Msg-Id, "
+             f"publishes {PUBLISH_IN_FLIGHT} in flight; fresh nats-server per row.")
+    out += ["", setup, ""]
+    out += table(["scenario", "tenants", "messages", "publish msg/s", "intake msg/s", "us/msg",
+                  "RSS growth KB per 1k queued"],
+                 [[r.scenario, str(r.tenants), str(r.messages), f"{r.publish_msgs_per_s:,.0f}",
+                   f"{r.msgs_per_s:,.0f}", f"{1e6 / r.msgs_per_s:.1f}",
+                   "" if r.rss_kb_per_1k is None else f"{r.rss_kb_per_1k:.0f}"] for r in rows])
+    out += ["", "Head of line: A's backlog, then 1 request of B, then the dispatcher starts.", ""]
+    out += table(["A backlog", "B queued after s", "A requests queued before B",
+                  "all queued after s"],
+                 [[str(hol["backlog_of_A"]), f"{hol['B_queued_after_s']:.3f}",
+                   str(hol["A_queued_before_B"]), f"{hol['all_queued_after_s']:.3f}"]])
+    if prof is None:
+        return "\n".join(out)
+    wall, messages = prof["wall_s"], prof["messages"]
+    title = (f"Profile (cProfile, {messages} messages over {prof['tenants']} tenants, "
+             f"{wall:.2f} s wall under the profiler):")
+    out += ["", title, ""]
+    out += table(["top own-time functions", "calls", "own s", "% of wall"],
+                 [[f"`{t['function']}`", str(t["calls"]), f"{t['own_s']:.3f}",
+                   f"{100 * t['own_s'] / wall:.0f}"] for t in prof["top"]])
+    out.append("")
+    out += table(["intake stage", "cumulative s", "% of wall", "us/msg"],
+                 [[label, f"{seconds:.3f}", f"{100 * seconds / wall:.0f}",
+                   f"{1e6 * seconds / messages:.1f}"]
+                  for label, seconds in prof["stages"].items()])
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=20_000,
+                        help="backlog size per row (at most the per-subject cap, 20000)")
+    parser.add_argument("--tenants", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
+    parser.add_argument("--json", type=Path, default=RESULTS_PATH)
+    args = parser.parse_args()
+    if not 1 <= args.messages <= SETTINGS.max_queued_per_subject:
+        parser.error(f"--messages must be 1..{SETTINGS.max_queued_per_subject} "
+                     "(A's backlog in the head-of-line row is one subject)")
+    if any(t < 1 for t in args.tenants):
+        parser.error("--tenants must be >= 1")
+    facts = machine_facts(" ".join(["python -m bench.bench_intake", *sys.argv[1:]]))
+    # A fresh interpreter per job (spawn, one task per child): clean heap for RSS.
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                               max_tasks_per_child=1)
+    with pool:
+        runner = Runner(pool)
+        rows = [runner.raw(args.messages, ack=True), runner.raw(args.messages, ack=False)]
+        rows += [runner.intake(args.messages, tenants) for tenants in args.tenants]
+        hol = runner.head_of_line(args.messages)
+        prof = None if args.no_profile else runner.profile(args.messages, RAW_TENANTS)
+    print(render(facts, rows, hol, prof))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": facts,
+              "rows": [asdict(r) | {"msgs_per_s": r.msgs_per_s} for r in rows],
+              "head_of_line": hol, "profile": prof}
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
