@@ -198,7 +198,7 @@ class CancelReply(msgspec.Struct, frozen=True):
 
 
 class DepthRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    pass
+    """`{}`: the depth API takes no parameters (unknown fields are refused)."""
 
 
 class DepthEntry(msgspec.Struct, frozen=True):
