@@ -16,6 +16,7 @@ COMMANDS = {
     "status": "producers.commands",
     "cancel": "producers.commands",
     "top": "producers.commands",
+    "calibrate": "workers.calibrate",
 }
 
 

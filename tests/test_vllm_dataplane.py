@@ -1,0 +1,196 @@
+"""The data plane on real vLLM: nats-server, the dispatcher, and a worker whose engine is
+vLLM on the CPU with the tiny model; clients are plain nats-py, as the wire contract says.
+
+One engine serves the module (startup takes 20-45 s); each test gets its own nats-server,
+dispatcher and worker service around it. The engine runs one sequence at a time, so the
+dispatcher holds the queue and its order is observable, and it ignores EOS, so every
+request generates exactly its max_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+
+from broker_config.subjects import Subjects
+from dispatcher.core.config import parse_config
+from dispatcher.service import Dispatcher, DispatcherOptions
+from tests.test_dataplane_e2e import api, collect, submit, wait_for_state
+
+# Importing the vLLM engine tests applies their policy (skipped where vllm is missing, a
+# failure in CI with FQ_VLLM=1) and shares their offline environment, tiny model and spy
+# on vLLM's own outputs.
+from tests.test_vllm_engine import model_dir, vllm_env, vllm_outputs  # noqa: F401
+from workers.engine import EngineRequest
+from workers.service import WorkerService
+from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+KV_CACHE_BYTES = 64 << 20
+LONG = 2000  # max_tokens of a request that is still running when the test acts (< 2048)
+WAIT_S = 60.0
+CONFIG = """
+[profiles.tiny]
+name = "tiny"
+alpha = 0.00005
+beta = 0.002
+capacity_mu_per_s = 4.0
+
+[endpoints.chat]
+profile = "tiny"
+cost = "model_units"
+quantum = 1.0
+latency_target_s = 600.0
+max_tokens_cap = 2000
+
+[[tiers]]
+name = "standard"
+
+[tenants.acme]
+tier = "standard"
+
+[tenants.globex]
+tier = "standard"
+"""
+OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=10.0, grace_s=5.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:  # noqa: F811
+    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=1, max_model_len=2048,
+                              kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
+    async with VLLMEngine(config) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def dispatcher(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Dispatcher]:
+    """A dispatcher and one worker on the module's engine, on this test's nats-server."""
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await nats.connect(nats_url, name="fairq-vllm-dataplane")
+        stack.push_async_callback(nc.drain)
+        running = await stack.enter_async_context(
+            Dispatcher(nc, parse_config(CONFIG), options=OPTIONS))
+        results = await nc.jetstream().key_value(running.subjects.results_bucket)
+        await stack.enter_async_context(WorkerService(
+            nc, engine, endpoint="chat", worker_id="vllm-1", subjects=running.subjects,
+            results=results, profile=running.scheduler.endpoints["chat"].profile,
+            heartbeat_interval_s=0.2, drain_timeout_s=10.0))
+        yield running
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(nats_url: str) -> AsyncIterator[NATS]:
+    nc = await nats.connect(nats_url, name="fairq-vllm-client")
+    yield nc
+    await nc.drain()
+
+
+def input_tokens(engine: VLLMEngine, prompt: str) -> int:
+    return engine.count_tokens(EngineRequest(id="count", max_tokens=1, prompt=prompt))
+
+
+async def test_concurrent_requests_of_two_tenants_stream_with_the_engines_usage(
+    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
+    vllm_outputs: dict[str, list[Any]],  # noqa: F811
+) -> None:
+    """Token events carry text, not counts, and a byte-level token that ends inside a
+    character streams no text: so each token event is matched to the vLLM output it
+    came from, and usage to vLLM's own counts."""
+    bodies = {(tenant, f"{tenant}-{i}"): {"prompt": f"def f{i}(x):\n    return x * {i}",
+                                          "max_tokens": 8 + 2 * i}
+              for i in range(4) for tenant in ("acme", "globex")}
+    submitted = await asyncio.gather(*(submit(client, "chat", tenant, body, rid=rid)
+                                       for (tenant, rid), body in bodies.items()))
+    streams = await asyncio.gather(*(collect(sub, timeout=WAIT_S) for _, sub in submitted))
+    profile = dispatcher.scheduler.endpoints["chat"].profile
+    for ((tenant, rid), body), events in zip(bodies.items(), streams, strict=True):
+        *tokens, done = events
+        assert done["type"] == "done", done
+        assert [(t["type"], t["id"], t["seq"]) for t in tokens] == \
+            [("token", rid, seq) for seq in range(len(tokens))]
+        assert done["id"] == rid and done["seq"] == len(tokens)
+        outputs = vllm_outputs[Subjects.result_key(tenant, rid)]
+        assert [t["text"] for t in tokens] == \
+            [o.outputs[0].text for o in outputs if o.outputs[0].text]
+        assert done["text"] == "".join(t["text"] for t in tokens)
+        usage = done["usage"]
+        assert usage["output_tokens"] == sum(len(o.outputs[0].token_ids) for o in outputs) \
+            == body["max_tokens"]
+        assert usage["input_tokens"] == input_tokens(engine, body["prompt"]) \
+            == len(outputs[-1].prompt_token_ids)
+        assert usage["model_units"] == pytest.approx(
+            profile.model_units(usage["input_tokens"], usage["output_tokens"]))
+
+
+async def test_cancel_aborts_a_running_request_inside_vllm(
+    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
+    vllm_outputs: dict[str, list[Any]],  # noqa: F811
+) -> None:
+    rid, sub = await submit(client, "chat", "acme", {"prompt": "while True:", "max_tokens": LONG})
+    streamed = [json.loads((await sub.next_msg(timeout=WAIT_S)).data) for _ in range(3)]
+    assert [e["type"] for e in streamed] == ["token"] * 3
+    assert engine.llm.get_num_unfinished_requests() == 1
+
+    reply = await api(client, "fq.api.cancel.acme", {"id": rid})
+    assert reply == {"id": rid, "cancelled": True}
+    final = (await collect(sub, timeout=WAIT_S))[-1]
+    assert final["type"] == "error" and final["code"] == "cancelled", final
+    generated = sum(len(o.outputs[0].token_ids)
+                    for o in vllm_outputs[Subjects.result_key("acme", rid)])
+    assert 3 <= generated < LONG // 2, "the request ran on instead of being aborted"
+    assert engine.llm.get_num_unfinished_requests() == 0
+    stored = await api(client, "fq.api.status.acme", {"id": rid})
+    assert stored["state"] == "failed" and stored["result"]["code"] == "cancelled"
+
+
+async def test_queued_requests_start_in_priority_order(
+    dispatcher: Dispatcher, client: NATS,
+) -> None:
+    """With the only sequence slot taken, requests wait in the dispatcher's queue, whose
+    order (priority, then arrival) decides which starts next. One reply subscription sees
+    every request's events in the order the worker published them."""
+    inbox = client.new_inbox()
+    replies = await client.subscribe(f"{inbox}.>")
+    started: list[str] = []
+    finals: dict[str, dict] = {}
+
+    async def publish(rid: str, max_tokens: int, priority: int = 0) -> None:
+        body = {"prompt": "class A:", "max_tokens": max_tokens, "priority": priority}
+        await client.jetstream().publish("fq.req.chat.acme", json.dumps(body).encode(),
+                                         headers={"Nats-Msg-Id": rid,
+                                                  "Fq-Reply": f"{inbox}.{rid}"})
+
+    async def read_until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not condition():
+            msg = await replies.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+            event = json.loads(msg.data)
+            if event["type"] == "token" and event["id"] not in started:
+                started.append(event["id"])
+            elif event["type"] in ("done", "error"):
+                finals[event["id"]] = event
+
+    await publish("blocker", LONG)
+    await read_until(lambda: bool(started))
+    priorities = {"low": 1, "mid": 3, "high": 9, "mid-later": 3}
+    for rid, priority in priorities.items():
+        await publish(rid, 4, priority)
+        await wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S)
+    assert (await api(client, "fq.api.cancel.acme", {"id": "blocker"}))["cancelled"] is True
+
+    await read_until(lambda: finals.keys() >= {"blocker", *priorities})
+    assert started == ["blocker", "high", "mid", "mid-later", "low"]
+    assert finals["blocker"]["code"] == "cancelled", "the blocker ended before the queue formed"
+    assert all(finals[rid]["type"] == "done" for rid in priorities)
