@@ -1,7 +1,7 @@
 """The dispatcher: the scheduling core on the wire.
 
-    async with Dispatcher(nc, config, limiter=..., options=...) as dispatcher:
-        await dispatcher.stopped()          # or until SIGTERM
+    async with Dispatcher(nc, config, limiter=..., options=...):
+        await until_sigterm()               # leaving the block drains (see below)
 
 Intake: one durable pull consumer over `fq.req.*.*`, fetched in batches of 256 by one
 task. The requests stream has work-queue retention and a per-subject cap (= per tenant
@@ -62,6 +62,8 @@ Key = tuple[str, str]  # (tenant, request id)
 INTAKE_POLL_S = 0.5
 # How often the queue-depth gauges are refreshed.
 DEPTH_EXPORT_S = 1.0
+# A request sent to a worker this recently may not be in its heartbeat yet.
+HEARTBEAT_LAG_S = 1.0
 
 
 class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,13 +186,6 @@ class Dispatcher:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._stack.aclose()
-
-    def stop(self) -> None:
-        """Ask for a drain (e.g. from a SIGTERM handler); `__aexit__` carries it out."""
-        self._stop.set()
-
-    async def stopped(self) -> None:
-        await self._stop.wait()
 
     async def _subscribe(self, subject: str, handler: Callable[[Msg], Any]) -> None:
         async def guarded(msg: Msg) -> None:
@@ -421,7 +416,7 @@ class Dispatcher:
         """Requests sent to a worker that two heartbeats in a row do not list were lost
         on the way (core NATS is at most once): put them back in their queues."""
         for key, (_, sent_at) in list(worker.assigned.items()):
-            if self.subjects.result_key(*key) in worker.reported or now - sent_at < 1.0:
+            if self.subjects.result_key(*key) in worker.reported or now - sent_at < HEARTBEAT_LAG_S:
                 worker.missing.pop(key, None)
                 continue
             worker.missing[key] = worker.missing.get(key, 0) + 1

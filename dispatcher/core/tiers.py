@@ -9,7 +9,6 @@ oldest request first, whoever sent it, used as the baseline in every comparison.
 from __future__ import annotations
 
 import heapq
-from itertools import count
 from typing import Protocol
 
 from dispatcher.core.drr import DrrRing, TenantFlow
@@ -79,8 +78,8 @@ class FifoSelector:
     blocks_on_misfit = True
 
     def __init__(self) -> None:
-        self._heads: list[tuple[float, int, int, TenantFlow]] = []
-        self._tiebreak = count()
+        # (arrival, counter, flow): the counter is unique, so flows are never compared.
+        self._heads: list[tuple[float, int, TenantFlow]] = []
 
     def activate(self, flow: TenantFlow) -> None:
         if not flow.in_ring:
@@ -90,7 +89,7 @@ class FifoSelector:
     def select(self) -> TenantFlow | None:
         heads = self._heads
         while heads:
-            arrival, rank, _, flow = heads[0]
+            arrival, rank, flow = heads[0]
             if flow.queue.peek() is None:
                 heapq.heappop(heads)
                 flow.in_ring = False
@@ -120,4 +119,4 @@ class FifoSelector:
 
     def _push(self, flow: TenantFlow) -> None:
         arrival, rank = flow.queue.head_rank()
-        heapq.heappush(self._heads, (arrival, rank, next(self._tiebreak), flow))
+        heapq.heappush(self._heads, (arrival, rank, flow))
