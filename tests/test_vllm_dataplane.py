@@ -185,9 +185,13 @@ async def test_queued_requests_start_in_priority_order(
     await publish("blocker", LONG)
     await read_until(lambda: bool(started))
     priorities = {"low": 1, "mid": 3, "high": 9, "mid-later": 3}
+    # All at once: the blocker's 2,000 tokens take only a second or two on this model, so
+    # the queue must form well within that (one by one with status polls was too slow on
+    # a loaded machine). Published in order, so "mid" still arrives before "mid-later".
     for rid, priority in priorities.items():
         await publish(rid, 4, priority)
-        await wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S)
+    await asyncio.gather(*(wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S)
+                           for rid in priorities))
     assert (await api(client, "fq.api.cancel.acme", {"id": "blocker"}))["cancelled"] is True
 
     await read_until(lambda: finals.keys() >= {"blocker", *priorities})
