@@ -218,7 +218,8 @@ class Subjects:
         """The inbox prefix a tenant's client must use (nats-py: `inbox_prefix=`)."""
         return f"{TENANT_INBOX_BASE}{check_token(tenant, 'tenant')}"
 
-    def check_reply(self, reply: str, tenant: str, *, tenant_inboxes: bool = False) -> str:
+    def check_reply(self, reply: str, tenant: str | None, *,
+                    tenant_inboxes: bool = False) -> str:
         """`reply` if fairq may publish a request's events there, else a SubjectError.
 
         fairq's services publish with full permissions, so a reply subject inside fairq's
@@ -236,7 +237,9 @@ class Subjects:
         if tokens[0] == self.prefix or reply.startswith("$"):
             raise SubjectError(f"invalid {HDR_REPLY} subject {reply!r}: subjects under "
                                f"'{self.prefix}.' and '$' are reserved")
-        inbox = self.inbox_prefix(tenant)
-        if tenant_inboxes and (tokens[0] != inbox or len(tokens) < 2):
-            raise SubjectError(f"invalid {HDR_REPLY} subject {reply!r}: must start with '{inbox}.'")
+        if tenant_inboxes:
+            inbox = self.inbox_prefix(tenant)
+            if tokens[0] != inbox or len(tokens) < 2:
+                raise SubjectError(
+                    f"invalid {HDR_REPLY} subject {reply!r}: must start with '{inbox}.'")
         return reply

@@ -10,6 +10,8 @@ Public messages travel as JSON, or as msgpack when the request said
 
 from __future__ import annotations
 
+import contextlib
+
 import enum
 import math
 from collections.abc import Mapping
@@ -473,11 +475,16 @@ def parse_submission(subject: str, body: bytes, headers: Mapping[str, str] | Non
     where an error event may still be sent (never to an unchecked reply subject).
     """
     known_id = _valid_id(header(headers, HDR_MSG_ID))
+    reply = header(headers, HDR_REPLY)
     try:
         endpoint, tenant = subjects.parse_request(subject)
     except SubjectError as exc:
-        raise WireError(ErrorCode.INVALID_REQUEST, str(exc), request_id=known_id) from exc
-    reply = header(headers, HDR_REPLY)
+        error = WireError(ErrorCode.INVALID_REQUEST, str(exc), request_id=known_id)
+        # Without per-tenant inboxes the reply's check needs no tenant: answer there.
+        if reply is not None and not tenant_inboxes:
+            with contextlib.suppress(SubjectError):
+                error.reply = subjects.check_reply(reply, None)
+        raise error from exc
     if reply is not None:
         try:
             subjects.check_reply(reply, tenant, tenant_inboxes=tenant_inboxes)

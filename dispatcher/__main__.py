@@ -39,10 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="JetStream ack wait; held requests are extended every third")
     parser.add_argument("--grace", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, how long running requests may finish")
+    defaults = DispatcherOptions()
+    parser.add_argument("--tenant-window", type=int, default=defaults.tenant_window, metavar="N",
+                        help="waiting requests per tenant held in memory; the rest stay in "
+                             "the stream")
+    parser.add_argument("--max-held-per-tenant", type=int, default=defaults.max_ack_pending,
+                        metavar="N", help="requests per tenant held at all, waiting or running "
+                                          "(must exceed what one tenant may run at once)")
     return parser
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, options: DispatcherOptions) -> int:
     config = load_config(args.config)
     metrics = DispatcherMetrics(list(config.endpoints))
     if args.metrics_port is not None:
@@ -59,7 +66,6 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"fairq dispatcher: cannot reach NATS at {args.nats}: {exc}", file=sys.stderr)
         return 1
     limiter = limiter_from_url(args.redis_url)
-    options = DispatcherOptions(ack_wait_s=args.ack_wait, grace_s=args.grace)
     try:
         async with Dispatcher(nc, config, limiter=limiter, options=options, metrics=metrics):
             print("fairq dispatcher: running", flush=True)
@@ -73,10 +79,17 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = DispatcherOptions(ack_wait_s=args.ack_wait, grace_s=args.grace,
+                                    tenant_window=args.tenant_window,
+                                    max_ack_pending=args.max_held_per_tenant)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, options))
     except ConfigError as exc:
         print(f"fairq dispatcher: {exc}", file=sys.stderr)
         return 2

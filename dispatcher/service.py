@@ -3,13 +3,9 @@
     async with Dispatcher(nc, config, limiter=..., options=...):
         await until_sigterm()               # leaving the block drains (see below)
 
-Intake: one durable pull consumer over `fq.req.*.*`, fetched in batches of 256 by one
-task. The requests stream has work-queue retention and a per-subject cap (= per tenant
-and endpoint), so the messages a tenant can have in the stream, and hence in the
-dispatcher's memory, are bounded by that cap whatever it publishes. The consumer reads
-in stream order, so a request published behind another tenant's backlog that is
-already in the stream waits for intake to pass it (about 7k requests/s here, see
-docs/benchmarks.md "Dispatcher intake"); once queued in the dispatcher, order is fair.
+Intake (`dispatcher.intake.TenantIntake`): one durable pull consumer per tenant, all
+long-polled at once through one inbox, with a window of waiting requests per tenant; a
+tenant's deep backlog stays in the stream and never delays another tenant's requests.
 
 Each message is parsed (`broker_config.wire.parse_submission`), de-duplicated by
 (tenant, id) against what is held and the results bucket, admitted (core check ->
@@ -18,7 +14,8 @@ terminated). One dispatch task fills every worker's free capacity from
 `Scheduler.next_batch`, least model-unit load first. Workers report completions; the
 JetStream message is acked only after a completion says the final event is stored.
 
-Drain order on exit (SIGTERM): stop fetching; stop dispatching; wait up to
+Drain order on exit (SIGTERM): stop intake (nak what it had not handed over); stop
+dispatching; wait up to
 `grace_s` for running requests to complete; nak everything still held so another
 dispatcher gets it at once; unsubscribe and flush.
 """
@@ -30,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -41,25 +38,18 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from broker_config import wire
-from broker_config.streams import (
-    BrokerSettings,
-    ConsumerLimits,
-    ConsumerSpec,
-    provision,
-    pull_subscription,
-)
+from broker_config.streams import BrokerSettings, ConsumerLimits, provision
 from broker_config.subjects import HDR_CONTENT_TYPE, ApiKind, Subjects
 from costmodel.units import approx_tokens
 from dispatcher.core.config import Config
-from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.scheduler import DepthRow, Scheduler
 from dispatcher.core.types import Capacity, Decision, Outcome, Request, Usage
+from dispatcher.intake import TenantIntake
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable, MemoryLimiterAsync
 
 log = logging.getLogger("fairq.dispatcher")
 Key = tuple[str, str]  # (tenant, request id)
-# A fetch waits this long for messages; also how soon intake notices a drain.
-INTAKE_POLL_S = 0.5
 # How often the queue-depth gauges are refreshed.
 DEPTH_EXPORT_S = 1.0
 # A request sent to a worker this recently may not be in its heartbeat yet.
@@ -67,11 +57,17 @@ HEARTBEAT_LAG_S = 1.0
 
 
 class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
-    fetch_batch: int = 256
+    # Arrived requests handed to admission at once (one results lookup round trip).
+    intake_batch: int = 256
+    # Per tenant: waiting requests held in the dispatcher (the rest stay in the stream).
+    tenant_window: int = 64
+    # Per tenant: requests held at all, waiting or running (the consumer's max_ack_pending).
+    max_ack_pending: int = 1_000
+    # How often the stream is listed for tenants the config does not name.
+    discover_s: float = 0.25
     # JetStream redelivers what is not acked within this; held messages are marked in
     # progress every third of it.
     ack_wait_s: float = 60.0
-    max_ack_pending: int = 1_000_000
     # A worker silent this long is out of rotation and its requests are requeued.
     worker_timeout_s: float = 5.0
     # After a (re)start, wait this long for heartbeats before dispatching, so requests
@@ -82,6 +78,11 @@ class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
     tenant_inboxes: bool = False
     # "fifo" runs the naive shared queue behind the same service, for comparisons.
     policy: str = "fairq"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.tenant_window <= self.max_ack_pending:
+            raise ValueError(f"tenant_window ({self.tenant_window}) must be at least 2 and at "
+                             f"most max_ack_pending ({self.max_ack_pending})")
 
 
 @dataclass(slots=True)
@@ -145,8 +146,7 @@ class Dispatcher:
         self._stop = asyncio.Event()
         self._started_at = 0.0
         self._stack = contextlib.AsyncExitStack()
-        self._intake_tasks: list[asyncio.Task] = []
-        self._intake_open = True
+        self.intake: TenantIntake | None = None
         self._dispatching = True
         self.kv: KeyValue | None = None
 
@@ -164,19 +164,20 @@ class Dispatcher:
             await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self._on_status)
             await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self._on_cancel)
             await self._subscribe(self.subjects.depth, self._on_depth)
-            limits = ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
-                                    max_ack_pending=self.options.max_ack_pending)
-            # One consumer over every request subject: requests for an endpoint this
+            # Each tenant's consumer covers all endpoints: requests for an endpoint this
             # config does not know are still answered (unknown_endpoint), not stranded.
-            spec = ConsumerSpec(f"{self.subjects.prefix}~requests", self.subjects.all_requests,
-                                limits)
-            subscription = await pull_subscription(self.js, self.subjects.requests_stream, spec)
-            stack.push_async_callback(subscription.unsubscribe)
+            self.intake = TenantIntake(
+                self.nc, self.subjects, handler=self._intake_batch,
+                queued=self.scheduler.tenant_queued, listed=self.config.tenants,
+                limits=ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
+                                      max_ack_pending=self.options.max_ack_pending),
+                window=self.options.tenant_window, batch=self.options.intake_batch,
+                discover_s=self.options.discover_s)
+            await self.intake.__aenter__()
+            stack.push_async_callback(self.intake.close)
             # Unwound first: the drain runs while the subscriptions above still work.
             group = await stack.enter_async_context(asyncio.TaskGroup())
             stack.push_async_callback(self._stop_background)
-            self._intake_tasks.append(group.create_task(self._intake_loop(subscription),
-                                                        name="intake"))
             group.create_task(self._dispatch_loop(), name="dispatch")
             group.create_task(self._maintenance_loop(), name="maintenance")
         except BaseException:
@@ -200,10 +201,7 @@ class Dispatcher:
 
     async def _stop_background(self) -> None:
         """The drain: runs before the task group is awaited."""
-        # Not task.cancel(): nats-py's fetch can swallow a cancellation, and the loop
-        # would then never end; the flag stops it within one fetch timeout.
-        self._intake_open = False
-        await asyncio.gather(*self._intake_tasks, return_exceptions=True)
+        await self.intake.close()
         self._dispatching = False
         deadline = self.clock() + self.options.grace_s
         while any(h.worker for h in self._held.values()) and self.clock() < deadline:
@@ -219,21 +217,9 @@ class Dispatcher:
 
     # -- intake ----------------------------------------------------------------------------
 
-    async def _intake_loop(self, subscription: Any) -> None:
-        while self._intake_open:
-            try:
-                messages = await subscription.fetch(self.options.fetch_batch,
-                                                    timeout=INTAKE_POLL_S)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue  # nats-py raises either when nothing arrives within the poll
-            except nats.errors.ConnectionClosedError:
-                return
-            await self._intake_batch(messages)
-            self._wake.set()
-
     async def _intake_batch(self, messages: list[Msg]) -> None:
-        """Parse a fetched batch, look up stored results for all of it at once (one
-        round trip per batch instead of one per message), then admit in fetch order."""
+        """Parse an arrived batch, look up stored results for all of it at once (one
+        round trip per batch instead of one per message), then admit in arrival order."""
         parsed: list[tuple[Msg, wire.Submission]] = []
         for msg in messages:
             try:
@@ -251,6 +237,7 @@ class Dispatcher:
                           msg.subject, result)
                 continue
             await self._guarded(self._intake(msg, submission, result), msg)
+        self._wake.set()
 
     @staticmethod
     async def _guarded(step: Any, msg: Msg) -> None:
@@ -274,7 +261,7 @@ class Dispatcher:
             await self._publish_event(submission.reply, submission.encoding, stored.event)
             await msg.ack()
             return
-        held = Held(msg, submission, now)
+        held = Held(msg, submission, self._published_at(msg, now))
         result_key = self.subjects.result_key(*key)
         for worker in self.workers.values():
             if result_key in worker.reported:
@@ -288,12 +275,13 @@ class Dispatcher:
         text = body.prompt if body.prompt is not None else "".join(
             m.content for m in body.messages or [])
         request = Request(
-            sub.id, sub.tenant, sub.endpoint, now,
+            sub.id, sub.tenant, sub.endpoint, held.received_at,
             body.input_tokens if body.input_tokens is not None else approx_tokens(text),
             body.max_tokens or self._max_tokens_cap(sub.endpoint),
             priority=body.priority, deadline=body.deadline, session=body.session,
             other_units=float(len(body.images or ())), payload=held)
-        result = self.scheduler.check(request, now)
+        result = self.scheduler.check(request, now, self._waiting_in_stream(sub.endpoint,
+                                                                           sub.tenant))
         if isinstance(result, list):
             try:
                 result = await self.limiter.apply(result, now)
@@ -314,6 +302,21 @@ class Dispatcher:
             return
         self.scheduler.enqueue(request, now)
         self._held[(sub.tenant, sub.id)] = held
+
+    def _published_at(self, msg: Msg, now: float) -> float:
+        """When the request was stored in the stream, on this dispatcher's clock: its
+        queue wait and its place in line count from there, not from its intake."""
+        in_stream_s = time.time() - msg.metadata.timestamp.timestamp()
+        return now - max(0.0, in_stream_s)
+
+    def _waiting_in_stream(self, endpoint: str, tenant: str) -> int:
+        """The tenant's requests to `endpoint` the stream holds beyond the one being
+        admitted and those already queued or running here (as of the last listing)."""
+        unfinished = self.intake.backlog.get((endpoint, tenant), 0)
+        flow = self.scheduler.flow(endpoint, tenant) if endpoint in self.config.endpoints \
+            else None
+        here = len(flow.queue) + flow.running if flow is not None else 0
+        return max(0, unfinished - here - 1)
 
     def _max_tokens_cap(self, endpoint: str) -> int:
         spec = self.config.endpoints.get(endpoint)
@@ -389,6 +392,8 @@ class Dispatcher:
         await self.nc.publish(self.subjects.work(worker.endpoint, worker.worker_id),
                               wire.encode(batch, wire.Encoding.MSGPACK),
                               headers={HDR_CONTENT_TYPE: wire.Encoding.MSGPACK.content_type})
+        for tenant in {request.tenant for request in requests}:
+            await self.intake.top_up(tenant)  # their windows have room again
 
     # -- worker reports ------------------------------------------------------------------
 
@@ -528,7 +533,7 @@ class Dispatcher:
     async def _on_depth(self, msg: Msg) -> None:
         if await self._api_request(msg, wire.DEPTH_REQUEST) is None:
             return
-        rows = {(r.endpoint, r.tenant): r for r in self.scheduler.depth(self.clock())}
+        rows = {(r.endpoint, r.tenant): r for r in self._depth_rows(self.clock())}
         entries = []
         for key in rows.keys() | self._admissions.keys():
             row = rows.get(key)
@@ -539,6 +544,24 @@ class Dispatcher:
                 row.oldest_wait_s if row else 0.0, admitted, rejected))
         await msg.respond(wire.encode(wire.DepthReply(sorted(
             entries, key=lambda e: (e.endpoint, e.tier, e.tenant)))))
+
+    def _depth_rows(self, now: float) -> list[DepthRow]:
+        """The scheduler's queues, with what is still in the stream counted as queued.
+
+        The stream holds every unfinished request (waiting in the stream, queued here or
+        running), so queued = max(queued here, stream count - running).
+        """
+        backlog = dict(self.intake.backlog)
+        rows = []
+        for row in self.scheduler.depth(now):
+            in_stream = backlog.pop((row.endpoint, row.tenant), 0)
+            rows.append(replace(
+                row, queued=max(row.queued, in_stream - row.running)))
+        for (endpoint, tenant), count in backlog.items():
+            policy = self.scheduler.registry.tenant(tenant)
+            if endpoint in self.config.endpoints and policy is not None:
+                rows.append(DepthRow(endpoint, policy.tier, tenant, count, 0, 0.0))
+        return rows
 
     async def _api_request(self, msg: Msg, codec: wire.Codec) -> Any:
         try:
@@ -571,6 +594,7 @@ class Dispatcher:
                 for held in list(self._held.values()) + list(self._adopted.values()):
                     with contextlib.suppress(nats.errors.Error):
                         await held.msg.in_progress()
+            await self.intake.tick()
             if now - last_export >= DEPTH_EXPORT_S:  # a scan of every queue: not every tick
                 last_export = now
                 self._export_depth(now)
@@ -579,7 +603,7 @@ class Dispatcher:
     def _export_depth(self, now: float) -> None:
         self.metrics.queue_depth.clear()
         self.metrics.running.clear()
-        for row in self.scheduler.depth(now):
+        for row in self._depth_rows(now):
             self.metrics.queue_depth.labels(row.endpoint, row.tier, row.tenant).set(row.queued)
             self.metrics.running.labels(row.endpoint, row.tier, row.tenant).set(row.running)
 

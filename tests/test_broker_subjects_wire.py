@@ -298,6 +298,20 @@ def test_parse_submission_errors_carry_safe_context() -> None:
     with pytest.raises(WireError, match="_INBOX_acme"):
         parse_submission("fq.req.chat.acme", b'{"prompt":"x"}',
                          {HDR_MSG_ID: "r-1", HDR_REPLY: "_INBOX.ev"}, S, tenant_inboxes=True)
+    # A subject whose tenant is no valid name is still answered on a checked reply...
+    answerable = {HDR_MSG_ID: "r-1", HDR_REPLY: "_INBOX.ev"}
+    with pytest.raises(WireError, match="invalid tenant") as info:
+        parse_submission("fq.req.chat.bad$name", b'{"prompt":"x"}', answerable, S)
+    assert info.value.reply == "_INBOX.ev"
+    with pytest.raises(WireError, match="invalid tenant") as info:
+        parse_submission("fq.req.chat.bad$name", b'{"prompt":"x"}',
+                         {HDR_MSG_ID: "r-1", HDR_REPLY: "fq.api.depth"}, S)
+    assert info.value.reply is None
+    # ...but not with per-tenant inboxes, where the reply's owner cannot be checked.
+    with pytest.raises(WireError, match="invalid tenant") as info:
+        parse_submission("fq.req.chat.bad$name", b'{"prompt":"x"}', answerable, S,
+                         tenant_inboxes=True)
+    assert info.value.reply is None
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -144,6 +144,25 @@ def test_throttle_rejects_when_the_backlog_misses_the_latency_target():
     assert tight.retry_after_s == pytest.approx(0.3)
 
 
+def test_admission_counts_the_wait_and_the_backlog_outside_the_scheduler():
+    scheduler = Scheduler(make_config(cost="model_units", latency_target_s=10.0,
+                                      limits="max_queued = 5"))
+    scheduler.set_capacity("ep", 100.0)
+    store = MemoryLimiterStore()
+    assert scheduler.admit(req("a", 1), 0.0, store).admitted
+    # Four of a's requests still wait in the broker: with one queued here, a is at its cap.
+    full = scheduler.check(req("a", 2), 0.0, waiting_elsewhere=4)
+    assert full.outcome is Outcome.QUEUE_FULL
+    assert isinstance(scheduler.check(req("a", 2), 0.0, waiting_elsewhere=3), list)
+    # A request that reaches admission 9.9 s after it was published has 0.1 s of its
+    # 10 s target left; the 20 mu queued ahead take 0.2 s: it can no longer make it.
+    late = scheduler.check(req("b", 1, arrival=0.0), 9.9)
+    assert isinstance(late, list)  # b's queue is empty: nothing ahead
+    assert scheduler.admit(req("b", 1, arrival=0.0), 9.9, store).admitted
+    stale = scheduler.check(req("b", 2, arrival=0.0), 9.9)
+    assert stale.outcome is Outcome.OVERLOADED and stale.retry_after_s > 0
+
+
 # -- queues, cancel, expiry, requeue ---------------------------------------------------
 
 def test_cancel_and_expire_remove_queued_requests():

@@ -14,10 +14,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 
 from broker_config.subjects import Subjects
 from costmodel.engine_model import load_engine_params
+from dispatcher.intake import consumer_name
 from dispatcher.local import ENGINE_CONFIG
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
@@ -116,6 +118,16 @@ async def test_kill_9_of_the_dispatcher_loses_nothing(nats_url, tmp_path):
             dispatcher.kill()
 
 
+async def held_by_dispatcher(js, subjects: Subjects, tenant: str) -> int:
+    """Messages delivered to the tenant's consumer and not yet acked (0 before the
+    dispatcher has found the unlisted tenant and made its consumer)."""
+    try:
+        info = await js.consumer_info(subjects.requests_stream, consumer_name(subjects, tenant))
+    except nats.js.errors.NotFoundError:
+        return 0
+    return info.num_ack_pending
+
+
 async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path):
     config = tmp_path / "fairq.toml"
     config.write_text(CONFIG)
@@ -137,8 +149,7 @@ async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path)
             await js.publish("fq.req.chat.acme", b'{"prompt":"wait","max_tokens":4}',
                              headers={"Nats-Msg-Id": f"t{i}", "Fq-Reply": f"_INBOX.term.{i}"})
         deadline = time.monotonic() + 10
-        while (await js.consumer_info(subjects.requests_stream, "fq~requests")
-               ).num_ack_pending < 5:
+        while await held_by_dispatcher(js, subjects, "acme") < 5:
             assert time.monotonic() < deadline, "the dispatcher never took the requests"
             await asyncio.sleep(0.05)
         dispatcher.send_signal(signal.SIGTERM)

@@ -125,9 +125,15 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------------
 
-    def check(self, request: Request, now: float) -> Decision | list[Check]:
+    def check(self, request: Request, now: float,
+              waiting_elsewhere: int = 0) -> Decision | list[Check]:
         """Everything admission decides without the limiter store: a rejection, or the
-        rate-limit and quota checks the store must pass for the request to enter."""
+        rate-limit and quota checks the store must pass for the request to enter.
+
+        `waiting_elsewhere`: the tenant's requests to this endpoint that wait outside the
+        scheduler (in the broker), counted against `max_queued`. A request that arrives
+        late (`arrival` < now) has spent that wait already: the latency throttle counts it.
+        """
         endpoint = self.endpoints.get(request.endpoint)
         if endpoint is None:
             return Decision(Outcome.UNKNOWN_ENDPOINT, f"unknown endpoint {request.endpoint!r}")
@@ -144,12 +150,14 @@ class Scheduler:
         request.max_tokens = min(request.max_tokens, endpoint.spec.max_tokens_cap)
         limits = policy.limits_for(request.endpoint)
         flow = endpoint.flows.get(request.tenant)
-        if flow is not None and limits.max_queued is not None \
-                and len(flow.queue) >= limits.max_queued:
+        queued = (len(flow.queue) if flow is not None else 0) + waiting_elsewhere
+        if limits.max_queued is not None and queued >= limits.max_queued:
             return Decision(Outcome.QUEUE_FULL,
                             f"tenant queue is full ({limits.max_queued} requests)", 1.0)
-        decision = throttle(self._expected_wait(endpoint, flow, policy.weight, policy.tier_rank),
-                            now, endpoint.spec.latency_target_s, request.deadline)
+        waited = max(0.0, now - request.arrival)
+        decision = throttle(
+            waited + self._expected_wait(endpoint, flow, policy.weight, policy.tier_rank),
+            now, endpoint.spec.latency_target_s, request.deadline)
         if not decision.admitted:
             return decision
         tokens = request_tokens(request.input_tokens, request.max_tokens)
@@ -320,6 +328,15 @@ class Scheduler:
         if endpoint is None:
             return len(self._queued)
         return sum(len(f.queue) for f in self.endpoints[endpoint].flows.values())
+
+    def tenant_queued(self, tenant: str) -> int:
+        """Requests of `tenant` waiting in its queues, over every endpoint."""
+        total = 0
+        for endpoint in self.endpoints.values():
+            flow = endpoint.flows.get(tenant)
+            if flow is not None:
+                total += len(flow.queue)
+        return total
 
     def depth(self, now: float) -> list[DepthRow]:
         rows = []
