@@ -36,9 +36,20 @@ class DispatcherMetrics:
                                     "Sequences sent over the worker's free sequences",
                                     ["endpoint"], buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
                                     registry=r)
+        # Children of the per-request metrics, which are never cleared: `labels()` hashes
+        # and takes a lock on every call, a cost on the request path.
+        self._children: dict[tuple[object, tuple[str, ...]], object] = {}
         for endpoint in endpoints:  # export every outcome from the start, also at zero
             for outcome in Outcome:
-                self.admissions.labels(endpoint, outcome.value)
+                self.child(self.admissions, endpoint, outcome.value)
+
+    def child(self, metric: Counter | Histogram, *labels: str):
+        """`metric.labels(*labels)`, cached (for metrics whose labels are never cleared)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; returns the bound port (0 picks a free one)."""

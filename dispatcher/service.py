@@ -38,7 +38,8 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from broker_config import wire
-from broker_config.streams import BrokerSettings, ConsumerLimits, provision
+from broker_config.direct_get import DirectBatchGet, DirectGetError
+from broker_config.streams import BrokerSettings, ConsumerLimits, provision, stream_timestamp
 from broker_config.subjects import HDR_CONTENT_TYPE, ApiKind, Subjects
 from costmodel.units import approx_tokens
 from dispatcher.core.config import Config
@@ -149,6 +150,7 @@ class Dispatcher:
         self.intake: TenantIntake | None = None
         self._dispatching = True
         self.kv: KeyValue | None = None
+        self._results_reader: DirectBatchGet | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -164,6 +166,8 @@ class Dispatcher:
             await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self._on_status)
             await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self._on_cancel)
             await self._subscribe(self.subjects.depth, self._on_depth)
+            self._results_reader = await stack.enter_async_context(
+                DirectBatchGet(self.nc, f"KV_{self.subjects.results_bucket}"))
             # Each tenant's consumer covers all endpoints: requests for an endpoint this
             # config does not know are still answered (unknown_endpoint), not stranded.
             self.intake = TenantIntake(
@@ -228,15 +232,15 @@ class Dispatcher:
                     tenant_inboxes=self.options.tenant_inboxes)))
             except wire.WireError as error:
                 await self._guarded(self._refuse_unparsed(msg, error), msg)
-        stored = await asyncio.gather(
-            *(self._stored_result(sub.tenant, sub.id) for _, sub in parsed),
-            return_exceptions=True)
-        for (msg, submission), result in zip(parsed, stored):
-            if isinstance(result, BaseException):
-                log.error("results lookup for %s failed (%s); it will be redelivered",
-                          msg.subject, result)
-                continue
-            await self._guarded(self._intake(msg, submission, result), msg)
+        subjects = [self._result_subject(sub.tenant, sub.id) for _, sub in parsed]
+        try:
+            stored = await self._results_reader.last(subjects)
+        except DirectGetError as exc:
+            log.error("results lookup failed (%s); %d requests will be redelivered",
+                      exc, len(parsed))
+            return
+        for (msg, submission), subject in zip(parsed, subjects):
+            await self._guarded(self._intake(msg, submission, stored.get(subject)), msg)
         self._wake.set()
 
     @staticmethod
@@ -247,7 +251,7 @@ class Dispatcher:
             log.exception("intake of %s failed; it will be redelivered", msg.subject)
 
     async def _intake(self, msg: Msg, submission: wire.Submission,
-                      stored: wire.StoredResult | None) -> None:
+                      stored_value: bytes | None) -> None:
         now = self.clock()
         key = (submission.tenant, submission.id)
         held = self._held.get(key) or self._adopted.get(key)
@@ -257,7 +261,8 @@ class Dispatcher:
             else:
                 await msg.term()  # the same id published again: the first one answers
             return
-        if stored is not None:  # finished before a restart or a redelivery
+        if stored_value is not None:  # finished before a restart or a redelivery
+            stored = wire.STORED_RESULT.decode(stored_value)
             await self._publish_event(submission.reply, submission.encoding, stored.event)
             await msg.ack()
             return
@@ -289,11 +294,10 @@ class Dispatcher:
                 log.error("rate limiter unavailable: %s", exc)
                 await self._finish(held, wire.ErrorEvent(
                     sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0))
-                self.metrics.admissions.labels(sub.endpoint, "internal").inc()
+                self.metrics.child(self.metrics.admissions, sub.endpoint, "internal").inc()
                 return
-        self.metrics.admissions.labels(
-            sub.endpoint if sub.endpoint in self.config.endpoints else "unknown",
-            result.outcome.value).inc()
+        endpoint_label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
+        self.metrics.child(self.metrics.admissions, endpoint_label, result.outcome.value).inc()
         if result.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
             counts = self._admissions.setdefault((sub.endpoint, sub.tenant), [0, 0])
             counts[0 if result.admitted else 1] += 1
@@ -306,8 +310,7 @@ class Dispatcher:
     def _published_at(self, msg: Msg, now: float) -> float:
         """When the request was stored in the stream, on this dispatcher's clock: its
         queue wait and its place in line count from there, not from its intake."""
-        in_stream_s = time.time() - msg.metadata.timestamp.timestamp()
-        return now - max(0.0, in_stream_s)
+        return now - max(0.0, time.time() - stream_timestamp(msg.reply))
 
     def _waiting_in_stream(self, endpoint: str, tenant: str) -> int:
         """The tenant's requests to `endpoint` the stream holds beyond the one being
@@ -368,7 +371,7 @@ class Dispatcher:
                     Outcome.DEADLINE_EXCEEDED, "the deadline passed while queued"))
             if batch.requests:
                 await self._send(worker, batch.requests, now)
-                self.metrics.batch_fill.labels(worker.endpoint).observe(
+                self.metrics.child(self.metrics.batch_fill, worker.endpoint).observe(
                     len(batch.requests) / free.sequences)
 
     async def _send(self, worker: WorkerState, requests: list[Request], now: float) -> None:
@@ -386,7 +389,8 @@ class Dispatcher:
                 metadata=body.metadata or {}, reply=held.submission.reply,
                 encoding=held.submission.encoding, enqueued_at=held.received_at,
                 dispatched_at=now))
-            self.metrics.queue_wait.labels(request.endpoint).observe(now - held.received_at)
+            self.metrics.child(self.metrics.queue_wait, request.endpoint).observe(
+                now - held.received_at)
         batch = wire.Batch(worker_id=worker.worker_id, endpoint=worker.endpoint, items=items,
                            sent_at=now)
         await self.nc.publish(self.subjects.work(worker.endpoint, worker.worker_id),
@@ -481,11 +485,11 @@ class Dispatcher:
         if done.code is not None or done.first_token_at is None:
             return
         held: Held = request.payload
-        self.metrics.ttft.labels(request.endpoint).observe(
+        self.metrics.child(self.metrics.ttft, request.endpoint).observe(
             max(0.0, done.first_token_at - held.received_at))
         decoding = done.finished_at - done.first_token_at
         if decoding > 0:
-            self.metrics.output_tps.labels(request.endpoint).observe(
+            self.metrics.child(self.metrics.output_tps, request.endpoint).observe(
                 done.usage.output_tokens / decoding)
 
     # -- request/reply APIs ------------------------------------------------------------------
@@ -608,6 +612,9 @@ class Dispatcher:
             self.metrics.running.labels(row.endpoint, row.tier, row.tenant).set(row.running)
 
     # -- results ---------------------------------------------------------------------------
+
+    def _result_subject(self, tenant: str, request_id: str) -> str:
+        return f"$KV.{self.subjects.results_bucket}.{self.subjects.result_key(tenant, request_id)}"
 
     async def _stored_result(self, tenant: str, request_id: str) -> wire.StoredResult | None:
         try:

@@ -14,10 +14,12 @@ import msgspec
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 from nats.js.errors import APIError, ServiceUnavailableError
 
+from broker_config.direct_get import DirectBatchGet, DirectGetError
 from broker_config.server import (
     EmbeddedNatsServer,
     EmbeddedRedisServer,
@@ -34,6 +36,7 @@ from broker_config.streams import (
     is_backlog_full,
     provision,
     pull_subscription,
+    stream_timestamp,
 )
 from broker_config.subjects import HDR_MSG_ID, Subjects
 
@@ -164,6 +167,24 @@ async def test_dedup_by_msg_id_survives_the_ack(js: JetStreamContext) -> None:
     assert (await js.stream_info("FQ_REQUESTS")).state.messages == 0
 
 
+async def test_batch_direct_get_returns_what_is_stored(nc: Client, js: JetStreamContext) -> None:
+    done = await provision(js, BrokerSettings())
+    bucket = S.results_bucket
+    for key, value in (("acme.r1", b"one"), ("acme.r2", b"two"), ("globex.r1", b"three")):
+        await done.results.put(key, value)
+    await done.results.delete("acme.r2")  # a tombstone: no value
+    subject = f"$KV.{bucket}.{{}}".format
+    async with DirectBatchGet(nc, f"KV_{bucket}") as reader:
+        found = await reader.last([subject("acme.r1"), subject("acme.r2"), subject("acme.r9"),
+                                   subject("globex.r1")])
+        assert found == {subject("acme.r1"): b"one", subject("globex.r1"): b"three"}
+        assert await reader.last([subject("nobody.r1")]) == {}
+        assert await reader.last([]) == {}
+    async with DirectBatchGet(nc, "NO_SUCH_STREAM", timeout_s=1.0) as reader:
+        with pytest.raises(DirectGetError):
+            await reader.last([subject("acme.r1")])
+
+
 async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -> None:
     done = await provision(js, BrokerSettings())
     key = S.result_key("acme", "job..1")
@@ -174,6 +195,15 @@ async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -
     assert entry.value == b'{"type":"error"}'
     # history 1: only the latest value is kept.
     assert (await js.stream_info("KV_FQ_RESULTS")).state.messages == 1
+
+
+@pytest.mark.parametrize("ack_subject", [
+    "$JS.ACK.FQ_REQUESTS.fq~tenant~acme.1.3.3.1795997433664286007.2",
+    "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~tenant~acme.1.3.3.1795997433664286007.2.x1y2",
+])
+def test_stream_timestamp_agrees_with_nats_py(ack_subject: str) -> None:
+    expected = Msg.Metadata._from_reply(ack_subject).timestamp.timestamp()
+    assert stream_timestamp(ack_subject) == pytest.approx(expected, abs=1e-6)
 
 
 # -- consumers -------------------------------------------------------------------------------
