@@ -93,8 +93,8 @@ STAGES: dict[str, tuple[str, str]] = {
                                                                "parse_submission"),
     "  of which JSON decode + msgspec validation (wire.decode_request)": (
         "broker_config/wire.py", "decode_request"),
-    "result-bucket lookup, one KV get per message (Dispatcher._stored_result)": (
-        "dispatcher/service.py", "_stored_result"),
+    "result-bucket lookup, one batch direct get per batch (DirectBatchGet.last)": (
+        "broker_config/direct_get.py", "last"),
     "admission + enqueue (Dispatcher._admit)": ("dispatcher/service.py", "_admit"),
     "  of which Scheduler.check": ("dispatcher/core/scheduler.py", "check"),
     "  of which limiter store (MemoryLimiterAsync.apply)": ("dispatcher/redis_limits.py",

@@ -21,6 +21,8 @@ import logging
 import math
 import signal
 import sys
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,9 +63,17 @@ class Options:
     engine: Engine
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Something that runs beside the worker service for as long as it serves, given the
+# connection and the running service, and leaves before the service drains. The naive
+# shared-queue baseline (bench/naive_worker.py) feeds the service this way.
+Companion = Callable[[nats.NATS, WorkerService], AbstractAsyncContextManager[object]]
+# Builds the companion from the parsed arguments; raises UsageError for unusable ones.
+CompanionFactory = Callable[[argparse.Namespace, Options], Companion]
+
+
+def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers", description="Run a fairq worker: batches in, events out.")
+        prog=prog, description="Run a fairq worker: batches in, events out.")
     parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL",
                         help=f"NATS server (default {DEFAULT_NATS_URL})")
     parser.add_argument("--connect-wait", type=float, default=60.0, metavar="S",
@@ -175,7 +185,7 @@ class WorkerFailure(RuntimeError):
     """The worker could not start or lost its connection; the message says why."""
 
 
-async def run(options: Options) -> None:
+async def run(options: Options, companion: Companion | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure."""
     stop = asyncio.Event()
     lost = closed_by_us = False
@@ -202,7 +212,7 @@ async def run(options: Options) -> None:
         raise WorkerFailure(f"cannot connect to NATS at {options.nats_url} within "
                             f"{options.connect_wait_s:g}s: {exc!r}") from exc
     try:
-        await _serve(nc, options, stop)
+        await _serve(nc, options, stop, companion)
     finally:
         if not nc.is_closed:
             closed_by_us = True
@@ -211,7 +221,8 @@ async def run(options: Options) -> None:
         raise WorkerFailure(f"lost the NATS connection to {options.nats_url}")
 
 
-async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event) -> None:
+async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event,
+                 companion: Companion | None) -> None:
     bucket = options.subjects.results_bucket
     try:
         results = await nc.jetstream().key_value(bucket)
@@ -226,27 +237,31 @@ async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event) -> None:
         except (EngineError, ImportError) as exc:
             # ImportError: --engine vllm where vllm is not installed (see docs/vllm.md).
             raise WorkerFailure(f"the engine failed to start: {exc}") from exc
-        await stack.enter_async_context(WorkerService(
+        service = await stack.enter_async_context(WorkerService(
             nc, engine, endpoint=options.endpoint, worker_id=options.worker_id,
             subjects=options.subjects, results=results, profile=options.profile,
             heartbeat_interval_s=options.heartbeat_interval_s,
             drain_timeout_s=options.drain_timeout_s))
+        if companion is not None:
+            await stack.enter_async_context(companion(nc, service))
         log.info("worker %s serving endpoint %s", options.worker_id, options.endpoint)
         await stop.wait()
         log.info("worker %s draining", options.worker_id)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, *, prog: str = "python -m workers",
+         companion: CompanionFactory | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         options = parse_options(args)
+        beside = companion(args, options) if companion is not None else None
     except UsageError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(run(options))
+        asyncio.run(run(options, beside))
     except WorkerFailure as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,46 @@
+"""What a benchmark ran on, recorded beside its figures."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import subprocess
+from typing import Any
+
+import msgspec
+import nats
+
+from broker_config.server import find_nats_server
+
+
+def machine_facts(command: str) -> dict[str, Any]:
+    server_version = subprocess.run([str(find_nats_server()), "--version"], check=False,
+                                    capture_output=True, text=True, timeout=10).stdout.strip()
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "loadavg_at_start": os.getloadavg(),
+        "nats_server": server_version,
+        "nats_py": nats.aio.client.__version__,
+        "msgspec": msgspec.__version__,
+    }
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table, one line per row."""
+    lines = [header, ["---"] * len(header), *rows]
+    return ["| " + " | ".join(cells) + " |" for cells in lines]

@@ -1,0 +1,284 @@
+"""The load generator and recorder: replays arrivals on schedule over the wire contract and
+records what happened to every request.
+
+Each arrival is one JetStream publish to `fq.req.<endpoint>.<tenant>` through the SDK
+(`producers.client.Client`: `Nats-Msg-Id` = the request id `<tenant>-<index of the
+arrival>`, body with `prompt`, `max_tokens` and `input_tokens`), at `offset_s` after the
+start, by one connection. Every tenant publishes independently, at most
+`PUBLISH_IN_FLIGHT` unacknowledged at a time, so one tenant's burst never delays
+another's submits in the recorder. Two ways to observe a request, chosen per tenant:
+
+- streamed: with an `Fq-Reply` inbox; the first event and the final event are timed
+  when they arrive here (the client's view);
+- collected: without `Fq-Reply`, as a batch job would submit (nothing is streamed
+  back); the final event is read from the results bucket once everything has finished
+  (not through the status API: the naive queue has no dispatcher to answer it), and
+  its times are placed from the worker's clock: finished = the time the result was
+  stored, first token = finished - (total_s - ttft_s). Every process runs on one
+  machine, so the clocks agree. This keeps a 10,000-request flood from sending
+  hundreds of thousands of token events to this process, which would make the
+  measurement one of the recorder's CPU rather than of the scheduling.
+
+For both, the dispatch time comes from the done event's timings (seconds since the
+request was queued): dispatched = first token - (ttft_s - queued_s), so queue wait =
+dispatched - submitted and TTFT = first token - submitted, both from the client's submit.
+The replay ends when every streamed request has its final event and the requests stream
+is empty (every message acked: every request finished), bounded by `timeout_s`; requests
+without a final event by then are recorded as `lost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import nats
+from nats.js.errors import KeyNotFoundError
+
+from broker_config.streams import BrokerSettings
+from broker_config.wire import STORED_RESULT, DoneEvent, ErrorEvent, FinalEvent, TokenEvent
+from dispatcher.core.fairness import RequestRecord
+from dispatcher.core.sim import TraceRecord
+from producers.client import Client, FairqError, Submitted
+
+# The engine is told the input length; the prompt itself is only a placeholder.
+PROMPT = "benchmark request"
+PUBLISH_IN_FLIGHT = 256
+# Results-bucket reads in flight while collecting.
+COLLECT_IN_FLIGHT = 512
+_POLL_S = 0.2
+WATCH_S = 0.5
+
+LOST = "lost"
+DONE = "done"
+REFUSED = "refused"  # the broker did not store it (the publisher was told)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request to send: `offset_s` wall seconds after the start."""
+
+    tenant: str
+    offset_s: float
+    input_tokens: int
+    max_tokens: int
+    streamed: bool = True
+
+
+def arrivals_from_trace(trace: Sequence[TraceRecord], time_scale: float,
+                        collected: Collection[str] = ()) -> list[Arrival]:
+    """The trace's requests on the wall clock: arrivals compressed by `time_scale` like the
+    engine's time, so the load relative to capacity is the trace's. Each asks for
+    max_tokens = the record's max_tokens, else its output_tokens. Tenants in
+    `collected` submit without `Fq-Reply`."""
+    return [Arrival(r.tenant, r.arrival_s * time_scale, r.input_tokens,
+                    r.max_tokens or r.output_tokens, streamed=r.tenant not in collected)
+            for r in trace]
+
+
+@dataclass(slots=True)
+class Measured:
+    """One request end to end. Times are wall seconds since the replay's start."""
+
+    id: str
+    tenant: str
+    offset_s: float
+    streamed: bool
+    input_tokens: int
+    max_tokens: int
+    submitted: float | None = None
+    dispatched: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int | None = None
+    # "done", an error code, "refused" (not stored), or "lost" (stored, but no final
+    # event within the replay's bound).
+    outcome: str = LOST
+    # The done event's timings (seconds since the request was queued).
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.outcome == DONE
+
+    def settle(self, event: FinalEvent, finished: float, first_token: float | None) -> None:
+        """Record the final event; `first_token` None places it from the event's timings."""
+        self.finished = finished
+        if isinstance(event, ErrorEvent):
+            self.outcome = str(event.code)
+            return
+        self.outcome = DONE
+        timings = event.timings
+        self.queued_s, self.ttft_s, self.total_s = (timings.queued_s, timings.ttft_s,
+                                                    timings.total_s)
+        self.input_tokens = event.usage.input_tokens
+        self.output_tokens = event.usage.output_tokens
+        if timings.ttft_s is None:  # no token: dispatch is placed from the finish
+            self.first_token = None
+            self.dispatched = finished - (timings.total_s - timings.queued_s)
+            return
+        if first_token is None:
+            first_token = finished - (timings.total_s - timings.ttft_s)
+        self.first_token = first_token
+        self.dispatched = first_token - (timings.ttft_s - timings.queued_s)
+
+    def request_record(self, time_scale: float = 1.0) -> RequestRecord:
+        """As `dispatcher.core.fairness` records: arrival = submit, times divided by
+        `time_scale` (the engine model's seconds). A done request without a token is
+        recorded as not served, as in the simulator."""
+        def scaled(value: float | None) -> float | None:
+            return None if value is None else value / time_scale
+
+        submitted = self.submitted if self.submitted is not None else self.offset_s
+        return RequestRecord(
+            id=self.id, tenant=self.tenant, arrival=submitted / time_scale,
+            dispatched=scaled(self.dispatched), first_token=scaled(self.first_token),
+            finished=scaled(self.finished), input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens or 0,
+            outcome="admitted" if self.done else self.outcome)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Replay:
+    measured: list[Measured]
+    # Wall seconds from the start until the last request finished (or the bound).
+    wall_s: float
+    # How late the worst submit was against its schedule, per tenant.
+    max_lateness_s: dict[str, float]
+
+    def counts(self) -> dict[str, int]:
+        outcomes: dict[str, int] = defaultdict(int)
+        for m in self.measured:
+            outcomes[m.outcome] += 1
+        return dict(sorted(outcomes.items()))
+
+
+def describe_outcomes(counts: dict[str, int]) -> str:
+    """`Replay.counts()` as text: "10568 done", "98 done, 2 lost"."""
+    return ", ".join(f"{count} {outcome}" for outcome, count in counts.items()) or "none"
+
+
+async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
+                 settings: BrokerSettings, timeout_s: float,
+                 alive: Callable[[], None] | None = None) -> Replay:
+    """Send `arrivals` on schedule to the stack at `url`; see the module doc.
+
+    `alive` is called every `WATCH_S` while requests are outstanding and should raise if
+    the stack has died (`Stack.check_alive`), so a crash ends the replay at once instead
+    of at `timeout_s`.
+    """
+    measured = [Measured(f"{a.tenant}-{n}", a.tenant, a.offset_s, a.streamed,
+                         a.input_tokens, a.max_tokens) for n, a in enumerate(arrivals)]
+    by_tenant: dict[str, list[Measured]] = defaultdict(list)
+    for m in sorted(measured, key=lambda m: m.offset_s):
+        by_tenant[m.tenant].append(m)
+    async with Client.connect(url, prefix=settings.prefix) as client:
+        loop = asyncio.get_running_loop()
+        start_wall, start_loop = time.time(), loop.time()
+        try:
+            async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
+                watchdog = group.create_task(_watch(alive)) if alive is not None else None
+                streams = [group.create_task(_tenant(client, endpoint, mine, start_wall,
+                                                     start_loop))
+                           for mine in by_tenant.values()]
+                await asyncio.gather(*streams)
+                await _until_stream_empty(client.connection, settings)
+                if watchdog is not None:
+                    watchdog.cancel()
+        except TimeoutError:
+            pass  # what has no final event stays `lost`
+        await _collect(client.connection, settings,
+                       [m for m in measured if not m.streamed and m.submitted is not None],
+                       start_wall)
+        ends = [m.finished for m in measured if m.finished is not None]
+    lateness = {tenant: max((m.submitted - m.offset_s for m in mine
+                             if m.submitted is not None), default=0.0)
+                for tenant, mine in by_tenant.items()}
+    return Replay(measured, max(ends, default=0.0), lateness)
+
+
+async def _watch(alive: Callable[[], None]) -> None:
+    while True:
+        await asyncio.sleep(WATCH_S)
+        alive()
+
+
+async def _tenant(client: Client, endpoint: str, mine: list[Measured], start_wall: float,
+                  start_loop: float) -> None:
+    """One tenant's requests, each at its offset; returns when its streamed ones ended."""
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(PUBLISH_IN_FLIGHT)
+    async with asyncio.TaskGroup() as group:
+        for m in mine:
+            delay = start_loop + m.offset_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await slots.acquire()
+            group.create_task(_request(client, endpoint, m, start_wall, slots))
+
+
+async def _request(client: Client, endpoint: str, m: Measured, start_wall: float,
+                   slots: asyncio.Semaphore) -> None:
+    try:
+        m.submitted = time.time() - start_wall
+        submitted = await client.submit(endpoint, m.tenant, prompt=PROMPT,
+                                        max_tokens=m.max_tokens, input_tokens=m.input_tokens,
+                                        id=m.id, reply=m.streamed)
+    except FairqError:
+        m.outcome = REFUSED
+        return
+    finally:
+        slots.release()
+    if m.streamed:
+        await _stream(client, submitted, m, start_wall)
+
+
+async def _stream(client: Client, submitted: Submitted, m: Measured, start_wall: float) -> None:
+    first_token = None
+    async with contextlib.aclosing(client.stream(submitted)) as events:
+        async for event in events:
+            now = time.time() - start_wall
+            if isinstance(event, TokenEvent):
+                if first_token is None:
+                    first_token = now
+                continue
+            if isinstance(event, DoneEvent) and first_token is None:
+                first_token = now  # a done event without tokens before it: output at once
+            m.settle(event, now, first_token)
+
+
+async def _until_stream_empty(nc: nats.NATS, settings: BrokerSettings) -> None:
+    """Requests leave the work-queue stream when acked, that is once finished."""
+    js = nc.jetstream()
+    while (await js.stream_info(settings.subjects.requests_stream)).state.messages:
+        await asyncio.sleep(_POLL_S)
+
+
+async def _collect(nc: nats.NATS, settings: BrokerSettings, collected: list[Measured],
+                   start_wall: float) -> None:
+    """Final events of the requests submitted without Fq-Reply, from the results bucket."""
+    if not collected:
+        return
+    results = await nc.jetstream().key_value(settings.subjects.results_bucket)
+    slots = asyncio.Semaphore(COLLECT_IN_FLIGHT)
+
+    async def one(m: Measured) -> None:
+        async with slots:
+            try:
+                entry = await results.get(settings.subjects.result_key(m.tenant, m.id))
+            except KeyNotFoundError:
+                return  # not finished: stays `lost`
+        stored = STORED_RESULT.decode(entry.value)
+        m.settle(stored.event, stored.stored_at - start_wall, None)
+
+    await asyncio.gather(*(one(m) for m in collected))

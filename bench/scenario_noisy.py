@@ -1,0 +1,231 @@
+"""Scenario 1, end to end: a noisy neighbour, fairq against the naive shared work queue.
+
+    python -m bench.scenario_noisy [--quick] [--workers 2] [--time-scale 0.1] [--seed 1]
+
+Workload (`producers.loadgen.noisy_neighbour`): tenant A sends 10,000 requests at t=0;
+B-E send Poisson arrivals at 0.5 requests/s each for 300 s; sizes are short chat turns
+(log-normal, median 250 input and 120 output tokens). Every request asks for
+max_tokens = its drawn output length; the simulated engine produces a length drawn
+uniformly in [1, max_tokens] from the request id (the same in every mode). Arrivals are
+compressed by the engine's time scale, so the load relative to capacity is the
+scenario's, only faster.
+
+Four runs, each on a fresh stack (`bench.stack`) with the same workers and engine:
+`solo-fairq` and `solo-naive` (B-E alone), `fairq` and `naive` (everyone). A's requests
+are collected from the results bucket (submitted without Fq-Reply, as a batch job
+would); B-E stream their events to the recorder. Per tenant and run: p50/p95/p99 queue
+wait and time to first token, in the engine model's seconds (wall seconds / time
+scale), measured from the client's submit. The headline is each small tenant's p95 TTFT
+next to the flood divided by its p95 alone on the same stack (target <= 1.2, floor 1.5).
+
+Writes bench/results/noisy/summary.json (figures, settings, machine), records-<run>.json
+(every request, wall seconds) and PNGs (per-run service over time and TTFT CDFs, and the
+small tenants' TTFT CDFs across runs); prints a markdown digest. `--quick` is a
+few-second variant (a smaller flood over 30 s) for smoke tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.machine import machine_facts, table
+from bench.plots import cdf_plot
+from bench.recorder import Replay, arrivals_from_trace, describe_outcomes, replay
+from bench.stack import Mode, Stack, StackSpec, benchmark_config
+from dispatcher.core.fairness import DEFAULT_METRICS, tenant_summary
+from dispatcher.simulate import plot_result
+from producers.loadgen import noisy_neighbour, tenant_names
+
+TITLE = "End to end: noisy neighbour, fairq vs the naive shared queue"
+RESULTS = Path(__file__).resolve().parent / "results" / "noisy"
+# noisy_neighbour's tenants with its default four small ones: A floods, B-E are small.
+TENANTS = tenant_names(5)
+NOISY = TENANTS[0]
+TARGET_RATIO = 1.2
+FLOOR_RATIO = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    noisy_requests: int = 10_000
+    small_rate: float = 0.5
+    duration_s: float = 300.0
+    workers: int = 2
+    time_scale: float = 0.1
+    seed: int = 1
+    # Bound on one run's replay, in wall seconds.
+    timeout_s: float = 600.0
+
+
+FULL = Settings()
+QUICK = Settings(noisy_requests=600, small_rate=1.0, duration_s=30.0, workers=1,
+                 time_scale=0.05, timeout_s=60.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    name: str
+    mode: Mode
+    with_flood: bool
+
+
+RUNS = (Run("solo-fairq", "fairq", False), Run("solo-naive", "naive", False),
+        Run("fairq", "fairq", True), Run("naive", "naive", True))
+
+
+def stack_spec(mode: Mode, settings: Settings) -> StackSpec:
+    """Every tenant listed with weight 1, as a deployment's registry would have them."""
+    return StackSpec(mode=mode, workers=settings.workers, time_scale=settings.time_scale,
+                     config=benchmark_config(dict.fromkeys(TENANTS, 1.0)))
+
+
+async def run_one(run: Run, settings: Settings, out_dir: Path) -> Replay:
+    trace = noisy_neighbour(settings.seed,
+                            noisy_requests=settings.noisy_requests if run.with_flood else 0,
+                            small_rate=settings.small_rate, duration_s=settings.duration_s)
+    arrivals = arrivals_from_trace(trace, settings.time_scale, collected={NOISY})
+    spec = stack_spec(run.mode, settings)
+    async with Stack(spec, out_dir / "logs" / run.name) as stack:
+        result = await replay(stack.url, arrivals, endpoint=spec.endpoint,
+                              settings=stack.settings, timeout_s=settings.timeout_s,
+                              alive=stack.check_alive)
+    return result
+
+
+def summarise(result: Replay, settings: Settings) -> dict[str, Any]:
+    records = [m.request_record(settings.time_scale) for m in result.measured]
+    return {"wall_s": result.wall_s, "outcomes": result.counts(),
+            "max_submit_lateness_s": result.max_lateness_s,
+            "tenants": tenant_summary(records, DEFAULT_METRICS)}
+
+
+def small_tenant_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per mode, each small tenant's p95 TTFT next to the flood / alone on that stack."""
+    ratios: dict[str, dict[str, float | None]] = {}
+    for mode in ("fairq", "naive"):
+        alone, flooded = runs[f"solo-{mode}"]["tenants"], runs[mode]["tenants"]
+        ratios[mode] = {}
+        for tenant, row in alone.items():
+            solo, now = row["ttft_s"]["p95"], flooded[tenant]["ttft_s"]["p95"]
+            ratios[mode][tenant] = None if not solo or now is None else now / solo
+    return ratios
+
+
+def verdict(ratio: float | None) -> str:
+    if ratio is None:
+        return "no data"
+    if ratio <= TARGET_RATIO:
+        return "meets the 1.2x target"
+    return "within the 1.5x floor" if ratio <= FLOOR_RATIO else "misses the 1.5x floor"
+
+
+def plot(results: dict[str, Replay], settings: Settings, out_dir: Path) -> list[str]:
+    scale = settings.time_scale
+    paths = []
+    for name in ("fairq", "naive"):
+        path = out_dir / f"noisy_{name}.png"
+        plot_result([m.request_record(scale) for m in results[name].measured], path,
+                    title=f"noisy neighbour end to end, {name}")
+        paths.append(path.name)
+    small = {name: [r.first_token - r.arrival
+                    for r in (m.request_record(scale) for m in result.measured)
+                    if r.tenant != NOISY and r.served]
+             for name, result in results.items()}
+    path = out_dir / "noisy_small_ttft.png"
+    cdf_plot(small, path, title="Small tenants' TTFT (B-E pooled)",
+             xlabel="time to first token (engine model s)")
+    paths.append(path.name)
+    return paths
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The markdown tables of a summary (also what bench.report writes into the docs)."""
+    runs, ratios = summary["runs"], summary["ratios"]
+    lines = ["Per tenant, engine model seconds (wall / time scale): p50 / p95 / p99.", ""]
+    rows = []
+    for name, run in runs.items():
+        for tenant, row in run["tenants"].items():
+            wait, ttft = row["queue_wait_s"], row["ttft_s"]
+            rows.append([name, tenant, str(row["count"]), str(row["served"]),
+                         " / ".join(_seconds(wait[q]) for q in ("p50", "p95", "p99")),
+                         " / ".join(_seconds(ttft[q]) for q in ("p50", "p95", "p99"))])
+    lines += table(["run", "tenant", "requests", "served", "queue wait", "TTFT"], rows)
+    lines += ["", "Small tenants' p95 TTFT next to the flood / alone on the same stack:", ""]
+    rows = [[tenant, _ratio(ratios["fairq"][tenant]), _ratio(ratios["naive"][tenant])]
+            for tenant in ratios["fairq"]]
+    worst = {mode: max((r for r in ratios[mode].values() if r is not None), default=None)
+             for mode in ("fairq", "naive")}
+    rows.append(["worst", f"{_ratio(worst['fairq'])} ({verdict(worst['fairq'])})",
+                 _ratio(worst["naive"])])
+    lines += table(["tenant", "fairq / solo", "naive / solo"], rows)
+    lines += ["", "Runs: " + "; ".join(
+        f"{name} {run['wall_s']:.1f} s wall, {describe_outcomes(run['outcomes'])}"
+        for name, run in runs.items())]
+    return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+async def run_all(settings: Settings, out_dir: Path, command: str) -> dict[str, Any]:
+    facts = machine_facts(command)
+    results: dict[str, Replay] = {}
+    for run in RUNS:
+        started = time.monotonic()
+        results[run.name] = await run_one(run, settings, out_dir)
+        print(f"{run.name}: {time.monotonic() - started:.1f} s, "
+              f"{results[run.name].counts()}", file=sys.stderr)
+    for name, result in results.items():
+        (out_dir / f"records-{name}.json").write_text(
+            json.dumps([m.to_dict() for m in result.measured], separators=(",", ":")) + "\n")
+    runs = {name: summarise(result, settings) for name, result in results.items()}
+    summary = {"scenario": "noisy", "machine": facts, "settings": asdict(settings),
+               "stack": stack_spec("fairq", settings).describe(),
+               "runs": runs, "ratios": small_tenant_ratios(runs),
+               "plots": plot(results, settings, out_dir)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.scenario_noisy",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the few-second smoke variant")
+    parser.add_argument("--workers", type=int, help="simulated workers (default 2; quick 1)")
+    parser.add_argument("--time-scale", type=float,
+                        help="engine and arrival time scale (default 0.1; quick 0.05)")
+    parser.add_argument("--seed", type=int, help="workload seed (default 1)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    settings = QUICK if args.quick else FULL
+    overrides = {"workers": args.workers, "time_scale": args.time_scale, "seed": args.seed}
+    return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = " ".join(["python -m bench.scenario_noisy", *(sys.argv[1:] if argv is None
+                                                            else argv)])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    summary = asyncio.run(run_all(settings_from(args), args.out_dir, command))
+    print(render(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""A complete system for one benchmark run, every part in its own process.
+
+    spec = StackSpec(mode="fairq", workers=2, time_scale=0.1)
+    async with Stack(spec, log_dir) as stack:
+        ...  # publish to stack.url; the stack answers on the wire contract
+
+Start: an embedded nats-server (own store directory, a free port), then either
+
+- `fairq`: a dispatcher (`python -m dispatcher`) and N simulated workers
+  (`python -m workers --engine sim`), or
+- `naive`: no dispatcher; the broker is provisioned here and N naive workers
+  (`python -m bench.naive_worker`, the real worker service fed from one shared FIFO
+  pull consumer) run the same engine with the same settings.
+
+The stack is ready once every worker has sent a heartbeat and one warm-up request has
+come back through the whole path. Separate processes matter: the load generator in this
+process must not share an interpreter (and its GIL) with the dispatcher or the workers.
+
+Stop: workers first (SIGTERM: they drain), then the dispatcher, then the server. Each
+process writes its output to `<log_dir>/<name>.log`; a process that dies early fails
+the run with the end of its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Self
+
+import msgspec
+import nats
+import nats.errors
+
+from broker_config.server import EmbeddedNatsServer
+from broker_config.streams import BrokerSettings, provision
+from broker_config.wire import HEARTBEAT
+from costmodel.engine_model import EngineParams
+from dispatcher.core.config import EXAMPLE_CONFIG, Config, Tenant, load_config
+from dispatcher.core.sim import scheduling_only
+from producers.client import Client, FairqTimeout, NoDispatcher
+
+REPO = Path(__file__).resolve().parents[1]
+ENDPOINT = "chat"
+WARMUP_TENANT = "warmup"
+
+Mode = Literal["fairq", "naive"]
+
+# Bounds on bring-up and tear-down, so a broken stack fails with a message, never hangs.
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+_POLL_S = 0.1
+
+
+class StackError(RuntimeError):
+    """A stack that could not start, or a process of it that died."""
+
+
+def benchmark_config(weights: Mapping[str, float] | None = None) -> Config:
+    """configs/example.toml with admission out of the way (`scheduling_only`: no rate
+    limits, quotas or latency throttle; one tier, weight 1), so fairq and the naive queue
+    run exactly the same requests and only the order differs. `weights` lists tenants
+    explicitly in that tier with their weights (others are admitted with weight 1)."""
+    config = scheduling_only(load_config(EXAMPLE_CONFIG))
+    if not weights:
+        return config
+    tier = config.tiers[0].name
+    tenants = {name: Tenant(tier=tier, weight=weight) for name, weight in weights.items()}
+    return msgspec.structs.replace(config, tenants=tenants)
+
+
+@dataclass(frozen=True, slots=True)
+class StackSpec:
+    """What one run brings up. Every worker's engine gets the same seed, so a request's
+    simulated output length depends on its id only, not on the worker or the mode."""
+
+    mode: Mode
+    workers: int = 2
+    # Multiplies simulated engine time: 0.1 runs ten times faster than the engine model;
+    # 0 is an engine with no compute time.
+    time_scale: float = 0.1
+    engine: EngineParams = field(default_factory=EngineParams)
+    config: Config = field(default_factory=benchmark_config)
+    endpoint: str = ENDPOINT
+    heartbeat_interval_s: float = 0.5
+    # Extra flags for `python -m dispatcher` (fairq mode), e.g. ("--tenant-window", "64").
+    dispatcher_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers!r}")
+        if not self.time_scale >= 0:
+            raise ValueError(f"time_scale must be >= 0, got {self.time_scale!r}")
+        if self.endpoint not in self.config.endpoints:
+            raise ValueError(f"endpoint {self.endpoint!r} is not in the config")
+
+    def describe(self) -> dict[str, object]:
+        """The spec as plain data, for result files."""
+        return {"mode": self.mode, "workers": self.workers, "time_scale": self.time_scale,
+                "engine": msgspec.to_builtins(self.engine), "endpoint": self.endpoint,
+                "heartbeat_interval_s": self.heartbeat_interval_s,
+                "dispatcher_args": list(self.dispatcher_args)}
+
+
+class _Child:
+    """One `python -m <module>` process of the stack, its output in a log file."""
+
+    def __init__(self, name: str, module: str, args: list[str], log_path: Path) -> None:
+        self.name = name
+        self.module = module
+        self.args = args
+        self.log_path = log_path
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        with self.log_path.open("wb") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", self.module, *self.args, cwd=REPO,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                # Its own session: a Ctrl-C for the benchmark must not kill it before the
+                # stack stops it in order.
+                start_new_session=True)
+
+    def check_alive(self) -> None:
+        if self.process is not None and self.process.returncode is not None:
+            raise StackError(f"{self.name} exited with code {self.process.returncode}:\n"
+                             f"{self.log_tail()}")
+
+    async def stop(self) -> None:
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await process.wait()
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class Stack:
+    """nats-server plus the dispatcher and workers of `spec.mode`, for one run."""
+
+    def __init__(self, spec: StackSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_dir = log_dir
+        self.settings = BrokerSettings(prefix=spec.config.subject_prefix)
+        self.server: EmbeddedNatsServer | None = None
+        self.children: list[_Child] = []
+        self._exit = contextlib.AsyncExitStack()
+
+    @property
+    def url(self) -> str:
+        if self.server is None:
+            raise StackError("the stack is not running")
+        return self.server.url
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return [f"{self.spec.endpoint}-w{n + 1}" for n in range(self.spec.workers)]
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self._exit.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._exit.aclose()
+
+    def check_alive(self) -> None:
+        """Raise StackError if a process of the stack has died."""
+        if self.server is not None and not self.server.running:
+            raise StackError(f"nats-server exited:\n{self.server.log_tail()}")
+        for child in self.children:
+            child.check_alive()
+
+    async def _start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.server = await self._exit.enter_async_context(EmbeddedNatsServer())
+        paths = self._write_files()
+        nc = await nats.connect(self.url, connect_timeout=5)
+        self._exit.push_async_callback(nc.drain)
+        if self.spec.mode == "fairq":
+            dispatcher = self._child("dispatcher", "dispatcher",
+                                     ["--nats", self.url, "--config", str(paths["config"]),
+                                      *self.spec.dispatcher_args])
+            await dispatcher.start()
+            self._exit.push_async_callback(dispatcher.stop)  # stops after the workers
+            await self._until_dispatcher_answers(nc)
+        else:
+            await provision(nc.jetstream(), self.settings)
+        module = "workers" if self.spec.mode == "fairq" else "bench.naive_worker"
+        heartbeats = await nc.subscribe(self.settings.subjects.heartbeats(self.spec.endpoint))
+        workers = [self._child(worker_id, module, self._worker_args(worker_id, paths))
+                   for worker_id in self.worker_ids]
+        for worker in workers:
+            await worker.start()
+            self._exit.push_async_callback(worker.stop)
+        await self._until_heartbeats(heartbeats)
+        await heartbeats.unsubscribe()
+        await self._warm_up(nc)
+
+    def _write_files(self) -> dict[str, Path]:
+        paths = {"config": self.log_dir / "fairq.toml", "engine": self.log_dir / "engine.toml"}
+        paths["config"].write_bytes(msgspec.toml.encode(self.spec.config))
+        paths["engine"].write_bytes(msgspec.toml.encode(self.spec.engine))
+        return paths
+
+    def _child(self, name: str, module: str, args: list[str]) -> _Child:
+        child = _Child(name, module, args, self.log_dir / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def _worker_args(self, worker_id: str, paths: dict[str, Path]) -> list[str]:
+        return ["--nats", self.url, "--endpoint", self.spec.endpoint, "--worker-id", worker_id,
+                "--engine", "sim", "--engine-config", str(paths["engine"]),
+                "--time-scale", repr(self.spec.time_scale), "--seed", "0",
+                "--config", str(paths["config"]),
+                "--heartbeat-interval", repr(self.spec.heartbeat_interval_s),
+                "--log-level", "WARNING"]
+
+    async def _until_dispatcher_answers(self, nc: nats.NATS) -> None:
+        """The depth API answers once the dispatcher has provisioned the broker."""
+        client = Client(nc, prefix=self.settings.prefix, api_timeout_s=1.0)
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while True:
+                self.check_alive()
+                with contextlib.suppress(NoDispatcher, FairqTimeout):
+                    await client.depth()
+                    return
+                await asyncio.sleep(_POLL_S)
+
+    async def _until_heartbeats(self, heartbeats: nats.aio.subscription.Subscription) -> None:
+        waiting = set(self.worker_ids)
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while waiting:
+                self.check_alive()
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    msg = await heartbeats.next_msg(timeout=_POLL_S)
+                    waiting.discard(HEARTBEAT.decode(msg.data).worker_id)
+
+    async def _warm_up(self, nc: nats.NATS) -> None:
+        """One request through the whole path: the stack serves before the clock starts."""
+        client = Client(nc, prefix=self.settings.prefix)
+        try:
+            await client.run(self.spec.endpoint, WARMUP_TENANT, prompt="warm up", max_tokens=1,
+                             id="warmup-0", timeout_s=START_TIMEOUT_S)
+        except Exception as exc:
+            self.check_alive()
+            raise StackError(f"the warm-up request failed: {exc}") from exc
