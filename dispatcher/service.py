@@ -77,8 +77,6 @@ class DispatcherOptions(msgspec.Struct, frozen=True, kw_only=True):
     grace_s: float = 30.0
     tick_s: float = 0.25
     tenant_inboxes: bool = False
-    # "fifo" runs the naive shared queue behind the same service, for comparisons.
-    policy: str = "fairq"
 
     def __post_init__(self) -> None:
         if not 2 <= self.tenant_window <= self.max_ack_pending:
@@ -134,7 +132,7 @@ class Dispatcher:
         self.limiter = limiter or MemoryLimiterAsync()
         self.metrics = metrics or DispatcherMetrics(list(config.endpoints))
         self.clock = clock
-        self.scheduler = Scheduler(config, policy=self.options.policy)
+        self.scheduler = Scheduler(config)
         self.workers: dict[str, WorkerState] = {}
         self._held: dict[Key, Held] = {}
         # Requests a worker already runs (seen in its heartbeat) when their message is
