@@ -19,6 +19,7 @@ from pathlib import Path
 import nats
 from nats.aio.client import Client as NATS
 
+from broker_config.kv_writer import KeyValueWriter
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import BrokerSettings
 from costmodel.engine_model import EngineParams, load_engine_params
@@ -86,7 +87,9 @@ class LocalStack:
     async def _start_workers(self, settings: BrokerSettings) -> None:
         endpoints = self.options.endpoints or tuple(self.config.endpoints)
         params = self.options.engine or load_engine_params(ENGINE_CONFIG)
-        results = await self.nc.jetstream().key_value(settings.subjects.results_bucket)
+        # Entered before the workers, so it is left after they drain (and store).
+        results = await self._stack.enter_async_context(
+            KeyValueWriter(self.nc, settings.subjects.results_bucket))
         for endpoint in endpoints:
             profile = self.dispatcher.scheduler.endpoints[endpoint].profile
             for n in range(self.options.workers):

@@ -39,6 +39,7 @@ from nats.js.kv import KeyValue
 
 from broker_config import wire
 from broker_config.direct_get import DirectBatchGet, DirectGetError
+from broker_config.kv_writer import KeyValueWriter
 from broker_config.streams import BrokerSettings, ConsumerLimits, provision, stream_timestamp
 from broker_config.subjects import HDR_CONTENT_TYPE, ApiKind, Subjects
 from costmodel.units import approx_tokens
@@ -149,6 +150,7 @@ class Dispatcher:
         self._dispatching = True
         self.kv: KeyValue | None = None
         self._results_reader: DirectBatchGet | None = None
+        self._results_writer: KeyValueWriter | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -166,6 +168,8 @@ class Dispatcher:
             await self._subscribe(self.subjects.depth, self._on_depth)
             self._results_reader = await stack.enter_async_context(
                 DirectBatchGet(self.nc, f"KV_{self.subjects.results_bucket}"))
+            self._results_writer = await stack.enter_async_context(
+                KeyValueWriter(self.nc, self.subjects.results_bucket))
             # Each tenant's consumer covers all endpoints: requests for an endpoint this
             # config does not know are still answered (unknown_endpoint), not stranded.
             self.intake = TenantIntake(
@@ -624,7 +628,8 @@ class Dispatcher:
     async def _store(self, tenant: str, endpoint: str, event: wire.ErrorEvent) -> None:
         value = wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event,
                                   stored_at=self.clock())
-        await self.kv.put(self.subjects.result_key(tenant, event.id), wire.encode(value))
+        await self._results_writer.put(self.subjects.result_key(tenant, event.id),
+                                       wire.encode(value))
 
     async def _publish_event(self, reply: str | None, encoding: wire.Encoding,
                              event: Any) -> None:

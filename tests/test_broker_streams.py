@@ -20,6 +20,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from broker_config.direct_get import DirectBatchGet, DirectGetError
+from broker_config.kv_writer import KeyValueWriter, PutError
 from broker_config.server import (
     EmbeddedNatsServer,
     EmbeddedRedisServer,
@@ -183,6 +184,18 @@ async def test_batch_direct_get_returns_what_is_stored(nc: Client, js: JetStream
     async with DirectBatchGet(nc, "NO_SUCH_STREAM", timeout_s=1.0) as reader:
         with pytest.raises(DirectGetError):
             await reader.last([subject("acme.r1")])
+
+
+async def test_kv_writer_puts_many_at_once_and_reports_failures(
+        nc: Client, js: JetStreamContext) -> None:
+    done = await provision(js, BrokerSettings())
+    async with KeyValueWriter(nc, S.results_bucket) as writer:
+        await asyncio.gather(*(writer.put(f"acme.r{i}", b"v%d" % i) for i in range(200)))
+        assert (await done.results.get("acme.r7")).value == b"v7"
+        assert (await js.stream_info(f"KV_{S.results_bucket}")).state.messages == 200
+    async with KeyValueWriter(nc, "NO_SUCH_BUCKET", timeout_s=2.0) as writer:
+        with pytest.raises(PutError, match="NO_SUCH_BUCKET"):
+            await writer.put("acme.r1", b"lost")
 
 
 async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -> None:

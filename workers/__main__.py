@@ -32,6 +32,7 @@ import nats
 import nats.errors
 from nats.js.errors import BucketNotFoundError
 
+from broker_config.kv_writer import KeyValueWriter
 from broker_config.subjects import SubjectError, Subjects, check_token
 from costmodel.engine_model import EngineParams, load_engine_params
 from costmodel.units import ModelProfile
@@ -225,13 +226,15 @@ async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event,
                  companion: Companion | None) -> None:
     bucket = options.subjects.results_bucket
     try:
-        results = await nc.jetstream().key_value(bucket)
+        await nc.jetstream().key_value(bucket)  # the bucket exists: the broker is provisioned
     except BucketNotFoundError as exc:
         raise WorkerFailure(f"results bucket {bucket} not found on {options.nats_url}: the "
                             "dispatcher provisions the broker, start it first") from exc
     except nats.errors.Error as exc:
         raise WorkerFailure(f"cannot open results bucket {bucket}: {exc!r}") from exc
     async with contextlib.AsyncExitStack() as stack:
+        # Entered first, left last: the service stores its final events while draining.
+        writer = await stack.enter_async_context(KeyValueWriter(nc, bucket))
         try:
             engine = await stack.enter_async_context(options.engine)
         except (EngineError, ImportError) as exc:
@@ -239,7 +242,7 @@ async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event,
             raise WorkerFailure(f"the engine failed to start: {exc}") from exc
         service = await stack.enter_async_context(WorkerService(
             nc, engine, endpoint=options.endpoint, worker_id=options.worker_id,
-            subjects=options.subjects, results=results, profile=options.profile,
+            subjects=options.subjects, results=writer, profile=options.profile,
             heartbeat_interval_s=options.heartbeat_interval_s,
             drain_timeout_s=options.drain_timeout_s))
         if companion is not None:

@@ -29,14 +29,13 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Self, TypeVar
+from typing import Protocol, Self, TypeVar
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.kv import KeyValue
 
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
 from broker_config.wire import (
@@ -74,6 +73,13 @@ FLUSH_TIMEOUT_S = 5.0
 T = TypeVar("T")
 
 _NO_CAPACITY = Capacity(sequences=0, tokens=0, model_units=0.0)
+
+
+class ResultStore(Protocol):
+    """Where final events go: `broker_config.kv_writer.KeyValueWriter` (or nats-py's
+    KeyValue) on the results bucket. `put` returns once the value is stored."""
+
+    async def put(self, key: str, value: bytes) -> object: ...
 _INTERNAL_ENCODING = Encoding.JSON
 
 
@@ -139,7 +145,7 @@ class WorkerService:
     """
 
     def __init__(self, nc: Client, engine: Engine, *, endpoint: str, worker_id: str,
-                 subjects: Subjects, results: KeyValue, profile: ModelProfile | None = None,
+                 subjects: Subjects, results: ResultStore, profile: ModelProfile | None = None,
                  heartbeat_interval_s: float = 1.0, drain_timeout_s: float = 30.0) -> None:
         check_token(endpoint, "endpoint")
         check_token(worker_id, "worker id")
