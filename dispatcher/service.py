@@ -108,11 +108,27 @@ class WorkerState:
     # Keys missing from consecutive heartbeats (a lost batch message).
     missing: dict[Key, int] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
+    # Totals over `assigned`, kept as it changes: read on every dispatch pass.
+    assigned_tokens: int = 0
+    assigned_units: float = 0.0
+
+    def assign(self, request: Request, now: float) -> None:
+        self.assigned[(request.tenant, request.id)] = (request, now)
+        self.assigned_tokens += request.input_tokens + request.max_tokens
+        self.assigned_units += request.model_units
+
+    def release(self, key: Key) -> None:
+        entry = self.assigned.pop(key, None)
+        self.missing.pop(key, None)
+        if entry is None:
+            return
+        request = entry[0]
+        self.assigned_tokens -= request.input_tokens + request.max_tokens
+        # Float sums drift: back to exactly zero when nothing is assigned.
+        self.assigned_units = self.assigned_units - request.model_units if self.assigned else 0.0
 
     def used(self) -> Capacity:
-        tokens = sum(r.input_tokens + r.max_tokens for r, _ in self.assigned.values())
-        units = sum(r.model_units for r, _ in self.assigned.values())
-        return Capacity(len(self.assigned), tokens, units)
+        return Capacity(len(self.assigned), self.assigned_tokens, self.assigned_units)
 
     def free(self) -> Capacity:
         return self.capacity.minus(self.used())
@@ -381,7 +397,7 @@ class Dispatcher:
         for request in requests:
             held: Held = request.payload
             held.worker = worker.worker_id
-            worker.assigned[(request.tenant, request.id)] = (request, now)
+            worker.assign(request, now)
             body = held.submission.request
             items.append(wire.BatchItem(
                 id=request.id, tenant=request.tenant, endpoint=request.endpoint,
@@ -436,8 +452,7 @@ class Dispatcher:
                 self._requeue(worker, key)
 
     def _requeue(self, worker: WorkerState, key: Key) -> None:
-        worker.assigned.pop(key, None)
-        worker.missing.pop(key, None)
+        worker.release(key)
         request = self.scheduler.requeue(*key)
         if request is not None:
             request.payload.worker = None
@@ -462,8 +477,7 @@ class Dispatcher:
         key = (done.tenant, done.id)
         worker = self.workers.get(done.worker_id)
         if worker is not None:
-            worker.assigned.pop(key, None)
-            worker.missing.pop(key, None)
+            worker.release(key)
         now = self.clock()
         completed = self.scheduler.complete(
             done.tenant, done.id, Usage(done.usage.input_tokens, done.usage.output_tokens),
