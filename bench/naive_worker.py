@@ -100,7 +100,7 @@ class SharedQueueFeeder:
                                        spec)
         self._completions = await self._nc.subscribe(
             self._subjects.completion(service.endpoint, service.worker_id),
-            cb=self._on_completion)
+            cb=self._on_completions)
         self._pull = pull
         self._task = asyncio.create_task(self._pull_loop(pull), name="shared-queue-feeder")
         return self
@@ -173,16 +173,17 @@ class SharedQueueFeeder:
                                wire.encode(batch, wire.Encoding.MSGPACK),
                                headers={HDR_CONTENT_TYPE: wire.Encoding.MSGPACK.content_type})
 
-    async def _on_completion(self, msg: Msg) -> None:
-        done = wire.COMPLETION.decode(msg.data, wire.Encoding.from_content_type(
+    async def _on_completions(self, msg: Msg) -> None:
+        completions = wire.COMPLETIONS.decode(msg.data, wire.Encoding.from_content_type(
             wire.header(msg.headers, HDR_CONTENT_TYPE)))
-        held = self._held.pop(self._subjects.result_key(done.tenant, done.id), None)
-        if held is None:
-            return
-        if done.stored:
-            await held.ack()
-        else:
-            await held.nak()  # the final event is not stored: run it again
+        for done in completions.items:
+            held = self._held.pop(self._subjects.result_key(done.tenant, done.id), None)
+            if held is None:
+                continue
+            if done.stored:
+                await held.ack()
+            else:
+                await held.nak()  # the final event is not stored: run it again
         self._freed.set()
 
 

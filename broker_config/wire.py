@@ -311,6 +311,13 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     first_token_at: float | None = None
 
 
+class Completions(msgspec.Struct, frozen=True):
+    """The completions a worker reports in one message: those of the requests that
+    finished in the same turn of its event loop (one, unless many finish at once)."""
+
+    items: list[Completion]
+
+
 class StoredResult(msgspec.Struct, frozen=True, kw_only=True):
     """Value in the results bucket under `Subjects.result_key(tenant, id)`."""
 
@@ -369,7 +376,7 @@ DEPTH_REPLY = Codec(DepthReply)
 BATCH = Codec(Batch)
 ABORT = Codec(Abort)
 HEARTBEAT = Codec(Heartbeat)
-COMPLETION = Codec(Completion)
+COMPLETIONS = Codec(Completions)
 STORED_RESULT = Codec(StoredResult)
 
 

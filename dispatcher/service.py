@@ -178,7 +178,7 @@ class Dispatcher:
         try:
             for endpoint in self.config.endpoints:
                 await self._subscribe(self.subjects.heartbeats(endpoint), self._on_heartbeat)
-                await self._subscribe(self.subjects.completions(endpoint), self._on_completion)
+                await self._subscribe(self.subjects.completions(endpoint), self._on_completions)
             await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self._on_status)
             await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self._on_cancel)
             await self._subscribe(self.subjects.depth, self._on_depth)
@@ -472,8 +472,12 @@ class Dispatcher:
         profile = self.scheduler.endpoints[endpoint].profile
         self.scheduler.set_capacity(endpoint, healthy * profile.capacity_mu_per_s)
 
-    async def _on_completion(self, msg: Msg) -> None:
-        done = wire.COMPLETION.decode(msg.data, _encoding(msg))
+    async def _on_completions(self, msg: Msg) -> None:
+        for done in wire.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
+            await self._complete(done)
+        self._wake.set()
+
+    async def _complete(self, done: wire.Completion) -> None:
         key = (done.tenant, done.id)
         worker = self.workers.get(done.worker_id)
         if worker is not None:
@@ -495,7 +499,6 @@ class Dispatcher:
                 except LimiterUnavailable as exc:
                     log.warning("quota refund lost: %s", exc)
             self._observe_completion(completed.request, done)
-        self._wake.set()
 
     def _observe_completion(self, request: Request, done: wire.Completion) -> None:
         if done.code is not None or done.first_token_at is None:

@@ -12,7 +12,7 @@ import pytest
 
 from bench.naive_worker import FeederSettings, SharedQueueFeeder
 from broker_config.streams import BrokerSettings, provision
-from broker_config.wire import BATCH, COMPLETION, EVENT, DoneEvent, Encoding
+from broker_config.wire import BATCH, COMPLETIONS, EVENT, DoneEvent, Encoding
 from costmodel.engine_model import EngineParams
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
@@ -46,8 +46,9 @@ async def test_the_shared_queue_runs_requests_in_arrival_order_within_capacity(
 
     async def on_completion(msg: nats.aio.msg.Msg) -> None:
         nonlocal in_flight
-        assert COMPLETION.decode(msg.data).stored
-        in_flight -= 1
+        items = COMPLETIONS.decode(msg.data).items
+        assert all(done.stored for done in items)
+        in_flight -= len(items)
 
     async def on_event(msg: nats.aio.msg.Msg) -> None:
         event = EVENT.decode(msg.data)

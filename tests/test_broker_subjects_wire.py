@@ -23,7 +23,7 @@ from broker_config.wire import (
     ABORT,
     BATCH,
     CANCEL_REPLY,
-    COMPLETION,
+    COMPLETIONS,
     EVENT,
     HEARTBEAT,
     STATUS_REPLY,
@@ -35,6 +35,7 @@ from broker_config.wire import (
     Capacity,
     ChatMessage,
     Completion,
+    Completions,
     DepthEntry,
     DepthReply,
     DoneEvent,
@@ -437,7 +438,7 @@ def test_internal_messages_round_trip() -> None:
                       usage=DONE.usage, stored=True, finished_at=4.0)
     stored = StoredResult(tenant="acme", endpoint="chat", event=DONE, stored_at=4.0)
     abort = Abort(endpoint="chat", tenant="acme", ids=["r-1"])
-    for message, codec in ((batch, BATCH), (beat, HEARTBEAT), (done, COMPLETION),
+    for message, codec in ((batch, BATCH), (beat, HEARTBEAT), (Completions([done, done]), COMPLETIONS),
                            (stored, STORED_RESULT), (abort, ABORT)):
         for encoding in Encoding:
             assert codec.decode(encode(message, encoding), encoding) == message

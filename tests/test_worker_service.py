@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 from broker_config.streams import BrokerSettings, provision
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from broker_config.wire import (
-    COMPLETION,
+    COMPLETIONS,
     EVENT,
     HEARTBEAT,
     STORED_RESULT,
@@ -112,8 +112,8 @@ def final_of(rec: Recorder, request_id: str) -> DoneEvent | ErrorEvent | None:
 
 
 def completions(rec: Recorder) -> list[Completion]:
-    return [COMPLETION.decode(m.data, encoding_of(m)) for m in rec.msgs
-            if m.subject == S.completion(ENDPOINT, WORKER)]
+    return [done for m in rec.msgs if m.subject == S.completion(ENDPOINT, WORKER)
+            for done in COMPLETIONS.decode(m.data, encoding_of(m)).items]
 
 
 def heartbeats(rec: Recorder) -> list[Heartbeat]:
@@ -538,10 +538,13 @@ async def test_drain_finishes_in_flight_requests_then_reports_unhealthy(
         assert await stored_event(results, request_id) == final_of(inbox, request_id)
     hb_subject, done_subject = S.heartbeat(ENDPOINT, WORKER), S.completion(ENDPOINT, WORKER)
     order = [("hb", HEARTBEAT.decode(m.data)) if m.subject == hb_subject
-             else ("done", COMPLETION.decode(m.data))
+             else ("done", COMPLETIONS.decode(m.data))
              for m in internal.msgs if m.subject in (hb_subject, done_subject)]
     kinds = [kind for kind, _ in order]
-    assert kinds[:2] == ["hb", "hb"] and kinds[-1] == "hb" and kinds.count("done") == 2
+    assert kinds[:2] == ["hb", "hb"] and kinds[-1] == "hb"
+    completed = [done.id for kind, message in order if kind == "done"
+                 for done in message.items]  # type: ignore[union-attr]
+    assert sorted(completed) == ids
     draining: Heartbeat = order[1][1]  # type: ignore[assignment]
     assert draining.healthy and draining.capacity == draining.used
     assert sorted(draining.in_flight) == [S.result_key(TENANT, i) for i in ids]

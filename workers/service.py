@@ -44,6 +44,7 @@ from broker_config.wire import (
     BatchItem,
     Capacity,
     Completion,
+    Completions,
     DoneEvent,
     Encoding,
     ErrorCode,
@@ -167,6 +168,7 @@ class WorkerService:
         self._drain_timeout_s = drain_timeout_s
         self._running: dict[str, _Running] = {}
         self._heartbeat_seq = 0
+        self._completions: list[Completion] = []
         self._draining = False
         self._tg: asyncio.TaskGroup | None = None
         self._work_sub: Subscription | None = None
@@ -223,6 +225,8 @@ class WorkerService:
         if pending:
             await asyncio.wait(pending, timeout=self._drain_timeout_s)
         await self._abandon_unfinished()
+        # Before the final heartbeat: requests it no longer lists must have completed.
+        await self._send_completions()
         await self._unsubscribe()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
@@ -408,12 +412,26 @@ class WorkerService:
         stored = await self._store(running.key, item, event)
         if stored:
             await self._send_event(item, event)
-        completion = Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
+        self._report(Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
                                 worker_id=self.worker_id, usage=usage, code=ending.code,
                                 stored=stored, finished_at=time.time(),
-                                first_token_at=running.first_token_at)
+                                first_token_at=running.first_token_at))
+
+    def _report(self, completion: Completion) -> None:
+        """Queue a completion; the requests finishing in this turn of the event loop are
+        reported in one message (one NATS message per request was a real share of both
+        the worker's and the dispatcher's CPU when many finish together)."""
+        self._completions.append(completion)
+        if len(self._completions) == 1 and self._tg is not None:
+            self._tg.create_task(self._send_completions(), name="worker-completions")
+
+    async def _send_completions(self) -> None:
+        await asyncio.sleep(0)  # let the other requests finishing now join
+        if not self._completions:
+            return  # sent already by the drain
+        items, self._completions = self._completions, []
         await self._publish_internal(self.subjects.completion(self.endpoint, self.worker_id),
-                                     completion)
+                                     Completions(items))
 
     @staticmethod
     def _final_event(running: _Running, ending: _Ending, usage: Usage) -> FinalEvent:
