@@ -149,7 +149,7 @@ class TenantIntake:
             await self._stack.aclose()
             raise
         self._tasks = [asyncio.create_task(self._hand_over_loop(), name="intake-hand-over"),
-                       asyncio.create_task(self._discover_loop(), name="intake-discover")]
+                       asyncio.create_task(self._care_loop(), name="intake-care")]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -164,9 +164,9 @@ class TenantIntake:
         # (a batch cut off halfway would wait for its ack wait to be redelivered).
         self._open = False
         self._arrivals.set()
-        hand_over, discover = self._tasks
-        discover.cancel()
-        await asyncio.gather(hand_over, discover, return_exceptions=True)
+        hand_over, care = self._tasks
+        care.cancel()
+        await asyncio.gather(hand_over, care, return_exceptions=True)
 
     async def _nak_arrived(self) -> None:
         for pull in self.pulls.values():
@@ -218,13 +218,14 @@ class TenantIntake:
         if new:
             await self._add_tenants(new, listed=False)
 
-    async def _discover_loop(self) -> None:
+    async def _care_loop(self) -> None:
         while self._open:
             await asyncio.sleep(self.discover_s)
             try:
                 await self._discover()
             except (nats.errors.Error, APIError, asyncio.TimeoutError) as exc:
                 log.warning("listing the request subjects failed: %s", exc)
+            await self._tick()
 
     # -- pulls ---------------------------------------------------------------------------
 
@@ -256,8 +257,8 @@ class TenantIntake:
             pull.retry_at = self.clock() + PULL_RETRY_S
             log.warning("pull for tenant %r not sent: %s", pull.tenant, exc)
 
-    async def tick(self) -> None:
-        """Periodic care: find lost pulls, retire idle tenants, top everyone up."""
+    async def _tick(self) -> None:
+        """Find lost pulls, retire idle tenants, top everyone up."""
         now = self.clock()
         reconnects = self.nc.stats["reconnects"]
         reconnected, self._reconnects = reconnects != self._reconnects, reconnects

@@ -617,7 +617,6 @@ class Dispatcher:
                 for held in list(self._held.values()) + list(self._adopted.values()):
                     with contextlib.suppress(nats.errors.Error):
                         await held.msg.in_progress()
-            await self.intake.tick()
             if now - last_export >= DEPTH_EXPORT_S:  # a scan of every queue: not every tick
                 last_export = now
                 self._export_depth(now)

@@ -10,12 +10,13 @@ import time
 
 import msgspec
 import nats
+import nats.js.errors
 import pytest
 
 from broker_config.streams import BrokerSettings, provision
 from costmodel.engine_model import load_engine_params
 from dispatcher.core.config import load_config, parse_config
-from dispatcher.intake import consumer_name
+from dispatcher.intake import TenantIntake, consumer_name
 from dispatcher.local import ENGINE_CONFIG, LocalStack, StackOptions
 from dispatcher.service import Dispatcher, DispatcherOptions
 
@@ -143,3 +144,35 @@ tier = "all"
         assert (await run_one("w1"))["type"] == "done"
         await js.delete_consumer(SUBJECTS.requests_stream, consumer_name(SUBJECTS, "walker"))
         assert (await run_one("w2"))["type"] == "done"
+
+
+async def test_an_idle_unlisted_tenant_is_retired_then_found_again(client):
+    js = client.jetstream()
+    await provision(js, BrokerSettings())
+    handled: list[str] = []
+
+    async def handler(batch):
+        for msg in batch:
+            handled.append(msg.headers["Nats-Msg-Id"])
+            await msg.ack()
+
+    async def publish(rid: str) -> None:
+        await js.publish(SUBJECTS.request("chat", "walker"), BODY, headers={"Nats-Msg-Id": rid})
+
+    async def consumer_gone() -> bool:
+        try:
+            await js.consumer_info(SUBJECTS.requests_stream, consumer_name(SUBJECTS, "walker"))
+        except nats.js.errors.NotFoundError:
+            return True
+        return False
+
+    async with TenantIntake(client, SUBJECTS, handler=handler, queued=lambda tenant: 0,
+                            listed=[], expires_s=0.5, discover_s=0.1, idle_s=1.0) as intake:
+        await publish("w1")
+        await eventually(lambda: asyncio.sleep(0, handled == ["w1"]), what="w1 handled")
+        # Idle for idle_s: no more pulls, and the server drops the consumer on its own.
+        await eventually(lambda: asyncio.sleep(0, "walker" not in intake.pulls),
+                         what="walker retired")
+        await eventually(consumer_gone, what="walker's consumer removed by the server")
+        await publish("w2")
+        await eventually(lambda: asyncio.sleep(0, handled == ["w1", "w2"]), what="w2 handled")
