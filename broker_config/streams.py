@@ -69,6 +69,10 @@ class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     max_bytes: ByteLimit = -1
     max_msg_size: ByteLimit = -1
+    # Consumers on the requests stream: the dispatcher makes one per tenant with requests.
+    # Set explicitly: nats-server 2.15 caps a stream without it at 1,000 consumers. Each
+    # costs about 50 KB in the server.
+    max_consumers: PositiveInt = 10_000
     storage: Literal["file", "memory"] = "file"
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     results_ttl_s: Annotated[float, msgspec.Meta(ge=1)] = 86_400.0
@@ -98,6 +102,7 @@ def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
         max_age=settings.max_age_s,
         max_bytes=settings.max_bytes,
         max_msg_size=settings.max_msg_size,
+        max_consumers=settings.max_consumers,
         storage=StorageType(settings.storage),
         num_replicas=settings.replicas,
     )
@@ -196,10 +201,10 @@ class ConsumerSpec:
     limits: ConsumerLimits = ConsumerLimits()
 
     @classmethod
-    def for_tenant(cls, subjects: Subjects, endpoint: str, tenant: str,
+    def for_tenant(cls, subjects: Subjects, tenant: str,
                    limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
-        """One tenant's requests to one endpoint."""
-        return cls(subjects.consumer(endpoint, tenant), subjects.request(endpoint, tenant), limits)
+        """One tenant's requests to every endpoint (the dispatcher's intake)."""
+        return cls(subjects.tenant_consumer(tenant), subjects.tenant_filter(tenant), limits)
 
     @classmethod
     def for_endpoint(cls, subjects: Subjects, endpoint: str,

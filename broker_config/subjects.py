@@ -18,6 +18,7 @@ Internal subjects (may change; only fairq's own services use them) live under
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -185,14 +186,25 @@ class Subjects:
     def results_bucket(self) -> str:
         return f"{self.prefix.upper()}_RESULTS"
 
-    def consumer(self, endpoint: str, tenant: str | None = None) -> str:
-        """Durable pull consumer name: per endpoint and tenant, or per endpoint if no tenant.
+    def consumer(self, endpoint: str) -> str:
+        """Durable pull consumer over every tenant's requests to one endpoint."""
+        return f"{self.prefix}~req~{check_token(endpoint, 'endpoint')}"
 
-        `~` cannot occur in a token, so the name is unambiguous even though tokens may
-        contain `_` and `-`.
+    def tenant_consumer(self, tenant: str) -> str:
+        """Durable pull consumer over one tenant's requests to every endpoint.
+
+        `~` cannot occur in a token, so the names are unambiguous. A subject token that is
+        not a valid tenant name (any token can be published to) gets a hashed name, so its
+        requests can still be answered rather than stranded.
         """
-        name = f"{self.prefix}~req~{check_token(endpoint, 'endpoint')}"
-        return name if tenant is None else f"{name}~{check_token(tenant, 'tenant')}"
+        if is_token(tenant):
+            return f"{self.prefix}~tenant~{tenant}"
+        digest = hashlib.sha256(tenant.encode()).hexdigest()[:24]
+        return f"{self.prefix}~tenant-hash~{digest}"
+
+    def tenant_filter(self, tenant: str) -> str:
+        """`<prefix>.req.*.<tenant>` for any subject token, valid tenant name or not."""
+        return f"{self.prefix}.req.*.{tenant}"
 
     @staticmethod
     def result_key(tenant: str, request_id: str) -> str:

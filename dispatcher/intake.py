@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -53,7 +52,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
 from broker_config.streams import ConsumerLimits, ConsumerSpec, ensure_consumer
-from broker_config.subjects import Subjects, is_token
+from broker_config.subjects import Subjects
 
 log = logging.getLogger("fairq.intake")
 
@@ -81,14 +80,6 @@ class TenantPull:
     last_arrival: float = 0.0
     retiring: bool = False  # idle: do not pull again after the outstanding pull ends
     ready: bool = False  # in the hand-over ring
-
-
-def consumer_name(subjects: Subjects, tenant: str) -> str:
-    """The durable for a tenant's requests. A subject token that is not a valid tenant
-    name still gets a consumer (hashed name), so its messages are answered, not stranded."""
-    if is_token(tenant):
-        return f"{subjects.prefix}~tenant~{tenant}"
-    return f"{subjects.prefix}~tenant-hash~{hashlib.sha256(tenant.encode()).hexdigest()[:24]}"
 
 
 class TenantIntake:
@@ -164,6 +155,8 @@ class TenantIntake:
         # (a batch cut off halfway would wait for its ack wait to be redelivered).
         self._open = False
         self._arrivals.set()
+        if not self._tasks:
+            return  # the start failed before they were made
         hand_over, care = self._tasks
         care.cancel()
         await asyncio.gather(hand_over, care, return_exceptions=True)
@@ -189,12 +182,12 @@ class TenantIntake:
                     log.error("cannot make a consumer for tenant %r: %s", tenant, result)
 
     async def _add_tenant(self, tenant: str, listed: bool) -> None:
-        name = consumer_name(self.subjects, tenant)
         limits = self.limits if listed else ConsumerLimits(
             self.limits.ack_wait_s, self.limits.max_ack_pending, self.limits.max_deliver,
             inactive_threshold_s=self.idle_s)
-        await ensure_consumer(self.js, self.stream, ConsumerSpec(
-            name, f"{self.subjects.prefix}.req.*.{tenant}", limits))
+        spec = ConsumerSpec.for_tenant(self.subjects, tenant, limits)
+        name = spec.durable
+        await ensure_consumer(self.js, self.stream, spec)
         pull = TenantPull(tenant, name, listed, last_arrival=self.clock())
         self.pulls[tenant] = pull
         self._by_consumer[name] = pull

@@ -433,6 +433,10 @@ class Dispatcher:
             self.workers[beat.worker_id] = worker
         worker.capacity, worker.last_seen, worker.healthy = capacity, now, beat.healthy
         worker.reported = set(beat.in_flight)
+        if not beat.healthy and not beat.in_flight and not capacity.sequences:
+            # A worker's last heartbeat: its drain is over and it runs nothing; whatever
+            # it was sent and did not complete is abandoned.
+            await self._requeue_all(worker)
         self._find_lost(worker, now)
         self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
             worker.used().model_units / max(capacity.model_units, 1e-9))
@@ -606,7 +610,10 @@ class Dispatcher:
                 await self._reject(held, Decision(Outcome.DEADLINE_EXCEEDED,
                                                   "the deadline passed while queued"))
             for worker in list(self.workers.values()):
-                if worker.healthy and now - worker.last_seen > self.options.worker_timeout_s:
+                silent = now - worker.last_seen > self.options.worker_timeout_s
+                # Also a worker that said it is unhealthy and then went quiet (its drain
+                # ended) may still hold requests sent just before its last heartbeat.
+                if silent and (worker.healthy or worker.assigned):
                     log.warning("worker %s silent for %.1fs; out of rotation",
                                 worker.worker_id, now - worker.last_seen)
                     worker.healthy = False

@@ -72,6 +72,7 @@ async def test_provision_creates_the_contract_resources(js: JetStreamContext) ->
     assert config.discard == DiscardPolicy.NEW and config.discard_new_per_subject
     assert config.max_msgs_per_subject == 20_000
     assert config.duplicate_window == 0.1  # per-tenant dedup is the dispatcher's
+    assert config.max_consumers == 10_000  # one per tenant; the server's default cap is 1,000
     assert config.storage == StorageType.FILE
     assert done.requests.config.name == "FQ_REQUESTS"
     status = await done.results.status()
@@ -137,7 +138,7 @@ async def test_backlog_cap_fails_at_the_publisher_per_subject(js: JetStreamConte
     await publish(js, S.request("chat", "globex"), "g0")
     await publish(js, S.request("embed", "acme"), "e0")
     # The cap counts unfinished requests: finishing one makes room for one more.
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "chat", "acme"))
+    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
     (msg,) = await sub.fetch(1, timeout=5)
     await msg.ack_sync()
     await publish(js, acme, "a4")
@@ -159,7 +160,7 @@ async def test_dedup_by_msg_id_survives_the_ack(js: JetStreamContext) -> None:
     again = await publish(js, subject, "same")
     assert not first.duplicate and again.duplicate and again.seq == first.seq
     assert (await js.stream_info("FQ_REQUESTS")).state.messages == 1
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "chat", "acme"))
+    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
     (msg,) = await sub.fetch(1, timeout=5)
     assert msg.headers[HDR_MSG_ID] == "same"
     await msg.ack_sync()
@@ -224,31 +225,33 @@ def test_stream_timestamp_agrees_with_nats_py(ack_subject: str) -> None:
 
 async def test_consumers_are_created_updated_and_filtered(js: JetStreamContext) -> None:
     await provision(js, BrokerSettings())
-    spec = ConsumerSpec.for_tenant(S, "chat", "acme", ConsumerLimits(ack_wait_s=30.0,
-                                                                     max_ack_pending=4))
+    spec = ConsumerSpec.for_tenant(S, "acme", ConsumerLimits(ack_wait_s=30.0, max_ack_pending=4))
     info = await ensure_consumer(js, S.requests_stream, spec)
-    assert info.name == "fq~req~chat~acme"
+    assert info.name == "fq~tenant~acme"
     assert (info.config.filter_subject, info.config.ack_wait, info.config.max_ack_pending) == (
-        "fq.req.chat.acme", 30.0, 4)
-    updated = ConsumerSpec.for_tenant(S, "chat", "acme", ConsumerLimits(ack_wait_s=90.0,
-                                                                        max_ack_pending=8))
+        "fq.req.*.acme", 30.0, 4)
+    updated = ConsumerSpec.for_tenant(S, "acme", ConsumerLimits(ack_wait_s=90.0,
+                                                                max_ack_pending=8))
     info = await ensure_consumer(js, S.requests_stream, updated)
     assert (info.config.ack_wait, info.config.max_ack_pending) == (90.0, 8)
     await publish(js, S.request("chat", "globex"), "g1")
     await publish(js, S.request("chat", "acme"), "a1")
+    await publish(js, S.request("embed", "acme"), "a2")
     sub = await pull_subscription(js, S.requests_stream, updated)
     msgs = await sub.fetch(5, timeout=1)
-    assert [m.subject for m in msgs] == ["fq.req.chat.acme"]
+    assert [m.subject for m in msgs] == ["fq.req.chat.acme", "fq.req.embed.acme"]
 
 
 async def test_overlapping_consumers_are_refused_with_a_hint(js: JetStreamContext) -> None:
     await provision(js, BrokerSettings())
-    await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "chat", "acme"))
-    with pytest.raises(ProvisionError, match="per-tenant and per-endpoint consumers"):
-        await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_endpoint(S, "chat"))
-    # Another endpoint's shared consumer does not overlap.
-    info = await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_endpoint(S, "embed"))
-    assert info.config.filter_subject == "fq.req.embed.*"
+    await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
+    # A tenant's consumer covers all its endpoints: no endpoint-wide consumer beside it.
+    for endpoint in ("chat", "embed"):
+        with pytest.raises(ProvisionError, match="per-tenant and per-endpoint consumers"):
+            await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_endpoint(S, endpoint))
+    # Another tenant's consumer does not overlap.
+    info = await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "globex"))
+    assert info.config.filter_subject == "fq.req.*.globex"
 
 
 # -- embedded servers ------------------------------------------------------------------------

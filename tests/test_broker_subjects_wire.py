@@ -131,10 +131,14 @@ def test_internal_subjects_stay_under_int() -> None:
 def test_names() -> None:
     assert S.requests_stream == "FQ_REQUESTS"
     assert S.results_bucket == "FQ_RESULTS"
-    assert S.consumer("chat", "acme") == "fq~req~chat~acme"
     assert S.consumer("chat") == "fq~req~chat"
-    # Tokens may contain `_` and `-`; the separator keeps the names distinct.
-    assert S.consumer("a_b", "c") != S.consumer("a", "b_c")
+    assert S.tenant_consumer("acme") == "fq~tenant~acme"
+    assert S.tenant_filter("acme") == "fq.req.*.acme"
+    # Any subject token may be published to; one that is no tenant name gets a hashed,
+    # valid consumer name, distinct from every real tenant's.
+    odd = S.tenant_consumer("bad$name")
+    assert odd.startswith("fq~tenant-hash~") and "$" not in odd
+    assert odd != S.tenant_consumer("bad_name")
 
 
 @pytest.mark.parametrize("request_id", ["r1", "a.b", "..", ".lead", "trail.", "x" * 128, "a-b_c.d"])

@@ -137,10 +137,10 @@ def answer(request_id: str) -> list[Event]:
             done_event(request_id)]
 
 
-async def play_worker(nc: NATS, js: JetStreamContext, endpoint: str, tenant: str,
+async def play_worker(nc: NATS, js: JetStreamContext, tenant: str,
                       events: Callable[[str], list[Event]]) -> dict[str, str]:
     """Take the next stored request, answer it in its encoding, ack it; return its headers."""
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, endpoint, tenant))
+    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, tenant))
     (msg,) = await sub.fetch(1, timeout=WAIT_S)
     headers = dict(msg.headers or {})
     encoding = Encoding.from_content_type(headers.get(HDR_CONTENT_TYPE))
@@ -344,7 +344,7 @@ async def test_malformed_event_is_an_error_not_a_silent_drop(client: Client, nc:
 
 async def test_run_returns_the_done_event(client: Client, nc: NATS,
                                           js: JetStreamContext) -> None:
-    worker = asyncio.create_task(play_worker(nc, js, "chat", "acme", answer))
+    worker = asyncio.create_task(play_worker(nc, js, "acme", answer))
     done = await client.run("chat", "acme", prompt="Hello", id="run-1", timeout_s=WAIT_S)
     assert done == done_event("run-1")
     assert (await worker)[HDR_MSG_ID] == "run-1"
@@ -354,7 +354,7 @@ async def test_run_returns_the_done_event(client: Client, nc: NATS,
 async def test_run_raises_request_failed_on_an_error_event(client: Client, nc: NATS,
                                                            js: JetStreamContext) -> None:
     error = ErrorEvent("run-2", ErrorCode.QUOTA_EXCEEDED, "monthly quota used up")
-    worker = asyncio.create_task(play_worker(nc, js, "chat", "acme", lambda _: [error]))
+    worker = asyncio.create_task(play_worker(nc, js, "acme", lambda _: [error]))
     with pytest.raises(RequestFailed, match="run-2 failed: quota_exceeded: monthly") as caught:
         await client.run("chat", "acme", prompt="Hello", id="run-2", timeout_s=WAIT_S)
     assert caught.value.event == error and caught.value.code is ErrorCode.QUOTA_EXCEEDED
@@ -544,7 +544,7 @@ async def test_cli_submit_no_wait_prints_the_id(nats_url: str, js: JetStreamCont
 
 async def test_cli_submit_streams_the_answer(nats_url: str, nc: NATS,
                                              js: JetStreamContext) -> None:
-    worker = asyncio.create_task(play_worker(nc, js, "chat", "acme", answer))
+    worker = asyncio.create_task(play_worker(nc, js, "acme", answer))
     code, out, err = await fairq("submit", "--nats", nats_url, "--endpoint", "chat",
                                  "--tenant", "acme", "--messages",
                                  '[{"role":"user","content":"Hi"}]', "--msgpack",
@@ -561,7 +561,7 @@ async def test_cli_submit_error_event_exits_nonzero(nats_url: str, nc: NATS,
     def events(request_id: str) -> list[Event]:
         return [ErrorEvent(request_id, ErrorCode.RATE_LIMITED, "slow down", retry_after_s=2)]
 
-    worker = asyncio.create_task(play_worker(nc, js, "chat", "acme", events))
+    worker = asyncio.create_task(play_worker(nc, js, "acme", events))
     code, out, err = await fairq("submit", "--nats", nats_url, "--endpoint", "chat",
                                  "--tenant", "acme", "--prompt", "Hi", "--id", "cli-3")
     await worker

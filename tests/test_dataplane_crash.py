@@ -18,9 +18,10 @@ import nats.js.errors
 import pytest
 
 from broker_config.subjects import Subjects
+from dispatcher.core.config import parse_config
 from costmodel.engine_model import load_engine_params
-from dispatcher.intake import consumer_name
 from dispatcher.local import ENGINE_CONFIG
+from dispatcher.service import Dispatcher, DispatcherOptions
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
 
@@ -122,7 +123,7 @@ async def held_by_dispatcher(js, subjects: Subjects, tenant: str) -> int:
     """Messages delivered to the tenant's consumer and not yet acked (0 before the
     dispatcher has found the unlisted tenant and made its consumer)."""
     try:
-        info = await js.consumer_info(subjects.requests_stream, consumer_name(subjects, tenant))
+        info = await js.consumer_info(subjects.requests_stream, subjects.tenant_consumer(tenant))
     except nats.js.errors.NotFoundError:
         return 0
     return info.num_ack_pending
@@ -173,3 +174,36 @@ async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path)
             dispatcher.wait(timeout=15)
         except subprocess.TimeoutExpired:
             dispatcher.kill()
+
+
+async def test_requests_of_a_worker_that_drained_away_are_requeued_at_once(nats_url):
+    """A worker whose drain abandoned requests says so in its last heartbeat (unhealthy,
+    nothing in flight): they are queued again at once, not after worker_timeout_s."""
+    subjects = Subjects()
+    options = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=30.0, grace_s=30.0)
+    nc = await nats.connect(nats_url)
+    try:
+        async with Dispatcher(nc, parse_config(CONFIG), options=options) as dispatcher:
+            results = await nc.jetstream().key_value(subjects.results_bucket)
+            engine = SimEngine(load_engine_params(ENGINE_CONFIG), time_scale=1.0)
+            async with engine, WorkerService(nc, engine, endpoint="chat", worker_id="w1",
+                                             subjects=subjects, results=results,
+                                             heartbeat_interval_s=0.2, drain_timeout_s=0.1):
+                for i in range(3):
+                    await nc.jetstream().publish(
+                        "fq.req.chat.acme", b'{"prompt":"long","max_tokens":2000}',
+                        headers={"Nats-Msg-Id": f"d{i}"})
+                deadline = time.monotonic() + 10
+                while dispatcher.scheduler.state("acme", "d2") != ("running", None):
+                    assert time.monotonic() < deadline, "the requests never started"
+                    await asyncio.sleep(0.05)
+            left = time.monotonic()  # the worker drained away, abandoning all three
+            while any(dispatcher.scheduler.state("acme", f"d{i}")[0] != "queued"
+                      for i in range(3)):
+                assert time.monotonic() - left < 5.0, "not requeued within 5 s"
+                await asyncio.sleep(0.05)
+            stopping = time.monotonic()
+        # Nothing runs any more, so the drain does not wait out its 30 s grace.
+        assert time.monotonic() - stopping < 5.0
+    finally:
+        await nc.drain()

@@ -16,7 +16,7 @@ import pytest
 from broker_config.streams import BrokerSettings, provision
 from costmodel.engine_model import load_engine_params
 from dispatcher.core.config import load_config, parse_config
-from dispatcher.intake import TenantIntake, consumer_name
+from dispatcher.intake import TenantIntake
 from dispatcher.local import ENGINE_CONFIG, LocalStack, StackOptions
 from dispatcher.service import Dispatcher, DispatcherOptions
 
@@ -73,7 +73,7 @@ async def test_a_deep_backlog_does_not_delay_another_tenant(client):
         # Behind 5,000 of acme's requests in the stream, yet found at once (the shared
         # consumer this replaced took 0.7 s to reach it, see docs/benchmarks.md).
         assert waited < 2.0, waited
-        acme = await js.consumer_info(SUBJECTS.requests_stream, consumer_name(SUBJECTS, "acme"))
+        acme = await js.consumer_info(SUBJECTS.requests_stream, SUBJECTS.tenant_consumer("acme"))
         assert acme.num_ack_pending == HOLD.tenant_window  # the rest waits in the stream
         assert acme.num_pending == 5_000 - HOLD.tenant_window
 
@@ -142,7 +142,7 @@ tier = "all"
                     return event
 
         assert (await run_one("w1"))["type"] == "done"
-        await js.delete_consumer(SUBJECTS.requests_stream, consumer_name(SUBJECTS, "walker"))
+        await js.delete_consumer(SUBJECTS.requests_stream, SUBJECTS.tenant_consumer("walker"))
         assert (await run_one("w2"))["type"] == "done"
 
 
@@ -161,7 +161,7 @@ async def test_an_idle_unlisted_tenant_is_retired_then_found_again(client):
 
     async def consumer_gone() -> bool:
         try:
-            await js.consumer_info(SUBJECTS.requests_stream, consumer_name(SUBJECTS, "walker"))
+            await js.consumer_info(SUBJECTS.requests_stream, SUBJECTS.tenant_consumer("walker"))
         except nats.js.errors.NotFoundError:
             return True
         return False
