@@ -39,13 +39,14 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 
 from bench.machine import machine_facts, table
+from bench.procstat import memory_kb
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import (
     BrokerSettings,
@@ -64,6 +65,7 @@ FETCH_TIMEOUT_S = 0.5
 PUBLISH_IN_FLIGHT = 1000
 POLL_S = 0.01
 RAW_TENANTS = 100
+RAW_CONSUMER = "bench~raw"
 # Bound on any one measurement, so a stuck run fails with a message instead of hanging.
 PHASE_TIMEOUT_S = 60.0
 TOP_FUNCTIONS = 5
@@ -161,20 +163,16 @@ async def publish(url: str, phases: list[list[str]]) -> float:
 # -- consumers (each in a fresh process) -------------------------------------------------
 
 
-def rss_kb() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise BenchError("no VmRSS in /proc/self/status: RSS is measured on Linux only")
+class Fetched(NamedTuple):
+    elapsed_s: float  # to fetch (and ack) every expected message, from the first fetch
+    watch_s: float | None  # until the first message on the watched subject was fetched
+    finished_at: float  # unix time when the last message was fetched (and its ack sent)
 
 
-async def raw_fetch(url: str, expected: int, ack: bool,
-                    watch: str | None = None) -> tuple[float, float | None]:
-    """Seconds for one pull consumer to fetch `expected` messages (and ack each), and
-    seconds until it fetched the first message on subject `watch`."""
+async def raw_fetch(url: str, expected: int, ack: bool, watch: str | None = None) -> Fetched:
+    """One pull consumer fetches `expected` messages (and acks each): see `Fetched`."""
     limits = ConsumerLimits(max_ack_pending=expected)
-    spec = ConsumerSpec("bench~raw", SETTINGS.subjects.all_requests, limits)
+    spec = ConsumerSpec(RAW_CONSUMER, SETTINGS.subjects.all_requests, limits)
     async with connected(url) as nc:
         subscription = await pull_subscription(nc.jetstream(),
                                                SETTINGS.subjects.requests_stream, spec)
@@ -197,9 +195,9 @@ async def raw_fetch(url: str, expected: int, ack: bool,
             received += len(messages)
         if ack:
             await nc.flush()  # the acks have reached the server
-        elapsed = time.perf_counter() - start
+        elapsed, finished_at = time.perf_counter() - start, time.time()
         await subscription.unsubscribe()
-        return elapsed, watch_s
+        return Fetched(elapsed, watch_s, finished_at)
 
 
 async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | None,
@@ -217,7 +215,7 @@ async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | No
     result: dict[str, Any] = {"watch_s": None, "queued_before_watch": None}
     async with connected(url) as nc:
         gc.collect()
-        result["rss_before_kb"] = rss_kb()
+        result["rss_before_kb"] = memory_kb()["rss_kb"]
         profiler = cProfile.Profile() if profile else None
         start = time.perf_counter()
         if profiler:
@@ -243,7 +241,7 @@ async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | No
                 profiler.disable()
                 result["profile"] = summarise_profile(profiler, result["elapsed_s"])
             gc.collect()
-            result["rss_after_kb"] = rss_kb()
+            result["rss_after_kb"] = memory_kb()["rss_kb"]
     return result
 
 
@@ -276,8 +274,7 @@ def _describe(file: str, line: int, name: str) -> str:
 
 # Spawned-process entry points: plain functions returning plain data.
 
-def raw_fetch_job(url: str, expected: int, ack: bool,
-                  watch: str | None = None) -> tuple[float, float | None]:
+def raw_fetch_job(url: str, expected: int, ack: bool, watch: str | None = None) -> Fetched:
     return asyncio.run(raw_fetch(url, expected, ack, watch))
 
 
@@ -315,7 +312,7 @@ class Runner:
     def raw(self, messages: int, ack: bool) -> Row:
         with EmbeddedNatsServer() as server:
             published = asyncio.run(publish(server.url, [round_robin(messages, RAW_TENANTS)]))
-            elapsed, _ = self.job(raw_fetch_job, server.url, messages, ack)
+            elapsed = self.job(raw_fetch_job, server.url, messages, ack).elapsed_s
         name = "raw JetStream: fetch 256 + ack each" if ack else "raw JetStream: fetch 256, no ack"
         return Row(name, RAW_TENANTS, messages, messages / published, elapsed)
 
@@ -336,8 +333,8 @@ class Runner:
                               DispatcherOptions().tenant_window)
         with EmbeddedNatsServer() as server:
             asyncio.run(publish(server.url, phases))
-            _, raw_watch_s = self.job(raw_fetch_job, server.url, backlog + 1, False,
-                                      SETTINGS.subjects.request(ENDPOINT, watched[0]))
+            raw_watch_s = self.job(raw_fetch_job, server.url, backlog + 1, False,
+                                   SETTINGS.subjects.request(ENDPOINT, watched[0])).watch_s
         return {"backlog_of_A": backlog, "B_queued_after_s": result["watch_s"],
                 "A_queued_before_B": result["queued_before_watch"],
                 "shared_consumer_reaches_B_after_s": raw_watch_s}

@@ -41,7 +41,14 @@ import nats
 from nats.js.errors import KeyNotFoundError
 
 from broker_config.streams import BrokerSettings
-from broker_config.wire import STORED_RESULT, DoneEvent, ErrorEvent, FinalEvent, TokenEvent
+from broker_config.wire import (
+    STORED_RESULT,
+    DoneEvent,
+    ErrorEvent,
+    FinalEvent,
+    StoredResult,
+    TokenEvent,
+)
 from dispatcher.core.fairness import RequestRecord
 from dispatcher.core.sim import TraceRecord
 from producers.client import Client, FairqError, Submitted
@@ -92,6 +99,7 @@ class Measured:
     input_tokens: int
     max_tokens: int
     submitted: float | None = None
+    acked: float | None = None  # the PubAck arrived: the broker stored it
     dispatched: float | None = None
     first_token: float | None = None
     finished: float | None = None
@@ -155,6 +163,8 @@ class Replay:
     wall_s: float
     # How late the worst submit was against its schedule, per tenant.
     max_lateness_s: dict[str, float]
+    # Unix time of the start, from which every time in `measured` counts.
+    started_at: float
 
     def counts(self) -> dict[str, int]:
         outcomes: dict[str, int] = defaultdict(int)
@@ -177,8 +187,7 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
     the stack has died (`Stack.check_alive`), so a crash ends the replay at once instead
     of at `timeout_s`.
     """
-    measured = [Measured(f"{a.tenant}-{n}", a.tenant, a.offset_s, a.streamed,
-                         a.input_tokens, a.max_tokens) for n, a in enumerate(arrivals)]
+    measured = to_measure(arrivals)
     by_tenant: dict[str, list[Measured]] = defaultdict(list)
     for m in sorted(measured, key=lambda m: m.offset_s):
         by_tenant[m.tenant].append(m)
@@ -187,7 +196,8 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
         start_wall, start_loop = time.time(), loop.time()
         try:
             async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
-                watchdog = group.create_task(_watch(alive)) if alive is not None else None
+                watchdog = (group.create_task(watch_alive(alive)) if alive is not None
+                            else None)
                 streams = [group.create_task(_tenant(client, endpoint, mine, start_wall,
                                                      start_loop))
                            for mine in by_tenant.values()]
@@ -204,10 +214,17 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
     lateness = {tenant: max((m.submitted - m.offset_s for m in mine
                              if m.submitted is not None), default=0.0)
                 for tenant, mine in by_tenant.items()}
-    return Replay(measured, max(ends, default=0.0), lateness)
+    return Replay(measured, max(ends, default=0.0), lateness, start_wall)
 
 
-async def _watch(alive: Callable[[], None]) -> None:
+def to_measure(arrivals: Sequence[Arrival]) -> list[Measured]:
+    """One record per arrival, with its request id `<tenant>-<index of the arrival>`."""
+    return [Measured(f"{a.tenant}-{n}", a.tenant, a.offset_s, a.streamed, a.input_tokens,
+                     a.max_tokens) for n, a in enumerate(arrivals)]
+
+
+async def watch_alive(alive: Callable[[], None]) -> None:
+    """Call `alive` every `WATCH_S` (it raises when the stack has died)."""
     while True:
         await asyncio.sleep(WATCH_S)
         alive()
@@ -239,6 +256,7 @@ async def _request(client: Client, endpoint: str, m: Measured, start_wall: float
         return
     finally:
         slots.release()
+    m.acked = time.time() - start_wall
     if m.streamed:
         await _stream(client, submitted, m, start_wall)
 
@@ -267,18 +285,27 @@ async def _until_stream_empty(nc: nats.NATS, settings: BrokerSettings) -> None:
 async def _collect(nc: nats.NATS, settings: BrokerSettings, collected: list[Measured],
                    start_wall: float) -> None:
     """Final events of the requests submitted without Fq-Reply, from the results bucket."""
-    if not collected:
-        return
+    stored = await read_stored(nc, settings, collected)
+    for m in collected:
+        result = stored.get(m.id)
+        if result is not None:  # else not finished: stays `lost`
+            m.settle(result.event, result.stored_at - start_wall, None)
+
+
+async def read_stored(nc: nats.NATS, settings: BrokerSettings,
+                      measured: Sequence[Measured]) -> dict[str, StoredResult]:
+    """The stored result of each request of `measured` that has one, by request id."""
+    if not measured:
+        return {}
     results = await nc.jetstream().key_value(settings.subjects.results_bucket)
     slots = asyncio.Semaphore(COLLECT_IN_FLIGHT)
+    found: dict[str, StoredResult] = {}
 
     async def one(m: Measured) -> None:
         async with slots:
-            try:
+            with contextlib.suppress(KeyNotFoundError):
                 entry = await results.get(settings.subjects.result_key(m.tenant, m.id))
-            except KeyNotFoundError:
-                return  # not finished: stays `lost`
-        stored = STORED_RESULT.decode(entry.value)
-        m.settle(stored.event, stored.stored_at - start_wall, None)
+                found[m.id] = STORED_RESULT.decode(entry.value)
 
-    await asyncio.gather(*(one(m) for m in collected))
+    await asyncio.gather(*(one(m) for m in measured))
+    return found

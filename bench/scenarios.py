@@ -13,9 +13,19 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench import scenario_noisy, scenario_trace
+from bench import (
+    scenario_latency,
+    scenario_noisy,
+    scenario_rate,
+    scenario_scale,
+    scenario_trace,
+)
 
+# In running order: latency reads the sustained rate that rate measured.
 SCENARIOS: dict[str, ModuleType] = {
     "noisy": scenario_noisy,
     "trace": scenario_trace,
+    "rate": scenario_rate,
+    "latency": scenario_latency,
+    "scale": scenario_scale,
 }

@@ -181,6 +181,14 @@ class Stack:
     async def __aexit__(self, *exc_info: object) -> None:
         await self._exit.aclose()
 
+    def pids(self) -> dict[str, int]:
+        """Process id of each running part: `nats-server`, `dispatcher`, the worker ids."""
+        pids = {} if self.server is None or self.server.pid is None else {
+            "nats-server": self.server.pid}
+        pids |= {child.name: child.process.pid for child in self.children
+                 if child.process is not None and child.process.returncode is None}
+        return pids
+
     def check_alive(self) -> None:
         """Raise StackError if a process of the stack has died."""
         if self.server is not None and not self.server.running:

@@ -4,11 +4,12 @@ loses requests fails here; the figures themselves are docs/benchmarks.md's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench import scenario_noisy
+from bench import scenario_noisy, scenario_rate
 
 pytestmark = pytest.mark.integration
 
@@ -25,3 +26,15 @@ async def test_noisy_neighbour_smoke(nats_binary: Path, tmp_path: Path) -> None:
     # Behind a FIFO the small tenants wait for the whole flood (over 100x their time
     # alone in this variant); fairq keeps them within a few times of it.
     assert max(fairq.values()) * 4 < min(naive.values())
+
+
+async def test_dispatch_rate_smoke(nats_binary: Path, tmp_path: Path) -> None:
+    settings = replace(scenario_rate.QUICK, requests=2_000, naive=False)
+    summary = await scenario_rate.run_all(settings, tmp_path, "tests/test_bench_smoke.py")
+    print(scenario_rate.render(summary))
+    outcomes = {run["mode"]: run["outcomes"] for run in summary["runs"]}
+    assert outcomes == {"raw": {"published": settings.requests},
+                        "fairq": {"done": settings.requests}}
+    # About 40% of the raw broker path on 2 shared cores; a throughput collapse (a
+    # per-request stall, a serialised round trip) falls far below a tenth of it.
+    assert summary["fairq_over_raw"]["median"] >= 0.1

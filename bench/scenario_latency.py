@@ -1,0 +1,295 @@
+"""Scenario 4, end to end: the latency fairq adds to a request, at half the sustained rate.
+
+    python -m bench.scenario_latency [--quick] [--rate R] [--duration 10] [--seed 1]
+
+Stack and requests as in scenario 3 (`bench.scenario_rate`): one worker with an instant
+engine (time scale 0, max_sequences 1024), 10 listed tenants, max_tokens 1, events
+streamed to the load generator (`bench.firehose`) in this process.
+
+Load: Poisson arrivals, each from one of the 10 tenants drawn uniformly, for `duration_s`
+at a share of fairq's sustained rate, which is scenario 3's median fairq run read from
+bench/results/rate/summary.json (run it first; without it, one fairq run of scenario 3
+measures it here; `--rate` gives it). Runs, each on a fresh stack:
+
+- `fairq-50%`: the figure the target is about (p50 <= 1 ms, p99 <= 5 ms);
+- `fairq-5%`: a light load, the floor of the same path when nothing queues for the CPU;
+- `naive-50%`: the naive shared work queue at the same arrivals, the same broker hops
+  and worker without a dispatcher.
+
+Added latency. The client's time to first token (TTFT) runs from just before the publish
+to the arrival of the first token event. The engine's own TTFT is zero model time here:
+the instant engine emits the first token in its first step, one turn of the worker's
+event loop after it accepted the request. The wire does not report that turn (the done
+event's timings end at "first token at the worker"), so the added latency is reported as
+the whole client TTFT: an upper bound that also holds the worker service's own time and
+both broker hops. The stages are measured per request on one clock (all processes share
+the machine), from the client's times and the stored result (`stored_at - total_s` is
+the time the request was stored in the stream, `enqueued_at` on the wire):
+
+- publish ack: submit -> PubAck at the client (in parallel with the rest);
+- submit -> stored in the stream: the JetStream publish;
+- stored -> dispatched: the dispatcher (pull delivery, parse, results lookup, admission,
+  queue, pick, batch); for the naive queue the shared consumer's fetch;
+- dispatched -> first token at the worker: the batch to the worker, the worker service,
+  the engine;
+- first token, worker -> client: the token event through the broker.
+
+Writes bench/results/latency/summary.json, records-<run>.json and PNGs (client TTFT
+CDFs; the stages of `fairq-50%`); prints a markdown digest. `--quick` runs 2 s per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from bench import scenario_rate
+from bench.firehose import fire
+from bench.machine import machine_facts, table
+from bench.plots import cdf_plot
+from bench.recorder import Arrival, Measured, Replay, describe_outcomes, read_stored
+from bench.stack import Mode, Stack
+from broker_config.wire import DoneEvent, StoredResult
+from dispatcher.core.fairness import latency_summary
+
+TITLE = "End to end: latency added at half the sustained rate"
+RESULTS = Path(__file__).resolve().parent / "results" / "latency"
+TARGET_P50_MS = 1.0
+TARGET_P99_MS = 5.0
+STAGES = ("publish ack", "submit -> stored in the stream", "stored -> dispatched",
+          "dispatched -> first token at the worker", "first token, worker -> client")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    load_share: float = 0.5
+    light_share: float = 0.05
+    duration_s: float = 10.0
+    tenants: int = 10
+    workers: int = 1
+    max_sequences: int = 1024
+    seed: int = 1
+    # Requests whose stored result is read for the stage breakdown, spread over the run.
+    breakdown_sample: int = 5_000
+    timeout_s: float = 120.0
+
+
+FULL = Settings()
+QUICK = Settings(duration_s=2.0, breakdown_sample=1_000, timeout_s=60.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    name: str
+    mode: Mode
+    light: bool
+
+
+RUNS = (Run("fairq-50%", "fairq", False), Run("fairq-5%", "fairq", True),
+        Run("naive-50%", "naive", False))
+
+
+def poisson(rate: float, duration_s: float, tenants: list[str], seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    arrivals, now = [], rng.expovariate(rate)
+    while now < duration_s:
+        arrivals.append(Arrival(rng.choice(tenants), now, scenario_rate.INPUT_TOKENS,
+                                scenario_rate.MAX_TOKENS))
+        now += rng.expovariate(rate)
+    return arrivals
+
+
+async def sustained_rate(settings: Settings, quick: bool, out_dir: Path) -> dict[str, Any]:
+    """Scenario 3's median fairq rate from its results, else one fairq run of it now."""
+    path = scenario_rate.RESULTS / "summary.json"
+    if path.is_file():
+        rate = json.loads(path.read_text())
+        return {"per_s": rate["modes"]["fairq"]["rate_per_s"]["median"],
+                "source": f"{path.relative_to(scenario_rate.RESULTS.parents[2])}: "
+                          f"`{rate['machine']['command']}`, {rate['machine']['date']}"}
+    rate_settings = scenario_rate.QUICK if quick else scenario_rate.FULL
+    tenants = scenario_rate.tenant_names(settings.tenants)
+    run = await scenario_rate.stack_rate(
+        scenario_rate.instant_spec("fairq", settings.workers, settings.max_sequences, tenants),
+        scenario_rate.burst(tenants, rate_settings.requests), out_dir / "logs" / "rate",
+        rate_settings.timeout_s)
+    return {"per_s": run["rate_per_s"],
+            "source": f"measured here: {rate_settings.requests} requests at once "
+                      "(no scenario 3 results)"}
+
+
+async def run_one(run: Run, settings: Settings, rate: float,
+                  out_dir: Path) -> tuple[Replay, dict[str, StoredResult]]:
+    tenants = scenario_rate.tenant_names(settings.tenants)
+    share = settings.light_share if run.light else settings.load_share
+    arrivals = poisson(share * rate, settings.duration_s, tenants, settings.seed)
+    spec = scenario_rate.instant_spec(run.mode, settings.workers, settings.max_sequences,
+                                      tenants)
+    async with Stack(spec, out_dir / "logs" / run.name) as stack:
+        result = await fire(stack.url, arrivals, endpoint=spec.endpoint,
+                            settings=stack.settings,
+                            in_flight=scenario_rate.PUBLISH_IN_FLIGHT,
+                            timeout_s=settings.timeout_s, alive=stack.check_alive)
+        done = [m for m in result.measured if m.done]
+        sample = done[::max(1, len(done) // settings.breakdown_sample)]
+        nc = await nats.connect(stack.url, connect_timeout=5)
+        try:
+            stored = await read_stored(nc, stack.settings, sample)
+        finally:
+            await nc.drain()
+    return result, stored
+
+
+def stages(m: Measured, stored: StoredResult, started_at: float) -> dict[str, float] | None:
+    """The request's stages in seconds (see the module doc); None without a done event."""
+    event = stored.event
+    if not isinstance(event, DoneEvent) or event.timings.ttft_s is None or \
+            m.submitted is None or m.acked is None or m.first_token is None:
+        return None
+    timings = event.timings
+    enqueued = stored.stored_at - started_at - timings.total_s
+    return dict(zip(STAGES, (m.acked - m.submitted, enqueued - m.submitted, timings.queued_s,
+                             timings.ttft_s - timings.queued_s,
+                             m.first_token - (enqueued + timings.ttft_s)), strict=True))
+
+
+def ttfts(result: Replay) -> list[float]:
+    """Client TTFT of every done request, seconds."""
+    return [m.first_token - m.submitted for m in result.measured
+            if m.done and m.first_token is not None and m.submitted is not None]
+
+
+def stage_values(result: Replay, stored: dict[str, StoredResult]) -> dict[str, list[float]]:
+    """Each stage's seconds over the requests with a stored result."""
+    per_stage: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    for m in result.measured:
+        split = stages(m, stored[m.id], result.started_at) if m.id in stored else None
+        for stage, seconds in (split or {}).items():
+            per_stage[stage].append(seconds)
+    return per_stage
+
+
+def summarise(run: Run, result: Replay, stored: dict[str, StoredResult], offered: float,
+              duration_s: float) -> dict[str, Any]:
+    per_stage = stage_values(result, stored)
+    return {"mode": run.mode, "offered_per_s": offered,
+            "sent_per_s": len(result.measured) / duration_s, "outcomes": result.counts(),
+            "max_submit_lateness_s": max(result.max_lateness_s.values(), default=0.0),
+            "ttft_ms": _ms(latency_summary(ttfts(result))),
+            "stages_sampled": len(per_stage[STAGES[0]]),
+            "stages_ms": {stage: _ms(latency_summary(values))
+                          for stage, values in per_stage.items()}}
+
+
+def _ms(summary: dict[str, float | None]) -> dict[str, float | None]:
+    return {q: None if v is None else 1e3 * v for q, v in summary.items()}
+
+
+def verdict(ttft_ms: dict[str, float | None]) -> str:
+    p50, p99 = ttft_ms["p50"], ttft_ms["p99"]
+    if p50 is None or p99 is None:
+        return "no data"
+    return (f"p50 {'meets' if p50 <= TARGET_P50_MS else 'misses'} {TARGET_P50_MS:g} ms, "
+            f"p99 {'meets' if p99 <= TARGET_P99_MS else 'misses'} {TARGET_P99_MS:g} ms")
+
+
+def plot(results: dict[str, tuple[Replay, dict[str, StoredResult]]], out_dir: Path) -> list[str]:
+    paths = [out_dir / "latency_ttft.png", out_dir / "latency_stages.png"]
+    cdf_plot({name: [1e3 * v for v in ttfts(result)] for name, (result, _) in results.items()},
+             paths[0], title="Client time to first token, instant engine",
+             xlabel="milliseconds")
+    # The log axis has no room for zero or the few negative clock jitters: 1 us floor.
+    cdf_plot({stage: [max(1e3 * v, 1e-3) for v in values]
+              for stage, values in stage_values(*results[RUNS[0].name]).items()},
+             paths[1], title=f"Stages of a request, {RUNS[0].name}", xlabel="milliseconds")
+    return [path.name for path in paths]
+
+
+def render(summary: dict[str, Any]) -> str:
+    runs = summary["runs"]
+    rate = summary["sustained_rate"]
+    lines = [f"Sustained fairq rate {rate['per_s']:,.0f} requests/s ({rate['source']}).", "",
+             "Client time to first token, ms (p50 / p95 / p99):", ""]
+    lines += table(["run", "offered req/s", "sent req/s", "outcomes", "TTFT", "targets"],
+                   [[name, f"{run['offered_per_s']:,.0f}", f"{run['sent_per_s']:,.0f}",
+                     describe_outcomes(run["outcomes"]), _triple(run["ttft_ms"]),
+                     verdict(run["ttft_ms"]) if run["mode"] == "fairq" else ""]
+                    for name, run in runs.items()])
+    lines += ["", "Stages, ms (p50 / p95 / p99), from "
+              + ", ".join(f"{run['stages_sampled']} requests of {name}"
+                          for name, run in runs.items()) + ":", ""]
+    lines += table(["stage", *runs],
+                   [[stage, *(_triple(run["stages_ms"][stage]) for run in runs.values())]
+                    for stage in STAGES])
+    return "\n".join(lines)
+
+
+def _triple(values: dict[str, float | None]) -> str:
+    return " / ".join("-" if values[q] is None else f"{values[q]:.2f}"
+                      for q in ("p50", "p95", "p99"))
+
+
+async def run_all(settings: Settings, out_dir: Path, command: str,
+                  rate: float | None = None, quick: bool = False) -> dict[str, Any]:
+    facts = machine_facts(command)
+    sustained = ({"per_s": rate, "source": "given with --rate"} if rate is not None
+                 else await sustained_rate(settings, quick, out_dir))
+    results: dict[str, tuple[Replay, dict[str, StoredResult]]] = {}
+    runs: dict[str, Any] = {}
+    for run in RUNS:
+        started = time.monotonic()
+        share = settings.light_share if run.light else settings.load_share
+        results[run.name] = await run_one(run, settings, sustained["per_s"], out_dir)
+        result, stored = results[run.name]
+        runs[run.name] = summarise(run, result, stored, share * sustained["per_s"],
+                                   settings.duration_s)
+        print(f"{run.name}: {time.monotonic() - started:.1f} s, {result.counts()}, TTFT ms "
+              f"{_triple(runs[run.name]['ttft_ms'])}", file=sys.stderr)
+        (out_dir / f"records-{run.name}.json").write_text(
+            json.dumps([m.to_dict() for m in result.measured], separators=(",", ":")) + "\n")
+    summary = {"scenario": "latency", "machine": facts, "settings": asdict(settings),
+               "stack": scenario_rate.instant_spec(
+                   "fairq", settings.workers, settings.max_sequences,
+                   scenario_rate.tenant_names(settings.tenants)).describe(),
+               "sustained_rate": sustained, "runs": runs, "plots": plot(results, out_dir)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.scenario_latency",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the few-second smoke variant")
+    parser.add_argument("--rate", type=float,
+                        help="the sustained rate, requests/s (default: scenario 3's results)")
+    parser.add_argument("--duration", type=float, help="seconds of arrivals per run "
+                                                       "(default 10; quick 2)")
+    parser.add_argument("--seed", type=int, help="arrivals seed (default 1)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = " ".join(["python -m bench.scenario_latency",
+                        *(sys.argv[1:] if argv is None else argv)])
+    settings = QUICK if args.quick else FULL
+    overrides = {"duration_s": args.duration, "seed": args.seed}
+    settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    summary = asyncio.run(run_all(settings, args.out_dir, command, args.rate, args.quick))
+    print(render(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
