@@ -135,8 +135,10 @@ class _Run:
             m = self.measured[int(msg.subject.rsplit(".", 1)[1])]
         except (msgspec.DecodeError, ValueError, IndexError):
             return  # not an event of this run
-        if m.finished is not None:
-            return  # a redelivered request's second run
+        if m.finished is not None or m.outcome == REFUSED:
+            # A redelivered request's second run, or one whose PubAck timed out but that
+            # was stored anyway: it was counted answered already.
+            return
         if isinstance(event, TokenEvent):
             if m.first_token is None:
                 m.first_token = now

@@ -7,8 +7,13 @@ readings go into the result files beside the figures.
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -59,3 +64,11 @@ class CpuMeter:
 
     def stop(self) -> dict[str, float]:
         return {name: cpu_seconds(pid) - self._started[name] for name, pid in self.pids.items()}
+
+
+def run_timed(main: Callable[..., Awaitable[T]], *args: Any) -> tuple[T, float]:
+    """`asyncio.run(main(*args))` in this process, and the CPU seconds it took (for the
+    consumers that benchmarks run in a process of their own)."""
+    started = time.process_time()
+    result = asyncio.run(main(*args))
+    return result, time.process_time() - started

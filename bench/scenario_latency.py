@@ -184,14 +184,10 @@ def summarise(run: Run, result: Replay, stored: dict[str, StoredResult], offered
     return {"mode": run.mode, "offered_per_s": offered,
             "sent_per_s": len(result.measured) / duration_s, "outcomes": result.counts(),
             "max_submit_lateness_s": max(result.max_lateness_s.values(), default=0.0),
-            "ttft_ms": _ms(latency_summary(ttfts(result))),
+            "ttft_ms": latency_summary(1e3 * s for s in ttfts(result)),
             "stages_sampled": len(per_stage[STAGES[0]]),
-            "stages_ms": {stage: _ms(latency_summary(values))
+            "stages_ms": {stage: latency_summary(1e3 * s for s in values)
                           for stage, values in per_stage.items()}}
-
-
-def _ms(summary: dict[str, float | None]) -> dict[str, float | None]:
-    return {q: None if v is None else 1e3 * v for q, v in summary.items()}
 
 
 def verdict(ttft_ms: dict[str, float | None]) -> str:

@@ -61,7 +61,7 @@ from nats.js.errors import NotFoundError
 from bench.bench_intake import RAW_CONSUMER, raw_fetch
 from bench.firehose import fire
 from bench.machine import machine_facts, table
-from bench.procstat import CpuMeter, cpu_seconds, memory_kb
+from bench.procstat import CpuMeter, cpu_seconds, memory_kb, run_timed
 from bench.recorder import Arrival, Replay, describe_outcomes
 from bench.stack import ENDPOINT, Mode, Stack, StackSpec, benchmark_config
 from broker_config.server import EmbeddedNatsServer
@@ -203,9 +203,8 @@ async def _until_consumer(js: Any, stream: str, name: str,
 
 def raw_consumer_job(url: str, expected: int) -> tuple[float, float]:
     """In a fresh process: when the last ack was sent, and the CPU seconds it took."""
-    started = time.process_time()
-    fetched = asyncio.run(raw_fetch(url, expected, ack=True))
-    return fetched.finished_at, time.process_time() - started
+    fetched, cpu_s = run_timed(raw_fetch, url, expected, True)
+    return fetched.finished_at, cpu_s
 
 
 # -- profile -------------------------------------------------------------------------------

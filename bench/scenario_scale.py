@@ -50,7 +50,7 @@ from nats.aio.msg import Msg
 from bench import scenario_rate
 from bench.firehose import fire
 from bench.machine import machine_facts, table
-from bench.procstat import memory_kb
+from bench.procstat import memory_kb, run_timed
 from bench.recorder import Arrival, Replay, describe_outcomes
 from bench.stack import Stack, StackSpec, benchmark_config
 from broker_config.streams import (
@@ -152,9 +152,7 @@ def raw_consumer_name(n: int) -> str:
 
 def per_tenant_consumer_job(url: str, tenants: list[str], per_tenant: int) -> tuple[float, float]:
     """In a fresh process: when the last ack was sent, and the CPU seconds it took."""
-    started = time.process_time()
-    finished_at = asyncio.run(_consume_per_tenant(url, tenants, per_tenant))
-    return finished_at, time.process_time() - started
+    return run_timed(_consume_per_tenant, url, tenants, per_tenant)
 
 
 async def _consume_per_tenant(url: str, tenants: list[str], per_tenant: int) -> float:

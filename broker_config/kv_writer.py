@@ -39,6 +39,7 @@ class KeyValueWriter:
         self._tokens = itertools.count()
         self._waiting: dict[str, tuple[asyncio.Future[None], float]] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def __aenter__(self) -> KeyValueWriter:
         self._inbox = self.nc.new_inbox()
@@ -47,12 +48,15 @@ class KeyValueWriter:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        self._closed = True
         self._sweeper.cancel()
         await asyncio.gather(self._sweeper, return_exceptions=True)
         await self._subscription.unsubscribe()
         self._fail_all(PutError(f"KV writer for {self.bucket} closed"))
 
     async def put(self, key: str, value: bytes) -> None:
+        if self._closed:
+            raise PutError(f"KV writer for {self.bucket} closed")
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
         done = loop.create_future()

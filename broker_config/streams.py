@@ -32,7 +32,7 @@ from nats.js.api import (
     StreamConfig,
     StreamInfo,
 )
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 
 from broker_config.subjects import TOKEN_PATTERN, Subjects
@@ -130,8 +130,20 @@ class Provisioned:
 async def provision(js: JetStreamContext, settings: BrokerSettings) -> Provisioned:
     """Create or update the requests stream and the results bucket."""
     requests = await apply_stream(js, requests_stream_config(settings))
+    await remove_retired_consumers(js, settings)
     results = await apply_key_value(js, results_bucket_config(settings))
     return Provisioned(requests, results)
+
+
+async def remove_retired_consumers(js: JetStreamContext, settings: BrokerSettings) -> None:
+    """Delete the consumer earlier releases read every request with (`<prefix>~requests`
+    over `<prefix>.req.*.*`): on a work-queue stream it would overlap every per-tenant
+    consumer. What it held but had not acked stays in the stream for them."""
+    name = f"{settings.prefix}~requests"
+    try:
+        await js.delete_consumer(settings.subjects.requests_stream, name)
+    except NotFoundError:
+        return
 
 
 async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
@@ -258,10 +270,12 @@ def is_backlog_full(exc: BaseException) -> bool:
     return isinstance(exc, APIError) and exc.err_code == JS_ERR_MAX_MSGS_PER_SUBJECT
 
 
-def stream_timestamp(ack_subject: str) -> float:
-    """When a delivered JetStream message was stored (seconds since the epoch), read from
-    its ack subject: `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.
-    <ns>.<pending>`, or the form with domain and account hash before the stream and a
-    token after. Cheaper than nats-py's `Msg.metadata`, which builds a datetime."""
+def stream_delivery(ack_subject: str) -> tuple[float, int]:
+    """When a delivered JetStream message was stored (seconds since the epoch) and how
+    many times it has been delivered, read from its ack subject: `$JS.ACK.<stream>.
+    <consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>`, or the form with
+    domain and account hash before the stream and a token after. Cheaper than nats-py's
+    `Msg.metadata`, which builds a datetime."""
     tokens = ack_subject.split(".")
-    return int(tokens[7] if len(tokens) == 9 else tokens[9]) / 1e9
+    first = 2 if len(tokens) == 9 else 4  # index of the stream name
+    return int(tokens[first + 5]) / 1e9, int(tokens[first + 2])

@@ -30,9 +30,10 @@ the stream's subjects every `discover_s`; their consumers are removed by the ser
 (`inactive_threshold`) once the dispatcher stopped pulling them after `idle_s` without
 a request.
 
-Drain order on exit: stop discovery and the hand-over task; unsubscribe the inbox (the
-server drops the outstanding pulls with their interest); nak what arrived but was not
-handed over, so another dispatcher gets it at once.
+Drain order on exit: stop discovery and let the hand-over task finish its batch; drain
+the inbox subscription (what is on its way is still queued here; the server drops the
+outstanding pulls with their interest); nak what arrived but was not handed over, so
+another dispatcher gets it at once.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ PULL_RETRY_S = 1.0
 STATUS_HEADER = "Status"
 DESCRIPTION_HEADER = "Description"
 REQUEST_TIMEOUT = "408"
+# A pull to a consumer that does not exist (any more): no responders, not found.
+CONSUMER_GONE = ("503", "404")
 
 
 @dataclass(slots=True)
@@ -162,7 +165,7 @@ class TenantIntake:
         await asyncio.gather(hand_over, care, return_exceptions=True)
 
     async def _nak_arrived(self) -> None:
-        for pull in self.pulls.values():
+        for pull in [*self.pulls.values(), *self._ready]:  # the ring: forgotten ones too
             while pull.arrived:
                 with contextlib.suppress(nats.errors.Error):
                     await pull.arrived.popleft().nak()
@@ -202,14 +205,13 @@ class TenantIntake:
             backlog[(endpoint, tenant)] = count
         self.backlog = backlog
         found = {tenant for _, tenant in backlog}
-        new = sorted(t for t in found if t not in self.pulls)
-        for tenant in found:
-            pull = self.pulls.get(tenant)
-            if pull is not None and pull.retiring:
-                pull.retiring = False
-                await self._pull(pull)
-        if new:
-            await self._add_tenants(new, listed=False)
+        # A retiring tenant's consumer may be gone already (the server removes it once
+        # nobody pulls): it is made again like a new one's.
+        new = sorted(t for t in found if t not in self.pulls or self.pulls[t].retiring)
+        for listed in (True, False):
+            chosen = [t for t in new if (t in self.listed) is listed]
+            if chosen:
+                await self._add_tenants(chosen, listed=listed)
 
     async def _care_loop(self) -> None:
         while self._open:
@@ -258,6 +260,9 @@ class TenantIntake:
         for pull in list(self.pulls.values()):
             if pull.requested and (reconnected or now > pull.pull_deadline):
                 pull.requested = 0  # the server forgot it: ask again
+                if pull.retiring:  # no expiry status will come to end its retirement
+                    self._forget(pull)
+                    continue
             if (not pull.listed and not pull.retiring and now - pull.last_arrival > self.idle_s
                     and not pull.arrived and not pull.handing_over
                     and not self.queued(pull.tenant)):
@@ -295,21 +300,22 @@ class TenantIntake:
             self._forget(pull)
             return
         if status != REQUEST_TIMEOUT:
-            # 409 (consumer deleted, leadership change...): pause, then pull again; a
-            # deleted consumer is made anew by discovery if its tenant still has requests.
-            log.warning("pull for tenant %r ended: %s %s", pull.tenant, status,
-                        headers.get(DESCRIPTION_HEADER, ""))
-            pull.retry_at = self.clock() + PULL_RETRY_S
-            if "deleted" in headers.get(DESCRIPTION_HEADER, "").lower():
+            description = headers.get(DESCRIPTION_HEADER, "")
+            log.warning("pull for tenant %r ended: %s %s", pull.tenant, status, description)
+            if status in CONSUMER_GONE or "deleted" in description.lower():
+                # Discovery makes the consumer again while its tenant has requests; what
+                # was delivered through the old one is redelivered through the new.
                 self._forget(pull)
+            else:  # 409 leadership change, server shutdown...: pause, then pull again
+                pull.retry_at = self.clock() + PULL_RETRY_S
             return
         await self._pull(pull)  # the pull expired: keep one standing
 
     def _forget(self, pull: TenantPull) -> None:
-        if pull.arrived or pull.handing_over:
-            return
-        self.pulls.pop(pull.tenant, None)
-        self._by_consumer.pop(pull.consumer, None)
+        # What it has arrived stays in the hand-over ring, which holds the pull itself.
+        if self.pulls.get(pull.tenant) is pull:  # not a newer pull for the same tenant
+            del self.pulls[pull.tenant]
+            del self._by_consumer[pull.consumer]
 
     def _take(self) -> list[Msg]:
         """Up to `batch` arrived messages, one tenant at a time round-robin."""

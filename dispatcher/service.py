@@ -40,7 +40,7 @@ from nats.js.kv import KeyValue
 from broker_config import wire
 from broker_config.direct_get import DirectBatchGet, DirectGetError
 from broker_config.kv_writer import KeyValueWriter
-from broker_config.streams import BrokerSettings, ConsumerLimits, provision, stream_timestamp
+from broker_config.streams import BrokerSettings, ConsumerLimits, provision, stream_delivery
 from broker_config.subjects import HDR_CONTENT_TYPE, ApiKind, Subjects
 from costmodel.units import approx_tokens
 from dispatcher.core.config import Config
@@ -159,6 +159,7 @@ class Dispatcher:
         # tenants the registry knows, so a flood of made-up names cannot grow it.
         self._admissions: dict[tuple[str, str], list[int]] = {}
         self._wake = asyncio.Event()
+        self._worker_reports = asyncio.Lock()
         self._stop = asyncio.Event()
         self._started_at = 0.0
         self._stack = contextlib.AsyncExitStack()
@@ -254,8 +255,10 @@ class Dispatcher:
         try:
             stored = await self._results_reader.last(subjects)
         except DirectGetError as exc:
-            log.error("results lookup failed (%s); %d requests will be redelivered",
-                      exc, len(parsed))
+            log.error("results lookup failed (%s); %d requests handed back", exc, len(parsed))
+            for msg, _ in parsed:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak(delay=1.0)  # soon again, not after the whole ack wait
             return
         for (msg, submission), subject in zip(parsed, subjects):
             await self._guarded(self._intake(msg, submission, stored.get(subject)), msg)
@@ -284,16 +287,20 @@ class Dispatcher:
             await self._publish_event(submission.reply, submission.encoding, stored.event)
             await msg.ack()
             return
-        held = Held(msg, submission, self._published_at(msg, now))
+        stored_at, deliveries = stream_delivery(msg.reply)
+        # Its queue wait and its place in line count from its publish, not from intake.
+        held = Held(msg, submission, now - max(0.0, time.time() - stored_at))
         result_key = self.subjects.result_key(*key)
         for worker in self.workers.values():
             if result_key in worker.reported:
                 held.worker = worker.worker_id
                 self._adopted[key] = held
                 return
-        await self._admit(held, now)
+        # The wait in the stream counts against the latency target on the first delivery
+        # only: a redelivery (after a restart) was admitted once and has waited for us.
+        await self._admit(held, now, now - held.received_at if deliveries == 1 else 0.0)
 
-    async def _admit(self, held: Held, now: float) -> None:
+    async def _admit(self, held: Held, now: float, waited_s: float = 0.0) -> None:
         sub, body = held.submission, held.submission.request
         text = body.prompt if body.prompt is not None else "".join(
             m.content for m in body.messages or [])
@@ -303,8 +310,8 @@ class Dispatcher:
             body.max_tokens or self._max_tokens_cap(sub.endpoint),
             priority=body.priority, deadline=body.deadline, session=body.session,
             other_units=float(len(body.images or ())), payload=held)
-        result = self.scheduler.check(request, now, self._waiting_in_stream(sub.endpoint,
-                                                                           sub.tenant))
+        result = self.scheduler.check(
+            request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
         if isinstance(result, list):
             try:
                 result = await self.limiter.apply(result, now)
@@ -324,11 +331,6 @@ class Dispatcher:
             return
         self.scheduler.enqueue(request, now)
         self._held[(sub.tenant, sub.id)] = held
-
-    def _published_at(self, msg: Msg, now: float) -> float:
-        """When the request was stored in the stream, on this dispatcher's clock: its
-        queue wait and its place in line count from there, not from its intake."""
-        return now - max(0.0, time.time() - stream_timestamp(msg.reply))
 
     def _waiting_in_stream(self, endpoint: str, tenant: str) -> int:
         """The tenant's requests to `endpoint` the stream holds beyond the one being
@@ -436,7 +438,8 @@ class Dispatcher:
         if not beat.healthy and not beat.in_flight and not capacity.sequences:
             # A worker's last heartbeat: its drain is over and it runs nothing; whatever
             # it was sent and did not complete is abandoned.
-            await self._requeue_all(worker)
+            async with self._worker_reports:
+                await self._requeue_all(worker)
         self._find_lost(worker, now)
         self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
             worker.used().model_units / max(capacity.model_units, 1e-9))
@@ -477,8 +480,11 @@ class Dispatcher:
         self.scheduler.set_capacity(endpoint, healthy * profile.capacity_mu_per_s)
 
     async def _on_completions(self, msg: Msg) -> None:
-        for done in wire.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
-            await self._complete(done)
+        # Held across the whole message: a worker's last heartbeat, which follows its last
+        # completions, must not requeue requests whose completion is being handled.
+        async with self._worker_reports:
+            for done in wire.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
+                await self._complete(done)
         self._wake.set()
 
     async def _complete(self, done: wire.Completion) -> None:
@@ -578,7 +584,7 @@ class Dispatcher:
         The stream holds every unfinished request (waiting in the stream, queued here or
         running), so queued = max(queued here, stream count - running).
         """
-        backlog = dict(self.intake.backlog)
+        backlog = dict(self.intake.backlog) if self.intake is not None else {}  # starting
         rows = []
         for row in self.scheduler.depth(now):
             in_stream = backlog.pop((row.endpoint, row.tenant), 0)

@@ -37,7 +37,7 @@ from broker_config.streams import (
     is_backlog_full,
     provision,
     pull_subscription,
-    stream_timestamp,
+    stream_delivery,
 )
 from broker_config.subjects import HDR_MSG_ID, Subjects
 
@@ -194,6 +194,8 @@ async def test_kv_writer_puts_many_at_once_and_reports_failures(
         await asyncio.gather(*(writer.put(f"acme.r{i}", b"v%d" % i) for i in range(200)))
         assert (await done.results.get("acme.r7")).value == b"v7"
         assert (await js.stream_info(f"KV_{S.results_bucket}")).state.messages == 200
+    with pytest.raises(PutError, match="closed"):  # after its exit: an error, not a hang
+        await writer.put("acme.late", b"late")
     async with KeyValueWriter(nc, "NO_SUCH_BUCKET", timeout_s=2.0) as writer:
         with pytest.raises(PutError, match="NO_SUCH_BUCKET"):
             await writer.put("acme.r1", b"lost")
@@ -212,12 +214,14 @@ async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -
 
 
 @pytest.mark.parametrize("ack_subject", [
-    "$JS.ACK.FQ_REQUESTS.fq~tenant~acme.1.3.3.1795997433664286007.2",
-    "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~tenant~acme.1.3.3.1795997433664286007.2.x1y2",
+    "$JS.ACK.FQ_REQUESTS.fq~tenant~acme.3.17.5.1795997433664286007.2",
+    "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~tenant~acme.3.17.5.1795997433664286007.2.x1y2",
 ])
-def test_stream_timestamp_agrees_with_nats_py(ack_subject: str) -> None:
-    expected = Msg.Metadata._from_reply(ack_subject).timestamp.timestamp()
-    assert stream_timestamp(ack_subject) == pytest.approx(expected, abs=1e-6)
+def test_stream_delivery_agrees_with_nats_py(ack_subject: str) -> None:
+    metadata = Msg.Metadata._from_reply(ack_subject)
+    stored_at, delivered = stream_delivery(ack_subject)
+    assert stored_at == pytest.approx(metadata.timestamp.timestamp(), abs=1e-6)
+    assert delivered == metadata.num_delivered == 3
 
 
 # -- consumers -------------------------------------------------------------------------------
@@ -240,6 +244,20 @@ async def test_consumers_are_created_updated_and_filtered(js: JetStreamContext) 
     sub = await pull_subscription(js, S.requests_stream, updated)
     msgs = await sub.fetch(5, timeout=1)
     assert [m.subject for m in msgs] == ["fq.req.chat.acme", "fq.req.embed.acme"]
+
+
+async def test_provision_removes_the_retired_shared_consumer(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    await publish(js, S.request("chat", "acme"), "a1")
+    old = ConsumerSpec("fq~requests", S.all_requests)  # how earlier releases read requests
+    await (await pull_subscription(js, S.requests_stream, old)).fetch(1, timeout=5)  # unacked
+    await provision(js, BrokerSettings())  # an upgraded dispatcher starts
+    names = [info.name for info in await js.consumers_info(S.requests_stream)]
+    assert "fq~requests" not in names
+    # The request it held is still there, for the per-tenant consumer.
+    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
+    (msg,) = await sub.fetch(1, timeout=5)
+    assert msg.headers[HDR_MSG_ID] == "a1"
 
 
 async def test_overlapping_consumers_are_refused_with_a_hint(js: JetStreamContext) -> None:

@@ -154,13 +154,19 @@ def test_admission_counts_the_wait_and_the_backlog_outside_the_scheduler():
     full = scheduler.check(req("a", 2), 0.0, waiting_elsewhere=4)
     assert full.outcome is Outcome.QUEUE_FULL
     assert isinstance(scheduler.check(req("a", 2), 0.0, waiting_elsewhere=3), list)
-    # A request that reaches admission 9.9 s after it was published has 0.1 s of its
-    # 10 s target left; the 20 mu queued ahead take 0.2 s: it can no longer make it.
-    late = scheduler.check(req("b", 1, arrival=0.0), 9.9)
-    assert isinstance(late, list)  # b's queue is empty: nothing ahead
-    assert scheduler.admit(req("b", 1, arrival=0.0), 9.9, store).admitted
-    stale = scheduler.check(req("b", 2, arrival=0.0), 9.9)
+    # b's queue is empty: a request that waited 9.9 s in the broker still makes the
+    # 10 s target, as nothing is ahead of it.
+    assert scheduler.admit(req("b", 1), 9.9, store, waited_s=9.9).admitted
+    # The next one would wait for b's first (20 mu at b's half share of 100 mu/s:
+    # 0.4 s): with 9.9 s already spent in the broker, it can no longer make it...
+    stale = scheduler.check(req("b", 2), 9.9, waited_s=9.9)
     assert stale.outcome is Outcome.OVERLOADED and stale.retry_after_s > 0
+    assert "waiting in the broker" in stale.message
+    # ...while the same request published just now passes.
+    assert isinstance(scheduler.check(req("b", 2), 9.9), list)
+    # A deadline counts from now, so the broker's wait is not counted against it twice:
+    # 0.4 s ahead fits a deadline 1 s away, whatever the request waited before.
+    assert isinstance(scheduler.check(req("b", 3, deadline=10.9), 9.9, waited_s=5.0), list)
 
 
 # -- queues, cancel, expiry, requeue ---------------------------------------------------

@@ -179,14 +179,19 @@ def rejection(check: Check, retry_after_s: float) -> Decision:
 
 
 def throttle(expected_wait_s: float, now: float, latency_target_s: float,
-             deadline: float | None) -> Decision:
-    """Reject at once a request whose expected queueing delay already misses its target
-    (or its deadline); retry_after_s is how much the backlog must shrink first."""
-    budget, target = latency_target_s, f"the {latency_target_s:g}s latency target"
+             deadline: float | None, waited_s: float = 0.0) -> Decision:
+    """Reject at once a request whose queueing delay already misses its target (or its
+    deadline); retry_after_s is how much the backlog must shrink first.
+
+    `waited_s`: how long the request already waited before admission (in the broker);
+    it counts against the latency target, not against the deadline, which is absolute.
+    """
+    budget, target = latency_target_s - waited_s, f"the {latency_target_s:g}s latency target"
     if deadline is not None and deadline - now < budget:
         budget, target = deadline - now, "the request's deadline"
     if expected_wait_s <= budget:
         return ADMITTED
+    waited = f" after {waited_s:.1f}s waiting in the broker" if waited_s else ""
     return Decision(Outcome.OVERLOADED,
-                    f"expected wait {expected_wait_s:.1f}s exceeds {target}",
+                    f"expected wait {expected_wait_s:.1f}s{waited} exceeds {target}",
                     expected_wait_s - budget)

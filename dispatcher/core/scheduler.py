@@ -125,14 +125,14 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------------
 
-    def check(self, request: Request, now: float,
-              waiting_elsewhere: int = 0) -> Decision | list[Check]:
+    def check(self, request: Request, now: float, waiting_elsewhere: int = 0,
+              waited_s: float = 0.0) -> Decision | list[Check]:
         """Everything admission decides without the limiter store: a rejection, or the
         rate-limit and quota checks the store must pass for the request to enter.
 
         `waiting_elsewhere`: the tenant's requests to this endpoint that wait outside the
-        scheduler (in the broker), counted against `max_queued`. A request that arrives
-        late (`arrival` < now) has spent that wait already: the latency throttle counts it.
+        scheduler (in the broker), counted against `max_queued`. `waited_s`: how long this
+        request already waited in the broker, counted against the latency target.
         """
         endpoint = self.endpoints.get(request.endpoint)
         if endpoint is None:
@@ -154,18 +154,17 @@ class Scheduler:
         if limits.max_queued is not None and queued >= limits.max_queued:
             return Decision(Outcome.QUEUE_FULL,
                             f"tenant queue is full ({limits.max_queued} requests)", 1.0)
-        waited = max(0.0, now - request.arrival)
-        decision = throttle(
-            waited + self._expected_wait(endpoint, flow, policy.weight, policy.tier_rank),
-            now, endpoint.spec.latency_target_s, request.deadline)
+        decision = throttle(self._expected_wait(endpoint, flow, policy.weight, policy.tier_rank),
+                            now, endpoint.spec.latency_target_s, request.deadline, waited_s)
         if not decision.admitted:
             return decision
         tokens = request_tokens(request.input_tokens, request.max_tokens)
         return limit_checks(request.tenant, request.endpoint, limits, tokens, now)
 
-    def admit(self, request: Request, now: float, store: LimiterStore) -> Decision:
+    def admit(self, request: Request, now: float, store: LimiterStore,
+              waited_s: float = 0.0) -> Decision:
         """check -> store.apply -> enqueue, for callers with a synchronous store."""
-        result = self.check(request, now)
+        result = self.check(request, now, waited_s=waited_s)
         if isinstance(result, Decision):
             return result
         decision = store.apply(result, now)
