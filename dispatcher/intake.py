@@ -61,6 +61,8 @@ log = logging.getLogger("fairq.intake")
 PULL_LOST_MARGIN_S = 2.0
 # After a 409 (consumer deleted, leadership change...), wait this long before pulling again.
 PULL_RETRY_S = 1.0
+# A tenant whose consumer could not be made is tried again after this long.
+CONSUMER_RETRY_S = 30.0
 STATUS_HEADER = "Status"
 DESCRIPTION_HEADER = "Description"
 REQUEST_TIMEOUT = "408"
@@ -115,6 +117,8 @@ class TenantIntake:
         # (endpoint, tenant) -> unfinished requests in the stream, as of the last listing.
         self.backlog: dict[tuple[str, str], int] = {}
         self._by_consumer: dict[str, TenantPull] = {}
+        # Tenants whose consumer could not be made -> when to try again.
+        self._refused: dict[str, float] = {}
         self._ready: deque[TenantPull] = deque()
         self._arrivals = asyncio.Event()
         self._open = False
@@ -137,7 +141,7 @@ class TenantIntake:
         self._open = True
         self._reconnects = self.nc.stats["reconnects"]
         try:
-            await self._add_tenants(sorted(self.listed), listed=True)
+            await self._add_tenants(sorted(self.listed), listed=True, strict=True)
             await self._discover()
         except BaseException:
             await self._stack.aclose()
@@ -172,17 +176,25 @@ class TenantIntake:
 
     # -- tenants and their consumers ------------------------------------------------------
 
-    async def _add_tenants(self, tenants: list[str], *, listed: bool) -> None:
+    async def _add_tenants(self, tenants: list[str], *, listed: bool,
+                           strict: bool = False) -> None:
+        """Make the tenants' consumers and start pulling. `strict` (at start): a failure
+        raises; otherwise the tenant is tried again after CONSUMER_RETRY_S (for instance
+        once the stream's `max_consumers` has room again), so the log stays readable."""
         # Concurrent, but bounded: each is one JetStream API request.
         for start in range(0, len(tenants), 64):
             chunk = tenants[start:start + 64]
             results = await asyncio.gather(*(self._add_tenant(t, listed) for t in chunk),
                                            return_exceptions=True)
             for tenant, result in zip(chunk, results):
-                if isinstance(result, BaseException):
-                    if listed:
-                        raise result
-                    log.error("cannot make a consumer for tenant %r: %s", tenant, result)
+                if not isinstance(result, BaseException):
+                    self._refused.pop(tenant, None)
+                elif strict:
+                    raise result
+                else:
+                    self._refused[tenant] = self.clock() + CONSUMER_RETRY_S
+                    log.error("cannot make a consumer for tenant %r (trying again in %gs): %s",
+                              tenant, CONSUMER_RETRY_S, result)
 
     async def _add_tenant(self, tenant: str, listed: bool) -> None:
         limits = self.limits if listed else ConsumerLimits(
@@ -205,9 +217,12 @@ class TenantIntake:
             backlog[(endpoint, tenant)] = count
         self.backlog = backlog
         found = {tenant for _, tenant in backlog}
+        now = self.clock()
+        self._refused = {t: at for t, at in self._refused.items() if t in found and at > now}
         # A retiring tenant's consumer may be gone already (the server removes it once
         # nobody pulls): it is made again like a new one's.
-        new = sorted(t for t in found if t not in self.pulls or self.pulls[t].retiring)
+        new = sorted(t for t in found if (t not in self.pulls or self.pulls[t].retiring)
+                     and t not in self._refused)
         for listed in (True, False):
             chosen = [t for t in new if (t in self.listed) is listed]
             if chosen:

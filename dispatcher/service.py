@@ -54,6 +54,10 @@ log = logging.getLogger("fairq.dispatcher")
 Key = tuple[str, str]  # (tenant, request id)
 # How often the queue-depth gauges are refreshed.
 DEPTH_EXPORT_S = 1.0
+# An unlisted tenant idle this long stops being pulled (its consumer is then removed by
+# the server as long again later); much sooner when unlisted tenants are refused anyway.
+UNLISTED_IDLE_S = 600.0
+REFUSED_TENANT_IDLE_S = 10.0
 # A request sent to a worker this recently may not be in its heartbeat yet.
 HEARTBEAT_LAG_S = 1.0
 
@@ -195,7 +199,11 @@ class Dispatcher:
                 limits=ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
                                       max_ack_pending=self.options.max_ack_pending),
                 window=self.options.tenant_window, batch=self.options.intake_batch,
-                discover_s=self.options.discover_s)
+                discover_s=self.options.discover_s,
+                # Tenants that will only ever be refused need their consumer only while
+                # their requests are answered: made-up names must not pile up consumers.
+                idle_s=(UNLISTED_IDLE_S if self.config.unlisted_tenants.policy == "admit"
+                        else REFUSED_TENANT_IDLE_S))
             await self.intake.__aenter__()
             stack.push_async_callback(self.intake.close)
             # Unwound first: the drain runs while the subscriptions above still work.

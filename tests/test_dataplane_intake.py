@@ -176,3 +176,30 @@ async def test_an_idle_unlisted_tenant_is_retired_then_found_again(client):
         await eventually(consumer_gone, what="walker's consumer removed by the server")
         await publish("w2")
         await eventually(lambda: asyncio.sleep(0, handled == ["w1", "w2"]), what="w2 handled")
+
+
+async def test_a_tenant_beyond_the_consumer_limit_waits_and_intake_keeps_going(client, caplog):
+    js = client.jetstream()
+    await provision(js, BrokerSettings(max_consumers=1))
+    handled: list[str] = []
+
+    async def handler(batch):
+        for msg in batch:
+            handled.append(msg.headers["Nats-Msg-Id"])
+            await msg.ack()
+
+    async def publish(tenant: str, rid: str) -> None:
+        await js.publish(SUBJECTS.request("chat", tenant), BODY, headers={"Nats-Msg-Id": rid})
+
+    async with TenantIntake(client, SUBJECTS, handler=handler, queued=lambda tenant: 0,
+                            listed=["acme"], discover_s=0.05) as intake:
+        await publish("stranger", "s1")  # no room for a second consumer
+        await eventually(lambda: asyncio.sleep(0, "stranger" in intake._refused),
+                         what="the stranger's consumer refused")
+        assert "stranger" not in intake.pulls
+        # Intake goes on: acme is served, and the refusal is logged once, not per listing.
+        await publish("acme", "a1")
+        await eventually(lambda: asyncio.sleep(0, handled == ["a1"]), what="a1 handled")
+        await asyncio.sleep(0.5)  # ten more listings
+        refusals = [r for r in caplog.records if "cannot make a consumer" in r.getMessage()]
+        assert len(refusals) == 1
