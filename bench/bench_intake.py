@@ -33,7 +33,6 @@ import gc
 import json
 import multiprocessing
 import pstats
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -45,7 +44,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from bench.machine import machine_facts, table
+from bench.machine import command_line, machine_facts, table
 from bench.procstat import memory_kb
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import (
@@ -397,7 +396,7 @@ def main() -> None:
                      "(A's backlog in the head-of-line row is one subject)")
     if any(t < 1 for t in args.tenants):
         parser.error("--tenants must be >= 1")
-    facts = machine_facts(" ".join(["python -m bench.bench_intake", *sys.argv[1:]]))
+    facts = machine_facts(command_line("bench.bench_intake"))
     # A fresh interpreter per job (spawn, one task per child): clean heap for RSS.
     pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                max_tasks_per_child=1)

@@ -30,7 +30,7 @@ import nats
 import nats.errors
 from nats.aio.msg import Msg
 
-from bench.recorder import REFUSED, Arrival, Measured, Replay, to_measure, watch_alive
+from bench.recorder import REFUSED, Arrival, Measured, Replay, bounded, to_measure
 from broker_config.streams import BrokerSettings
 from broker_config.subjects import HDR_MSG_ID, HDR_REPLY
 from broker_config.wire import EVENT, DoneEvent, SubmitRequest, TokenEvent, encode
@@ -54,16 +54,12 @@ async def fire(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
     try:
         run = _Run(nc, measured, endpoint, settings, in_flight)
         await run.subscribe()
-        try:
-            async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
-                watchdog = (group.create_task(watch_alive(alive)) if alive is not None
-                            else None)
-                await run.publish_all()
-                await run.answered.wait()
-                if watchdog is not None:
-                    watchdog.cancel()
-        except TimeoutError:
-            pass  # what has no final event stays `lost`
+
+        async def fire_all() -> None:
+            await run.publish_all()
+            await run.answered.wait()
+
+        await bounded(fire_all(), timeout_s, alive)
     finally:
         await nc.drain()
     ends = [m.finished if m.finished is not None else m.acked for m in measured]

@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import platform
 import subprocess
-from typing import Any
+import sys
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import msgspec
 import nats
 
 from broker_config.server import find_nats_server
+
+S = TypeVar("S")
+
+
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """How a benchmark was started, recorded with its results."""
+    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def with_overrides(settings: S, overrides: Mapping[str, object]) -> S:
+    """`settings` (a dataclass) with the options given on the command line; None means
+    not given."""
+    return dataclasses.replace(settings, **{k: v for k, v in overrides.items()
+                                            if v is not None})
 
 
 def machine_facts(command: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -194,19 +194,13 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
     async with Client.connect(url, prefix=settings.prefix) as client:
         loop = asyncio.get_running_loop()
         start_wall, start_loop = time.time(), loop.time()
-        try:
-            async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
-                watchdog = (group.create_task(watch_alive(alive)) if alive is not None
-                            else None)
-                streams = [group.create_task(_tenant(client, endpoint, mine, start_wall,
-                                                     start_loop))
-                           for mine in by_tenant.values()]
-                await asyncio.gather(*streams)
-                await _until_stream_empty(client.connection, settings)
-                if watchdog is not None:
-                    watchdog.cancel()
-        except TimeoutError:
-            pass  # what has no final event stays `lost`
+
+        async def replay_all() -> None:
+            await asyncio.gather(*(_tenant(client, endpoint, mine, start_wall, start_loop)
+                                   for mine in by_tenant.values()))
+            await _until_stream_empty(client.connection, settings)
+
+        await bounded(replay_all(), timeout_s, alive)
         await _collect(client.connection, settings,
                        [m for m in measured if not m.streamed and m.submitted is not None],
                        start_wall)
@@ -223,11 +217,23 @@ def to_measure(arrivals: Sequence[Arrival]) -> list[Measured]:
                      a.max_tokens) for n, a in enumerate(arrivals)]
 
 
-async def watch_alive(alive: Callable[[], None]) -> None:
-    """Call `alive` every `WATCH_S` (it raises when the stack has died)."""
-    while True:
-        await asyncio.sleep(WATCH_S)
-        alive()
+async def bounded(work: Awaitable[None], timeout_s: float,
+                  alive: Callable[[], None] | None) -> None:
+    """Await `work` for at most `timeout_s` (what has no final event by then stays
+    `lost`), calling `alive` every `WATCH_S` meanwhile: it raises, and so ends the run at
+    once, when the stack has died."""
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            alive()
+
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
+            watchdog = group.create_task(watch()) if alive is not None else None
+            await work
+            if watchdog is not None:
+                watchdog.cancel()
 
 
 async def _tenant(client: Client, endpoint: str, mine: list[Measured], start_wall: float,

@@ -46,7 +46,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ import nats
 
 from bench import scenario_rate
 from bench.firehose import fire
-from bench.machine import machine_facts, table
+from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.plots import cdf_plot
 from bench.recorder import Arrival, Measured, Replay, describe_outcomes, read_stored
 from bench.stack import Mode, Stack
@@ -276,11 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(["python -m bench.scenario_latency",
-                        *(sys.argv[1:] if argv is None else argv)])
-    settings = QUICK if args.quick else FULL
-    overrides = {"duration_s": args.duration, "seed": args.seed}
-    settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    command = command_line("bench.scenario_latency", argv)
+    settings = with_overrides(QUICK if args.quick else FULL,
+                              {"duration_s": args.duration, "seed": args.seed})
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_all(settings, args.out_dir, command, args.rate, args.quick))
     print(render(summary))

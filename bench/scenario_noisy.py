@@ -31,11 +31,11 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_facts, table
+from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.plots import cdf_plot
 from bench.recorder import Replay, arrivals_from_trace, describe_outcomes, replay
 from bench.stack import Mode, Stack, StackSpec, benchmark_config
@@ -214,13 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from(args: argparse.Namespace) -> Settings:
     settings = QUICK if args.quick else FULL
     overrides = {"workers": args.workers, "time_scale": args.time_scale, "seed": args.seed}
-    return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    return with_overrides(settings, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(["python -m bench.scenario_noisy", *(sys.argv[1:] if argv is None
-                                                            else argv)])
+    command = command_line("bench.scenario_noisy", argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_all(settings_from(args), args.out_dir, command))
     print(render(summary))

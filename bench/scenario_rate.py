@@ -51,7 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from nats.js.errors import NotFoundError
 
 from bench.bench_intake import RAW_CONSUMER, raw_fetch
 from bench.firehose import fire
-from bench.machine import machine_facts, table
+from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.procstat import CpuMeter, cpu_seconds, memory_kb, run_timed
 from bench.recorder import Arrival, Replay, describe_outcomes
 from bench.stack import ENDPOINT, Mode, Stack, StackSpec, benchmark_config
@@ -438,13 +438,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     overrides = {"requests": args.requests, "tenants": args.tenants,
                  "repeats": args.repeats, "workers": args.workers,
                  "naive": False if args.no_naive else None}
-    return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    return with_overrides(settings, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(["python -m bench.scenario_rate", *(sys.argv[1:] if argv is None
-                                                           else argv)])
+    command = command_line("bench.scenario_rate", argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_all(settings_from(args), args.out_dir, command, args.profile))
     print(render(summary))

@@ -49,7 +49,7 @@ from nats.aio.msg import Msg
 
 from bench import scenario_rate
 from bench.firehose import fire
-from bench.machine import machine_facts, table
+from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.procstat import memory_kb, run_timed
 from bench.recorder import Arrival, Replay, describe_outcomes
 from bench.stack import Stack, StackSpec, benchmark_config
@@ -380,13 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(["python -m bench.scenario_scale",
-                        *(sys.argv[1:] if argv is None else argv)])
-    settings = QUICK if args.quick else FULL
-    if args.tenants:
-        settings = replace(settings, tenant_counts=tuple(args.tenants))
-    if args.repeats:
-        settings = replace(settings, repeats=args.repeats)
+    command = command_line("bench.scenario_scale", argv)
+    settings = with_overrides(QUICK if args.quick else FULL, {
+        "tenant_counts": tuple(args.tenants) if args.tenants else None,
+        "repeats": args.repeats or None})
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_all(settings, args.out_dir, command))
     print(render(summary))

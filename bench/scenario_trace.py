@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_facts, table
+from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.plots import cdf_plot
 from bench.recorder import Measured, Replay, arrivals_from_trace, describe_outcomes, replay
 from bench.sim_azure import PLOTTED
@@ -256,13 +256,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {"time_scale": args.time_scale, "workers": args.workers}
     if args.slice is not None:
         overrides |= {"slice_start_s": args.slice[0], "slice_end_s": args.slice[1]}
-    return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    return with_overrides(settings, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(["python -m bench.scenario_trace", *(sys.argv[1:] if argv is None
-                                                            else argv)])
+    command = command_line("bench.scenario_trace", argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_all(settings_from(args), args.out_dir, command))
     print(render(summary))

@@ -110,8 +110,8 @@ class Subjects:
         return f"{self.prefix}.req.{check_token(endpoint, 'endpoint')}.*"
 
     def tenant_requests(self, tenant: str) -> str:
-        """Filter for one tenant's requests to every endpoint."""
-        return f"{self.prefix}.req.*.{check_token(tenant, 'tenant')}"
+        """Filter for one tenant's requests to every endpoint (a valid tenant name)."""
+        return self.tenant_filter(check_token(tenant, "tenant"))
 
     # -- request/reply APIs -------------------------------------------------------------
 
