@@ -40,22 +40,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 
+from bench.consumers import pull_subscription
 from bench.machine import command_line, machine_facts, table
 from bench.procstat import memory_kb
+from broker_config.config import BrokerSettings, DispatcherOptions, parse_config
 from broker_config.server import EmbeddedNatsServer
-from broker_config.streams import (
-    BrokerSettings,
-    ConsumerLimits,
-    ConsumerSpec,
-    provision,
-    pull_subscription,
-)
-from dispatcher.core.config import parse_config
-from dispatcher.service import Dispatcher, DispatcherOptions
+from broker_config.streams import ConsumerLimits, ConsumerSpec, provision
+from broker_config.subjects import HDR_MSG_ID
+from dispatcher.service import Dispatcher
 
 ENDPOINT = "chat"
 BODY = b'{"prompt":"hello","max_tokens":16}'
@@ -96,12 +93,12 @@ STAGES: dict[str, tuple[str, str]] = {
         "broker_config/wire.py", "decode_request"),
     "result-bucket lookup, one batch direct get per batch (DirectBatchGet.last)": (
         "broker_config/direct_get.py", "last"),
-    "admission + enqueue (Dispatcher._admit)": ("dispatcher/service.py", "_admit"),
+    "admission + enqueue (Admission.admit)": ("dispatcher/admit.py", "admit"),
     "  of which Scheduler.check": ("dispatcher/core/scheduler.py", "check"),
     "  of which limiter store (MemoryLimiterAsync.apply)": ("dispatcher/redis_limits.py",
                                                             "apply"),
     "  of which Scheduler.enqueue": ("dispatcher/core/scheduler.py", "enqueue"),
-    "whole per-message intake (Dispatcher._intake)": ("dispatcher/service.py", "_intake"),
+    "whole per-message intake (Admission._take)": ("dispatcher/admit.py", "_take"),
     # Other tasks: the KV get's socket send and its reply's parsing happen here.
     "nats-py flusher task (socket sends)": ("nats/aio/client.py", "_flusher"),
     "nats-py read loop (parse and route replies)": ("nats/aio/client.py", "_read_loop"),
@@ -153,7 +150,7 @@ async def publish(url: str, phases: list[list[str]]) -> float:
                 chunk = tenants[first:first + PUBLISH_IN_FLIGHT]
                 await asyncio.gather(*(
                     js.publish(subjects.request(ENDPOINT, tenant), BODY,
-                               headers={"Nats-Msg-Id": request_id(serial + offset)})
+                               headers={HDR_MSG_ID: request_id(serial + offset)})
                     for offset, tenant in enumerate(chunk)))
                 serial += len(chunk)
         return time.perf_counter() - start
@@ -207,10 +204,11 @@ async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | No
     Also when the watched request was queued, and how many others were queued by then.
     Times count from just before the dispatcher starts.
     """
-    config = parse_config(CONFIG_TOML, source="bench_intake")
     options = DispatcherOptions(settle_s=3600.0,  # hold everything: no dispatching
                                 tenant_window=window,
                                 max_ack_pending=max(window, DispatcherOptions().max_ack_pending))
+    config = msgspec.structs.replace(parse_config(CONFIG_TOML, source="bench_intake"),
+                                     dispatcher=options)
     result: dict[str, Any] = {"watch_s": None, "queued_before_watch": None}
     async with connected(url) as nc:
         gc.collect()
@@ -219,7 +217,7 @@ async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | No
         start = time.perf_counter()
         if profiler:
             profiler.enable()
-        async with Dispatcher(nc, config, options=options) as dispatcher:
+        async with Dispatcher(nc, config) as dispatcher:
             scheduler = dispatcher.scheduler
             while True:
                 queued = scheduler.queued_count()

@@ -17,7 +17,8 @@ import time
 
 from dispatcher.core.admission import MemoryLimiterStore
 from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.types import Capacity, Request, Usage
+from costmodel.units import Capacity, Usage
+from dispatcher.core.types import Request
 from tests.core_support import make_config
 
 BATCH = 64
@@ -43,7 +44,7 @@ def run(policy: str, tenants: int, picks: int) -> tuple[float, float]:
         batch = scheduler.next_batch("ep", free, 0.0)
         in_batch += time.perf_counter() - t0
         for request in batch.requests:
-            scheduler.complete(request.tenant, request.id, Usage(20, 10), 0.0)
+            scheduler.complete(request.tenant, request.id, Usage(20, 10, 0.0), 0.0)
             serial += 1
             scheduler.enqueue(Request(str(serial), request.tenant, "ep", 0.0, 20, 10), 0.0)
         done += len(batch.requests)

@@ -31,7 +31,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from bench.recorder import REFUSED, Arrival, Measured, Replay, bounded, to_measure
-from broker_config.streams import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.subjects import HDR_MSG_ID, HDR_REPLY
 from broker_config.wire import EVENT, DoneEvent, SubmitRequest, TokenEvent, encode
 

@@ -9,8 +9,8 @@ stream (same subjects, same wire contract), so requests run in stream (arrival) 
 whichever tenant sent them. Each worker is the real `WorkerService` on the same engine;
 `SharedQueueFeeder` stands where the dispatcher would be, for one worker:
 
-- it keeps at most the engine's `max_sequences` requests in flight (the same capacity
-  the dispatcher fills), fetching exactly as many messages as there are free slots;
+- it keeps at most the engine's capacity in sequences in flight (the same capacity the
+  dispatcher fills), fetching exactly as many messages as there are free slots;
 - it turns each message into a `BatchItem` (the endpoint's `max_tokens_cap` applied, as
   the dispatcher does; `enqueued_at` is the time JetStream stored the message, so the
   done event's `queued_s` is the time spent in the shared queue) and hands it to the
@@ -42,12 +42,20 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from broker_config import wire
-from broker_config.streams import ConsumerLimits, ConsumerSpec, pull_subscription
+from bench.consumers import endpoint_consumer, pull_subscription
+from broker_config import jetstream, wire
+from broker_config.config import ConfigError, load_config
+from broker_config.streams import ConsumerLimits
 from broker_config.subjects import HDR_CONTENT_TYPE
-from dispatcher.core.config import ConfigError, load_config
-from workers.__main__ import Companion, Options, UsageError
-from workers.__main__ import main as worker_main
+from workers.__main__ import (
+    Options,
+    UsageError,
+    WorkerFailure,
+    build_parser,
+    parse_options,
+    serving,
+    stop_on_signals,
+)
 from workers.service import WorkerService
 
 log = logging.getLogger("bench.naive_worker")
@@ -94,8 +102,8 @@ class SharedQueueFeeder:
 
     async def __aenter__(self) -> Self:
         service = self._service
-        spec = ConsumerSpec.for_endpoint(self._subjects, service.endpoint,
-                                         ConsumerLimits(ack_wait_s=self._settings.ack_wait_s))
+        spec = endpoint_consumer(self._subjects, service.endpoint,
+                                 ConsumerLimits(ack_wait_s=self._settings.ack_wait_s))
         pull = await pull_subscription(self._nc.jetstream(), self._subjects.requests_stream,
                                        spec)
         self._completions = await self._nc.subscribe(
@@ -157,13 +165,11 @@ class SharedQueueFeeder:
             self._held[key] = msg
             items.append(wire.BatchItem(
                 id=submission.id, tenant=submission.tenant, endpoint=submission.endpoint,
+                request=request,
                 max_tokens=min(request.max_tokens or self._settings.max_tokens_cap,
                                self._settings.max_tokens_cap),
-                prompt=request.prompt, messages=request.messages, priority=request.priority,
-                deadline=request.deadline, session=request.session,
-                input_tokens=request.input_tokens, images=request.images,
-                metadata=request.metadata, reply=submission.reply,
-                encoding=submission.encoding, enqueued_at=msg.metadata.timestamp.timestamp(),
+                reply=submission.reply, encoding=submission.encoding,
+                enqueued_at=jetstream.delivery_of(msg.reply)[0],  # when the stream stored it
                 dispatched_at=now))
         if not items:
             return
@@ -187,26 +193,43 @@ class SharedQueueFeeder:
         self._freed.set()
 
 
-def feeder_companion(args: argparse.Namespace, options: Options) -> Companion:
-    """The worker CLI's companion: a SharedQueueFeeder sized to the engine's sequences."""
+def feeder_settings(args: argparse.Namespace, options: Options) -> FeederSettings:
+    """The feeder's settings from the worker's command line; UsageError if unusable."""
     if args.config is None:
         raise UsageError("--config is required: the endpoint's max_tokens_cap comes from it")
     try:
         endpoint = load_config(args.config).endpoints[options.endpoint]
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
-    settings = FeederSettings(max_tokens_cap=endpoint.max_tokens_cap)
+    return FeederSettings(max_tokens_cap=endpoint.max_tokens_cap)
 
-    def companion(nc: NATS, service: WorkerService) -> SharedQueueFeeder:
-        # Read when the service runs: the engine is started by then (vLLM's capacity
-        # is known only once its engine is up).
-        return SharedQueueFeeder(nc, service, options.engine.capacity.max_sequences, settings)
 
-    return companion
+async def run(options: Options, settings: FeederSettings) -> None:
+    """A worker fed from the shared queue until SIGTERM/SIGINT; then the feeder stops
+    and hands back what it holds, then the worker drains. Raises WorkerFailure."""
+    stop = stop_on_signals()
+    # The feeder is sized once the engine has started: vLLM's capacity is known only then.
+    async with serving(options, stop) as (nc, service), \
+            SharedQueueFeeder(nc, service, options.engine.capacity.sequences, settings):
+        await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main(argv, prog="python -m bench.naive_worker", companion=feeder_companion)
+    parser = build_parser(prog="python -m bench.naive_worker")
+    args = parser.parse_args(argv)
+    try:
+        options = parse_options(args)
+        settings = feeder_settings(args, options)
+    except UsageError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run(options, settings))
+    except WorkerFailure as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

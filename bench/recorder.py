@@ -40,7 +40,7 @@ from typing import Any
 import nats
 from nats.js.errors import KeyNotFoundError
 
-from broker_config.streams import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.wire import (
     STORED_RESULT,
     DoneEvent,

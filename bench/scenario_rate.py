@@ -65,7 +65,8 @@ from bench.procstat import CpuMeter, cpu_seconds, memory_kb, run_timed
 from bench.recorder import Arrival, Replay, describe_outcomes
 from bench.stack import ENDPOINT, Mode, Stack, StackSpec, benchmark_config
 from broker_config.server import EmbeddedNatsServer
-from broker_config.streams import BrokerSettings, provision
+from broker_config.config import BrokerSettings
+from broker_config.streams import provision
 from costmodel.engine_model import EngineParams
 
 TITLE = "End to end: dispatch rate, fairq vs the raw JetStream path"

@@ -53,13 +53,9 @@ from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.procstat import memory_kb, run_timed
 from bench.recorder import Arrival, Replay, describe_outcomes
 from bench.stack import Stack, StackSpec, benchmark_config
-from broker_config.streams import (
-    BrokerSettings,
-    ConsumerLimits,
-    ConsumerSpec,
-    ensure_consumer,
-)
-from broker_config.wire import header
+from broker_config import jetstream
+from broker_config.config import BrokerSettings
+from broker_config.streams import ConsumerLimits, ConsumerSpec, ensure_consumer
 from dispatcher.core.fairness import latency_summary
 from producers.client import Client
 
@@ -168,7 +164,7 @@ async def _consume_per_tenant(url: str, tenants: list[str], per_tenant: int) -> 
 
         async def on_message(msg: Msg) -> None:
             nonlocal remaining
-            if not msg.data and header(msg.headers, "Status"):
+            if jetstream.status_of(msg)[0] is not None:
                 return  # the pull's end (a status message), not a request
             await msg.ack()
             remaining -= 1
@@ -177,13 +173,12 @@ async def _consume_per_tenant(url: str, tenants: list[str], per_tenant: int) -> 
 
         inbox = nc.new_inbox()
         await nc.subscribe(f"{inbox}.*", cb=on_message)
-        pull = json.dumps({"batch": per_tenant,
-                           "expires": int(RAW_CONSUME_WITHIN_S * 1e9)}).encode()
+        pull = jetstream.pull_request(per_tenant, RAW_CONSUME_WITHIN_S)
         for n, tenant in enumerate(tenants):
             name = raw_consumer_name(n)
             await ensure_consumer(js, subjects.requests_stream, ConsumerSpec(
-                name, f"{subjects.prefix}.req.*.{tenant}", ConsumerLimits()))
-            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.requests_stream}.{name}",
+                name, subjects.tenant_filter(tenant), ConsumerLimits()))
+            await nc.publish(jetstream.pull_subject(subjects.requests_stream, name),
                              pull, reply=f"{inbox}.{n}")
         async with asyncio.timeout(RAW_CONSUME_WITHIN_S):
             await consumed.wait()

@@ -1,12 +1,14 @@
 """Scenario 2, end to end: the Azure conversation trace, fairq against the naive shared
 work queue, with the simulator's figures for the same requests beside them.
 
-    python -m bench.scenario_trace [--quick] [--slice 540 960] [--time-scale 0.1]
+    python -m bench.scenario_trace [--trace CSV] [--quick] [--slice 540 960] [--time-scale 0.1]
 
-- Trace: ../shared/traces/azure_llm_2023_conv.csv, read in place, with tenants assigned
-  exactly as `bench.sim_azure` does (`producers.loadgen.assign_azure_trace`, seed 1: a
-  seeded Zipf draw over t01..t20 with s = 1.1, plus a synthetic tenant `noisy` adding 25%
-  of the trace's rows as a flood between 600 s and 900 s).
+- Trace: the public Azure LLM inference trace (conversation service, 2023; see
+  `bench.sim_azure`), read from --trace or $FQ_AZURE_TRACE (`bench.traces` says how to
+  fetch it), with tenants assigned exactly as `bench.sim_azure` does
+  (`producers.loadgen.assign_azure_trace`, seed 1: a seeded Zipf draw over t01..t20 with
+  s = 1.1, plus a synthetic tenant `noisy` adding 25% of the trace's rows as a flood
+  between 600 s and 900 s).
 - Slice: only the requests arriving in [--slice START END) of the trace's clock
   (default 540-960 s: a minute before the flood, the flood, a minute after), shifted to
   start at 0. Replaying the whole hour would take most of an hour of wall time per mode.
@@ -50,11 +52,12 @@ from bench.plots import cdf_plot
 from bench.recorder import Measured, Replay, arrivals_from_trace, describe_outcomes, replay
 from bench.sim_azure import PLOTTED
 from bench.stack import Mode, Stack, StackSpec, benchmark_config
+from bench.traces import add_trace_argument, azure_trace
 from dispatcher.core.fairness import RequestRecord, summarize
 from dispatcher.core.scheduler import Policy
 from dispatcher.core.sim import SimResult, TraceRecord, simulate
-from dispatcher.simulate import plot_result
-from producers.loadgen import AZURE_CONV_TRACE, assign_azure_trace
+from producers.loadgen import TraceError, assign_azure_trace
+from producers.simulate import plot_result
 
 TITLE = "End to end: Azure conversation trace, fairq vs the naive queue and the simulator"
 RESULTS = Path(__file__).resolve().parent / "results" / "trace"
@@ -79,8 +82,9 @@ FULL = Settings()
 QUICK = Settings(slice_start_s=590.0, slice_end_s=650.0, time_scale=0.05, timeout_s=120.0)
 
 
-def trace_slice(settings: Settings, path: Path = AZURE_CONV_TRACE) -> list[TraceRecord]:
-    """The assigned trace's requests arriving in the slice, shifted to start at 0."""
+def trace_slice(settings: Settings, path: Path) -> list[TraceRecord]:
+    """The assigned trace's requests (from the Azure trace at `path`) arriving in the
+    slice, shifted to start at 0."""
     trace = assign_azure_trace(path, settings.seed, tenants=TRACE_TENANTS,
                                noisy_share=settings.noisy_share, noisy_tenant=NOISY)
     return [replace(r, arrival_s=round(r.arrival_s - settings.slice_start_s, 6))
@@ -205,9 +209,10 @@ def _number(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-async def run_all(settings: Settings, out_dir: Path, command: str) -> dict[str, Any]:
+async def run_all(settings: Settings, trace: list[TraceRecord], out_dir: Path,
+                  command: str) -> dict[str, Any]:
+    """Both modes on `trace` (a `trace_slice`), then the simulator on the same requests."""
     facts = machine_facts(command)
-    trace = trace_slice(settings)
     results: dict[Mode, Replay] = {}
     for mode in SIM_POLICY:
         started = time.monotonic()
@@ -240,6 +245,7 @@ async def run_all(settings: Settings, out_dir: Path, command: str) -> dict[str, 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.scenario_trace",
                                      description=__doc__.split("\n\n")[0])
+    add_trace_argument(parser)
     parser.add_argument("--quick", action="store_true",
                         help="one minute of the trace around the flood's start")
     parser.add_argument("--slice", type=float, nargs=2, metavar=("START", "END"),
@@ -262,8 +268,14 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = command_line("bench.scenario_trace", argv)
+    settings = settings_from(args)
+    try:
+        trace = trace_slice(settings, azure_trace(args.trace))
+    except TraceError as exc:
+        print(f"scenario_trace: {exc}", file=sys.stderr)
+        return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    summary = asyncio.run(run_all(settings_from(args), args.out_dir, command))
+    summary = asyncio.run(run_all(settings, trace, args.out_dir, command))
     print(render(summary))
     return 0
 

@@ -1,15 +1,16 @@
 """Replay the Azure LLM conversation trace through the simulator: fairq vs fifo.
 
-    python -m bench.sim_azure [--replicas 2] [--seed 1] [--noisy-share 0.25]
+    python -m bench.sim_azure [--trace CSV] [--replicas 2] [--seed 1] [--noisy-share 0.25]
                               [--out-dir bench/results] [--plot-dir docs/img]
 
 Prints a markdown table for docs/benchmarks.md; writes one RESULT.json per policy to
 --out-dir and one PNG per policy to --plot-dir.
 
-- Trace: ../shared/traces/azure_llm_2023_conv.csv, read in place (Azure LLM inference
-  trace 2023, conversation service, one hour, 19,366 requests; from Patel et al.,
-  "Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024,
-  CC-BY). The benchmark fails with a clear message if the file is absent.
+- Trace: the Azure LLM inference trace 2023, conversation service, one hour, 19,366
+  requests (public, CC-BY: AzureLLMInferenceTrace_conv.csv of Azure/AzurePublicDataset;
+  from Patel et al., "Splitwise: Efficient generative LLM inference using phase
+  splitting", ISCA 2024), read from --trace or $FQ_AZURE_TRACE (`bench.traces` says how
+  to fetch it). The benchmark fails with that message if the file is absent.
 - Tenants: `producers.loadgen.assign_azure_trace` with the seed: every row goes to one
   of 20 tenants t01..t20 by a seeded Zipf draw (s = 1.1, so t01 sends about 28% of
   the rows and t20 about 1%), and a synthetic tenant `noisy` adds --noisy-share x rows
@@ -36,10 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dispatcher.core.config import EXAMPLE_CONFIG, load_config
+from bench.traces import add_trace_argument, azure_trace
+from broker_config.config import EXAMPLE_CONFIG, load_config
 from dispatcher.core.sim import SimResult, scheduling_only, simulate
-from dispatcher.simulate import plot_result, write_result
-from producers.loadgen import AZURE_CONV_TRACE, TraceError, assign_azure_trace
+from producers.loadgen import TraceError, assign_azure_trace
+from producers.simulate import plot_result, write_result
 
 POLICIES = ("fairq", "fifo")
 PLOTTED = ("noisy", "t01", "t02", "t03", "t05", "t10", "t15", "t20")
@@ -47,7 +49,7 @@ PLOTTED = ("noisy", "t01", "t02", "t03", "t05", "t10", "t15", "t20")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", type=Path, default=AZURE_CONV_TRACE)
+    add_trace_argument(parser)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--noisy-share", type=float, default=0.25)
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/img"))
     args = parser.parse_args(argv)
     try:
-        trace = assign_azure_trace(args.trace, args.seed, noisy_share=args.noisy_share)
+        trace = assign_azure_trace(azure_trace(args.trace), args.seed,
+                                   noisy_share=args.noisy_share)
     except TraceError as exc:
         print(f"sim_azure: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,13 +35,14 @@ import msgspec
 import nats
 import nats.errors
 
+from broker_config.config import EXAMPLE_CONFIG, Config, Tenant, load_config
 from broker_config.server import EmbeddedNatsServer
-from broker_config.streams import BrokerSettings, provision
+from broker_config.streams import provision
 from broker_config.wire import HEARTBEAT
 from costmodel.engine_model import EngineParams
-from dispatcher.core.config import EXAMPLE_CONFIG, Config, Tenant, load_config
 from dispatcher.core.sim import scheduling_only
 from producers.client import Client, FairqTimeout, NoDispatcher
+from producers.supervisor import Child, ChildExited
 
 REPO = Path(__file__).resolve().parents[1]
 ENDPOINT = "chat"
@@ -106,58 +106,16 @@ class StackSpec:
                 "dispatcher_args": list(self.dispatcher_args)}
 
 
-class _Child:
-    """One `python -m <module>` process of the stack, its output in a log file."""
-
-    def __init__(self, name: str, module: str, args: list[str], log_path: Path) -> None:
-        self.name = name
-        self.module = module
-        self.args = args
-        self.log_path = log_path
-        self.process: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        with self.log_path.open("wb") as log:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", self.module, *self.args, cwd=REPO,
-                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                # Its own session: a Ctrl-C for the benchmark must not kill it before the
-                # stack stops it in order.
-                start_new_session=True)
-
-    def check_alive(self) -> None:
-        if self.process is not None and self.process.returncode is not None:
-            raise StackError(f"{self.name} exited with code {self.process.returncode}:\n"
-                             f"{self.log_tail()}")
-
-    async def stop(self) -> None:
-        process = self.process
-        if process is None or process.returncode is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(STOP_TIMEOUT_S):
-                await process.wait()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
 class Stack:
     """nats-server plus the dispatcher and workers of `spec.mode`, for one run."""
 
     def __init__(self, spec: StackSpec, log_dir: Path) -> None:
         self.spec = spec
         self.log_dir = log_dir
-        self.settings = BrokerSettings(prefix=spec.config.subject_prefix)
+        # The config's own [broker]: the naive mode provisions with what the dispatcher would.
+        self.settings = spec.config.broker
         self.server: EmbeddedNatsServer | None = None
-        self.children: list[_Child] = []
+        self.children: list[Child] = []
         self._exit = contextlib.AsyncExitStack()
 
     @property
@@ -185,8 +143,7 @@ class Stack:
         """Process id of each running part: `nats-server`, `dispatcher`, the worker ids."""
         pids = {} if self.server is None or self.server.pid is None else {
             "nats-server": self.server.pid}
-        pids |= {child.name: child.process.pid for child in self.children
-                 if child.process is not None and child.process.returncode is None}
+        pids |= {child.name: child.pid for child in self.children if child.pid is not None}
         return pids
 
     def check_alive(self) -> None:
@@ -194,7 +151,10 @@ class Stack:
         if self.server is not None and not self.server.running:
             raise StackError(f"nats-server exited:\n{self.server.log_tail()}")
         for child in self.children:
-            child.check_alive()
+            try:
+                child.check_alive()
+            except ChildExited as exc:
+                raise StackError(str(exc)) from exc
 
     async def _start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -228,8 +188,10 @@ class Stack:
         paths["engine"].write_bytes(msgspec.toml.encode(self.spec.engine))
         return paths
 
-    def _child(self, name: str, module: str, args: list[str]) -> _Child:
-        child = _Child(name, module, args, self.log_dir / f"{name}.log")
+    def _child(self, name: str, module: str, args: list[str]) -> Child:
+        # No restart policy: a process of the stack that dies fails the run.
+        child = Child(name, [sys.executable, "-m", module, *args], self.log_dir / f"{name}.log",
+                      cwd=REPO, stop_timeout_s=STOP_TIMEOUT_S)
         self.children.append(child)
         return child
 

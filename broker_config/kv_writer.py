@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+
+from broker_config import jetstream
 
 
 class PutError(nats.errors.Error):
@@ -33,7 +34,6 @@ class KeyValueWriter:
         self.nc = nc
         self.bucket = bucket
         self.timeout_s = timeout_s
-        self._prefix = f"$KV.{bucket}."
         self._inbox = ""
         self._subscription = None
         self._tokens = itertools.count()
@@ -62,7 +62,8 @@ class KeyValueWriter:
         done = loop.create_future()
         self._waiting[token] = (done, loop.time() + self.timeout_s)
         try:
-            await self.nc.publish(self._prefix + key, value, reply=f"{self._inbox}.{token}")
+            await self.nc.publish(jetstream.kv_subject(self.bucket, key), value,
+                                  reply=f"{self._inbox}.{token}")
             await done
         finally:
             self._waiting.pop(token, None)
@@ -72,19 +73,15 @@ class KeyValueWriter:
         if entry is None or entry[0].done():
             return  # an ack after its put timed out
         done, _ = entry
-        data = msg.data
-        status = (msg.headers or {}).get("Status")
+        status, description = jetstream.status_of(msg)
         if status is not None:  # 503: no stream listens on the bucket's subjects
             done.set_exception(PutError(f"put into {self.bucket}: status {status} "
-                                        f"{(msg.headers or {}).get('Description', '')}"))
-        elif data.startswith(b'{"stream":') and b'"error"' not in data:
+                                        f"{description}"))
+        elif jetstream.is_put_ack(msg.data):
             done.set_result(None)
         else:
-            try:
-                reason = json.loads(data)["error"]["description"]
-            except (ValueError, KeyError, TypeError):
-                reason = f"unreadable ack {data[:200]!r}"
-            done.set_exception(PutError(f"put into {self.bucket}: {reason}"))
+            done.set_exception(PutError(f"put into {self.bucket}: "
+                                        f"{jetstream.ack_error(msg.data)}"))
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()

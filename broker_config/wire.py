@@ -11,7 +11,6 @@ Public messages travel as JSON, or as msgpack when the request said
 from __future__ import annotations
 
 import contextlib
-
 import enum
 import math
 from collections.abc import Mapping
@@ -31,6 +30,7 @@ from broker_config.subjects import (
     Subjects,
     is_request_id,
 )
+from costmodel.units import Capacity, Usage
 
 INT32_MAX = 2**31 - 1
 RequestId = Annotated[str, msgspec.Meta(pattern=f"^{REQUEST_ID_PATTERN}$")]
@@ -126,12 +126,6 @@ class SubmitRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
 # -- events --------------------------------------------------------------------------------
 
 
-class Usage(msgspec.Struct, frozen=True):
-    input_tokens: int
-    output_tokens: int
-    model_units: float
-
-
 class Timings(msgspec.Struct, frozen=True):
     """Seconds: queued from submit to dispatch, ttft and total from submit.
 
@@ -224,31 +218,23 @@ class DepthReply(msgspec.Struct, frozen=True):
 # -- internal messages (may change) --------------------------------------------------------
 
 
-class Capacity(msgspec.Struct, frozen=True):
-    sequences: int
-    tokens: int
-    model_units: float
-
-
 class BatchItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One request as a worker receives it. `max_tokens` is already capped by the endpoint.
+    """One request as a worker receives it: the body as the client submitted it, and what
+    the dispatcher decided about it.
 
-    Times are unix seconds; `probe` marks a black-box health check, whose events go to
-    `reply` like any other request's.
+    `max_tokens` is the body's, capped by the endpoint. `expedited` is the engine priority
+    the dispatcher chose (its tenant ran below its fair share): the worker schedules it
+    ahead in the engine. The body's own `priority` orders requests only inside their
+    tenant's queue and never reaches the engine. Times are unix seconds; `probe` marks a
+    black-box health check, whose events go to `reply` like any other request's.
     """
 
     id: str
     tenant: str
     endpoint: str
+    request: SubmitRequest
     max_tokens: int
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    priority: int = 0
-    deadline: float | None = None
-    session: str | None = None
-    input_tokens: int | None = None
-    images: list[str] = []
-    metadata: dict[str, str] = {}
+    expedited: bool = False
     reply: str | None = None
     encoding: Encoding = Encoding.JSON
     enqueued_at: float

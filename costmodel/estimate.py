@@ -61,30 +61,42 @@ class OutputEstimator:
     def __len__(self) -> int:
         return len(self._ratios)
 
-    def ratio(self, key: Hashable) -> float:
-        """The current output/max_tokens ratio for `key` (the prior if unseen)."""
+    def ratio(self, key: Hashable, fallback: Hashable | None = None) -> float:
+        """The current output/max_tokens ratio for `key`. An unseen key gets that of
+        `fallback` (a pool the key belongs to, such as every tenant of its endpoint) if
+        that was seen, else the prior."""
         ema = self._ratios.get(key)
         if ema is None:
-            return self.prior
+            return self.prior if fallback is None else self.ratio(fallback)
         self._ratios.move_to_end(key)
-        assert ema.value is not None  # every stored Ema starts at the prior
+        assert ema.value is not None  # every stored Ema starts from a value
         return ema.value
 
-    def estimate(self, key: Hashable, max_tokens: int) -> int:
+    def estimate(self, key: Hashable, max_tokens: int,
+                 fallback: Hashable | None = None) -> int:
         """Expected output tokens of a request capped at `max_tokens`, in [1, max_tokens]."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
-        return min(max(round(self.ratio(key) * max_tokens), 1), max_tokens)
+        return min(max(round(self.ratio(key, fallback) * max_tokens), 1), max_tokens)
 
-    def observe(self, key: Hashable, output_tokens: int, max_tokens: int) -> None:
-        """Fold in a completed request; ignored when `max_tokens` <= 0."""
+    def observe(self, key: Hashable, output_tokens: int, max_tokens: int,
+                fallback: Hashable | None = None) -> None:
+        """Fold in a completed request, into `fallback`'s average too; ignored when
+        `max_tokens` <= 0. A key seen for the first time starts from the ratio it was
+        estimated with (the fallback's, else the prior), so one odd request does not
+        swing its estimate."""
         if max_tokens <= 0:
             return
         ratio = min(max(output_tokens / max_tokens, 0.0), 1.0)
+        start = self.ratio(key, fallback)
+        if fallback is not None:
+            self._update(fallback, ratio, self.prior)
+        self._update(key, ratio, start)
+
+    def _update(self, key: Hashable, ratio: float, start: float) -> None:
         ema = self._ratios.get(key)
         if ema is None:
-            # Start from the prior, so one odd request does not swing a new key's estimate.
-            ema = self._ratios[key] = Ema(self.smoothing, initial=self.prior)
+            ema = self._ratios[key] = Ema(self.smoothing, initial=start)
             if len(self._ratios) > self.max_keys:
                 self._ratios.popitem(last=False)
         else:

@@ -56,6 +56,58 @@ class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.alpha * effective_input + self.beta * output_tokens + self.gamma * other
 
 
+class Capacity(msgspec.Struct, frozen=True):
+    """Room on a worker in the three dimensions a batch can run out of: sequences, KV-cache
+    tokens (input plus output over all running sequences) and model units.
+
+    One definition for the engine's limits, the heartbeat on the wire and the scheduler's
+    batch room.
+    """
+
+    sequences: int
+    tokens: int
+    model_units: float
+
+    def fits(self, need: Capacity) -> bool:
+        return (
+            need.sequences <= self.sequences
+            and need.tokens <= self.tokens
+            and need.model_units <= self.model_units
+        )
+
+    def minus(self, used: Capacity) -> Capacity:
+        return Capacity(
+            self.sequences - used.sequences,
+            self.tokens - used.tokens,
+            self.model_units - used.model_units,
+        )
+
+    def scaled(self, factor: float) -> Capacity:
+        return Capacity(
+            round(self.sequences * factor),
+            round(self.tokens * factor),
+            self.model_units * factor,
+        )
+
+
+NO_CAPACITY = Capacity(0, 0, 0.0)
+# An engine's model-unit limit when nothing measured one: model units never bind.
+UNLIMITED_MODEL_UNITS = 1e9
+
+
+class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a request really consumed, as the worker measured it.
+
+    The `usage` of a done event (wire contract) and what the scheduler corrects its
+    charge with. `other_units` (images and the like) is absent on the wire when zero.
+    """
+
+    input_tokens: int
+    output_tokens: int
+    model_units: float
+    other_units: float = 0.0
+
+
 def read_toml(path: str | Path, type_: type[T]) -> T:
     """Decode a TOML file into `type_`; every failure is a ValueError naming the file."""
     try:

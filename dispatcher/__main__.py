@@ -1,8 +1,9 @@
 """Run a dispatcher: `python -m dispatcher --nats URL [--config C.toml] [--redis-url URL]`.
 
-The dispatcher provisions the broker (idempotently) on start. SIGTERM or SIGINT drains
-it (see `dispatcher.service`) and exits 0; a bad config exits 2; a broker that cannot be
-reached exits 1.
+Settings come from the config file (`[dispatcher]`, `[broker]`); the flags below override
+single fields of `[dispatcher]`. The dispatcher provisions the broker (idempotently) on
+start. SIGTERM or SIGINT drains it (see `dispatcher.service`) and exits 0; a bad config
+or flag exits 2; a broker that cannot be reached exits 1.
 """
 
 from __future__ import annotations
@@ -14,43 +15,76 @@ import signal
 import sys
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.errors
 
-from dispatcher.core.config import EXAMPLE_CONFIG, ConfigError, load_config
+from broker_config.config import (
+    DEFAULT_NATS_URL,
+    EXAMPLE_CONFIG,
+    Config,
+    ConfigError,
+    DispatcherOptions,
+    load_config,
+)
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import limiter_from_url
-from dispatcher.service import Dispatcher, DispatcherOptions
+from dispatcher.service import Dispatcher
 
 log = logging.getLogger("fairq.dispatcher")
+
+# Flag -> the `[dispatcher]` field it overrides.
+OVERRIDES = {
+    "ack_wait": "ack_wait_s",
+    "grace": "grace_s",
+    "tenant_window": "tenant_window",
+    "max_held_per_tenant": "max_ack_pending",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dispatcher",
                                      description="Run a fairq dispatcher.")
-    parser.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL")
+    parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL")
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
     parser.add_argument("--redis-url", help="Redis for rate limits (default: in-process)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on PORT (0: a free port)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address for /metrics (0.0.0.0 inside a container)")
-    parser.add_argument("--ack-wait", type=float, default=60.0, metavar="S",
-                        help="JetStream ack wait; held requests are extended every third")
-    parser.add_argument("--grace", type=float, default=30.0, metavar="S",
-                        help="on SIGTERM, how long running requests may finish")
     defaults = DispatcherOptions()
-    parser.add_argument("--tenant-window", type=int, default=defaults.tenant_window, metavar="N",
+    parser.add_argument("--ack-wait", type=float, metavar="S",
+                        help="JetStream ack wait; held requests are extended every third "
+                             f"(default: [dispatcher] ack_wait_s, {defaults.ack_wait_s:g})")
+    parser.add_argument("--grace", type=float, metavar="S",
+                        help="on SIGTERM, how long running requests may finish "
+                             f"(default: [dispatcher] grace_s, {defaults.grace_s:g})")
+    parser.add_argument("--tenant-window", type=int, metavar="N",
                         help="waiting requests per tenant held in memory; the rest stay in "
-                             "the stream")
-    parser.add_argument("--max-held-per-tenant", type=int, default=defaults.max_ack_pending,
-                        metavar="N", help="requests per tenant held at all, waiting or running "
-                                          "(must exceed what one tenant may run at once)")
+                             f"the stream (default: [dispatcher] tenant_window, "
+                             f"{defaults.tenant_window})")
+    parser.add_argument("--max-held-per-tenant", type=int, metavar="N",
+                        help="requests per tenant held at all, waiting or running; must "
+                             "exceed what one tenant may run at once (default: [dispatcher] "
+                             f"max_ack_pending, {defaults.max_ack_pending})")
     return parser
 
 
-async def serve(args: argparse.Namespace, options: DispatcherOptions) -> int:
-    config = load_config(args.config)
+def with_flags(config: Config, args: argparse.Namespace) -> Config:
+    """`config` with the `[dispatcher]` fields the flags set. Raises ConfigError."""
+    fields = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
+              if getattr(args, flag) is not None}
+    if not fields:
+        return config
+    try:
+        options = msgspec.convert(msgspec.to_builtins(config.dispatcher) | fields,
+                                  DispatcherOptions)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ConfigError(f"command line: {exc}") from exc
+    return msgspec.structs.replace(config, dispatcher=options)
+
+
+async def serve(args: argparse.Namespace, config: Config) -> int:
     metrics = DispatcherMetrics(list(config.endpoints))
     if args.metrics_port is not None:
         port = metrics.serve(args.metrics_port, args.metrics_host)
@@ -67,7 +101,7 @@ async def serve(args: argparse.Namespace, options: DispatcherOptions) -> int:
         return 1
     limiter = limiter_from_url(args.redis_url)
     try:
-        async with Dispatcher(nc, config, limiter=limiter, options=options, metrics=metrics):
+        async with Dispatcher(nc, config, limiter=limiter, metrics=metrics):
             print("fairq dispatcher: running", flush=True)
             await stop.wait()
             log.info("draining")
@@ -79,20 +113,14 @@ async def serve(args: argparse.Namespace, options: DispatcherOptions) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        options = DispatcherOptions(ack_wait_s=args.ack_wait, grace_s=args.grace,
-                                    tenant_window=args.tenant_window,
-                                    max_ack_pending=args.max_held_per_tenant)
-    except ValueError as exc:
-        parser.error(str(exc))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        return asyncio.run(serve(args, options))
+        config = with_flags(load_config(args.config), args)
     except ConfigError as exc:
         print(f"fairq dispatcher: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return asyncio.run(serve(args, config))
 
 
 if __name__ == "__main__":

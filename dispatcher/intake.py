@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -52,6 +51,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
+from broker_config import jetstream
 from broker_config.streams import ConsumerLimits, ConsumerSpec, ensure_consumer
 from broker_config.subjects import Subjects
 
@@ -63,11 +63,8 @@ PULL_LOST_MARGIN_S = 2.0
 PULL_RETRY_S = 1.0
 # A tenant whose consumer could not be made is tried again after this long.
 CONSUMER_RETRY_S = 30.0
-STATUS_HEADER = "Status"
-DESCRIPTION_HEADER = "Description"
-REQUEST_TIMEOUT = "408"
 # A pull to a consumer that does not exist (any more): no responders, not found.
-CONSUMER_GONE = ("503", "404")
+CONSUMER_GONE = (jetstream.NO_RESPONDERS, jetstream.NOT_FOUND)
 
 
 @dataclass(slots=True)
@@ -258,10 +255,10 @@ class TenantIntake:
         credits = self.window - buffered
         pull.requested = credits
         pull.pull_deadline = self.clock() + self.expires_s + PULL_LOST_MARGIN_S
-        request = json.dumps({"batch": credits, "expires": int(self.expires_s * 1e9)})
         try:
-            await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{pull.consumer}",
-                                  request.encode(), reply=f"{self._inbox}.{pull.consumer}")
+            await self.nc.publish(jetstream.pull_subject(self.stream, pull.consumer),
+                                  jetstream.pull_request(credits, self.expires_s),
+                                  reply=f"{self._inbox}.{pull.consumer}")
         except nats.errors.Error as exc:
             pull.requested = 0
             pull.retry_at = self.clock() + PULL_RETRY_S
@@ -308,14 +305,12 @@ class TenantIntake:
         pull = self._by_consumer.get(msg.subject.rsplit(".", 1)[1])
         if pull is None:
             return
-        headers = msg.headers or {}
-        status = headers.get(STATUS_HEADER)
+        status, description = jetstream.status_of(msg)
         pull.requested = 0
-        if pull.retiring and status == REQUEST_TIMEOUT:
+        if pull.retiring and status == jetstream.REQUEST_TIMEOUT:
             self._forget(pull)
             return
-        if status != REQUEST_TIMEOUT:
-            description = headers.get(DESCRIPTION_HEADER, "")
+        if status != jetstream.REQUEST_TIMEOUT:
             log.warning("pull for tenant %r ended: %s %s", pull.tenant, status, description)
             if status in CONSUMER_GONE or "deleted" in description.lower():
                 # Discovery makes the consumer again while its tenant has requests; what

@@ -10,8 +10,8 @@ import sys
 # Command -> the module that registers it, imported lazily so that `fairq sim` never
 # loads nats or redis. A module may register several commands.
 COMMANDS = {
-    "up": "dispatcher.local",
-    "sim": "dispatcher.simulate",
+    "up": "producers.up",
+    "sim": "producers.simulate",
     "submit": "producers.commands",
     "status": "producers.commands",
     "cancel": "producers.commands",

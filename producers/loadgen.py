@@ -28,10 +28,6 @@ REQUIRED_COLUMNS = ("tenant", "arrival_s", "input_tokens", "output_tokens")
 OPTIONAL_COLUMNS = ("priority", "deadline_s", "session", "max_tokens", "endpoint")
 COLUMNS = REQUIRED_COLUMNS + OPTIONAL_COLUMNS
 
-# Where the Azure LLM inference trace (conversation service, 2023) is expected, relative
-# to the project's root; see ../shared/traces/README.md. It is never copied into the repo.
-AZURE_CONV_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" \
-    / "azure_llm_2023_conv.csv"
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
@@ -301,9 +297,9 @@ def read_azure_trace(path: str | Path) -> list[tuple[float, int, int]]:
     path = Path(path)
     if not path.is_file():
         raise TraceError(
-            f"{path}: Azure trace not found. It is read in place from ../shared/traces/ "
-            "(relative to the project root; see ../shared/traces/README.md), never "
-            "copied into the repository")
+            f"{path}: Azure trace not found. It is the public Azure LLM inference trace "
+            "(AzurePublicDataset, conversation service, 2023), not part of fairq: "
+            "docs/benchmarks.md says where to fetch it")
     try:
         with path.open(newline="", encoding="utf-8") as handle:
             reader = csv.reader(handle)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dispatcher.core.config import Config, parse_config
-from dispatcher.core.types import Capacity, Request
+from broker_config.config import Config, parse_config
+from costmodel.units import Capacity
+from dispatcher.core.types import Request
 
 ONE_SLOT = Capacity(1, 10**9, 1e12)
 

@@ -4,12 +4,15 @@ loses requests fails here; the figures themselves are docs/benchmarks.md's."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench import scenario_noisy, scenario_rate
+from bench import scenario_noisy, scenario_rate, scenario_trace, sim_azure
+from bench.traces import AZURE_TRACE_ENV, azure_trace
+from producers.loadgen import TraceError
 
 pytestmark = pytest.mark.integration
 
@@ -38,3 +41,49 @@ async def test_dispatch_rate_smoke(nats_binary: Path, tmp_path: Path) -> None:
     # About 40% of the raw broker path on 2 shared cores; a throughput collapse (a
     # per-request stall, a serialised round trip) falls far below a tenth of it.
     assert summary["fairq_over_raw"]["median"] >= 0.1
+
+
+# -- the Azure trace: public data, found through --trace or FQ_AZURE_TRACE -----------------
+
+
+@pytest.fixture
+def azure_trace_path() -> Path:
+    """The public Azure trace, found as the benchmarks find it; absent, the test is skipped
+    (it is data to fetch, not a service CI installs: see bench/traces.py)."""
+    try:
+        return azure_trace(None)
+    except TraceError as exc:
+        pytest.skip(str(exc))
+
+
+def test_the_trace_path_comes_from_the_flag_else_the_environment(tmp_path: Path) -> None:
+    flag, env = tmp_path / "flag.csv", tmp_path / "env.csv"
+    flag.touch()
+    env.touch()
+    assert azure_trace(flag, {AZURE_TRACE_ENV: str(env)}) == flag
+    assert azure_trace(None, {AZURE_TRACE_ENV: str(env)}) == env
+    with pytest.raises(TraceError, match=re.escape(f"{tmp_path / 'gone.csv'} (from --trace)")):
+        azure_trace(tmp_path / "gone.csv", {AZURE_TRACE_ENV: str(env)})
+
+
+def test_a_missing_trace_names_its_public_source_and_how_to_fetch_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv(AZURE_TRACE_ENV, raising=False)
+    for main in (sim_azure.main, scenario_trace.main):
+        assert main([]) == 2
+        message = capsys.readouterr().err
+        for needed in (AZURE_TRACE_ENV, "--trace", "github.com/Azure/AzurePublicDataset",
+                       "AzureLLMInferenceTrace_conv.csv", "Splitwise", "curl -fLo"):
+            assert needed in message, (needed, message)
+
+
+def test_the_trace_scenario_replays_the_flood_of_the_azure_trace(azure_trace_path: Path) -> None:
+    settings = scenario_trace.QUICK
+    trace = scenario_trace.trace_slice(settings, azure_trace_path)
+    window = settings.slice_end_s - settings.slice_start_s
+    assert trace and all(0 <= r.arrival_s < window for r in trace)
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    tenants = {r.tenant for r in trace}
+    # The quick slice straddles the flood's start (600 s): the noisy tenant and the trace's own.
+    assert scenario_trace.NOISY in tenants and len(tenants) > 10
+    assert trace == scenario_trace.trace_slice(settings, azure_trace_path)  # seeded

@@ -20,7 +20,8 @@ from broker_config.auth import (
     tenant_permissions,
 )
 from broker_config.server import EmbeddedNatsServer
-from broker_config.streams import BrokerSettings, provision
+from broker_config.config import BrokerSettings
+from broker_config.streams import provision
 from broker_config.subjects import HDR_MSG_ID, Subjects
 
 S = Subjects()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import socket
 import sys
 import sysconfig
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,30 +21,33 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 from nats.js.errors import APIError, ServiceUnavailableError
 
+from bench.consumers import endpoint_consumer, pull_subscription
+from broker_config import jetstream
+from broker_config.config import BrokerSettings
 from broker_config.direct_get import DirectBatchGet, DirectGetError
 from broker_config.kv_writer import KeyValueWriter, PutError
 from broker_config.server import (
+    MIN_NATS_SERVER,
     EmbeddedNatsServer,
     EmbeddedRedisServer,
     EmbeddedServerError,
     find_nats_server,
     find_redis_server,
+    parse_version,
 )
 from broker_config.streams import (
-    BrokerSettings,
     ConsumerLimits,
     ConsumerSpec,
     ProvisionError,
     ensure_consumer,
     is_backlog_full,
     provision,
-    pull_subscription,
-    stream_delivery,
 )
 from broker_config.subjects import HDR_MSG_ID, Subjects
 
 pytestmark = pytest.mark.integration
 S = Subjects()
+RESULTS_STREAM = jetstream.kv_stream(S.results_bucket)
 
 
 @pytest.fixture
@@ -91,12 +96,12 @@ async def test_provision_is_idempotent_and_updates_in_place(js: JetStreamContext
     config = (await js.stream_info("FQ_REQUESTS")).config
     assert (config.max_msgs_per_subject, config.duplicate_window) == (7, 30.0)
     assert (await done.results.status()).ttl == 3_600.0
-    assert (await js.stream_info("KV_FQ_RESULTS")).config.duplicate_window == 120.0
+    assert (await js.stream_info(RESULTS_STREAM)).config.duplicate_window == 120.0
     # Updating kept the queued request.
     assert (await js.stream_info("FQ_REQUESTS")).state.messages == 1
     short = await provision(js, BrokerSettings(results_ttl_s=60.0))
     assert (await short.results.status()).ttl == 60.0
-    assert (await js.stream_info("KV_FQ_RESULTS")).config.duplicate_window == 60.0
+    assert (await js.stream_info(RESULTS_STREAM)).config.duplicate_window == 60.0
 
 
 async def test_provision_names_a_setting_that_cannot_change(js: JetStreamContext) -> None:
@@ -175,8 +180,8 @@ async def test_batch_direct_get_returns_what_is_stored(nc: Client, js: JetStream
     for key, value in (("acme.r1", b"one"), ("acme.r2", b"two"), ("globex.r1", b"three")):
         await done.results.put(key, value)
     await done.results.delete("acme.r2")  # a tombstone: no value
-    subject = f"$KV.{bucket}.{{}}".format
-    async with DirectBatchGet(nc, f"KV_{bucket}") as reader:
+    subject = functools.partial(jetstream.kv_subject, bucket)
+    async with DirectBatchGet(nc, jetstream.kv_stream(bucket)) as reader:
         found = await reader.last([subject("acme.r1"), subject("acme.r2"), subject("acme.r9"),
                                    subject("globex.r1")])
         assert found == {subject("acme.r1"): b"one", subject("globex.r1"): b"three"}
@@ -193,7 +198,7 @@ async def test_kv_writer_puts_many_at_once_and_reports_failures(
     async with KeyValueWriter(nc, S.results_bucket) as writer:
         await asyncio.gather(*(writer.put(f"acme.r{i}", b"v%d" % i) for i in range(200)))
         assert (await done.results.get("acme.r7")).value == b"v7"
-        assert (await js.stream_info(f"KV_{S.results_bucket}")).state.messages == 200
+        assert (await js.stream_info(RESULTS_STREAM)).state.messages == 200
     with pytest.raises(PutError, match="closed"):  # after its exit: an error, not a hang
         await writer.put("acme.late", b"late")
     async with KeyValueWriter(nc, "NO_SUCH_BUCKET", timeout_s=2.0) as writer:
@@ -210,18 +215,32 @@ async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -
     entry = await done.results.get(key)
     assert entry.value == b'{"type":"error"}'
     # history 1: only the latest value is kept.
-    assert (await js.stream_info("KV_FQ_RESULTS")).state.messages == 1
+    assert (await js.stream_info(RESULTS_STREAM)).state.messages == 1
 
 
 @pytest.mark.parametrize("ack_subject", [
     "$JS.ACK.FQ_REQUESTS.fq~tenant~acme.3.17.5.1795997433664286007.2",
     "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~tenant~acme.3.17.5.1795997433664286007.2.x1y2",
 ])
-def test_stream_delivery_agrees_with_nats_py(ack_subject: str) -> None:
+def test_delivery_of_agrees_with_nats_py(ack_subject: str) -> None:
     metadata = Msg.Metadata._from_reply(ack_subject)
-    stored_at, delivered = stream_delivery(ack_subject)
+    stored_at, delivered = jetstream.delivery_of(ack_subject)
     assert stored_at == pytest.approx(metadata.timestamp.timestamp(), abs=1e-6)
     assert delivered == metadata.num_delivered == 3
+
+
+async def test_delivery_of_a_message_the_server_redelivered(js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    before = time.time()
+    await publish(js, S.request("chat", "acme"), "a1")
+    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
+    (first,) = await sub.fetch(1, timeout=5)
+    await first.nak()
+    (again,) = await sub.fetch(1, timeout=5)
+    stored_at, delivered = jetstream.delivery_of(again.reply)
+    assert delivered == 2
+    assert stored_at == pytest.approx(again.metadata.timestamp.timestamp(), abs=1e-6)
+    assert before - 1 <= stored_at <= time.time() + 1  # the publish, not the redelivery
 
 
 # -- consumers -------------------------------------------------------------------------------
@@ -265,8 +284,10 @@ async def test_overlapping_consumers_are_refused_with_a_hint(js: JetStreamContex
     await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
     # A tenant's consumer covers all its endpoints: no endpoint-wide consumer beside it.
     for endpoint in ("chat", "embed"):
-        with pytest.raises(ProvisionError, match="per-tenant and per-endpoint consumers"):
-            await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_endpoint(S, endpoint))
+        with pytest.raises(ProvisionError, match=re.escape(
+                f"filter overlaps fq.req.{endpoint}.*: on a work-queue stream consumer "
+                "filters must not overlap")):
+            await ensure_consumer(js, S.requests_stream, endpoint_consumer(S, endpoint))
     # Another tenant's consumer does not overlap.
     info = await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "globex"))
     assert info.config.filter_subject == "fq.req.*.globex"
@@ -311,6 +332,39 @@ def test_embedded_nats_reports_a_failed_start(nats_binary: Path) -> None:
     server = EmbeddedNatsServer(binary=nats_binary, config="this is { not a config")
     with pytest.raises(EmbeddedServerError, match="nats exited with code"):
         server.start()
+    server.stop()
+
+
+def test_embedded_nats_reports_a_supported_version(nats_binary: Path) -> None:
+    with EmbeddedNatsServer(binary=nats_binary) as server:
+        assert parse_version(server.version) >= MIN_NATS_SERVER
+
+
+# Answers like a nats-server 2.10 would: the ports file, then an INFO greeting to each
+# client; ends by itself once nobody has connected for 10 s.
+OLD_NATS_SERVER = """#!{python}
+import json, socket, sys
+ports_dir = sys.argv[sys.argv.index("--ports_file_dir") + 1]
+with socket.create_server(("127.0.0.1", 0)) as listener:
+    listener.settimeout(10.0)
+    with open(ports_dir + "/old.ports", "w") as ports:
+        json.dump({{"nats": ["nats://127.0.0.1:%d" % listener.getsockname()[1]]}}, ports)
+    while True:
+        conn, _ = listener.accept()
+        conn.sendall(b'INFO {{"version":"2.10.22"}}\\r\\n')
+        conn.close()
+"""
+
+
+def test_embedded_nats_refuses_a_server_older_than_the_minimum(tmp_path: Path) -> None:
+    binary = tmp_path / "nats-server"
+    binary.write_text(OLD_NATS_SERVER.format(python=sys.executable))
+    binary.chmod(0o755)
+    server = EmbeddedNatsServer(binary=binary)
+    with pytest.raises(EmbeddedServerError, match=re.escape(
+            f"{binary}: nats-server 2.10.22 is too old, fairq needs 2.11.0 or newer")):
+        server.start()
+    assert not server.running  # stopped, not left behind
     server.stop()
 
 

@@ -103,7 +103,6 @@ def test_prefix_is_validated() -> None:
 
 def test_filters_and_api_subjects() -> None:
     assert S.all_requests == "fq.req.*.*"
-    assert S.endpoint_requests("chat") == "fq.req.chat.*"
     assert S.tenant_requests("acme") == "fq.req.*.acme"
     assert S.status("acme") == "fq.api.status.acme"
     assert S.cancel("acme") == "fq.api.cancel.acme"
@@ -131,7 +130,6 @@ def test_internal_subjects_stay_under_int() -> None:
 def test_names() -> None:
     assert S.requests_stream == "FQ_REQUESTS"
     assert S.results_bucket == "FQ_RESULTS"
-    assert S.consumer("chat") == "fq~req~chat"
     assert S.tenant_consumer("acme") == "fq~tenant~acme"
     assert S.tenant_filter("acme") == "fq.req.*.acme"
     # Any subject token may be published to; one that is no tenant name gets a hashed,
@@ -431,9 +429,10 @@ def test_decode_api_reply_raises_error_objects() -> None:
 
 
 def test_internal_messages_round_trip() -> None:
-    item = BatchItem(id="r-1", tenant="acme", endpoint="chat", max_tokens=16, prompt="hi",
-                     reply="_INBOX.x", encoding=Encoding.MSGPACK, enqueued_at=1.0,
-                     dispatched_at=2.0, metadata={"k": "v"})
+    item = BatchItem(id="r-1", tenant="acme", endpoint="chat",
+                     request=SubmitRequest(id="r-1", prompt="hi", metadata={"k": "v"}),
+                     max_tokens=16, expedited=True, reply="_INBOX.x",
+                     encoding=Encoding.MSGPACK, enqueued_at=1.0, dispatched_at=2.0)
     batch = Batch(worker_id="w1", endpoint="chat", items=[item], sent_at=2.0)
     beat = Heartbeat(worker_id="w1", endpoint="chat", capacity=Capacity(64, 4096, 100.0),
                      used=Capacity(1, 20, 0.5), in_flight=["r-1"], healthy=True,

@@ -26,13 +26,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from broker_config.auth import build_users, render_auth_config
+from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
-from broker_config.streams import (
-    BrokerSettings,
-    ConsumerSpec,
-    provision,
-    pull_subscription,
-)
+from broker_config.streams import ConsumerSpec, ensure_consumer, provision
 from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, HDR_REPLY, Subjects
 from broker_config.wire import (
     DepthEntry,
@@ -140,7 +136,9 @@ def answer(request_id: str) -> list[Event]:
 async def play_worker(nc: NATS, js: JetStreamContext, tenant: str,
                       events: Callable[[str], list[Event]]) -> dict[str, str]:
     """Take the next stored request, answer it in its encoding, ack it; return its headers."""
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, tenant))
+    consumer = ConsumerSpec.for_tenant(S, tenant)
+    await ensure_consumer(js, S.requests_stream, consumer)
+    sub = await js.pull_subscribe_bind(consumer.durable, S.requests_stream)
     (msg,) = await sub.fetch(1, timeout=WAIT_S)
     headers = dict(msg.headers or {})
     encoding = Encoding.from_content_type(headers.get(HDR_CONTENT_TYPE))

@@ -17,8 +17,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from broker_config.config import load_config
+from broker_config.server import MIN_NATS_SERVER, parse_version
 from dispatcher import __main__ as dispatcher_main
-from dispatcher.core.config import load_config
 from workers import __main__ as workers_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +151,28 @@ def test_nats_runs_jetstream_on_a_volume(
     assert store_dir in mounts, f"JetStream store {store_dir} is not on a volume"
     assert mounts[store_dir] in volumes
     assert 4222 in container_ports(nats)
+
+
+def image_version(image: str) -> tuple[int, int, int]:
+    """The version an image's tag pins ("nats:2.11-alpine" -> (2, 11, 0)); a tag that
+    pins no version (none, "latest", "alpine") is an error: compose must pin one."""
+    name, _, tag = image.partition(":")
+    assert name == "nats" and tag, f"expected the official nats image with a tag, got {image!r}"
+    try:
+        return parse_version(tag)
+    except ValueError:
+        pytest.fail(f"{image}: the tag pins no version", pytrace=False)
+
+
+def test_nats_image_is_at_least_the_minimum_the_code_declares(
+        services: dict[str, dict[str, Any]]) -> None:
+    assert image_version(services["nats"]["image"]) >= MIN_NATS_SERVER
+    # The check has teeth: 2.10 (no batch direct gets) is refused, the minimum's line is not.
+    assert image_version("nats:2.10-alpine") < MIN_NATS_SERVER
+    assert image_version("nats:2.10.29") < MIN_NATS_SERVER
+    assert image_version("nats:2.11-alpine") >= MIN_NATS_SERVER
+    with pytest.raises(pytest.fail.Exception, match="pins no version"):
+        image_version("nats:latest")
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

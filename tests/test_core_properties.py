@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.estimate import OutputEstimator
+from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore, RateCheck
 from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.types import Capacity, Usage
 from tests.core_support import ONE_SLOT, make_config, req
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -104,7 +104,7 @@ def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
                                    0.0, store).admitted
         elif op[0] == "complete" and running:
             request = running.pop(op[1] % len(running))
-            scheduler.complete(request.tenant, request.id, Usage(request.input_tokens, 1), 0.0)
+            scheduler.complete(request.tenant, request.id, Usage(request.input_tokens, 1, 0.0), 0.0)
         elif op[0] == "batch":
             _, seqs, tokens = op
             free = Capacity(seqs, tokens, 1e12)
@@ -246,7 +246,7 @@ def test_completion_corrections_keep_actual_shares_fair(weights, factors, output
         in_flight.append(request)
         if len(in_flight) > lag:  # complete with a lag, as a real engine would
             done = in_flight.pop(0)
-            usage = Usage(done.input_tokens, truth[done.tenant])
+            usage = Usage(done.input_tokens, truth[done.tenant], 0.0)
             scheduler.complete(done.tenant, done.id, usage, 0.0)
             actual[done.tenant] += profile.model_units(usage.input_tokens,
                                                        usage.output_tokens)

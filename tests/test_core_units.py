@@ -7,10 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from broker_config.config import (
+    BrokerSettings,
+    ConfigError,
+    DispatcherOptions,
+    Registry,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
+from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore, month_end, month_key
-from dispatcher.core.config import ConfigError, Registry, load_config, parse_config
 from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.types import Capacity, Outcome, Usage
+from dispatcher.core.types import Outcome
 from tests.core_support import ONE_SLOT, make_config, req
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +81,71 @@ def test_config_errors_name_file_field_and_value(body, field, value):
     assert value in message
 
 
+MINIMAL = '[endpoints.chat]\n[[tiers]]\nname = "a"\n'
+
+
+def test_service_tables_default_when_absent():
+    config = parse_config(MINIMAL)
+    assert config.broker == BrokerSettings()
+    assert config.dispatcher == DispatcherOptions()
+    assert config.workers == WorkerOptions()
+    assert config.subjects.prefix == config.broker.prefix == "fq"
+
+
+def test_broker_dispatcher_and_workers_tables_are_decoded():
+    config = parse_config(MINIMAL + "\n".join([
+        "[broker]", 'prefix = "acme"', "max_queued_per_subject = 50", 'storage = "memory"',
+        "[dispatcher]", "tenant_window = 8", "max_ack_pending = 16", "ack_wait_s = 12.5",
+        "grace_s = 0", "tenant_inboxes = true",
+        "[workers]", "heartbeat_interval_s = 0.2", "drain_timeout_s = 3",
+    ]))
+    assert config.broker == BrokerSettings(prefix="acme", max_queued_per_subject=50,
+                                           storage="memory")
+    assert config.subjects.prefix == "acme"
+    assert config.subjects.requests_stream == BrokerSettings(prefix="acme").subjects \
+        .requests_stream
+    assert config.dispatcher == DispatcherOptions(tenant_window=8, max_ack_pending=16,
+                                                  ack_wait_s=12.5, grace_s=0.0,
+                                                  tenant_inboxes=True)
+    assert config.workers == WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
+
+
+@pytest.mark.parametrize("table, field, value", [
+    ("[dispatcher]\ntenant_window = 0", "dispatcher.tenant_window", "0"),
+    ("[dispatcher]\nack_wait_s = -1", "dispatcher.ack_wait_s", "-1"),
+    ("[workers]\nheartbeat_interval_s = 0", "workers.heartbeat_interval_s", "0"),
+    ("[workers]\ndrain_timeout_s = -2", "workers.drain_timeout_s", "-2"),
+    ('[broker]\nprefix = "a.b"', "broker.prefix", "'a.b'"),
+    ('[broker]\nstorage = "disk"', "broker.storage", "'disk'"),
+])
+def test_service_table_errors_name_the_field(table, field, value):
+    with pytest.raises(ConfigError) as info:
+        parse_config(MINIMAL + table, source="bad.toml")
+    message = str(info.value)
+    assert message.startswith("bad.toml: ")
+    assert f"`{field}`" in message
+    assert value in message
+
+
+@pytest.mark.parametrize("table, match", [
+    ("[dispatcher]\nfrobnicate = 1", "frobnicate"),
+    ("[workers]\nheartbeat = 1", "heartbeat"),
+    ("[broker]\nprefx = 'x'", "prefx"),
+])
+def test_service_tables_refuse_unknown_fields(table, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(MINIMAL + table, source="bad.toml")
+
+
+@pytest.mark.parametrize("table, match", [
+    ("[dispatcher]\ntenant_window = 2000\nmax_ack_pending = 1000", "tenant_window"),
+    ("[broker]\nmax_age_s = 1\nduplicate_window_s = 5", "duplicate_window_s"),
+])
+def test_cross_field_checks_of_service_tables_are_config_errors(table, match):
+    with pytest.raises(ConfigError, match=f"bad.toml: .*{match}"):
+        parse_config(MINIMAL + table, source="bad.toml")
+
+
 def test_config_file_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="missing.toml"):
         load_config(tmp_path / "missing.toml")
@@ -111,7 +185,8 @@ def test_quota_is_charged_with_max_tokens_and_refunded_with_real_usage():
     assert refused.outcome is Outcome.QUOTA_EXCEEDED
     assert refused.retry_after_s == pytest.approx(month_end(0.0))
     first = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
-    completed = scheduler.complete("a", first.id, Usage(10, 5), 1.0)
+    # Profile p: alpha 1, beta 2, so 10 input and 5 output tokens are 20 model units.
+    completed = scheduler.complete("a", first.id, Usage(10, 5, 20.0), 1.0)
     store.refund(completed.refund)  # 35 unused tokens come back
     assert scheduler.admit(req("a", 3, input_tokens=10, max_tokens=25), 1.0, store).admitted
 

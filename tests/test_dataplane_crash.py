@@ -13,21 +13,22 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.js.errors
 import pytest
 
+from broker_config.config import EXAMPLE_ENGINE, DispatcherOptions, WorkerOptions, parse_config
 from broker_config.subjects import Subjects
-from dispatcher.core.config import parse_config
 from costmodel.engine_model import load_engine_params
-from dispatcher.local import ENGINE_CONFIG
-from dispatcher.service import Dispatcher, DispatcherOptions
+from dispatcher.service import Dispatcher
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 REQUESTS = 500
+FAST_HEARTBEATS = WorkerOptions(heartbeat_interval_s=0.2)
 
 
 # The example's endpoint and tenants without rate limits: this test is about delivery.
@@ -77,13 +78,13 @@ async def test_kill_9_of_the_dispatcher_loses_nothing(nats_url, tmp_path):
                 finals[event["id"]].append(event)
 
         await nc.subscribe("_INBOX.crash.>", cb=on_event)
-        params = load_engine_params(ENGINE_CONFIG)
+        params = load_engine_params(EXAMPLE_ENGINE)
         async with SimEngine(params, time_scale=0.5, seed=1) as e1, \
                 SimEngine(params, time_scale=0.5, seed=2) as e2, \
                 WorkerService(nc, e1, endpoint="chat", worker_id="w1", subjects=subjects,
-                              results=results, heartbeat_interval_s=0.2), \
+                              results=results, settings=FAST_HEARTBEATS), \
                 WorkerService(nc, e2, endpoint="chat", worker_id="w2", subjects=subjects,
-                              results=results, heartbeat_interval_s=0.2):
+                              results=results, settings=FAST_HEARTBEATS):
             for i in range(REQUESTS):
                 tenant = ("acme", "globex", "initech")[i % 3]
                 await js.publish(f"fq.req.chat.{tenant}",
@@ -158,10 +159,10 @@ async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path)
         assert finals == {}  # nothing was answered: the requests were handed back
         dispatcher = start_dispatcher(nats_url, config, ack_wait_s=60)
         results = await js.key_value(subjects.results_bucket)
-        engine = SimEngine(load_engine_params(ENGINE_CONFIG), time_scale=0.1)
+        engine = SimEngine(load_engine_params(EXAMPLE_ENGINE), time_scale=0.1)
         async with engine, WorkerService(nc, engine, endpoint="chat", worker_id="w1",
                                          subjects=subjects, results=results,
-                                         heartbeat_interval_s=0.2):
+                                         settings=FAST_HEARTBEATS):
             deadline = time.monotonic() + 20  # far below the 60 s ack wait
             while len(finals) < 5:
                 assert time.monotonic() < deadline, f"only {sorted(finals)} came back"
@@ -183,12 +184,14 @@ async def test_requests_of_a_worker_that_drained_away_are_requeued_at_once(nats_
     options = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=30.0, grace_s=30.0)
     nc = await nats.connect(nats_url)
     try:
-        async with Dispatcher(nc, parse_config(CONFIG), options=options) as dispatcher:
+        config = msgspec.structs.replace(parse_config(CONFIG), dispatcher=options)
+        async with Dispatcher(nc, config) as dispatcher:
             results = await nc.jetstream().key_value(subjects.results_bucket)
-            engine = SimEngine(load_engine_params(ENGINE_CONFIG), time_scale=1.0)
+            engine = SimEngine(load_engine_params(EXAMPLE_ENGINE), time_scale=1.0)
+            settings = WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=0.1)
             async with engine, WorkerService(nc, engine, endpoint="chat", worker_id="w1",
                                              subjects=subjects, results=results,
-                                             heartbeat_interval_s=0.2, drain_timeout_s=0.1):
+                                             settings=settings):
                 for i in range(3):
                     await nc.jetstream().publish(
                         "fq.req.chat.acme", b'{"prompt":"long","max_tokens":2000}',

@@ -12,10 +12,17 @@ import msgspec
 import nats
 import pytest
 
-from broker_config.streams import BrokerSettings
-from dispatcher.core.config import load_config, parse_config
-from dispatcher.local import LocalStack, StackOptions
-from dispatcher.service import DispatcherOptions
+from broker_config.config import (
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    DispatcherOptions,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
+from costmodel.engine_model import load_engine_params
+from tests.local_stack import LocalStack, StackOptions
+from tests.wire_support import api
 
 pytestmark = pytest.mark.integration
 
@@ -23,8 +30,8 @@ FAST = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=3.0, grace_
 
 
 def stack_options(**overrides) -> StackOptions:
-    values = dict(workers=1, endpoints=("chat",), time_scale=0.02, heartbeat_interval_s=0.2,
-                  dispatcher=FAST)
+    values = dict(workers=1, endpoints=("chat",), time_scale=0.02,
+                  workers_settings=WorkerOptions(heartbeat_interval_s=0.2), dispatcher=FAST)
     values.update(overrides)
     return StackOptions(**values)
 
@@ -63,11 +70,6 @@ async def submit(nc, endpoint: str, tenant: str, body: dict | bytes, *, rid: str
         data = body
     await nc.jetstream().publish(f"fq.req.{endpoint}.{tenant}", data, headers=headers)
     return rid, sub
-
-
-async def api(nc, subject: str, body: dict) -> dict:
-    reply = await nc.request(subject, json.dumps(body).encode(), timeout=5.0)
-    return json.loads(reply.data)
 
 
 @pytest.fixture
@@ -146,10 +148,7 @@ async def test_cancel_a_running_and_a_queued_request(nats_url, client):
 
 
 def load_engine_config_one_slot():
-    from costmodel.engine_model import load_engine_params
-    from dispatcher.local import ENGINE_CONFIG
-
-    return msgspec.structs.replace(load_engine_params(ENGINE_CONFIG), max_sequences=1)
+    return msgspec.structs.replace(load_engine_params(EXAMPLE_ENGINE), max_sequences=1)
 
 
 async def wait_for_state(client, tenant: str, rid: str, state: str, timeout: float = 10.0):

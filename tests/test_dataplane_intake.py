@@ -13,17 +13,26 @@ import nats
 import nats.js.errors
 import pytest
 
-from broker_config.streams import BrokerSettings, provision
+from broker_config.config import (
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    DispatcherOptions,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
+from broker_config.streams import provision
 from costmodel.engine_model import load_engine_params
-from dispatcher.core.config import load_config, parse_config
 from dispatcher.intake import TenantIntake
-from dispatcher.local import ENGINE_CONFIG, LocalStack, StackOptions
-from dispatcher.service import Dispatcher, DispatcherOptions
+from dispatcher.service import Dispatcher
+from tests.local_stack import LocalStack, StackOptions
+from tests.wire_support import api, eventually
 
 pytestmark = pytest.mark.integration
 
 SUBJECTS = BrokerSettings().subjects
 HOLD = DispatcherOptions(settle_s=3600.0, tick_s=0.05, tenant_window=16)  # never dispatches
+FAST_HEARTBEATS = WorkerOptions(heartbeat_interval_s=0.2)
 BODY = b'{"prompt":"hello","max_tokens":4}'
 
 
@@ -43,27 +52,13 @@ async def publish_backlog(js, tenant: str, count: int, *, reply: str | None = No
             for i in range(first, min(count, first + 500))))
 
 
-async def eventually(check, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not reached within {timeout}s"
-        await asyncio.sleep(0.05)
-
-
-async def api(nc, subject: str, body: dict) -> dict:
-    return json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=5)).data)
-
-
 async def test_a_deep_backlog_does_not_delay_another_tenant(client):
     js = client.jetstream()
     await provision(js, BrokerSettings())
     await publish_backlog(js, "acme", 5_000)  # acme is listed in the example config
     await js.publish(SUBJECTS.request("chat", "newcomer"), BODY, headers={"Nats-Msg-Id": "n1"})
     started = time.monotonic()
-    async with Dispatcher(client, load_config(), options=HOLD):
+    async with Dispatcher(client, msgspec.structs.replace(load_config(), dispatcher=HOLD)):
         async def newcomer_queued():
             reply = await api(client, SUBJECTS.status("newcomer"), {"id": "n1"})
             return reply["state"] == "queued"
@@ -85,9 +80,9 @@ async def test_a_deep_backlog_does_not_delay_another_tenant(client):
 
 
 async def test_a_lone_tenant_runs_more_than_its_window(nats_url, client):
-    engine = msgspec.structs.replace(load_engine_params(ENGINE_CONFIG), max_sequences=32)
+    engine = msgspec.structs.replace(load_engine_params(EXAMPLE_ENGINE), max_sequences=32)
     options = StackOptions(workers=1, endpoints=("chat",), time_scale=5.0, engine=engine,
-                           heartbeat_interval_s=0.2,
+                           workers_settings=FAST_HEARTBEATS,
                            dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05,
                                                         tenant_window=4))
     async with LocalStack(load_config(), options, nats_url=nats_url):
@@ -126,7 +121,7 @@ policy = "admit"
 tier = "all"
 """)
     options = StackOptions(workers=1, endpoints=("chat",), time_scale=0.02,
-                           heartbeat_interval_s=0.2,
+                           workers_settings=FAST_HEARTBEATS,
                            dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05))
     async with LocalStack(config, options, nats_url=nats_url):
         js = client.jetstream()

@@ -14,11 +14,10 @@ import uuid
 import nats
 import pytest
 
-from dispatcher.core.config import load_config
+from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from dispatcher.core.fairness import percentile
 from dispatcher.core.sim import scheduling_only
-from dispatcher.local import LocalStack, StackOptions
-from dispatcher.service import DispatcherOptions
+from tests.local_stack import LocalStack, StackOptions
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +31,8 @@ async def run(nats_url: str, *, noisy: bool) -> list[float]:
     """B's times to first token (seconds, client view) in one scenario."""
     # Short drains: what is still running when B is measured need not finish.
     options = StackOptions(workers=1, endpoints=("chat",), time_scale=TIME_SCALE,
-                           heartbeat_interval_s=0.2, drain_timeout_s=0.5,
+                           workers_settings=WorkerOptions(heartbeat_interval_s=0.2,
+                                                          drain_timeout_s=0.5),
                            dispatcher=DispatcherOptions(settle_s=0.3, tick_s=0.05,
                                                         grace_s=0.5))
     run_id = uuid.uuid4().hex[:8]  # results of earlier runs stay stored under their ids

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dispatcher.core.config import EXAMPLE_CONFIG, Config, load_config, parse_config
+from broker_config.config import EXAMPLE_CONFIG, Config, load_config, parse_config
 from dispatcher.core.fairness import (
     MetricOptions,
     RequestRecord,

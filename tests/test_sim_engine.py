@@ -10,9 +10,10 @@ from contextlib import aclosing
 import msgspec
 import pytest
 
+from broker_config.wire import ChatMessage
 from costmodel.engine_model import BatchingEngineModel, EngineParams
-from workers.engine import ChatMessage, Delta, Engine, EngineError, EngineRequest
-from costmodel.units import CHARS_PER_TOKEN
+from costmodel.units import CHARS_PER_TOKEN, UNLIMITED_MODEL_UNITS, Capacity
+from workers.engine import Delta, Engine, EngineError, EngineRequest
 from workers.sim_engine import Faults, SimEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,7 +91,9 @@ async def test_implements_the_engine_protocol_and_reports_capacity() -> None:
     params = msgspec.structs.replace(PARAMS, max_sequences=8, kv_cache_tokens=5000)
     sim = SimEngine(params)
     assert isinstance(sim, Engine)
-    assert (sim.capacity.max_sequences, sim.capacity.max_tokens) == (8, 5000)
+    # No measured model-unit limit: model units never bind.
+    assert sim.capacity == Capacity(sequences=8, tokens=5000,
+                                    model_units=UNLIMITED_MODEL_UNITS)
     assert not sim.healthy
     async with sim as running:
         assert running is sim and sim.healthy

@@ -22,7 +22,8 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from broker_config.streams import BrokerSettings, provision
+from broker_config.config import BrokerSettings, ConfigError, WorkerOptions, parse_config
+from broker_config.streams import provision
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from broker_config.wire import (
     COMPLETIONS,
@@ -32,7 +33,6 @@ from broker_config.wire import (
     Abort,
     Batch,
     BatchItem,
-    Capacity,
     ChatMessage,
     Completion,
     DoneEvent,
@@ -41,12 +41,12 @@ from broker_config.wire import (
     ErrorEvent,
     Event,
     Heartbeat,
+    SubmitRequest,
     TokenEvent,
-    Usage,
     encode,
 )
 from costmodel.engine_model import EngineParams
-from costmodel.units import ModelProfile
+from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile, Usage
 from workers import __main__ as worker_main
 from workers import service as service_module
 from workers.engine import EngineRequest
@@ -64,7 +64,7 @@ PROFILE = ModelProfile(name="test", alpha=0.001, beta=0.01, gamma=0.5)
 PARAMS = EngineParams()
 WAIT_S = 10.0
 CAPACITY = Capacity(sequences=PARAMS.max_sequences, tokens=PARAMS.kv_cache_tokens,
-                    model_units=1e9)
+                    model_units=UNLIMITED_MODEL_UNITS)
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
@@ -125,14 +125,24 @@ def completion_of(rec: Recorder, request_id: str) -> Completion | None:
     return next((c for c in completions(rec) if c.id == request_id), None)
 
 
+# BatchItem fields that are the dispatcher's, not the submitted body's.
+ITEM_FIELDS = {"tenant", "reply", "enqueued_at", "dispatched_at", "probe", "expedited"}
+
+
 def item(request_id: str, *, max_tokens: int = 8, encoding: Encoding = Encoding.JSON,
          **fields: Any) -> BatchItem:
+    """A batch item; `fields` go to the item or, for the body's fields (prompt, messages,
+    deadline, images, metadata, priority...), to its submitted request."""
     now = time.time()
     defaults: dict[str, Any] = {"tenant": TENANT, "prompt": "hello world",
                                 "enqueued_at": now - 0.5, "dispatched_at": now - 0.2,
                                 "reply": f"_INBOX.t.{request_id}"}
-    return BatchItem(id=request_id, endpoint=ENDPOINT, max_tokens=max_tokens,
-                     encoding=encoding, **(defaults | fields))
+    values = defaults | fields
+    own = {k: v for k, v in values.items() if k in ITEM_FIELDS}
+    body = {k: v for k, v in values.items() if k not in ITEM_FIELDS}
+    request = SubmitRequest(id=request_id, max_tokens=max_tokens, **body)
+    return BatchItem(id=request_id, endpoint=ENDPOINT, request=request, max_tokens=max_tokens,
+                     encoding=encoding, **own)
 
 
 async def send_abort(nc: Client, *ids: str, tenant: str = TENANT, endpoint: str = ENDPOINT,
@@ -185,11 +195,13 @@ async def internal(nc: Client) -> Recorder:
 @asynccontextmanager
 async def running_worker(nc: Client, results: KeyValue | Any, *, faults: Faults | None = None,
                          **options: Any) -> AsyncIterator[tuple[WorkerService, SimEngine]]:
-    settings: dict[str, Any] = {"profile": PROFILE, "heartbeat_interval_s": 10.0,
-                                "drain_timeout_s": 5.0} | options
+    """`options`: `profile`, and the WorkerOptions fields (heartbeat_interval_s...)."""
+    profile = options.pop("profile", PROFILE)
+    settings = WorkerOptions(**({"heartbeat_interval_s": 10.0, "drain_timeout_s": 5.0}
+                                | options))
     async with (SimEngine(PARAMS, time_scale=SCALE, seed=1, faults=faults) as engine,
                 WorkerService(nc, engine, endpoint=ENDPOINT, worker_id=WORKER, subjects=S,
-                              results=results, **settings) as service):
+                              results=results, profile=profile, settings=settings) as service):
         yield service, engine
 
 
@@ -235,7 +247,7 @@ async def test_batch_streams_ordered_tokens_then_a_done_event_per_item(
         assert done.timings.queued_s == pytest.approx(sent.dispatched_at - sent.enqueued_at)
         assert done.timings.ttft_s is not None
         assert 0.5 <= done.timings.ttft_s <= done.timings.total_s < 0.5 + WAIT_S
-        assert done.metadata == sent.metadata
+        assert done.metadata == sent.request.metadata
         assert await stored_event(results, sent.id) == done
         completion = completion_of(internal, sent.id)
         assert completion is not None
@@ -306,6 +318,36 @@ async def test_request_without_reply_subject_is_still_stored_and_completed(
         completion = await internal.until(lambda _: completion_of(internal, "r-quiet"))
     assert completion.stored and completion.code is None
     assert isinstance(await stored_event(results, "r-quiet"), DoneEvent)
+
+
+class PrioritySpy(SimEngine):
+    """The simulated engine, recording the engine priority each request arrives with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.priorities: dict[str, int] = {}
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        self.priorities[request.id] = request.priority
+        return super().generate(request)
+
+
+async def test_engine_priority_comes_from_expedited_never_from_the_body(
+        nc: Client, results: KeyValue, internal: Recorder) -> None:
+    """The body's `priority` orders requests only inside their tenant's queue; the
+    dispatcher's `expedited` alone decides the engine priority."""
+    items = [item("r-plain", priority=9), item("r-fast", expedited=True, priority=-5),
+             item("r-default")]
+    async with (PrioritySpy(PARAMS, time_scale=SCALE, seed=1) as engine,
+                WorkerService(nc, engine, endpoint=ENDPOINT, worker_id=WORKER, subjects=S,
+                              results=results, profile=PROFILE)):
+        await send_batch(nc, items)
+        await internal.until(lambda _: len(completions(internal)) == 3)
+    assert service_module.EXPEDITED > 0  # engine priority: higher is served first
+    assert engine.priorities == {S.result_key(TENANT, "r-plain"): 0,
+                                 S.result_key(TENANT, "r-fast"): service_module.EXPEDITED,
+                                 S.result_key(TENANT, "r-default"): 0}
+    assert all(c.code is None for c in completions(internal))
 
 
 async def test_first_heartbeat_is_sent_on_start(
@@ -573,9 +615,12 @@ async def test_service_rejects_bad_settings(nc: Client, results: KeyValue) -> No
     with pytest.raises(ValueError, match="worker id"):
         WorkerService(nc, engine, endpoint=ENDPOINT, worker_id="w 1", subjects=S,
                       results=results)
-    with pytest.raises(ValueError, match="heartbeat_interval_s"):
-        WorkerService(nc, engine, endpoint=ENDPOINT, worker_id=WORKER, subjects=S,
-                      results=results, heartbeat_interval_s=0)
+    # The settings are validated where they are read: from the config or converted.
+    with pytest.raises(msgspec.ValidationError, match="heartbeat_interval_s"):
+        msgspec.convert({"heartbeat_interval_s": 0}, WorkerOptions)
+    with pytest.raises(ConfigError, match="`workers.heartbeat_interval_s`"):
+        parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n'
+                     "[workers]\nheartbeat_interval_s = 0")
 
 
 # -- python -m workers ---------------------------------------------------------------------

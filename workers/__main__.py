@@ -21,8 +21,7 @@ import logging
 import math
 import signal
 import sys
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,18 +31,17 @@ import nats
 import nats.errors
 from nats.js.errors import BucketNotFoundError
 
+from broker_config.config import DEFAULT_NATS_URL, Registry, WorkerOptions, load_config
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.subjects import SubjectError, Subjects, check_token
 from costmodel.engine_model import EngineParams, load_engine_params
 from costmodel.units import ModelProfile
-from dispatcher.core.config import Registry, load_config
 from workers.engine import Engine, EngineError
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
 
 log = logging.getLogger("workers")
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 CONNECT_TIMEOUT_S = 5.0  # one connection attempt
 
 
@@ -59,17 +57,8 @@ class Options:
     worker_id: str
     subjects: Subjects
     profile: ModelProfile | None
-    heartbeat_interval_s: float
-    drain_timeout_s: float
+    settings: WorkerOptions
     engine: Engine
-
-
-# Something that runs beside the worker service for as long as it serves, given the
-# connection and the running service, and leaves before the service drains. The naive
-# shared-queue baseline (bench/naive_worker.py) feeds the service this way.
-Companion = Callable[[nats.NATS, WorkerService], AbstractAsyncContextManager[object]]
-# Builds the companion from the parsed arguments; raises UsageError for unusable ones.
-CompanionFactory = Callable[[argparse.Namespace, Options], Companion]
 
 
 def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
@@ -92,9 +81,13 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, metavar="TOML",
                         help="fairq config: the endpoint's cost profile and the subject prefix")
     parser.add_argument("--prefix", help="subject prefix (default: --config's, else fq)")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
-                        help="on SIGTERM, how long in-flight requests may take to finish")
+    defaults = WorkerOptions()
+    parser.add_argument("--heartbeat-interval", type=float, metavar="S",
+                        help=f"default: --config's [workers], else "
+                             f"{defaults.heartbeat_interval_s:g}")
+    parser.add_argument("--drain-timeout", type=float, metavar="S",
+                        help="on SIGTERM, how long in-flight requests may take to finish "
+                             f"(default: --config's [workers], else {defaults.drain_timeout_s:g})")
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
@@ -107,26 +100,29 @@ def parse_options(args: argparse.Namespace) -> Options:
         check_token(args.worker_id, "worker id")
     except SubjectError as exc:
         raise UsageError(str(exc)) from exc
-    if not (0 < args.heartbeat_interval < math.inf):
-        raise UsageError(f"--heartbeat-interval must be > 0, got {args.heartbeat_interval}")
-    if not (0 <= args.drain_timeout < math.inf):
-        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not (0 < args.connect_wait < math.inf):
         raise UsageError(f"--connect-wait must be > 0, got {args.connect_wait}")
-    prefix, profile = args.prefix, None
+    prefix, profile, settings = args.prefix, None, WorkerOptions()
     if args.config is not None:
-        prefix_from_config, profile = _from_fairq_config(args.config, args.endpoint)
+        prefix_from_config, profile, settings = _from_fairq_config(args.config, args.endpoint)
         prefix = prefix or prefix_from_config
+    overrides = {name: value for name, value in (
+        ("heartbeat_interval_s", args.heartbeat_interval),
+        ("drain_timeout_s", args.drain_timeout)) if value is not None}
     try:
         subjects = Subjects(prefix or "fq")
+        settings = msgspec.convert(msgspec.to_builtins(settings) | overrides, WorkerOptions)
     except SubjectError as exc:
         raise UsageError(str(exc)) from exc
+    except msgspec.ValidationError as exc:
+        flag = str(exc).rsplit("`$.", 1)[-1].rstrip("`")
+        raise UsageError(f"--{flag.removesuffix('_s').replace('_', '-')}: {exc}") from exc
     engine = _sim_engine(args) if args.engine == "sim" else _vllm_engine(args)
     return Options(args.nats, args.connect_wait, args.endpoint, args.worker_id, subjects, profile,
-                   args.heartbeat_interval, args.drain_timeout, engine)
+                   settings, engine)
 
 
-def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile]:
+def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, WorkerOptions]:
     try:
         config = load_config(path)
     except ValueError as exc:
@@ -134,7 +130,7 @@ def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile]:
     if endpoint not in config.endpoints:
         known = ", ".join(sorted(config.endpoints)) or "none"
         raise UsageError(f"{path}: no endpoint {endpoint!r} (configured: {known})")
-    return config.subject_prefix, Registry(config).profile(endpoint)
+    return config.broker.prefix, Registry(config).profile(endpoint), config.workers
 
 
 def _sim_engine(args: argparse.Namespace) -> Engine:
@@ -186,13 +182,13 @@ class WorkerFailure(RuntimeError):
     """The worker could not start or lost its connection; the message says why."""
 
 
-async def run(options: Options, companion: Companion | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure."""
-    stop = asyncio.Event()
+@contextlib.asynccontextmanager
+async def serving(options: Options, stop: asyncio.Event) -> AsyncIterator[tuple[nats.NATS,
+                                                                                WorkerService]]:
+    """A connected, serving worker: (connection, service) until the block is left, which
+    drains the service, then closes the connection. `stop` is set when the connection is
+    lost for good. Raises WorkerFailure."""
     lost = closed_by_us = False
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
 
     async def on_closed() -> None:
         nonlocal lost
@@ -213,7 +209,8 @@ async def run(options: Options, companion: Companion | None = None) -> None:
         raise WorkerFailure(f"cannot connect to NATS at {options.nats_url} within "
                             f"{options.connect_wait_s:g}s: {exc!r}") from exc
     try:
-        await _serve(nc, options, stop, companion)
+        async with _service(nc, options) as service:
+            yield nc, service
     finally:
         if not nc.is_closed:
             closed_by_us = True
@@ -222,8 +219,8 @@ async def run(options: Options, companion: Companion | None = None) -> None:
         raise WorkerFailure(f"lost the NATS connection to {options.nats_url}")
 
 
-async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event,
-                 companion: Companion | None) -> None:
+@contextlib.asynccontextmanager
+async def _service(nc: nats.NATS, options: Options) -> AsyncIterator[WorkerService]:
     bucket = options.subjects.results_bucket
     try:
         await nc.jetstream().key_value(bucket)  # the bucket exists: the broker is provisioned
@@ -243,28 +240,39 @@ async def _serve(nc: nats.NATS, options: Options, stop: asyncio.Event,
         service = await stack.enter_async_context(WorkerService(
             nc, engine, endpoint=options.endpoint, worker_id=options.worker_id,
             subjects=options.subjects, results=writer, profile=options.profile,
-            heartbeat_interval_s=options.heartbeat_interval_s,
-            drain_timeout_s=options.drain_timeout_s))
-        if companion is not None:
-            await stack.enter_async_context(companion(nc, service))
+            settings=options.settings))
         log.info("worker %s serving endpoint %s", options.worker_id, options.endpoint)
-        await stop.wait()
+        yield service
         log.info("worker %s draining", options.worker_id)
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m workers",
-         companion: CompanionFactory | None = None) -> int:
-    parser = build_parser(prog)
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call inside the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run(options: Options) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure."""
+    stop = stop_on_signals()
+    async with serving(options, stop):
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         options = parse_options(args)
-        beside = companion(args, options) if companion is not None else None
     except UsageError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(run(options, beside))
+        asyncio.run(run(options))
     except WorkerFailure as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1

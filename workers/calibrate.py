@@ -165,12 +165,12 @@ async def _measure_capacity(engine: Engine, requests: _Requests, profile: ModelP
                             shape: Shape, time_scale: float) -> CapacityRun:
     """Run as many requests of `shape` at once as the engine holds; model units per second."""
     limits = engine.capacity
-    n = min(limits.max_sequences,
-            limits.max_tokens // (shape.input_tokens + shape.output_tokens))
+    n = min(limits.sequences,
+            limits.tokens // (shape.input_tokens + shape.output_tokens))
     if n < 1:
         raise ValueError(f"a request of {shape.input_tokens} input and {shape.output_tokens} "
                          f"output tokens does not fit the engine's KV cache of "
-                         f"{limits.max_tokens} tokens")
+                         f"{limits.tokens} tokens")
     units = profile.model_units(shape.input_tokens, shape.output_tokens, shape.images)
     if units <= 0:
         raise CalibrationError("the fitted coefficients give a request no model units, so "

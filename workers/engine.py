@@ -10,11 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-
-@dataclass(slots=True, frozen=True)
-class ChatMessage:
-    role: str
-    content: str
+from broker_config.wire import ChatMessage
+from costmodel.units import Capacity
 
 
 @dataclass(slots=True)
@@ -25,7 +22,9 @@ class EngineRequest:
     max_tokens: int
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    # fairq priority: higher is served first (engines that order the other way map it).
+    # Engine priority, higher served first (engines that order the other way map it). Set
+    # from the dispatcher's decision (`expedited`), never from a client's own priority,
+    # which orders requests only inside that client's tenant.
     priority: int = 0
     # Known token counts, when the dispatcher or a trace already has them.
     input_tokens: int | None = None
@@ -48,15 +47,6 @@ class Delta:
     finish_reason: str | None = None
 
 
-@dataclass(slots=True, frozen=True)
-class EngineCapacity:
-    """Limits the engine can run at once; reported in worker heartbeats."""
-
-    max_sequences: int
-    max_tokens: int  # KV-cache tokens: input plus output over all running sequences
-    model_units: float = 1e9
-
-
 class EngineError(RuntimeError):
     """The engine failed a request (as opposed to the request being invalid)."""
 
@@ -66,7 +56,9 @@ class Engine(Protocol):
     """An inference engine, used as an async context manager by the worker service."""
 
     @property
-    def capacity(self) -> EngineCapacity: ...
+    def capacity(self) -> Capacity:
+        """Limits the engine can run at once; reported in worker heartbeats."""
+        ...
 
     @property
     def healthy(self) -> bool: ...

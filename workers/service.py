@@ -25,7 +25,6 @@ import asyncio
 import base64
 import binascii
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,12 +36,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from broker_config.config import WorkerOptions
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
 from broker_config.wire import (
     ABORT,
     BATCH,
     BatchItem,
-    Capacity,
     Completion,
     Completions,
     DoneEvent,
@@ -54,13 +53,12 @@ from broker_config.wire import (
     StoredResult,
     Timings,
     TokenEvent,
-    Usage,
     WireError,
     encode,
     header,
 )
-from costmodel.units import ModelProfile
-from workers.engine import ChatMessage, Delta, Engine, EngineError, EngineRequest
+from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
+from workers.engine import Delta, Engine, EngineError, EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +68,11 @@ STORE_BACKOFF_S = 0.05
 STORE_BACKOFF_MAX_S = 1.0
 # Upper bound for the round trip that pushes the last messages out on shutdown.
 FLUSH_TIMEOUT_S = 5.0
+# Engine priority of an expedited request (every other request runs at 0).
+EXPEDITED = 1
 
 T = TypeVar("T")
 
-_NO_CAPACITY = Capacity(sequences=0, tokens=0, model_units=0.0)
 
 
 class ResultStore(Protocol):
@@ -147,14 +146,9 @@ class WorkerService:
 
     def __init__(self, nc: Client, engine: Engine, *, endpoint: str, worker_id: str,
                  subjects: Subjects, results: ResultStore, profile: ModelProfile | None = None,
-                 heartbeat_interval_s: float = 1.0, drain_timeout_s: float = 30.0) -> None:
+                 settings: WorkerOptions = WorkerOptions()) -> None:
         check_token(endpoint, "endpoint")
         check_token(worker_id, "worker id")
-        if not (0 < heartbeat_interval_s < math.inf):
-            raise ValueError(f"heartbeat_interval_s must be finite and > 0, "
-                             f"got {heartbeat_interval_s!r}")
-        if not (0 <= drain_timeout_s < math.inf):
-            raise ValueError(f"drain_timeout_s must be finite and >= 0, got {drain_timeout_s!r}")
         self.endpoint = endpoint
         self.worker_id = worker_id
         self.subjects = subjects
@@ -164,8 +158,8 @@ class WorkerService:
         self._engine = engine
         self._results = results
         self._profile = profile
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._drain_timeout_s = drain_timeout_s
+        self._heartbeat_interval_s = settings.heartbeat_interval_s
+        self._drain_timeout_s = settings.drain_timeout_s
         self._running: dict[str, _Running] = {}
         self._heartbeat_seq = 0
         self._completions: list[Completion] = []
@@ -288,7 +282,7 @@ class WorkerService:
                         item.tenant)
             return
         assert self._tg is not None
-        input_tokens = item.input_tokens or 0  # counted when the request starts
+        input_tokens = item.request.input_tokens or 0  # counted when the request starts
         running = _Running(key, item, input_tokens,
                            self._model_units(item, input_tokens, item.max_tokens))
         self._running[key] = running
@@ -343,13 +337,14 @@ class WorkerService:
         item = running.item
         try:
             request = await _engine_request(running.key, item)
-            if item.input_tokens is None:
+            if item.request.input_tokens is None:
                 running.input_tokens = self._engine.count_tokens(request)
                 running.footprint_mu = self._model_units(item, running.input_tokens,
                                                          item.max_tokens)
         except ValueError as exc:
             return _Ending(ErrorCode.INVALID_REQUEST, str(exc))
-        if item.deadline is not None and time.time() >= item.deadline:
+        deadline = item.request.deadline
+        if deadline is not None and time.time() >= deadline:
             return _Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the start")
         timer = self._deadline_timer(running)
         try:
@@ -367,7 +362,7 @@ class WorkerService:
         return _conclude(running, final)
 
     def _deadline_timer(self, running: _Running) -> asyncio.TimerHandle | None:
-        deadline = running.item.deadline
+        deadline = running.item.request.deadline
         if deadline is None:
             return None
         loop = asyncio.get_running_loop()
@@ -406,8 +401,11 @@ class WorkerService:
         item = running.item
         cost = (self._model_units(item, running.input_tokens, running.output_tokens)
                 if running.in_engine else 0.0)
-        usage = Usage(input_tokens=running.input_tokens, output_tokens=running.output_tokens,
-                      model_units=cost)
+        images = len(item.request.images)
+        # Only when there are some: msgspec omits a default by identity, not by value,
+        # and the contract's usage has no `other_units` otherwise.
+        usage = (Usage(running.input_tokens, running.output_tokens, cost, float(images))
+                 if images else Usage(running.input_tokens, running.output_tokens, cost))
         event = self._final_event(running, ending, usage)
         stored = await self._store(running.key, item, event)
         if stored:
@@ -445,7 +443,7 @@ class WorkerService:
             total_s=max(0.0, time.time() - item.enqueued_at),
         )
         return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
-                         timings=timings, metadata=item.metadata)
+                         timings=timings, metadata=item.request.metadata)
 
     async def _store(self, key: str, item: BatchItem, event: FinalEvent) -> bool:
         value = encode(StoredResult(tenant=item.tenant, endpoint=item.endpoint, event=event,
@@ -468,7 +466,8 @@ class WorkerService:
     def _model_units(self, item: BatchItem, input_tokens: int, output_tokens: int) -> float:
         if self._profile is None:
             return 0.0
-        return self._profile.model_units(input_tokens, output_tokens, other=len(item.images))
+        return self._profile.model_units(input_tokens, output_tokens,
+                                         other=len(item.request.images))
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -507,7 +506,7 @@ class WorkerService:
                         model_units=sum(r.footprint_mu for r in running))
         healthy = not final and self._engine.healthy
         if final:
-            capacity = _NO_CAPACITY
+            capacity = NO_CAPACITY
         elif self._draining:
             capacity = used  # no room: the dispatcher sends nothing new
         else:
@@ -522,9 +521,8 @@ class WorkerService:
             limits = self._engine.capacity
         except EngineError as exc:
             log.error("the engine reports no capacity: %s", exc)
-            return _NO_CAPACITY, False
-        return Capacity(sequences=limits.max_sequences, tokens=limits.max_tokens,
-                        model_units=limits.model_units), healthy
+            return NO_CAPACITY, False
+        return limits, healthy
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -541,12 +539,13 @@ def _decode_or_log(msg: Msg, what: str, decode: Callable[[bytes, Encoding], T]) 
 
 async def _engine_request(engine_id: str, item: BatchItem) -> EngineRequest:
     """The engine's view of an item; ValueError for images that are not base64."""
-    images = await asyncio.to_thread(_decode_images, item.images) if item.images else []
-    messages = (None if item.messages is None
-                else [ChatMessage(m.role, m.content) for m in item.messages])
-    return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=item.prompt,
-                         messages=messages, priority=item.priority,
-                         input_tokens=item.input_tokens, images=images)
+    body = item.request
+    images = await asyncio.to_thread(_decode_images, body.images) if body.images else []
+    # Engine priority is the dispatcher's decision, never the client's own `priority`,
+    # which orders requests only inside the client's tenant.
+    return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=body.prompt,
+                         messages=body.messages, priority=EXPEDITED if item.expedited else 0,
+                         input_tokens=body.input_tokens, images=images)
 
 
 def _decode_images(images: list[str]) -> list[bytes]:

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import cast
 
+from broker_config.wire import ChatMessage
 from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
-from costmodel.units import approx_tokens
-from workers.engine import ChatMessage, Delta, EngineCapacity, EngineError, EngineRequest
+from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, approx_tokens
+from workers.engine import Delta, EngineError, EngineRequest
 
 # Characters per token of the simulated tokenizer (about right for English text).
 _WORDS = tuple(" " + word for word in (
@@ -124,8 +125,8 @@ class SimEngine:
         self._time_scale = time_scale
         self._seed = seed
         self._model = BatchingEngineModel(self.params)
-        self._capacity = EngineCapacity(max_sequences=self.params.max_sequences,
-                                        max_tokens=self.params.kv_cache_tokens)
+        self._capacity = Capacity(self.params.max_sequences, self.params.kv_cache_tokens,
+                                  UNLIMITED_MODEL_UNITS)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -134,7 +135,7 @@ class SimEngine:
     # -- state ------------------------------------------------------------------------
 
     @property
-    def capacity(self) -> EngineCapacity:
+    def capacity(self) -> Capacity:
         return self._capacity
 
     @property

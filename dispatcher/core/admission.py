@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from dispatcher.core.config import Limits
+from broker_config.config import Limits
 from dispatcher.core.types import ADMITTED, Decision, Outcome
 
 # Slack when comparing times, so a request exactly on its emission time passes despite

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from dispatcher.core.config import TenantPolicy
+from broker_config.config import TenantPolicy
 from dispatcher.core.queues import OrderKey, TenantQueue, priority_order
 from dispatcher.core.types import Request
 
@@ -22,7 +22,7 @@ class TenantFlow:
     """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
 
     __slots__ = ("policy", "weight", "tier_rank", "queue", "quantum", "deficit", "granted",
-                 "in_ring", "lane", "running", "running_model_units", "served_cost")
+                 "in_ring", "lane", "running", "served_cost")
 
     def __init__(self, policy: TenantPolicy, endpoint_quantum: float,
                  order: OrderKey = priority_order) -> None:
@@ -37,7 +37,6 @@ class TenantFlow:
         self.in_ring = False
         self.lane: deque[TenantFlow] | None = None  # the ring lane it waits in
         self.running = 0
-        self.running_model_units = 0.0
         self.served_cost = 0.0
 
     @property

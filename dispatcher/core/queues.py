@@ -36,14 +36,13 @@ def arrival_order(request: Request) -> Key:
 class TenantQueue:
     """Requests of one tenant on one endpoint, best first."""
 
-    __slots__ = ("_heap", "_live", "_order", "queued_cost", "queued_model_units")
+    __slots__ = ("_heap", "_live", "_order", "queued_model_units")
 
     def __init__(self, order: OrderKey = priority_order) -> None:
         self._order = order
         # Entries are [*key, request-or-None]; None marks a cancelled request.
         self._heap: list[list] = []
         self._live: dict[str, list] = {}
-        self.queued_cost = 0.0
         self.queued_model_units = 0.0
 
     def __len__(self) -> int:
@@ -56,7 +55,6 @@ class TenantQueue:
         entry = [*self._order(request), request]
         heapq.heappush(self._heap, entry)
         self._live[request.id] = entry
-        self.queued_cost += request.charged_cost
         self.queued_model_units += request.model_units
 
     def peek(self) -> Request | None:
@@ -102,8 +100,6 @@ class TenantQueue:
     def _forget(self, request: Request) -> None:
         del self._live[request.id]
         if self._live:
-            self.queued_cost -= request.charged_cost
             self.queued_model_units -= request.model_units
         else:  # reset so float error cannot accumulate over a long life
-            self.queued_cost = 0.0
             self.queued_model_units = 0.0

@@ -18,8 +18,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Literal
 
+from broker_config.config import Config, Endpoint, Registry
 from costmodel.estimate import OutputEstimator
-from costmodel.units import ModelProfile
+from costmodel.units import Capacity, ModelProfile, Usage
 from dispatcher.core.admission import (
     Check,
     LimiterStore,
@@ -29,18 +30,10 @@ from dispatcher.core.admission import (
     request_tokens,
     throttle,
 )
-from dispatcher.core.config import Config, Endpoint, Registry
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.queues import arrival_order, priority_order
 from dispatcher.core.tiers import FifoSelector, Selector, TierLadder
-from dispatcher.core.types import (
-    Batch,
-    Capacity,
-    Decision,
-    Outcome,
-    Request,
-    Usage,
-)
+from dispatcher.core.types import Decision, Outcome, Request, Selection
 
 Policy = Literal["fairq", "fifo"]
 RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
@@ -190,7 +183,7 @@ class Scheduler:
     # -- dispatch ----------------------------------------------------------------
 
     def next_batch(self, endpoint_name: str, free: Capacity, now: float,
-                   total: Capacity | None = None) -> Batch:
+                   total: Capacity | None = None) -> Selection:
         """Fill `free` with the next requests, in tier -> DRR -> priority order.
 
         `total` is the worker's whole capacity (default: the endpoint's batch setting);
@@ -201,7 +194,7 @@ class Scheduler:
         total = total or endpoint.default_total
         selector = endpoint.selector
         reserve = endpoint.reserve(total)
-        batch = Batch()
+        batch = Selection()
         # The room left, unpacked: this loop is the dispatcher's hot path.
         seqs, tokens, units = free.sequences, free.tokens, free.model_units
         set_aside = 0
@@ -368,7 +361,6 @@ class Scheduler:
 
     def _estimate(self, endpoint: EndpointQueues, request: Request) -> None:
         output = self.estimator.estimate((request.tenant, request.endpoint), request.max_tokens)
-        request.estimated_output_tokens = output
         request.model_units = endpoint.profile.model_units(
             request.input_tokens, output, request.other_units)
         request.charged_cost = self._cost(endpoint, request.input_tokens, output,
@@ -418,12 +410,10 @@ class Scheduler:
         request.dispatched_at = now
         self._running[(request.tenant, request.id)] = (request, flow)
         flow.running += 1
-        flow.running_model_units += request.model_units
         endpoint.running += 1
 
     def _stop(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request) -> None:
         flow.running -= 1
-        flow.running_model_units -= request.model_units
         endpoint.running -= 1
         self._mark_absent_if_idle(endpoint, flow)
 

@@ -8,15 +8,19 @@ give the same result. The loop mirrors what the network dispatcher does with wor
   instant before any dispatch;
 - an arrival goes through `Scheduler.admit` with an in-process limiter store; a
   rejection is recorded with its outcome;
+- the replicas are the workers of a `WorkerPool`, whose ledger holds what was sent to
+  each and not finished; they are offered work in the pool's order (`by_load`: least
+  model-unit load first, replicas without a free sequence skipped), as the dispatcher
+  offers it to its workers;
 - a replica that is not in the middle of a step asks `next_batch` for its free
-  capacity: sequences = max_sequences - running - waiting, tokens = KV-cache tokens
-  minus input + max_tokens of everything sent to it and not finished (the dispatcher's
-  own reservation, which bounds the engine's real use, so the engine's own queue never
-  holds work the dispatcher could still reorder), model units = the endpoint's batch
-  model units minus the estimates in flight; `total` is the replica's whole capacity;
+  capacity (`Worker.free()`): sequences = max_sequences - requests sent and not
+  finished, tokens = KV-cache tokens minus input + max_tokens of those requests (the
+  dispatcher's own reservation, which bounds the engine's real use, so the engine's own
+  queue never holds work the dispatcher could still reorder), model units = the
+  endpoint's batch model units minus their estimates; `total` is its whole capacity;
 - the batch goes into the replica's `BatchingEngineModel`, which then runs one step;
   the step's first tokens and finishes happen when the step ends; a finished request
-  is settled with `Scheduler.complete` and its real usage.
+  leaves the pool's ledger and is settled with `Scheduler.complete` and its real usage.
 
 Each endpoint has its own `replicas` engines, all with the same `EngineParams`, and the
 scheduler's throttle is told the endpoint's capacity (replicas x the profile's
@@ -31,17 +35,24 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from broker_config.config import Config, Tier, UnlistedTenants
 from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
+from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore
-from dispatcher.core.config import Config, Tier, UnlistedTenants
-from dispatcher.core.fairness import DEFAULT_METRICS, MetricOptions, RequestRecord, summarize
+from dispatcher.core.fairness import (
+    DEFAULT_METRICS,
+    MetricOptions,
+    RequestRecord,
+    summarize,
+)
 from dispatcher.core.scheduler import Policy, Scheduler
-from dispatcher.core.types import Capacity, Outcome, Request, Usage
+from dispatcher.core.types import Outcome, Request
+from dispatcher.core.workers import Worker, WorkerPool
 
 # Event kinds, in the order they are handled at one instant.
 _STEP_END = 0
@@ -118,19 +129,9 @@ class _Entry:
 
 @dataclass(slots=True, eq=False)
 class _Replica:
-    endpoint: str
+    worker: Worker  # its entry in the pool: capacity, and what was sent and not finished
     engine: BatchingEngineModel
-    total: Capacity
-    reserved_tokens: int = 0
-    reserved_units: float = 0.0
-    inflight: dict[int, _Entry] = field(default_factory=dict)
     step: StepResult | None = None  # the step under way, applied when it ends
-
-    def free(self) -> Capacity:
-        engine = self.engine
-        return Capacity(engine.params.max_sequences - engine.running - engine.waiting,
-                        self.total.tokens - self.reserved_tokens,
-                        self.total.model_units - self.reserved_units)
 
 
 class Simulation:
@@ -146,14 +147,19 @@ class Simulation:
         self.scheduler = Scheduler(config, policy=policy)
         self.store = MemoryLimiterStore()
         self.default_endpoint = next(iter(config.endpoints))
+        # Replicas never go silent: the simulator drives no heartbeats.
+        self.pool = WorkerPool(timeout_s=math.inf)
+        # In creation order: the order of their step ends at one instant.
         self.replicas: list[_Replica] = []
         for name, spec in config.endpoints.items():
             total = Capacity(self.params.max_sequences, self.params.kv_cache_tokens,
                              spec.batch.model_units)
-            self.replicas += [_Replica(name, BatchingEngineModel(self.params), total)
-                              for _ in range(replicas)]
+            for i in range(replicas):
+                worker = self.pool.add(f"{name}-{i}", name, total, 0.0)
+                self.replicas.append(_Replica(worker, BatchingEngineModel(self.params)))
             profile = self.scheduler.registry.profile(name)
             self.scheduler.set_capacity(name, replicas * profile.capacity_mu_per_s)
+        self._replica_of = {r.worker.worker_id: r for r in self.replicas}
         self.entries = [self._entry(i, record) for i, record in enumerate(trace)]
         self._events: list[tuple[float, int, int]] = [
             (e.request.arrival, _ARRIVAL, i) for i, e in enumerate(self.entries)]
@@ -187,9 +193,14 @@ class Simulation:
                     self._arrive(self.entries[index])
             for request in self.scheduler.expire(self.now):
                 self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
-            for index, replica in enumerate(self.replicas):
+            # Over every endpoint at once, like the dispatcher's pass: endpoints share no
+            # queue, so the order between them changes nothing.
+            for worker in self.pool.by_load():
+                replica = self._replica_of[worker.worker_id]
                 if replica.step is None:
                     self._dispatch(replica)
+            for index, replica in enumerate(self.replicas):
+                if replica.step is None:
                     self._start_step(index, replica)
         if self.scheduler.queued_count():
             raise RuntimeError(
@@ -206,19 +217,18 @@ class Simulation:
         entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
 
     def _dispatch(self, replica: _Replica) -> None:
-        batch = self.scheduler.next_batch(replica.endpoint, replica.free(), self.now,
-                                          replica.total)
-        for request in batch.expired:
+        worker = replica.worker
+        selection = self.scheduler.next_batch(worker.endpoint, worker.free(), self.now,
+                                              worker.capacity)
+        for request in selection.expired:
             self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
-        for request in batch.requests:
-            entry = self.entries[request.payload]
+        for request in selection.requests:
             # The engine runs in dispatch order, except that requests of tenants below
             # their fair share go first (as the worker asks vLLM to).
-            replica.engine.add(request.payload, request.input_tokens, entry.output_tokens,
+            replica.engine.add(request.payload, request.input_tokens,
+                               self.entries[request.payload].output_tokens,
                                priority=int(request.expedited))
-            replica.inflight[request.payload] = entry
-            replica.reserved_tokens += request.input_tokens + request.max_tokens
-            replica.reserved_units += request.model_units
+            self.pool.assign(worker, request, self.now)
 
     def _start_step(self, index: int, replica: _Replica) -> None:
         if replica.engine.idle:
@@ -230,21 +240,28 @@ class Simulation:
         step = replica.step
         assert step is not None
         replica.step = None
+        # The engine's sequence ids are the trace indexes (`Request.payload`).
         for seq in step.first_tokens:
-            replica.inflight[seq].first_token = self.now
+            self.entries[seq].first_token = self.now
         for seq in step.finished:
-            entry = replica.inflight.pop(seq)
+            entry = self.entries[seq]
             entry.finished = self.now
             request = entry.request
-            replica.reserved_tokens -= request.input_tokens + request.max_tokens
-            replica.reserved_units -= request.model_units
-            completed = self.scheduler.complete(
-                request.tenant, request.id,
-                Usage(request.input_tokens, entry.output_tokens), self.now)
+            self.pool.complete(replica.worker.worker_id, (request.tenant, request.id))
+            completed = self.scheduler.complete(request.tenant, request.id,
+                                                self._usage(entry), self.now)
             if completed is not None and completed.refund is not None:
                 self.store.refund(completed.refund)
-        if not replica.inflight:
-            replica.reserved_units = 0.0  # an idle replica holds nothing: drop float drift
+
+    def _usage(self, entry: _Entry) -> Usage:
+        """What the request consumed, as a worker reports it: its other units (images)
+        too, else the correction of its charge would refund their cost."""
+        request = entry.request
+        profile = self.scheduler.endpoints[request.endpoint].profile
+        return Usage(request.input_tokens, entry.output_tokens,
+                     profile.model_units(request.input_tokens, entry.output_tokens,
+                                         request.other_units),
+                     other_units=request.other_units)
 
     @staticmethod
     def _record(entry: _Entry) -> RequestRecord:

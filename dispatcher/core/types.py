@@ -71,51 +71,11 @@ class Request:
     # Filled in by the scheduler on admission and dispatch.
     charged_cost: float = 0.0  # DRR charge at dispatch, in the endpoint's cost unit
     model_units: float = 0.0  # estimated model units, for throttle, routing and capacity
-    estimated_output_tokens: int = 0
     dispatched_at: float | None = None
     # Dispatched while its tenant ran less than its fair share: the worker asks the
     # engine to schedule it ahead of the rest (engine priority), so a newcomer's first
     # token does not wait behind a flooding tenant's prefills.
     expedited: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class Capacity:
-    """Room on a worker, in the three dimensions a batch can run out of."""
-
-    sequences: int
-    tokens: int
-    model_units: float
-
-    def fits(self, need: Capacity) -> bool:
-        return (
-            need.sequences <= self.sequences
-            and need.tokens <= self.tokens
-            and need.model_units <= self.model_units
-        )
-
-    def minus(self, used: Capacity) -> Capacity:
-        return Capacity(
-            self.sequences - used.sequences,
-            self.tokens - used.tokens,
-            self.model_units - used.model_units,
-        )
-
-    def scaled(self, factor: float) -> Capacity:
-        return Capacity(
-            round(self.sequences * factor),
-            round(self.tokens * factor),
-            self.model_units * factor,
-        )
-
-
-@dataclass(slots=True, frozen=True)
-class Usage:
-    """What a request really consumed, reported by the worker on completion."""
-
-    input_tokens: int
-    output_tokens: int
-    other_units: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,7 +95,7 @@ ADMITTED = Decision(Outcome.ADMITTED)
 
 
 @dataclass(slots=True)
-class Batch:
+class Selection:
     """What `next_batch` hands back: requests to send, and requests it dropped."""
 
     requests: list[Request] = field(default_factory=list)

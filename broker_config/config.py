@@ -1,5 +1,10 @@
 """The fairq configuration: one TOML file parsed into typed, validated structures.
 
+Every part reads its settings from here: the scheduling core (endpoints, tiers,
+tenants, profiles), the broker (`[broker]`), the dispatcher service (`[dispatcher]`) and
+the workers (`[workers]`). Each default is written once, on its field; command-line
+flags only override what the file says.
+
 Errors name the file, the field (as a path such as `tenants.acme.weight`) and the bad
 value, so a typo in production config is found from the message alone.
 """
@@ -16,7 +21,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from costmodel.units import ModelProfile
+from broker_config.subjects import TOKEN_PATTERN, Subjects
+from costmodel.units import UNLIMITED_MODEL_UNITS, ModelProfile
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
@@ -25,7 +31,10 @@ Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 CostMode = Literal["request", "token", "model_units"]
-EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "example.toml"
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "example.toml"
+# The simulated engine's timing (a costmodel.engine_model.EngineParams TOML).
+EXAMPLE_ENGINE = EXAMPLE_CONFIG.parent / "engine.toml"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 class ConfigError(ValueError):
@@ -61,7 +70,7 @@ class BatchCapacity(msgspec.Struct, forbid_unknown_fields=True):
 
     sequences: PositiveInt = 64
     tokens: PositiveInt = 262_144
-    model_units: Positive = 1e9
+    model_units: Positive = UNLIMITED_MODEL_UNITS
 
 
 class Endpoint(msgspec.Struct, forbid_unknown_fields=True):
@@ -95,13 +104,105 @@ class UnlistedTenants(msgspec.Struct, forbid_unknown_fields=True):
     weight: Positive = 1.0
 
 
+# -- the services' settings ([broker], [dispatcher], [workers]) ---------------------------
+
+# The server rejects shorter duplicate windows.
+MIN_DUPLICATE_WINDOW_S = 0.1
+# Durations are finite: a year is longer than any setting means.
+MAX_SECONDS = 365 * 86_400.0
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
+ByteLimit = Annotated[int, msgspec.Meta(ge=-1)]  # -1: unlimited
+
+
+class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The broker's knobs (`[broker]`): subjects, the requests stream, the results bucket."""
+
+    prefix: Annotated[str, msgspec.Meta(pattern=f"^{TOKEN_PATTERN}$")] = "fq"
+    # Per (endpoint, tenant): unfinished requests the broker holds before refusing more.
+    max_queued_per_subject: PositiveInt = 20_000
+    # Same Nats-Msg-Id within this window is stored once. The window is stream-wide, not
+    # per tenant, so it is kept at the server's minimum: the dispatcher de-duplicates by
+    # (tenant, id) itself, and a long window would drop another tenant's request that
+    # happens to reuse an id (docs/protocol.md, "Deduplication").
+    duplicate_window_s: Annotated[float, msgspec.Meta(ge=MIN_DUPLICATE_WINDOW_S)] = 0.1
+    # 0 keeps unfinished requests until acked; otherwise they are dropped after this age.
+    max_age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    max_bytes: ByteLimit = -1
+    max_msg_size: ByteLimit = -1
+    # Consumers on the requests stream: the dispatcher makes one per tenant with requests.
+    # Set explicitly: nats-server 2.15 caps a stream without it at 1,000 consumers. Each
+    # costs about 50 KB in the server.
+    max_consumers: PositiveInt = 10_000
+    storage: Literal["file", "memory"] = "file"
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    results_ttl_s: Annotated[float, msgspec.Meta(ge=1)] = 86_400.0
+    results_max_bytes: ByteLimit = -1
+
+    def __post_init__(self) -> None:
+        if self.max_age_s and self.duplicate_window_s > self.max_age_s:
+            raise ValueError(f"duplicate_window_s ({self.duplicate_window_s}) must not exceed "
+                             f"max_age_s ({self.max_age_s})")
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+
+class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The dispatcher service's knobs (`[dispatcher]`)."""
+
+    # Arrived requests handed to admission at once (one results lookup round trip).
+    intake_batch: PositiveInt = 256
+    # Per tenant: waiting requests held in the dispatcher (the rest stay in the stream).
+    tenant_window: PositiveInt = 64
+    # Per tenant: requests held at all, waiting or running (the consumer's max_ack_pending;
+    # must exceed what one tenant may run at once).
+    max_ack_pending: PositiveInt = 1_000
+    # How often the stream is listed for tenants the config does not name.
+    discover_s: PositiveSeconds = 0.25
+    # JetStream redelivers what is not acked within this; held messages are marked in
+    # progress every third of it.
+    ack_wait_s: PositiveSeconds = 60.0
+    # A worker silent this long is out of rotation and its requests are requeued.
+    worker_timeout_s: PositiveSeconds = 5.0
+    # After a (re)start, wait this long for heartbeats before dispatching, so requests
+    # still running on workers are recognised instead of run twice.
+    settle_s: Seconds = 1.5
+    # On SIGTERM, how long running requests may finish before the rest is handed back.
+    grace_s: Seconds = 30.0
+    # Period of the maintenance loop (deadlines, silent workers, ack-wait extensions).
+    tick_s: PositiveSeconds = 0.25
+    # The broker runs with per-tenant users: `Fq-Reply` must lie in the tenant's inbox.
+    tenant_inboxes: bool = False
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.tenant_window <= self.max_ack_pending:
+            raise ValueError(f"tenant_window ({self.tenant_window}) must be at least 2 and at "
+                             f"most max_ack_pending ({self.max_ack_pending})")
+
+
+class WorkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every worker's knobs (`[workers]`)."""
+
+    heartbeat_interval_s: PositiveSeconds = 1.0
+    # On SIGTERM, how long in-flight requests may take to finish.
+    drain_timeout_s: Seconds = 30.0
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     endpoints: dict[Name, Endpoint]
     tiers: list[Tier]
     profiles: dict[Name, ModelProfile] = msgspec.field(default_factory=dict)
     tenants: dict[Name, Tenant] = msgspec.field(default_factory=dict)
     unlisted_tenants: UnlistedTenants = msgspec.field(default_factory=UnlistedTenants)
-    subject_prefix: Name = "fq"
+    broker: BrokerSettings = msgspec.field(default_factory=BrokerSettings)
+    dispatcher: DispatcherOptions = msgspec.field(default_factory=DispatcherOptions)
+    workers: WorkerOptions = msgspec.field(default_factory=WorkerOptions)
+
+    @property
+    def subjects(self) -> Subjects:
+        return self.broker.subjects
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
-from dispatcher.core.config import EXAMPLE_CONFIG, ConfigError, load_config
 from dispatcher.core.fairness import RequestRecord, service_over_time
 from dispatcher.core.sim import SimResult, scheduling_only, simulate
 from producers.loadgen import TraceError, noisy_neighbour, read_trace

@@ -1,0 +1,214 @@
+"""The admission step: what intake hands over becomes queued requests or final errors.
+
+For a batch of arrived messages (`Admission.batch`, the intake's handler):
+
+1. parse each against the wire contract; a message that breaks it is answered
+   `invalid_request` where that is safe and terminated;
+2. look up stored results for the whole batch at once (one round trip);
+3. per (tenant, id): a request already held is not admitted twice (a redelivery of the
+   held message refreshes its ack token; a second publish of the same id is terminated,
+   the first answers); a request with a stored final event (it finished before a restart,
+   or was cancelled while in the stream) gets that event again and is acked; a request a
+   worker reports running is adopted (acked when it completes, never run twice);
+4. everything else goes through admission: `Scheduler.check`, the limiter store,
+   `Scheduler.enqueue`; a rejection is stored as the request's final event, sent to its
+   reply subject, and the message terminated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from broker_config import jetstream, wire
+from broker_config.config import Config, DispatcherOptions
+from broker_config.direct_get import DirectGetError
+from broker_config.subjects import Subjects
+from dispatcher.convert import to_error_event, to_request
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.types import Decision, Outcome, Request
+from dispatcher.core.workers import Key, WorkerPool
+from dispatcher.held import Held, HeldRequests
+from dispatcher.metrics import DispatcherMetrics
+from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
+from dispatcher.results import Results
+
+log = logging.getLogger("fairq.dispatcher")
+
+# A failed results lookup hands its batch back this soon (not after the whole ack wait).
+LOOKUP_RETRY_S = 1.0
+# A request cancelled while still in the stream is refused at admission for this long
+# (its stored `cancelled` event covers it after that, and across restarts).
+CANCEL_MEMORY_S = 300.0
+CANCELLED = Decision(Outcome.CANCELLED, "cancelled by the client")
+
+
+class Admission:
+    def __init__(self, config: Config, options: DispatcherOptions, subjects: Subjects,
+                 scheduler: Scheduler, limiter: AsyncLimiterStore, pool: WorkerPool,
+                 held: HeldRequests, results: Results, metrics: DispatcherMetrics,
+                 backlog: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self.config = config
+        self.options = options
+        self.subjects = subjects
+        self.scheduler = scheduler
+        self.limiter = limiter
+        self.pool = pool
+        self.held = held
+        self.results = results
+        self.metrics = metrics
+        self.backlog = backlog
+        # (endpoint, tenant) -> [admitted, rejected] since start, for the depth API. Only
+        # tenants the registry knows, so a flood of made-up names cannot grow it.
+        self.counts: dict[tuple[str, str], list[int]] = {}
+        # Requests cancelled while in the stream -> when: admission may already be
+        # looking at one of them (see `Api.cancel`).
+        self.cancelled: dict[Key, float] = {}
+
+    async def batch(self, messages: list[Msg]) -> None:
+        """Parse an arrived batch, look up stored results for all of it at once, then
+        admit in arrival order."""
+        parsed: list[tuple[Msg, wire.Submission]] = []
+        for msg in messages:
+            try:
+                parsed.append((msg, wire.parse_submission(
+                    msg.subject, msg.data, msg.headers, self.subjects,
+                    tenant_inboxes=self.options.tenant_inboxes)))
+            except wire.WireError as error:
+                await _guarded(self._refuse_unparsed(msg, error), msg)
+        try:
+            stored = await self.results.lookup([(sub.tenant, sub.id) for _, sub in parsed])
+        except DirectGetError as exc:
+            log.error("results lookup failed (%s); %d requests handed back", exc, len(parsed))
+            for msg, _ in parsed:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak(delay=LOOKUP_RETRY_S)
+            return
+        for msg, submission in parsed:
+            await _guarded(self._take(msg, submission,
+                                      stored.get((submission.tenant, submission.id))), msg)
+
+    async def _take(self, msg: Msg, submission: wire.Submission,
+                    stored: wire.StoredResult | None) -> None:
+        now = time.time()
+        key = (submission.tenant, submission.id)
+        held = self.held.get(key)
+        if held is not None:
+            if held.msg.metadata.sequence.stream == msg.metadata.sequence.stream:
+                held.msg = msg  # our own message, redelivered: keep its newest ack token
+            else:
+                await msg.term()  # the same id published again: the first one answers
+            return
+        if stored is not None:  # finished before a restart or a redelivery, or cancelled
+            await self.results.publish(submission.reply, submission.encoding, stored.event)
+            await msg.ack()
+            return
+        published_at, deliveries = jetstream.delivery_of(msg.reply)
+        # Its queue wait and its place in line count from its publish, not from intake.
+        held = Held(msg, submission, min(now, published_at))
+        worker = self.pool.running_on(key)
+        if worker is not None:
+            held.worker = worker
+            self.held.adopted[key] = held
+            self.pool.adopt(worker, key)
+            return
+        # The wait in the stream counts against the latency target on the first delivery
+        # only: a redelivery (after a restart) was admitted once and has waited for us.
+        await self.admit(held, now, now - held.received_at if deliveries == 1 else 0.0)
+
+    async def admit(self, held: Held, now: float, waited_s: float = 0.0) -> None:
+        """Admission proper: checks, the limiter store, then the scheduler's queue."""
+        sub = held.submission
+        if await self._cancelled_meanwhile(held, now):
+            return
+        spec = self.config.endpoints.get(sub.endpoint)
+        request = to_request(sub, held.received_at, spec.max_tokens_cap if spec else 1, held)
+        result = self.scheduler.check(
+            request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
+        if isinstance(result, list):
+            try:
+                result = await self.limiter.apply(result, now)
+            except LimiterUnavailable as exc:
+                log.error("rate limiter unavailable: %s", exc)
+                await self.results.finish(held.msg, sub, wire.ErrorEvent(
+                    sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0), now)
+                self.metrics.child(self.metrics.admissions, sub.endpoint, "internal").inc()
+                return
+        if await self._cancelled_meanwhile(held, now):  # while the limiter answered
+            return
+        endpoint_label = sub.endpoint if spec is not None else "unknown"
+        self.metrics.child(self.metrics.admissions, endpoint_label, result.outcome.value).inc()
+        if result.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
+            counts = self.counts.setdefault((sub.endpoint, sub.tenant), [0, 0])
+            counts[0 if result.admitted else 1] += 1
+        if not result.admitted:
+            await self.reject(held, result, now)
+            return
+        self.scheduler.enqueue(request, now)
+        self.held.admitted[held.key] = held
+
+    def adopt_running(self) -> None:
+        """Adopt the queued requests a worker's heartbeat says it runs: after a restart,
+        redelivered requests can be taken in before the first heartbeats arrive. Called
+        once the dispatcher has settled, before its first dispatch, so none runs twice."""
+        for key, held in list(self.held.admitted.items()):
+            worker = self.pool.running_on(key)
+            if worker is not None and self.scheduler.cancel(*key) is not None:
+                del self.held.admitted[key]
+                held.worker = worker
+                self.held.adopted[key] = held
+                self.pool.adopt(worker, key)
+
+    async def _cancelled_meanwhile(self, held: Held, now: float) -> bool:
+        """A request cancelled while it was in the stream is never admitted."""
+        if held.key not in self.cancelled:
+            return False
+        await self.reject(held, CANCELLED, now)
+        return True
+
+    def _waiting_in_stream(self, endpoint: str, tenant: str) -> int:
+        """The tenant's requests to `endpoint` the stream holds beyond the one being
+        admitted and those already queued or running here (as of the last listing)."""
+        unfinished = self.backlog().get((endpoint, tenant), 0)
+        flow = self.scheduler.flow(endpoint, tenant) if endpoint in self.config.endpoints \
+            else None
+        here = len(flow.queue) + flow.running if flow is not None else 0
+        return max(0, unfinished - here - 1)
+
+    async def _refuse_unparsed(self, msg: Msg, error: wire.WireError) -> None:
+        """A message that is not a valid request: answer where we safely can, then drop."""
+        log.info("invalid request on %s: %s", msg.subject, error)
+        event = error.to_event()
+        tenant = self.subjects.tenant_of(msg.subject)
+        if error.request_id and tenant:  # the id is spent: its result is this error
+            await self.results.store(tenant, "", event, time.time())
+        await self.results.publish(error.reply, error.encoding, event)
+        await msg.term()
+
+    async def reject(self, held: Held, decision: Decision, now: float) -> None:
+        """End a held request with `decision`'s error (it was never sent to a worker)."""
+        await self.results.finish(held.msg, held.submission,
+                                  to_error_event(held.submission.id, decision), now)
+
+    async def drop_expired(self, requests: Iterable[Request], now: float) -> None:
+        """Queued requests whose deadline passed before they were dispatched."""
+        for request in requests:
+            held = self.held.admitted.pop((request.tenant, request.id))
+            await self.reject(held, Decision(Outcome.DEADLINE_EXCEEDED,
+                                             "the deadline passed while queued"), now)
+
+    def forget_old_cancels(self, now: float) -> None:
+        self.cancelled = {k: at for k, at in self.cancelled.items()
+                          if now - at < CANCEL_MEMORY_S}
+
+
+async def _guarded(step: Awaitable[None], msg: Msg) -> None:
+    try:
+        await step
+    except Exception:
+        log.exception("intake of %s failed; it will be redelivered", msg.subject)

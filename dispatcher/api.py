@@ -1,0 +1,236 @@
+"""The request/reply APIs of the wire contract: status, cancel and depth.
+
+Every request between its publish acknowledgement and its final event answers `queued`
+(with its position in its tenant's line) or `running`, and can be cancelled, wherever it
+is: queued in the scheduler, running on a worker, or still waiting in the stream beyond
+its tenant's intake window. The last are found by reading the tenant's messages in the
+stream (batch direct gets, in stream order). Cancelling one of those stores its
+`cancelled` final event first, then deletes its message: intake consults stored results
+before admitting anything, so the cancel holds even if this dispatcher dies in between,
+and admission refuses a request cancelled while it was being admitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from broker_config import wire
+from broker_config.config import Config
+from broker_config.direct_get import DirectBatchGet, StoredMessage
+from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, Subjects
+from dispatcher.admit import CANCELLED, Admission
+from dispatcher.convert import to_error_event
+from dispatcher.core.scheduler import DepthRow, Scheduler
+from dispatcher.core.workers import Key
+from dispatcher.held import HeldRequests
+from dispatcher.results import Results
+
+log = logging.getLogger("fairq.dispatcher")
+
+# Messages read per round trip when looking for a request in the stream.
+SCAN_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class InStream:
+    """A request found in the stream, not yet taken in by the dispatcher."""
+
+    seq: int
+    submission: wire.Submission | None  # None: it breaks the contract (intake answers it)
+    waiting_before: int  # the tenant's requests to the same endpoint ahead of it
+
+
+class Api:
+    def __init__(self, nc: NATS, config: Config, subjects: Subjects, scheduler: Scheduler,
+                 held: HeldRequests, admission: Admission, results: Results,
+                 stream: DirectBatchGet,
+                 backlog: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self.nc = nc
+        self.config = config
+        self.subjects = subjects
+        self.scheduler = scheduler
+        self.held = held
+        self.admission = admission
+        self.results = results
+        self.stream = stream
+        self.backlog = backlog
+
+    # -- status ----------------------------------------------------------------------------
+
+    async def on_status(self, msg: Msg) -> None:
+        tenant, query = await self._query(msg, wire.STATUS_REQUEST)
+        if query is None:
+            return
+        await _respond(msg, await self.status((tenant, query.id)))
+
+    async def status(self, key: Key) -> wire.StatusReply:
+        request_id = key[1]
+        state = self.scheduler.state(*key)
+        if state is not None:
+            return wire.StatusReply(request_id, state[0], position=state[1])
+        if key in self.held.adopted:
+            return wire.StatusReply(request_id, "running")
+        stored = await self.results.get(key)
+        if stored is not None:
+            finished = "done" if isinstance(stored.event, wire.DoneEvent) else "failed"
+            return wire.StatusReply(request_id, finished, result=stored.event)
+        found = await self.find_in_stream(key)
+        if found is None:
+            return wire.StatusReply(request_id, "unknown")
+        position = found.waiting_before
+        if found.submission is not None:
+            flow = self.scheduler.flow(found.submission.endpoint, key[0]) \
+                if found.submission.endpoint in self.scheduler.endpoints else None
+            position += len(flow.queue) if flow is not None else 0
+        return wire.StatusReply(request_id, "queued", position=position)
+
+    # -- cancel ----------------------------------------------------------------------------
+
+    async def on_cancel(self, msg: Msg) -> None:
+        tenant, query = await self._query(msg, wire.CANCEL_REQUEST)
+        if query is None:
+            return
+        cancelled = await self.cancel((tenant, query.id))
+        await _respond(msg, wire.CancelReply(query.id, cancelled))
+
+    async def cancel(self, key: Key) -> bool:
+        if await self._cancel_taken(key):
+            return True
+        found = await self.find_in_stream(key)
+        if found is None or found.submission is None:
+            return False
+        now = time.time()
+        self.admission.cancelled[key] = now
+        submission = found.submission
+        event = to_error_event(submission.id, CANCELLED)
+        await self.results.store(submission.tenant, submission.endpoint, event, now)
+        await self.results.publish(submission.reply, submission.encoding, event)
+        try:
+            await self.nc.jetstream().delete_msg(self.subjects.requests_stream, found.seq)
+        except NotFoundError:
+            pass  # taken in meanwhile: its stored event answers it there
+        await self._cancel_taken(key)  # taken in while the event was being stored
+        return True
+
+    async def _cancel_taken(self, key: Key) -> bool:
+        """Cancel a request the dispatcher holds: drop it if queued, abort it if running."""
+        request = self.scheduler.cancel(*key)
+        if request is not None:
+            await self.admission.reject(self.held.admitted.pop(key), CANCELLED, time.time())
+            return True
+        running = self.scheduler.running_request(*key)
+        adopted = self.held.adopted.get(key)
+        if running is None and adopted is None:
+            return False
+        endpoint = running.endpoint if running else adopted.submission.endpoint
+        await self.nc.publish(self.subjects.abort(endpoint), wire.encode(
+            wire.Abort(endpoint=endpoint, tenant=key[0], ids=[key[1]])))
+        return True
+
+    # -- the stream --------------------------------------------------------------------------
+
+    async def find_in_stream(self, key: Key) -> InStream | None:
+        """The request's message if it is still in the stream, read in stream order."""
+        tenant, request_id = key
+        ahead: dict[str, int] = {}  # request subject -> the tenant's messages ahead on it
+        seq = 0
+        while True:
+            messages = await self.stream.scan(self.subjects.tenant_filter(tenant), seq + 1,
+                                              SCAN_BATCH)
+            for message in messages:
+                seq = message.seq
+                if _request_id(message) == request_id:
+                    return InStream(seq, self._parse(message), ahead.get(message.subject, 0))
+                if self.held.get((tenant, _request_id(message) or "")) is None:
+                    ahead[message.subject] = ahead.get(message.subject, 0) + 1
+            if len(messages) < SCAN_BATCH:
+                return None
+
+    def _parse(self, message: StoredMessage) -> wire.Submission | None:
+        try:
+            return wire.parse_submission(message.subject, message.data, message.headers,
+                                         self.subjects,
+                                         tenant_inboxes=self.config.dispatcher.tenant_inboxes)
+        except wire.WireError:
+            return None
+
+    # -- depth -------------------------------------------------------------------------------
+
+    async def on_depth(self, msg: Msg) -> None:
+        if await self._decode(msg, wire.DEPTH_REQUEST) is None:
+            return
+        rows = {(r.endpoint, r.tenant): r for r in self.depth_rows(time.time())}
+        counts = self.admission.counts
+        entries = []
+        for key in rows.keys() | counts.keys():
+            row = rows.get(key)
+            admitted, rejected = counts.get(key, (0, 0))
+            tier = row.tier if row else self.scheduler.registry.tenant(key[1]).tier
+            entries.append(wire.DepthEntry(
+                key[0], tier, key[1], row.queued if row else 0, row.running if row else 0,
+                row.oldest_wait_s if row else 0.0, admitted, rejected))
+        await _respond(msg, wire.DepthReply(sorted(
+            entries, key=lambda e: (e.endpoint, e.tier, e.tenant))))
+
+    def depth_rows(self, now: float) -> list[DepthRow]:
+        """The scheduler's queues, with what is still in the stream counted as queued.
+
+        The stream holds every unfinished request (waiting in the stream, queued here or
+        running), so queued = max(queued here, stream count - running).
+        """
+        backlog = dict(self.backlog())
+        rows = []
+        for row in self.scheduler.depth(now):
+            in_stream = backlog.pop((row.endpoint, row.tenant), 0)
+            rows.append(replace(row, queued=max(row.queued, in_stream - row.running)))
+        for (endpoint, tenant), count in backlog.items():
+            policy = self.scheduler.registry.tenant(tenant)
+            if endpoint in self.config.endpoints and policy is not None:
+                rows.append(DepthRow(endpoint, policy.tier, tenant, count, 0, 0.0))
+        return rows
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def _query(self, msg: Msg, codec: wire.Codec) -> tuple[str, Any]:
+        """(tenant, query) of a status or cancel request; query None once answered."""
+        query = await self._decode(msg, codec)
+        tenant = self.subjects.tenant_of(msg.subject)
+        if query is not None and tenant is None:
+            await _respond(msg, wire.ErrorEvent(
+                query.id, wire.ErrorCode.INVALID_REQUEST,
+                f"invalid tenant in subject {msg.subject[:200]!r}"))
+            return "", None
+        return tenant or "", query
+
+    async def _decode(self, msg: Msg, codec: wire.Codec) -> Any:
+        """The query, or None once answered `invalid_request`."""
+        try:
+            return codec.decode_or_invalid(msg.data or b"{}")
+        except wire.WireError as error:
+            await _respond(msg, error.to_event())
+            return None
+
+
+async def _respond(msg: Msg, reply: Any) -> None:
+    if msg.reply:  # a cancel may be published without waiting for the answer
+        await msg.respond(wire.encode(reply))
+
+
+def _request_id(message: StoredMessage) -> str | None:
+    headers = message.headers or {}
+    header_id = wire.header(headers, HDR_MSG_ID)
+    if header_id is not None:
+        return header_id
+    try:  # no header: the id is in the body (rare; the contract asks for the header)
+        encoding = wire.Encoding.from_content_type(wire.header(headers, HDR_CONTENT_TYPE))
+        return wire.SUBMIT_REQUEST.decode(message.data, encoding).id
+    except (ValueError, wire.WireError):
+        return None

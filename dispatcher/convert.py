@@ -1,0 +1,51 @@
+"""The one place where the scheduling core's types meet the wire's.
+
+    Submission --to_request--> core Request --to_batch_item--> BatchItem (to a worker)
+    core Decision (a rejection) --to_error_event--> ErrorEvent (to the client)
+
+Values that are the same on both sides have one definition and need no conversion:
+`Capacity` (engine limits, heartbeats, batch room), `Usage` (a worker's completion, the
+done event, the scheduler's charge correction), `ChatMessage`.
+"""
+
+from __future__ import annotations
+
+from broker_config import wire
+from costmodel.units import approx_tokens
+from dispatcher.core.types import Decision, Request
+
+
+def prompt_text(body: wire.SubmitRequest) -> str:
+    """The text a request's input tokens are counted from when the client gave no count."""
+    if body.prompt is not None:
+        return body.prompt
+    return "".join(m.content for m in body.messages or ())
+
+
+def to_request(submission: wire.Submission, received_at: float, max_tokens_cap: int,
+               payload: object) -> Request:
+    """The core's view of a submitted request. `max_tokens_cap` stands in for an absent
+    `max_tokens` (the scheduler then caps either to the endpoint's own limit)."""
+    body = submission.request
+    input_tokens = (body.input_tokens if body.input_tokens is not None
+                    else approx_tokens(prompt_text(body)))
+    return Request(submission.id, submission.tenant, submission.endpoint, received_at,
+                   input_tokens, body.max_tokens or max_tokens_cap, priority=body.priority,
+                   deadline=body.deadline, session=body.session,
+                   other_units=float(len(body.images)), payload=payload)
+
+
+def to_batch_item(request: Request, submission: wire.Submission, now: float) -> wire.BatchItem:
+    """What a worker receives for a dispatched request: the body as submitted plus the
+    dispatcher's decisions (the capped `max_tokens`, the engine priority)."""
+    return wire.BatchItem(
+        id=request.id, tenant=request.tenant, endpoint=request.endpoint,
+        request=submission.request, max_tokens=request.max_tokens,
+        expedited=request.expedited, reply=submission.reply, encoding=submission.encoding,
+        enqueued_at=request.arrival, dispatched_at=now)
+
+
+def to_error_event(request_id: str, decision: Decision) -> wire.ErrorEvent:
+    """The error event that tells a client its request was rejected or dropped."""
+    return wire.ErrorEvent(request_id, wire.ErrorCode(decision.outcome.error_code),
+                           decision.message, decision.retry_after_s)

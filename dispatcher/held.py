@@ -1,0 +1,64 @@
+"""The JetStream messages the dispatcher holds, one per request it has taken in and not
+finished: queued in the scheduler, running on a worker it sent it to, or *adopted*
+(running on a worker since before this dispatcher started, found in a heartbeat).
+
+A held message is acked only once its request's final event is stored, terminated when
+the dispatcher itself ends the request (a rejection), and nak'd on shutdown so another
+dispatcher takes it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from broker_config import wire
+from dispatcher.core.workers import Key
+
+
+@dataclass(slots=True)
+class Held:
+    msg: Msg
+    submission: wire.Submission
+    # When it was published (its place in line and queue wait count from there).
+    received_at: float
+    worker: str | None = None  # the worker running it
+
+    @property
+    def key(self) -> Key:
+        return self.submission.tenant, self.submission.id
+
+
+class HeldRequests:
+    def __init__(self) -> None:
+        self.admitted: dict[Key, Held] = {}
+        self.adopted: dict[Key, Held] = {}
+
+    def get(self, key: Key) -> Held | None:
+        return self.admitted.get(key) or self.adopted.get(key)
+
+    def __iter__(self) -> Iterator[Held]:
+        yield from list(self.admitted.values())
+        yield from list(self.adopted.values())
+
+    def running(self) -> bool:
+        """True while a worker runs any of them."""
+        return any(held.worker for held in self)
+
+    async def in_progress(self) -> None:
+        """Tell JetStream every held message is still being worked on (resets its ack wait)."""
+        for held in self:
+            with contextlib.suppress(nats.errors.Error):  # the next extension retries
+                await held.msg.in_progress()
+
+    async def hand_back(self) -> None:
+        """Nak everything (shutdown): another dispatcher gets it without waiting."""
+        for held in self:
+            with contextlib.suppress(nats.errors.Error):  # else redelivered after the ack wait
+                await held.msg.nak()
+        self.admitted.clear()
+        self.adopted.clear()

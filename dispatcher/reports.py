@@ -1,0 +1,144 @@
+"""Worker reports in: heartbeats and completions, and what follows from their absence.
+
+- A heartbeat updates the worker in the pool; whatever the pool decides the worker no
+  longer has (it restarted, drained away, or a batch never reached it) goes back into
+  the scheduler's queues, keeping its place by arrival; adopted requests it lost are
+  admitted again.
+- A completion releases the request from its worker, settles it in the scheduler (the
+  tenant's DRR charge corrected with the real usage, unused quota refunded) and acks its
+  JetStream message, or naks it when the worker could not store the final event.
+- `take_back_silent` (from the maintenance tick): workers silent for the pool's timeout
+  leave rotation, and their work is taken back the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from broker_config import wire
+from broker_config.config import Config
+from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects
+from dispatcher.admit import Admission
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.workers import Lost, WorkerPool
+from dispatcher.held import HeldRequests
+from dispatcher.metrics import DispatcherMetrics
+from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
+
+log = logging.getLogger("fairq.dispatcher")
+
+
+class WorkerReports:
+    def __init__(self, config: Config, subjects: Subjects, scheduler: Scheduler,
+                 pool: WorkerPool, held: HeldRequests, admission: Admission,
+                 limiter: AsyncLimiterStore, metrics: DispatcherMetrics,
+                 wake: asyncio.Event) -> None:
+        self.config = config
+        self.subjects = subjects
+        self.scheduler = scheduler
+        self.pool = pool
+        self.held = held
+        self.admission = admission
+        self.limiter = limiter
+        self.metrics = metrics
+        self.wake = wake
+        # Held across a whole completions message: a worker's last heartbeat, which
+        # follows its last completions, must not take back requests being completed.
+        self._lock = asyncio.Lock()
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        beat = wire.HEARTBEAT.decode(msg.data, _encoding(msg))
+        in_flight = set()
+        for key in beat.in_flight:
+            try:
+                in_flight.add(self.subjects.parse_result_key(key))
+            except SubjectError:
+                log.warning("worker %s lists a malformed request key %r", beat.worker_id, key)
+        async with self._lock:
+            lost = self.pool.heartbeat(beat.worker_id, beat.endpoint, beat.started_at,
+                                       beat.capacity, in_flight, beat.healthy, time.time())
+            if lost:
+                log.warning("worker %s no longer has %d requests; taking them back",
+                            beat.worker_id, len(lost.requests) + len(lost.adopted))
+                await self._take_back(lost)
+        worker = self.pool.get(beat.worker_id)
+        self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
+            worker.load)
+        self._update_capacity(worker.endpoint)
+        self.wake.set()
+
+    async def take_back_silent(self, now: float) -> None:
+        for worker, lost in self.pool.silent(now):
+            log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
+                        now - worker.last_seen)
+            await self._take_back(lost)
+            self._update_capacity(worker.endpoint)
+
+    async def _take_back(self, lost: Lost) -> None:
+        """Run lost work again elsewhere."""
+        for request in lost.requests:
+            if self.scheduler.requeue(request.tenant, request.id) is not None:
+                request.payload.worker = None
+        for key in lost.adopted:
+            held = self.held.adopted.pop(key, None)
+            if held is not None:
+                held.worker = None
+                await self.admission.admit(held, time.time())
+
+    def _update_capacity(self, endpoint: str) -> None:
+        """The throttle's view of the endpoint's throughput: healthy workers x profile."""
+        if endpoint not in self.scheduler.endpoints:
+            return
+        profile = self.scheduler.endpoints[endpoint].profile
+        self.scheduler.set_capacity(endpoint,
+                                    self.pool.healthy_count(endpoint) * profile.capacity_mu_per_s)
+
+    async def on_completions(self, msg: Msg) -> None:
+        async with self._lock:
+            for done in wire.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
+                await self._complete(done)
+        self.wake.set()
+
+    async def _complete(self, done: wire.Completion) -> None:
+        key = (done.tenant, done.id)
+        self.pool.complete(done.worker_id, key)
+        completed = self.scheduler.complete(done.tenant, done.id, done.usage, time.time())
+        if completed is not None:
+            held = self.held.admitted.pop(key, None)
+        elif self.scheduler.cancel(*key) is not None:
+            # It finished on a worker while queued here again (taken back from a worker
+            # thought lost, or redelivered after a restart before that worker's first
+            # heartbeat): the result stands, the queued copy must not run.
+            held = self.held.admitted.pop(key, None)
+        else:
+            held = self.held.adopted.pop(key, None)
+        if held is not None:
+            if done.stored:
+                await held.msg.ack()
+            else:
+                await held.msg.nak()  # the final event is not stored: run it again
+        if completed is None:
+            return
+        if completed.refund is not None:
+            try:
+                await self.limiter.refund(completed.refund)
+            except LimiterUnavailable as exc:
+                log.warning("quota refund lost: %s", exc)
+        if done.code is None and done.first_token_at is not None:
+            self._observe(completed.request.endpoint, completed.request.arrival, done)
+
+    def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
+        self.metrics.child(self.metrics.ttft, endpoint).observe(
+            max(0.0, done.first_token_at - received_at))
+        decoding = done.finished_at - done.first_token_at
+        if decoding > 0:
+            self.metrics.child(self.metrics.output_tps, endpoint).observe(
+                done.usage.output_tokens / decoding)
+
+
+def _encoding(msg: Msg) -> wire.Encoding:
+    return wire.Encoding.from_content_type((msg.headers or {}).get(HDR_CONTENT_TYPE))

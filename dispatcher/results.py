@@ -1,0 +1,75 @@
+"""Final events: stored in the results bucket (keyed `<tenant>.<id>`), then published to
+the request's reply subject.
+
+    async with Results(nc, subjects) as results:
+        stored = await results.lookup(keys)        # one batch direct get for many
+        await results.finish(msg, submission, event) # a request the dispatcher ends itself
+
+Stored results answer `status` (async jobs) and redeliveries (a request that finished
+before a restart is answered, not run again). Drain order on exit: the writer fails the
+puts still waiting, then the reader closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from broker_config import jetstream, wire
+from broker_config.direct_get import DirectBatchGet
+from broker_config.kv_writer import KeyValueWriter
+from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
+from dispatcher.core.workers import Key
+
+
+class Results:
+    def __init__(self, nc: NATS, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.bucket = subjects.results_bucket
+        self._stack = contextlib.AsyncExitStack()
+        self._reader: DirectBatchGet | None = None
+        self._writer: KeyValueWriter | None = None
+
+    async def __aenter__(self) -> Results:
+        stack = self._stack
+        self._reader = await stack.enter_async_context(
+            DirectBatchGet(self.nc, jetstream.kv_stream(self.bucket)))
+        self._writer = await stack.enter_async_context(KeyValueWriter(self.nc, self.bucket))
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._stack.aclose()
+
+    def _subject(self, key: Key) -> str:
+        return jetstream.kv_subject(self.bucket, self.subjects.result_key(*key))
+
+    async def lookup(self, keys: list[Key]) -> dict[Key, wire.StoredResult]:
+        """The stored results among `keys`, in one round trip. Raises DirectGetError."""
+        subjects = {self._subject(key): key for key in keys}
+        found = await self._reader.last(list(subjects))
+        return {subjects[subject]: wire.STORED_RESULT.decode(data)
+                for subject, data in found.items()}
+
+    async def get(self, key: Key) -> wire.StoredResult | None:
+        return (await self.lookup([key])).get(key)
+
+    async def store(self, tenant: str, endpoint: str, event: wire.FinalEvent,
+                    now: float) -> None:
+        value = wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event, stored_at=now)
+        await self._writer.put(self.subjects.result_key(tenant, event.id), wire.encode(value))
+
+    async def publish(self, reply: str | None, encoding: wire.Encoding, event: Any) -> None:
+        if reply:
+            await self.nc.publish(reply, wire.encode(event, encoding),
+                                  headers={HDR_CONTENT_TYPE: encoding.content_type})
+
+    async def finish(self, msg: Msg, submission: wire.Submission, event: wire.FinalEvent,
+                     now: float) -> None:
+        """End a request here, without a worker: store, tell the client, drop the message."""
+        await self.store(submission.tenant, submission.endpoint, event, now)
+        await self.publish(submission.reply, submission.encoding, event)
+        await msg.term()

@@ -1,0 +1,217 @@
+"""`fairq up`: a whole fairq system on this machine, its parts run as a deployment runs
+them, until Ctrl-C or SIGTERM.
+
+Start: an embedded nats-server -> a connection -> the dispatcher, in this process (it
+provisions the broker) -> `--workers` worker processes per endpoint of the config
+(`python -m workers --engine sim`, worker ids `<endpoint>-w1`, `-w2`, ...), each in its
+own session with its output in `<log dir>/<worker id>.log`. fairq is up once every
+worker has sent a heartbeat; a worker that exits before that fails the start with the
+end of its log, since restarting would not cure a bad argument or config.
+
+Supervision (`producers.supervisor`): a worker that exits without being asked to is
+restarted under the same worker id after 0.5 s, doubling per further crash up to 30 s,
+back to 0.5 s after a run of 10 s; every exit and restart is printed. The dispatcher
+sees the new `started_at` in the new process's heartbeats and requeues what the dead one
+was running.
+
+Stop order: the workers first (SIGTERM, all at once: each finishes its running requests
+within `[workers] drain_timeout_s`, and the still-running dispatcher acks them; SIGKILL
+5 s past that); then the dispatcher drains (hands back what it still holds); then the
+connection; then the nats-server, which runs in its own session too so the terminal's
+Ctrl-C cannot stop it before its clients have drained. The log directory is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from broker_config.config import (
+    EXAMPLE_CONFIG,
+    EXAMPLE_ENGINE,
+    Config,
+    ConfigError,
+    load_config,
+)
+from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
+from dispatcher.metrics import DispatcherMetrics
+from dispatcher.redis_limits import limiter_from_url
+from dispatcher.service import Dispatcher
+from producers.supervisor import (
+    Backoff,
+    Child,
+    Supervisor,
+    SupervisorError,
+    describe_exit,
+)
+
+# Where `python -m workers` resolves to the same code as this process.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+WORKER_RESTART = Backoff(first_s=0.5, max_s=30.0, stable_s=10.0)
+# A worker gets its drain timeout plus this to exit on SIGTERM before it is killed.
+STOP_MARGIN_S = 5.0
+# Bound on the workers' start: interpreter, imports, connection, first heartbeat.
+START_TIMEOUT_S = 60.0
+_POLL_S = 0.1
+
+
+class StartError(RuntimeError):
+    """The system did not come up; the message says which part and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLauncher:
+    """How `fairq up` runs a simulated worker: all but its endpoint and number. Adding,
+    draining or replacing one is `Supervisor.add(launcher.child(ep, n))`, `.stop(id)`,
+    `.replace(id)`."""
+
+    nats_url: str
+    config_path: Path
+    time_scale: float
+    log_dir: Path
+    stop_timeout_s: float
+
+    def child(self, endpoint: str, n: int) -> Child:
+        """Worker `<endpoint>-w<n>` (n from 1); engine seed n - 1, as in the test stack."""
+        worker_id = f"{endpoint}-w{n}"
+        argv = [sys.executable, "-m", "workers", "--nats", self.nats_url,
+                "--endpoint", endpoint, "--worker-id", worker_id,
+                "--config", str(self.config_path), "--engine", "sim",
+                "--engine-config", str(EXAMPLE_ENGINE), "--time-scale", repr(self.time_scale),
+                "--seed", str(n - 1)]
+        return Child(worker_id, argv, self.log_dir / f"{worker_id}.log", cwd=PACKAGE_ROOT,
+                     stop_timeout_s=self.stop_timeout_s, restart=WORKER_RESTART)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up", help="run nats-server, a dispatcher and simulated worker processes locally",
+        description="Start an embedded nats-server, run a dispatcher on it and simulated "
+                    "workers, each in its own process and restarted if it dies, with the "
+                    "given config until Ctrl-C, which drains and stops them in order.")
+    parser.add_argument("--port", type=int, default=0,
+                        help="NATS port on 127.0.0.1 (default: a free one, printed as NATS_URL)")
+    parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
+    parser.add_argument("--workers", type=int, default=2,
+                        help="simulated worker processes per endpoint")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiplies simulated engine time (0.1 = ten times faster)")
+    parser.add_argument("--redis-url", help="use Redis for rate limits (default: in-process)")
+    parser.add_argument("--metrics-port", type=int, default=9464,
+                        help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free "
+                             "one if that is taken)")
+    parser.add_argument("--log-dir", type=Path,
+                        help="workers' output, one <worker id>.log each (default: a new "
+                             "temporary directory, printed as LOG_DIR and kept)")
+    parser.set_defaults(run=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        return _fail("--workers must be at least 1", 2)
+    if not args.time_scale >= 0:
+        return _fail(f"--time-scale must be >= 0, got {args.time_scale}", 2)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    try:
+        return asyncio.run(_up(args, config))
+    except (EmbeddedServerError, SupervisorError, StartError) as exc:
+        return _fail(str(exc), 1)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"fairq up: {message}", file=sys.stderr)
+    return code
+
+
+def _say(message: str) -> None:
+    print(f"fairq: {message}", flush=True)
+
+
+def _log_dir(path: Path | None) -> Path:
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix="fairq-up-"))
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+async def _up(args: argparse.Namespace, config: Config) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log_dir = _log_dir(args.log_dir)
+    # Left in reverse: workers, dispatcher, limiter, connection, server, metrics.
+    async with contextlib.AsyncExitStack() as stack:
+        metrics = DispatcherMetrics(list(config.endpoints))
+        try:
+            metrics_port = metrics.serve(args.metrics_port)
+        except OSError:  # the default port is taken: any free one, printed below
+            metrics_port = metrics.serve(0)
+        stack.callback(metrics.close)
+        server = await stack.enter_async_context(EmbeddedNatsServer(port=args.port))
+        nc = await nats.connect(server.url, name="fairq-up")
+        stack.push_async_callback(nc.drain)
+        limiter = limiter_from_url(args.redis_url)
+        stack.push_async_callback(limiter.aclose)
+        await stack.enter_async_context(Dispatcher(nc, config, limiter=limiter, metrics=metrics))
+        supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
+        launcher = WorkerLauncher(
+            server.url, args.config.resolve(), args.time_scale, log_dir,
+            stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S)
+        for endpoint in config.endpoints:
+            for n in range(1, args.workers + 1):
+                await supervisor.add(launcher.child(endpoint, n))
+        await _until_serving(nc, config, supervisor, stop, log_dir)
+        if not stop.is_set():
+            print(f"NATS_URL={server.url}", flush=True)
+            print(f"METRICS_URL=http://127.0.0.1:{metrics_port}/metrics", flush=True)
+            print(f"LOG_DIR={log_dir}", flush=True)
+            print(f"fairq is up: {len(supervisor.children)} simulated workers on "
+                  f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
+            await stop.wait()
+        _say("draining...")
+    _say("stopped")
+    return 0
+
+
+async def _until_serving(nc: NATS, config: Config, supervisor: Supervisor,
+                         stop: asyncio.Event, log_dir: Path) -> None:
+    """Until every worker has sent a heartbeat (connected, serving), or `stop` is set.
+    Raises StartError if a worker exits first or the start takes too long."""
+    waiting = set(supervisor.children)
+
+    async def on_heartbeat(msg: Msg) -> None:
+        waiting.discard(msg.subject.rsplit(".", 1)[1])  # <prefix>.int.hb.<endpoint>.<worker>
+
+    subscriptions = [await nc.subscribe(config.subjects.heartbeats(endpoint), cb=on_heartbeat)
+                     for endpoint in config.endpoints]
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while waiting and not stop.is_set():
+                for name in sorted(waiting):
+                    child = supervisor.children[name]
+                    if child.last_crash is not None:
+                        raise StartError(
+                            f"worker {name} {describe_exit(child.last_crash)} before it "
+                            f"served; the end of {child.log_path}:\n{child.log_tail()}")
+                await asyncio.sleep(_POLL_S)
+    except TimeoutError:
+        raise StartError(f"no heartbeat within {START_TIMEOUT_S:g}s from "
+                         f"{', '.join(sorted(waiting))}; their logs are in {log_dir}") from None
+    finally:
+        for subscription in subscriptions:
+            await subscription.unsubscribe()

@@ -1,0 +1,297 @@
+"""`fairq up` as a user runs it: a real subprocess serving requests, a worker process
+killed with SIGKILL and restarted by the supervisor, Ctrl-C stopping everything. Also the
+supervisor on its own: its backoff (pure), and add, stop, replace and restart on small
+processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.subscription import Subscription
+
+from producers.supervisor import Backoff, Child, Supervisor, SupervisorError
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+START_S = 30.0  # fairq up: nats-server, dispatcher, worker interpreters, first heartbeats
+REQUEST_S = 10.0
+RESTART_S = 10.0  # 0.5 s backoff, a new interpreter, its first heartbeat (1 s interval)
+STOP_S = 20.0
+
+
+# -- the backoff, without processes ------------------------------------------------------
+
+
+def test_backoff_doubles_to_its_cap_and_starts_over_after_a_stable_run() -> None:
+    backoff = Backoff(first_s=0.5, max_s=30.0, stable_s=10.0)
+    delays, delay = [], None
+    for _ in range(9):  # crashing at once, every time
+        delay = backoff.next_delay(delay, ran_s=0.1)
+        delays.append(delay)
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert backoff.next_delay(30.0, ran_s=9.9) == 30.0
+    assert backoff.next_delay(30.0, ran_s=10.0) == 0.5  # ran stably: a fresh crash
+
+
+@pytest.mark.parametrize("fields", [{"first_s": 0}, {"first_s": 2, "max_s": 1},
+                                    {"factor": 0.5}, {"stable_s": -1}])
+def test_backoff_refuses_settings_that_could_busy_loop(fields: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Backoff(**fields)
+
+
+# -- the supervisor on small processes ---------------------------------------------------
+
+
+def python_child(name: str, code: str, log_dir: Path, **options: object) -> Child:
+    return Child(name, [sys.executable, "-c", code], log_dir / f"{name}.log", **options)
+
+
+# Says "ready" once its SIGTERM handler is in place; exits 0 on SIGTERM, as a service
+# that drains does.
+SERVE = ("import signal, sys, time\n"
+         "signal.signal(signal.SIGTERM, lambda *_: (print('drained', flush=True), sys.exit(0)))\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(60)")
+# Says "ready", then ignores SIGTERM.
+STUBBORN = ("import signal, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)")
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        pytest.fail(f"not within {timeout_s}s: {what}")
+
+
+async def until_ready(child: Child) -> None:
+    """Until the child's current run has said "ready" (one line per start)."""
+    await until(lambda: child.log_tail().count("ready") == child.starts, f"{child.name} ready")
+
+
+async def test_supervisor_restarts_with_backoff_and_stops_adds_and_replaces(
+        tmp_path: Path) -> None:
+    events: list[str] = []
+    async with Supervisor(on_event=events.append) as supervisor:
+        began = time.monotonic()
+        crasher = await supervisor.add(python_child(
+            "crasher", "raise SystemExit(3)", tmp_path,
+            restart=Backoff(first_s=0.05, max_s=0.2, stable_s=10.0)))
+        once = await supervisor.add(python_child("once", "pass", tmp_path))
+        server = await supervisor.add(python_child("server", SERVE, tmp_path, restart=Backoff()))
+        await until(lambda: crasher.crashes >= 4, "four crashes")
+        # Never a busy loop: the first three restarts waited 0.05, 0.1 and 0.2 s.
+        assert time.monotonic() - began >= 0.35
+        exits = [e for e in events if e.startswith("crasher (pid ") and "restarting" in e]
+        delays = [e.rsplit("restarting in ", 1)[1].split(" ")[0] for e in exits]
+        assert delays[:4] == ["0.05s", "0.1s", "0.2s", "0.2s"], events
+        assert crasher.last_crash == 3 and all("exited with code 3" in e for e in exits)
+        # No restart policy: it stays down and says so.
+        await until(lambda: once.crashes == 1, "once exited")
+        assert once.starts == 1 and not once.running
+        assert any(e.startswith("once (pid ") and e.count("not restarted") for e in events)
+
+        # Replace under the same name: the old process drains before the new one starts.
+        await until_ready(server)
+        old_pid = server.pid
+        assert await supervisor.replace("server") is server
+        assert server.starts == 2 and server.running and server.pid != old_pid
+        assert server.crashes == 0  # the stop was asked for, not a crash
+        # Another name starts first; the old one is drained and forgotten.
+        await until_ready(server)
+        other = await supervisor.replace("server", python_child("server-2", SERVE, tmp_path))
+        assert other.running and not server.running
+        assert set(supervisor.children) == {"crasher", "once", "server-2"}
+        assert await supervisor.stop("crasher") in (None, 3, -signal.SIGTERM)
+        with pytest.raises(SupervisorError, match="no child named crasher"):
+            await supervisor.stop("crasher")
+        with pytest.raises(SupervisorError, match="already supervised"):
+            await supervisor.add(python_child("server-2", SERVE, tmp_path))
+        await until_ready(other)
+    assert not other.running and not supervisor.children
+    # Each run drained on SIGTERM; the restart appended to the log of the first run.
+    assert (tmp_path / "server.log").read_text().split() == ["ready", "drained"] * 2
+    assert (tmp_path / "server-2.log").read_text().split() == ["ready", "drained"]
+
+
+async def test_a_child_that_ignores_sigterm_is_killed_after_its_timeout(tmp_path: Path) -> None:
+    events: list[str] = []
+    async with Supervisor(on_event=events.append) as supervisor:
+        child = await supervisor.add(python_child("stubborn", STUBBORN, tmp_path,
+                                                  stop_timeout_s=0.5))
+        await until_ready(child)
+        assert await supervisor.stop("stubborn") == -signal.SIGKILL
+    assert events == ["stubborn did not stop within 0.5s of SIGTERM: killed"]
+
+
+# -- fairq up, end to end ------------------------------------------------------------------
+
+
+class Output:
+    """The lines a process prints, read as they come; every wait bounded."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.lines: list[str] = []
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._stream = stream
+
+    async def pump(self) -> None:
+        async for raw in self._stream:
+            await self._queue.put(raw.decode(errors="replace").rstrip("\n"))
+        await self._queue.put(None)  # end of output: the process exited
+
+    async def expect(self, prefix: str, timeout_s: float) -> str:
+        """The next line starting with `prefix`; fails with the output so far."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while (line := await self._queue.get()) is not None:
+                    self.lines.append(line)
+                    if line.startswith(prefix):
+                        return line
+            reason = "the process exited"
+        except TimeoutError:
+            reason = f"nothing within {timeout_s}s"
+        pytest.fail(f"no line {prefix!r}: {reason}; output:\n" + "\n".join(self.lines))
+
+
+def processes() -> dict[int, tuple[int, list[str]]]:
+    """pid -> (parent pid, argv) of every live process (zombies have no argv)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:  # exited meanwhile
+            continue
+        if argv:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), argv)
+    return found
+
+
+def worker_pid(parent: int, worker_id: str) -> int | None:
+    for pid, (ppid, argv) in processes().items():
+        if ppid == parent and "workers" in argv and worker_id in argv:
+            return pid
+    return None
+
+
+async def submit(nc: nats.NATS, request_id: str) -> list[dict]:
+    """One chat request for tenant acme over plain NATS; its events up to the final one."""
+    reply = nc.new_inbox()
+    events = await nc.subscribe(reply)
+    try:
+        await nc.jetstream().publish(
+            "fq.req.chat.acme", json.dumps({"prompt": "hi", "max_tokens": 4}).encode(),
+            headers={"Nats-Msg-Id": request_id, "Fq-Reply": reply}, timeout=5)
+        received = []
+        async with asyncio.timeout(REQUEST_S):
+            while not received or received[-1]["type"] not in ("done", "error"):
+                received.append(json.loads((await events.next_msg(timeout=REQUEST_S)).data))
+        return received
+    finally:
+        await events.unsubscribe()
+
+
+def assert_completed(events: list[dict], request_id: str) -> None:
+    assert [e["type"] for e in events][-1] == "done", events
+    assert {e["type"] for e in events[:-1]} <= {"token"} and events[:-1], events
+    assert all(e["id"] == request_id for e in events)
+
+
+async def heartbeat_after(subscription: Subscription, started_at: float) -> dict:
+    """The next heartbeat from a worker process started after `started_at`."""
+    async with asyncio.timeout(RESTART_S):
+        while True:
+            beat = json.loads((await subscription.next_msg(timeout=RESTART_S)).data)
+            if beat["started_at"] > started_at:
+                return beat
+
+
+def children_of(parent: int) -> dict[int, list[str]]:
+    return {pid: argv for pid, (ppid, argv) in processes().items() if ppid == parent}
+
+
+def still_running(started: dict[int, list[str]]) -> list[int]:
+    """Those of `started` still alive (same pid and argv: not a reused pid)."""
+    return [pid for pid, (_, argv) in processes().items() if started.get(pid) == argv]
+
+
+async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
+        nats_binary: Path, tmp_path: Path) -> None:
+    up = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producers.cli", "up", "--port", "0", "--workers", "1",
+        "--time-scale", "0.05", "--metrics-port", "0", "--log-dir", str(tmp_path), cwd=ROOT,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    output = Output(up.stdout)
+    reader = asyncio.create_task(output.pump())
+    started: dict[int, list[str]] = {}  # what it ran, to check (or clean) after it exits
+    try:
+        url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
+        assert url.startswith("nats://127.0.0.1:")
+        up_line = await output.expect("fairq is up:", START_S)
+        assert up_line == "fairq is up: 2 simulated workers on chat, embed; Ctrl-C stops"
+        started = children_of(up.pid)
+        assert len(started) == 3  # nats-server and one worker per endpoint
+
+        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+        try:
+            assert_completed(await submit(nc, "up-1"), "up-1")
+
+            heartbeats = await nc.subscribe("fq.int.hb.chat.chat-w1")
+            before = await heartbeat_after(heartbeats, 0.0)
+            old_pid = worker_pid(up.pid, "chat-w1")
+            assert old_pid is not None
+            os.kill(old_pid, signal.SIGKILL)
+            line = await output.expect("fairq: chat-w1 restarted (pid ", RESTART_S)
+            new_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
+            assert new_pid != old_pid and worker_pid(up.pid, "chat-w1") == new_pid
+            assert any(f"chat-w1 (pid {old_pid}) was killed by SIGKILL" in seen
+                       for seen in output.lines), output.lines
+            started |= children_of(up.pid)
+            # The new process serves the same worker id.
+            beat = await heartbeat_after(heartbeats, before["started_at"])
+            assert beat["healthy"]
+            await heartbeats.unsubscribe()
+
+            assert_completed(await submit(nc, "up-2"), "up-2")
+        finally:
+            await nc.close()
+
+        up.send_signal(signal.SIGINT)
+        await output.expect("fairq: draining...", STOP_S)
+        await output.expect("fairq: stopped", STOP_S)
+        async with asyncio.timeout(STOP_S):
+            assert await up.wait() == 0
+        left = still_running(started)
+        assert not left, {pid: started[pid] for pid in left}
+    finally:
+        if up.returncode is None:  # failed midway: stop it as Ctrl-C would, then harder
+            started |= children_of(up.pid)
+            up.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(up.wait(), STOP_S)
+            except TimeoutError:
+                up.kill()
+                await asyncio.wait_for(up.wait(), STOP_S)
+        for pid in still_running(started):  # never leave a stray process behind
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.wait_for(reader, STOP_S)
