@@ -17,14 +17,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
 
 from broker_config.subjects import Subjects
-from dispatcher.core.config import parse_config
-from dispatcher.service import Dispatcher, DispatcherOptions
+from broker_config.config import DispatcherOptions, WorkerOptions, parse_config
+from dispatcher.service import Dispatcher
 from tests.test_dataplane_e2e import api, collect, submit, wait_for_state
 
 # Importing the vLLM engine tests applies their policy (skipped where vllm is missing, a
@@ -81,12 +82,12 @@ async def dispatcher(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Dispatc
         nc = await nats.connect(nats_url, name="fairq-vllm-dataplane")
         stack.push_async_callback(nc.drain)
         running = await stack.enter_async_context(
-            Dispatcher(nc, parse_config(CONFIG), options=OPTIONS))
+            Dispatcher(nc, msgspec.structs.replace(parse_config(CONFIG), dispatcher=OPTIONS)))
         results = await nc.jetstream().key_value(running.subjects.results_bucket)
         await stack.enter_async_context(WorkerService(
             nc, engine, endpoint="chat", worker_id="vllm-1", subjects=running.subjects,
             results=results, profile=running.scheduler.endpoints["chat"].profile,
-            heartbeat_interval_s=0.2, drain_timeout_s=10.0))
+            settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0)))
         yield running
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from workers.engine import ChatMessage, Delta, EngineError, EngineRequest
+from broker_config.wire import ChatMessage
+from workers.engine import Delta, EngineError, EngineRequest
 
 if importlib.util.find_spec("vllm") is None:
     _WHY = "vllm is not installed here: run these tests with the python of .ci/vllm-env.sh"
@@ -161,8 +162,8 @@ async def test_engine_not_running_refuses_work() -> None:
 
 async def test_capacity_is_the_engines_real_limits(engine: VLLMEngine) -> None:
     assert engine.healthy
-    assert engine.capacity.max_sequences == 1
-    assert engine.capacity.max_tokens == KV_CACHE_BYTES // KV_BYTES_PER_TOKEN
+    assert engine.capacity.sequences == 1
+    assert engine.capacity.tokens == KV_CACHE_BYTES // KV_BYTES_PER_TOKEN
 
 
 async def test_concurrent_requests_stream_with_the_engines_usage(

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from workers.engine import ChatMessage, Delta, EngineCapacity, EngineError, EngineRequest
+from broker_config.wire import ChatMessage
+from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity
+from workers.engine import Delta, EngineError, EngineRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,7 +54,8 @@ class VLLMEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # Generate exactly max_tokens, as calibration and load tests need.
     ignore_eos: bool = False
     seed: int = 0
-    model_units: Annotated[float, msgspec.Meta(gt=0)] = 1e9  # reported capacity in model units
+    # Reported capacity in model units.
+    model_units: Annotated[float, msgspec.Meta(gt=0)] = UNLIMITED_MODEL_UNITS
 
 
 class VLLMEngine:
@@ -61,7 +64,7 @@ class VLLMEngine:
     def __init__(self, config: VLLMEngineConfig) -> None:
         self._config = config
         self._llm: AsyncLLM | None = None
-        self._capacity: EngineCapacity | None = None
+        self._capacity: Capacity | None = None
         # Requests inside generate(), by id: True once an abort was asked for.
         self._aborting: dict[str, bool] = {}
 
@@ -73,7 +76,7 @@ class VLLMEngine:
         return self._llm
 
     @property
-    def capacity(self) -> EngineCapacity:
+    def capacity(self) -> Capacity:
         if self._capacity is None:
             raise EngineError("the vLLM engine is not running")
         return self._capacity
@@ -263,7 +266,7 @@ def _start(config: VLLMEngineConfig) -> AsyncLLM:
         raise EngineError(f"vLLM failed to start model {config.model!r}: {exc!r}") from exc
 
 
-def _capacity_of(vllm_config: VllmConfig, model_units: float) -> EngineCapacity:
+def _capacity_of(vllm_config: VllmConfig, model_units: float) -> Capacity:
     """The engine's real limits, read after startup sized the KV cache."""
     scheduler = vllm_config.scheduler_config
     cache = vllm_config.cache_config
@@ -271,9 +274,7 @@ def _capacity_of(vllm_config: VllmConfig, model_units: float) -> EngineCapacity:
         kv_tokens = cache.num_gpu_blocks * cache.block_size
     else:
         kv_tokens = scheduler.max_num_seqs * vllm_config.model_config.max_model_len
-    return EngineCapacity(
-        max_sequences=scheduler.max_num_seqs, max_tokens=kv_tokens, model_units=model_units
-    )
+    return Capacity(scheduler.max_num_seqs, kv_tokens, model_units)
 
 
 def _text_prompt(request: EngineRequest) -> dict[str, str]:
