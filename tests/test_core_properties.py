@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from costmodel.estimate import OutputEstimator
@@ -90,6 +90,9 @@ operations = st.lists(
 
 @SETTINGS
 @given(ops=operations, reserve=st.sampled_from([0.0, 0.1, 0.25]))
+# b, held back by the reserve after its first request, falls below its share once a starts.
+@example(ops=[("admit", "b", 1, 1), ("admit", "a", 1, 1), ("admit", "b", 1, 1),
+              ("batch", 3, 6)], reserve=0.1)
 def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
     tenants = {t: ("gold", 1.0 + i % 2) for i, t in enumerate("abcde")}
     scheduler = Scheduler(make_config(tenants=tenants, reserve=reserve))

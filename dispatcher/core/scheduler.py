@@ -198,10 +198,18 @@ class Scheduler:
         # The room left, unpacked: this loop is the dispatcher's hot path.
         seqs, tokens, units = free.sequences, free.tokens, free.model_units
         set_aside = 0
+        # A flow held back by the reserve (at or above its share) can fall below its share
+        # when another flow starts a request; such flows get another look before the
+        # batch closes.
+        held_by_reserve = recheck = False
         while seqs > 0:
             flow = selector.select()
             if flow is None:
-                break
+                if not recheck:
+                    break
+                selector.restore_set_aside()
+                held_by_reserve = recheck = False
+                continue
             request = flow.queue.peek()
             if request.deadline is not None and request.deadline <= now:
                 flow.queue.pop()
@@ -213,11 +221,12 @@ class Scheduler:
             need_units = request.model_units
             below_share = (flow.running * endpoint.present_weight
                            < flow.weight * max(endpoint.running, 1))
-            if below_share:
-                fits = need_tokens <= tokens and need_units <= units
-            else:
-                fits = (seqs > reserve.sequences and need_tokens <= tokens - reserve.tokens
-                        and need_units <= units - reserve.model_units)
+            fits = need_tokens <= tokens and need_units <= units
+            if fits and not below_share and not (
+                    seqs > reserve.sequences and need_tokens <= tokens - reserve.tokens
+                    and need_units <= units - reserve.model_units):
+                fits = False
+                held_by_reserve = True
             if fits:
                 seqs -= 1
                 tokens -= need_tokens
@@ -239,6 +248,7 @@ class Scheduler:
             request.expedited = below_share
             self._start(endpoint, flow, request, now)
             batch.requests.append(request)
+            recheck = recheck or held_by_reserve
         selector.restore_set_aside()
         return batch
 
