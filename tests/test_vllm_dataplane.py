@@ -23,16 +23,21 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
 
-from broker_config.subjects import Subjects
 from broker_config.config import DispatcherOptions, WorkerOptions, parse_config
+from broker_config.subjects import Subjects
 from dispatcher.service import Dispatcher
 from tests.test_dataplane_e2e import api, collect, submit, wait_for_state
 
 # Importing the vLLM engine tests applies their policy (skipped where vllm is missing, a
 # failure in CI with FQ_VLLM=1) and shares their offline environment, tiny model and spy
 # on vLLM's own outputs.
-from tests.test_vllm_engine import model_dir, vllm_env, vllm_outputs  # noqa: F401
-from workers.engine import EngineRequest
+from tests.test_vllm_engine import (  # noqa: F401
+    model_dir,
+    until_unfinished,
+    vllm_env,
+    vllm_outputs,
+)
+from workers.engine import Delta, EngineRequest
 from workers.service import WorkerService
 from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -157,11 +162,12 @@ async def test_cancel_aborts_a_running_request_inside_vllm(
 
 
 async def test_queued_requests_start_in_priority_order(
-    dispatcher: Dispatcher, client: NATS,
+    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
 ) -> None:
     """With the only sequence slot taken, requests wait in the dispatcher's queue, whose
-    order (priority, then arrival) decides which starts next. One reply subscription sees
-    every request's events in the order the worker published them."""
+    per-tenant order (the client's priority, then arrival) decides which starts next: the
+    client's priority never reaches vLLM, which holds one request at a time here. One reply
+    subscription sees every request's events in the order the worker published them."""
     inbox = client.new_inbox()
     replies = await client.subscribe(f"{inbox}.>")
     started: list[str] = []
@@ -186,16 +192,104 @@ async def test_queued_requests_start_in_priority_order(
     await publish("blocker", LONG)
     await read_until(lambda: bool(started))
     priorities = {"low": 1, "mid": 3, "high": 9, "mid-later": 3}
-    # All at once: the blocker's 2,000 tokens take only a second or two on this model, so
-    # the queue must form well within that (one by one with status polls was too slow on
-    # a loaded machine). Published in order, so "mid" still arrives before "mid-later".
+    # All at once, so the queue forms well within the blocker's 2,000 tokens (one by one
+    # with status polls was too slow on a loaded machine). Published in order, so "mid"
+    # still arrives before "mid-later".
     for rid, priority in priorities.items():
         await publish(rid, 4, priority)
     await asyncio.gather(*(wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S)
                            for rid in priorities))
+    assert engine.llm.get_num_unfinished_requests() == 1, "the queue formed inside vLLM"
     assert (await api(client, "fq.api.cancel.acme", {"id": "blocker"}))["cancelled"] is True
 
     await read_until(lambda: finals.keys() >= {"blocker", *priorities})
     assert started == ["blocker", "high", "mid", "mid-later", "low"]
     assert finals["blocker"]["code"] == "cancelled", "the blocker ended before the queue formed"
     assert all(finals[rid]["type"] == "done" for rid in priorities)
+
+
+class Oversubscribed:
+    """The module's engine (vLLM runs one sequence at a time) reporting more sequences in
+    its capacity: the dispatcher then sends it several requests and they wait inside vLLM,
+    where vLLM's priority scheduler orders them. Records each request's engine priority."""
+
+    def __init__(self, engine: VLLMEngine, sequences: int) -> None:
+        self._engine = engine
+        self._sequences = sequences
+        self.priorities: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def capacity(self) -> Any:
+        return msgspec.structs.replace(self._engine.capacity, sequences=self._sequences)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
+        self.priorities[request.id] = request.priority
+        return self._engine.generate(request)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def oversubscribed(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Oversubscribed]:
+    """A dispatcher and one worker whose engine reports 8 sequences while vLLM runs 1."""
+    worker_engine = Oversubscribed(engine, sequences=8)
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await nats.connect(nats_url, name="fairq-vllm-dataplane")
+        stack.push_async_callback(nc.drain)
+        running = await stack.enter_async_context(
+            Dispatcher(nc, msgspec.structs.replace(parse_config(CONFIG), dispatcher=OPTIONS)))
+        results = await nc.jetstream().key_value(running.subjects.results_bucket)
+        await stack.enter_async_context(WorkerService(
+            nc, worker_engine, endpoint="chat", worker_id="vllm-1", subjects=running.subjects,
+            results=results, profile=running.scheduler.endpoints["chat"].profile,
+            settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0)))
+        yield worker_engine
+
+
+async def test_a_tenants_own_priority_never_jumps_another_tenant_inside_vllm(
+    oversubscribed: Oversubscribed, client: NATS, engine: VLLMEngine,
+) -> None:
+    """acme asks for priority 1e9 on every request; globex, a newcomer below its fair share,
+    is expedited by the dispatcher. With all of them waiting inside vLLM's priority
+    scheduler (the worker takes 8, vLLM runs 1), globex's request starts first: engine
+    priority is the dispatcher's `expedited` decision, never the client's `priority`."""
+    inbox = client.new_inbox()
+    replies = await client.subscribe(f"{inbox}.>")
+    started: list[str] = []
+    finals: dict[str, dict] = {}
+
+    async def publish(tenant: str, rid: str, max_tokens: int, priority: int) -> None:
+        body = {"prompt": "class A:", "max_tokens": max_tokens, "priority": priority}
+        await client.jetstream().publish(f"fq.req.chat.{tenant}", json.dumps(body).encode(),
+                                         headers={"Nats-Msg-Id": rid,
+                                                  "Fq-Reply": f"{inbox}.{rid}"})
+
+    async def read_until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not condition():
+            msg = await replies.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+            event = json.loads(msg.data)
+            if event["type"] == "token" and event["id"] not in started:
+                started.append(event["id"])
+            elif event["type"] in ("done", "error"):
+                finals[event["id"]] = event
+
+    greedy = 1_000_000_000
+    await publish("acme", "blocker", LONG, greedy)
+    await read_until(lambda: bool(started))
+    flood = ["acme-1", "acme-2", "acme-3"]
+    for rid in flood:
+        await publish("acme", rid, 4, greedy)
+    await until_unfinished(engine, 1 + len(flood))  # all of acme's wait inside vLLM
+    await publish("globex", "globex-1", 4, 0)
+    await until_unfinished(engine, 2 + len(flood))
+    assert (await api(client, "fq.api.cancel.acme", {"id": "blocker"}))["cancelled"] is True
+
+    await read_until(lambda: finals.keys() >= {"blocker", "globex-1", *flood})
+    assert finals["blocker"]["code"] == "cancelled"
+    assert started[:2] == ["blocker", "globex-1"], started
+    assert sorted(started[2:]) == flood
+    engine_priority = oversubscribed.priorities
+    assert engine_priority[Subjects.result_key("globex", "globex-1")] == 1  # expedited
+    assert [engine_priority[Subjects.result_key("acme", rid)] for rid in flood] == [0, 0, 0]

@@ -8,7 +8,6 @@ in CI with FQ_VLLM=1, where a missing vllm is a failure. One engine serves the w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import os
 from collections import defaultdict
@@ -82,18 +81,55 @@ async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:
 
 @pytest.fixture
 def vllm_outputs(engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
-    """Every RequestOutput vLLM hands the engine, by request id: vLLM's own counts."""
+    """Every RequestOutput the engine takes from vLLM, by request id: vLLM's own counts.
+
+    Spies on the output collector `AsyncLLM.add_request` returns, the queue both vLLM's
+    own `generate` and the engine read.
+    """
     seen: dict[str, list[Any]] = defaultdict(list)
-    original = engine.llm.generate
+    add_request = engine.llm.add_request
 
-    async def spy(prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
-        async with contextlib.aclosing(original(prompt, params, request_id, **kwargs)) as outs:
-            async for out in outs:
+    async def spy(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        queue = await add_request(request_id, *args, **kwargs)
+        get, get_nowait = queue.get, queue.get_nowait
+
+        async def spied_get() -> Any:
+            out = await get()
+            seen[request_id].append(out)
+            return out
+
+        def spied_get_nowait() -> Any:
+            out = get_nowait()
+            if out is not None:
                 seen[request_id].append(out)
-                yield out
+            return out
 
-    monkeypatch.setattr(engine.llm, "generate", spy)
+        queue.get, queue.get_nowait = spied_get, spied_get_nowait
+        return queue
+
+    monkeypatch.setattr(engine.llm, "add_request", spy)
     return seen
+
+
+class Gate:
+    """Holds an engine step (rendering, vLLM registering a request) until opened: an
+    abort can then land exactly inside it, without timing."""
+
+    def __init__(self, step: Any) -> None:
+        self._step = step
+        self.reached = asyncio.Event()
+        self._open = asyncio.Event()
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.reached.set()
+        await self._open.wait()
+        return await self._step(*args, **kwargs)
+
+    async def wait_reached(self) -> None:
+        await asyncio.wait_for(self.reached.wait(), WAIT_S)
+
+    def open(self) -> None:
+        self._open.set()
 
 
 async def until_unfinished(engine: VLLMEngine, n: int) -> None:
@@ -261,6 +297,48 @@ async def test_abort_ends_a_queued_request(engine: VLLMEngine) -> None:
     final = await queued.done()
     assert not blocker.task.done(), "the queued request only ended when the blocker did"
     assert (final.finish_reason, final.output_tokens) == ("abort", 0)
+    await engine.abort("blocker")
+    assert (await blocker.done()).finish_reason == "abort"
+
+
+async def test_closing_a_stream_releases_the_request_in_vllm(engine: VLLMEngine) -> None:
+    """What the worker does when a request is stopped between outputs: it leaves the stream
+    and closes it. vLLM must have dropped the request when aclose() returns, not whenever
+    the garbage collector finalizes what the engine left open."""
+    stream = engine.generate(EngineRequest(id="closed", max_tokens=LONG, prompt="while"))
+    tokens = 0
+    async for delta in stream:
+        tokens += delta.token_count
+        if tokens >= 3:
+            break
+    await stream.aclose()
+    assert engine.llm.get_num_unfinished_requests() == 0
+    await engine.abort("closed")  # a no-op now
+
+
+@pytest.mark.parametrize("step", ["rendering", "registering"])
+async def test_an_abort_before_vllm_knows_the_request_ends_it_at_once(
+    engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """The abort lands while the prompt is rendered, or while vLLM registers the request
+    (vLLM's own abort cannot find it yet). The request waits behind a running one, so it
+    would produce its first output only when that one ends: the abort must not wait for it."""
+    blocker = Streaming(engine, EngineRequest(id="blocker", max_tokens=LONG, prompt="for"), [])
+    await blocker.wait_tokens(1)
+    if step == "rendering":
+        gate = Gate(engine.llm.renderer.render_cmpl_async)
+        monkeypatch.setattr(engine.llm.renderer, "render_cmpl_async", gate)
+    else:
+        gate = Gate(engine.llm.add_request)
+        monkeypatch.setattr(engine.llm, "add_request", gate)
+    early = Streaming(engine, EngineRequest(id="early", max_tokens=8, prompt="if"), [])
+    await gate.wait_reached()
+    await engine.abort("early")
+    gate.open()
+    final = await early.done()
+    assert (final.finish_reason, final.output_tokens) == ("abort", 0)
+    assert not blocker.task.done(), "the abort waited for the request's first output"
+    assert engine.llm.get_num_unfinished_requests() == 1  # the blocker only
     await engine.abort("blocker")
     assert (await blocker.done()).finish_reason == "abort"
 

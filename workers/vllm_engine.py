@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
@@ -65,8 +66,8 @@ class VLLMEngine:
         self._config = config
         self._llm: AsyncLLM | None = None
         self._capacity: Capacity | None = None
-        # Requests inside generate(), by id: True once an abort was asked for.
-        self._aborting: dict[str, bool] = {}
+        # Requests inside generate(), by id, until vLLM has let go of them.
+        self._live: dict[str, _Live] = {}
 
     @property
     def llm(self) -> AsyncLLM:
@@ -96,9 +97,14 @@ class VLLMEngine:
         llm, self._llm, self._capacity = self._llm, None, None
         if llm is None:
             return
-        if self._aborting and not llm.errored:
+        registered = []
+        for live in self._live.values():
+            live.aborted = True
+            if live.vllm_id is not None:
+                registered.append(live.vllm_id)
+        if registered and not llm.errored:
             # Lets every open generate() end with its abort delta instead of hanging.
-            await llm.abort(list(self._aborting))
+            await llm.abort(registered, internal=True)
         llm.shutdown()
 
     def count_tokens(self, request: EngineRequest) -> int:
@@ -113,21 +119,75 @@ class VLLMEngine:
         return len(prompt["prompt_token_ids"])
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
+        """Stream one request (see the Engine protocol).
+
+        The request is known to `abort` from the first iteration until vLLM has let go of
+        it: an abort while the prompt is rendered ends it before vLLM sees it, one while
+        vLLM registers it aborts it in vLLM as soon as registration returns, and closing
+        the stream early (the consumer stops reading) drops it in vLLM before aclose()
+        returns. Nothing is left to the garbage collector, and no abort is a no-op while
+        vLLM still runs the request.
+        """
+        from vllm.exceptions import VLLMClientError
+
         llm = self.llm
-        if request.id in self._aborting:
+        if request.id in self._live:
             raise ValueError(f"request {request.id!r} is already running")
-        self._aborting[request.id] = False
+        live = self._live[request.id] = _Live()
+        queue = None
+        finished = False
         try:
-            async for delta in self._stream(llm, request):
-                yield delta
+            accepted = time.monotonic()
+            prompt, params = await self._prepare(llm, request)
+            usage = _Usage(request.id, len(prompt["prompt_token_ids"]), accepted)
+            if live.aborted:  # during rendering: vLLM never sees it
+                finished = True
+                yield usage.final("", 0, "abort", None)
+                return
+            try:
+                # vLLM runs the lowest priority value first; fairq serves the highest first.
+                queue = await llm.add_request(request.id, prompt, params,
+                                              priority=-request.priority)
+                live.vllm_id = queue.request_id
+                if live.aborted:
+                    # Asked for while vLLM registered it, when vLLM's abort could not find
+                    # it yet; its abort output follows at once.
+                    await llm.abort(live.vllm_id, internal=True)
+                while True:
+                    out = queue.get_nowait() or await queue.get()
+                    completion = out.outputs[0]
+                    count = len(completion.token_ids)
+                    usage.add(count)
+                    if out.finished:
+                        finished = True
+                        yield usage.final(completion.text, count, completion.finish_reason, out)
+                        return
+                    if count or completion.text:
+                        yield Delta(completion.text, count)
+            except VLLMClientError as exc:
+                raise ValueError(f"request {request.id!r}: {exc}") from exc
+            except EngineError:
+                raise
+            except Exception as exc:
+                raise EngineError(f"vLLM failed request {request.id!r}: {exc!r}") from exc
         finally:
-            del self._aborting[request.id]
+            if queue is not None:
+                if not finished and not llm.errored:
+                    # Left early (the consumer closed the stream, or was cancelled): vLLM
+                    # drops the request now, while `abort` can still find it.
+                    await llm.abort(queue.request_id, internal=True)
+                queue.close()
+            del self._live[request.id]
 
     async def abort(self, request_id: str) -> None:
-        if request_id not in self._aborting or self._llm is None:
+        live = self._live.get(request_id)
+        if live is None or live.aborted or self._llm is None:
             return
-        self._aborting[request_id] = True
-        await self._llm.abort(request_id)
+        live.aborted = True
+        if live.vllm_id is not None:
+            # vLLM ends the stream with an abort output. Before registration, generate()
+            # sees the flag: after rendering, or as soon as vLLM has registered it.
+            await self._llm.abort(live.vllm_id, internal=True)
 
     async def _prepare(self, llm: AsyncLLM, request: EngineRequest) -> tuple[Any, Any]:
         """The rendered prompt and sampling parameters; ValueError if the request is bad."""
@@ -149,39 +209,14 @@ class VLLMEngine:
             raise ValueError(f"request {request.id!r}: {exc}") from exc
         return prompt, params
 
-    async def _stream(self, llm: AsyncLLM, request: EngineRequest) -> AsyncIterator[Delta]:
-        from vllm.exceptions import VLLMClientError
 
-        accepted = time.monotonic()
-        prompt, params = await self._prepare(llm, request)
-        usage = _Usage(request.id, len(prompt["prompt_token_ids"]), accepted)
-        if self._aborting[request.id]:
-            yield usage.final("", 0, "abort", None)
-            return
-        # vLLM runs the lowest priority value first; fairq serves the highest first.
-        outputs = llm.generate(prompt, params, request.id, priority=-request.priority)
-        try:
-            async for out in outputs:
-                completion = out.outputs[0]
-                count = len(completion.token_ids)
-                usage.add(count)
-                # An abort that came before vLLM registered the request is seen here.
-                if out.finished or self._aborting[request.id]:
-                    reason = completion.finish_reason if out.finished else "abort"
-                    yield usage.final(completion.text, count, reason, out)
-                    return
-                if count or completion.text:
-                    yield Delta(completion.text, count)
-        except VLLMClientError as exc:
-            raise ValueError(f"request {request.id!r}: {exc}") from exc
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineError(f"vLLM failed request {request.id!r}: {exc!r}") from exc
-        finally:
-            # Leaving early (abort, or the consumer closed us) makes vLLM drop the request.
-            await outputs.aclose()
-        raise EngineError(f"vLLM ended request {request.id!r} without a final output")
+@dataclass(slots=True, eq=False)
+class _Live:
+    """One request from the first iteration of generate() until vLLM let go of it."""
+
+    aborted: bool = False
+    # vLLM's internal id (the request id plus a random suffix), once vLLM registered it.
+    vllm_id: str | None = None
 
 
 class _Usage:
