@@ -15,9 +15,9 @@ import gc
 import platform
 import time
 
+from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore
 from dispatcher.core.scheduler import Scheduler
-from costmodel.units import Capacity, Usage
 from dispatcher.core.types import Request
 from tests.core_support import make_config
 

@@ -40,8 +40,8 @@ from bench.plots import cdf_plot
 from bench.recorder import Replay, arrivals_from_trace, describe_outcomes, replay
 from bench.stack import Mode, Stack, StackSpec, benchmark_config
 from dispatcher.core.fairness import DEFAULT_METRICS, tenant_summary
-from producers.simulate import plot_result
 from producers.loadgen import noisy_neighbour, tenant_names
+from producers.simulate import plot_result
 
 TITLE = "End to end: noisy neighbour, fairq vs the naive shared queue"
 RESULTS = Path(__file__).resolve().parent / "results" / "noisy"

@@ -64,8 +64,8 @@ from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.procstat import CpuMeter, cpu_seconds, memory_kb, run_timed
 from bench.recorder import Arrival, Replay, describe_outcomes
 from bench.stack import ENDPOINT, Mode, Stack, StackSpec, benchmark_config
-from broker_config.server import EmbeddedNatsServer
 from broker_config.config import BrokerSettings
+from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import provision
 from costmodel.engine_model import EngineParams
 

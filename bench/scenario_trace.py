@@ -49,7 +49,13 @@ from typing import Any
 
 from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.plots import cdf_plot
-from bench.recorder import Measured, Replay, arrivals_from_trace, describe_outcomes, replay
+from bench.recorder import (
+    Measured,
+    Replay,
+    arrivals_from_trace,
+    describe_outcomes,
+    replay,
+)
 from bench.sim_azure import PLOTTED
 from bench.stack import Mode, Stack, StackSpec, benchmark_config
 from bench.traces import add_trace_argument, azure_trace

@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from broker_config.config import EXAMPLE_CONFIG
 from costmodel.engine_model import BatchingEngineModel, EngineParams, load_engine_params
 from costmodel.units import load_profile
-from broker_config.config import EXAMPLE_CONFIG
 from producers import cli
 from workers.calibrate import CalibrationError, Plan, Shape, calibrate, synthetic_prompt
 from workers.engine import Delta, EngineRequest

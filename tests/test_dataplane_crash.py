@@ -18,7 +18,12 @@ import nats
 import nats.js.errors
 import pytest
 
-from broker_config.config import EXAMPLE_ENGINE, DispatcherOptions, WorkerOptions, parse_config
+from broker_config.config import (
+    EXAMPLE_ENGINE,
+    DispatcherOptions,
+    WorkerOptions,
+    parse_config,
+)
 from broker_config.subjects import Subjects
 from costmodel.engine_model import load_engine_params
 from dispatcher.service import Dispatcher

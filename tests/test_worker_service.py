@@ -22,7 +22,12 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from broker_config.config import BrokerSettings, ConfigError, WorkerOptions, parse_config
+from broker_config.config import (
+    BrokerSettings,
+    ConfigError,
+    WorkerOptions,
+    parse_config,
+)
 from broker_config.streams import provision
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from broker_config.wire import (

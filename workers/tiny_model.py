@@ -58,7 +58,14 @@ def build_tokenizer(
     vocab_size: int = VOCAB_SIZE, corpus_chars: int = CORPUS_CHARS
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on local text and wrap it for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
