@@ -6,10 +6,12 @@ import json
 import math
 from pathlib import Path
 
-import msgspec
 import pytest
 
-from broker_config.config import EXAMPLE_CONFIG, Config, load_config, parse_config
+from bench import sim_noisy
+from bench.sim_noisy import noisy_config, p95_ttft
+from broker_config.config import EXAMPLE_CONFIG, load_config, parse_config
+from costmodel.engine_model import EngineParams
 from dispatcher.core.fairness import (
     MetricOptions,
     RequestRecord,
@@ -18,7 +20,12 @@ from dispatcher.core.fairness import (
     percentile,
     summarize,
 )
-from dispatcher.core.sim import SimResult, TraceRecord, scheduling_only, simulate
+from dispatcher.core.sim import (
+    ClosedLoop,
+    SimResult,
+    TraceRecord,
+    simulate,
+)
 from producers.cli import main
 from producers.loadgen import (
     TraceError,
@@ -32,54 +39,34 @@ from producers.loadgen import (
 SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "configs" / "sample_trace.csv"
 
 
-def scheduling_config(reserve: float = 0.03) -> Config:
-    """The example config with admission out of the way (`scheduling_only`).
-
-    The acceptance scenario is about scheduling order: with the example's 30 s latency
-    target the throttle would reject most of tenant A's 10,000 requests at once (and
-    the free tier's rate limits would too), and B would then never compete with a
-    backlog. Endpoint `chat` (profile, cost mode, quantum, max_tokens cap) stays the
-    example's; only its newcomer reserve is set here.
-    """
-    config = scheduling_only(load_config(EXAMPLE_CONFIG))
-    chat = msgspec.structs.replace(config.endpoints["chat"], newcomer_reserve=reserve)
-    return msgspec.structs.replace(config, endpoints={**config.endpoints, "chat": chat})
-
-
-def p95_ttft(result: SimResult, tenant: str) -> float:
-    value = result.summary["tenants"][tenant]["ttft_s"]["p95"]
-    assert value is not None
-    return value
-
-
-# -- the noisy-neighbour acceptance scenario -------------------------------------------------
+# -- the noisy-neighbour acceptance scenario (bench.sim_noisy) ---------------------------
 
 # Tenant A sends 10,000 requests at t=0; B-E send Poisson 0.5 req/s each for 300 s.
 # A's backlog takes about 1,100 s of virtual time to drain, so it stays backlogged for
 # the whole arrival period; 300 s gives B about 150 requests, enough for a stable p95,
 # and each run takes about a second.
-NOISY_DURATION_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def noisy_runs() -> dict[str, SimResult]:
-    trace = noisy_neighbour(1, noisy_requests=10_000, small_tenants=4, small_rate=0.5,
-                            duration_s=NOISY_DURATION_S)
-    config = scheduling_config()
-    return {
-        "alone": simulate([r for r in trace if r.tenant == "B"], config, policy="fairq"),
-        "fairq": simulate(trace, config, policy="fairq"),
-        "fifo": simulate(trace, config, policy="fifo"),
-    }
+def reference_runs() -> dict[int, dict[str, SimResult]]:
+    """Per seed: B alone, next to a well-behaved A (the same 10,000 requests closed
+    loop, every sequence slot outside the newcomer reserve busy, no backlog), next to
+    A's flood with fairq, and with the FIFO baseline."""
+    return {seed: sim_noisy.reference_runs(seed) for seed in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def noisy_runs(reference_runs) -> dict[str, SimResult]:
+    return reference_runs[1]
 
 
 def test_noisy_tenant_stays_backlogged_through_the_arrival_period(noisy_runs) -> None:
-    for policy in ("fairq", "fifo"):
+    for policy in ("flood", "fifo"):
         a_records = [r for r in noisy_runs[policy].records if r.tenant == "A"]
         assert len(a_records) == 10_000
         assert all(r.outcome == "admitted" and r.served for r in a_records)
         last_dispatch = max(r.dispatched for r in a_records)
-        assert last_dispatch > NOISY_DURATION_S + 60
+        assert last_dispatch > sim_noisy.NOISY_DURATION_S + 60
 
 
 def test_fifo_baseline_makes_the_small_tenant_wait_behind_the_flood(noisy_runs) -> None:
@@ -87,20 +74,67 @@ def test_fifo_baseline_makes_the_small_tenant_wait_behind_the_flood(noisy_runs) 
     assert fifo >= 20 * alone, (fifo, alone)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Not reached: measured 1.79-2.68x on seeds 1-3 (an ideal dispatcher gets 1.45-1.89x "
-    "on this engine model): an arrival waits for the step under way and its own step is "
-    "longer with a full batch and others' prefill chunks. See docs/benchmarks.md, "
-    "'Simulator: noisy neighbour'."))
-def test_fairq_keeps_the_small_tenant_close_to_running_alone(noisy_runs) -> None:
-    alone, fairq = p95_ttft(noisy_runs["alone"], "B"), p95_ttft(noisy_runs["fairq"], "B")
-    assert fairq <= 1.5 * alone, (fairq, alone)
+def test_flood_costs_the_small_tenant_no_more_than_an_equally_busy_engine(
+        reference_runs) -> None:
+    """Issue 10's bound: B's p95 TTFT next to the flood <= 1.2x its p95 next to a
+    well-behaved A that keeps the engine as busy. (Against B alone the ratio is
+    1.8-2.7x: a full continuous batch makes every step longer, which belongs to sharing
+    the engine, not to the flood's backlog; see docs/benchmarks.md.)"""
+    for seed, runs in reference_runs.items():
+        beside, flood = p95_ttft(runs["beside"], "B"), p95_ttft(runs["flood"], "B")
+        print(f"seed {seed}: B p95 TTFT beside a well-behaved A {beside:.3f} s, "
+              f"beside the flood {flood:.3f} s ({flood / beside:.2f}x)")
+        assert flood <= 1.2 * beside, (seed, flood, beside)
+
+
+def test_fifo_is_far_from_the_equally_busy_reference(reference_runs) -> None:
+    for seed, runs in reference_runs.items():
+        beside, fifo = p95_ttft(runs["beside"], "B"), p95_ttft(runs["fifo"], "B")
+        assert fifo >= 50 * beside, (seed, fifo, beside)
+
+
+def test_the_well_behaved_neighbour_keeps_the_engine_as_busy_without_a_backlog(
+        reference_runs) -> None:
+    """The reference is only fair if A really fills the engine: same throughput as the
+    flood, every one of A's requests dispatched the instant it arrives."""
+    for runs in reference_runs.values():
+        beside, flood = runs["beside"].summary, runs["flood"].summary
+        assert beside["throughput_tokens_per_s"] >= 0.99 * flood["throughput_tokens_per_s"]
+        a_records = [r for r in runs["beside"].records if r.tenant == "A"]
+        assert len(a_records) == 10_000
+        assert all(r.dispatched == r.arrival for r in a_records)
+
+
+def test_a_closed_loop_client_fills_the_slots_outside_the_reserve_and_never_queues() -> None:
+    """4 sequences and a 25% reserve leave 3 slots; B runs one long request from t=0, so
+    A, starting at t=1, keeps 2 in flight while B runs and 3 after, each request sent
+    the moment a slot frees and dispatched at the next step boundary."""
+    engine = EngineParams(max_sequences=4)
+    b_ends = simulate([TraceRecord("B", 0.0, 10, 400, max_tokens=400)],
+                      noisy_config(0.25), engine).records[0].finished
+    a_records = [TraceRecord("A", 0.0, 10, 20, max_tokens=20) for _ in range(60)]
+    result = simulate([TraceRecord("B", 0.0, 10, 400, max_tokens=400)],
+                      noisy_config(0.25), engine,
+                      closed_loop=[ClosedLoop(a_records, start_s=1.0)])
+    a_runs = [r for r in result.records if r.tenant == "A"]
+    assert len(a_runs) == 60 and all(r.outcome == "admitted" for r in a_runs)
+    # No backlog, ever: a request waits at most for the engine step under way.
+    assert all(r.dispatched - r.arrival < engine.decode_step_base_s for r in a_runs)
+    assert sum(r.arrival == 1.0 for r in a_runs) == 2
+
+    def a_in_flight(at: float) -> int:
+        return sum(r.dispatched <= at < r.finished for r in a_runs)
+
+    instants = sorted({r.dispatched for r in a_runs})
+    assert max(a_in_flight(t) for t in instants if t < b_ends) == 2
+    assert max(a_in_flight(t) for t in instants if t >= b_ends) == 3
+    assert all(a_in_flight(t) >= 2 for t in instants if t < b_ends)
 
 
 def test_newcomer_reserve_costs_under_3_percent_when_one_tenant_floods_alone() -> None:
     flood = noisy_neighbour(1, noisy_requests=2_000, small_tenants=0)
-    with_reserve = simulate(flood, scheduling_config(0.03)).summary
-    without = simulate(flood, scheduling_config(0.0)).summary
+    with_reserve = simulate(flood, noisy_config(0.03)).summary
+    without = simulate(flood, noisy_config(0.0)).summary
     cost = 1 - with_reserve["throughput_tokens_per_s"] / without["throughput_tokens_per_s"]
     print(f"newcomer reserve 0.03: throughput cost {cost:.2%} when one tenant floods alone")
     assert 0 < cost < 0.03  # > 0: the reserve really held capacity back from the flood
@@ -110,7 +144,7 @@ def test_newcomer_reserve_costs_under_3_percent_when_one_tenant_floods_alone() -
 
 
 def test_result_has_the_documented_shape(noisy_runs) -> None:
-    document = json.loads(json.dumps(noisy_runs["fairq"].to_dict()))
+    document = json.loads(json.dumps(noisy_runs["flood"].to_dict()))
     assert set(document) == {"records", "summary"}
     record = document["records"][0]
     assert {"tenant", "arrival", "dispatched", "first_token", "finished", "input_tokens",
@@ -128,9 +162,9 @@ def test_result_has_the_documented_shape(noisy_runs) -> None:
 
 
 def test_fairness_figures_are_sane_and_separate_the_policies(noisy_runs) -> None:
-    fairq, fifo = noisy_runs["fairq"].summary, noisy_runs["fifo"].summary
+    fairq, fifo = noisy_runs["flood"].summary, noisy_runs["fifo"].summary
     for summary in (fairq, fifo):
-        assert len(summary["windows"]) == math.floor((NOISY_DURATION_S - 30) / 60)
+        assert len(summary["windows"]) == math.floor((sim_noisy.NOISY_DURATION_S - 30) / 60)
         assert all(j is None or 0 < j <= 1 + 1e-12 for j in summary["jain_index"])
         assert all(d >= 0 for d in summary["service_diff"])
         assert summary["throughput_tokens_per_s"] > 0
@@ -140,8 +174,8 @@ def test_fairness_figures_are_sane_and_separate_the_policies(noisy_runs) -> None
 
 
 def test_served_records_are_consistent(noisy_runs) -> None:
-    trace_cap = scheduling_config().endpoints["chat"].max_tokens_cap
-    for record in noisy_runs["fairq"].records:
+    trace_cap = noisy_config().endpoints["chat"].max_tokens_cap
+    for record in noisy_runs["flood"].records:
         assert record.served
         assert record.arrival <= record.dispatched < record.first_token <= record.finished
         assert 1 <= record.output_tokens <= trace_cap
@@ -245,7 +279,7 @@ tier = "t"
 
 
 def test_deadline_passes_while_queued_behind_a_full_engine() -> None:
-    config = scheduling_config()
+    config = noisy_config()
     flood = [TraceRecord("A", 0.0, 100, 500) for _ in range(200)]
     late = TraceRecord("B", 0.0, 100, 10, deadline_s=0.001)
     records = simulate([*flood, late], config, policy="fifo").records
@@ -254,7 +288,7 @@ def test_deadline_passes_while_queued_behind_a_full_engine() -> None:
 
 def test_more_replicas_finish_a_backlog_sooner() -> None:
     trace = noisy_neighbour(3, noisy_requests=600, small_tenants=0)
-    config = scheduling_config()
+    config = noisy_config()
     one = simulate(trace, config, replicas=1).summary["simulation"]["makespan_s"]
     two = simulate(trace, config, replicas=2).summary["simulation"]["makespan_s"]
     assert two < 0.6 * one

@@ -28,6 +28,10 @@ scheduler's throttle is told the endpoint's capacity (replicas x the profile's
 endpoint's cap); the engine generates `min(output_tokens, max_tokens)` tokens. A
 request whose input plus max_tokens can never fit a replica's KV cache is rejected as
 `invalid`, like a prompt longer than the model's context.
+
+Besides the trace's open-loop arrivals, a `ClosedLoop` client sends a request whenever
+a sequence slot outside the newcomer reserve is free, after an instant's events and
+before its dispatch.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from dispatcher.core.workers import Worker, WorkerPool
 # Event kinds, in the order they are handled at one instant.
 _STEP_END = 0
 _ARRIVAL = 1
+_WAKE = 2  # nothing to handle: a closed-loop client starts
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,6 +111,24 @@ def check_trace_record(record: TraceRecord) -> None:
         raise TraceRecordError("deadline_s", f"must be finite, got {record.deadline_s!r}")
 
 
+@dataclass(slots=True, frozen=True)
+class ClosedLoop:
+    """A well-behaved client that keeps its endpoint busy without ever building a backlog.
+
+    From `start_s` on, whenever the endpoint's requests in flight (every tenant's,
+    running or queued) leave a sequence slot free outside the newcomer reserve, the next
+    of `records` arrives, so the engine is as full as the reserve allows. The records'
+    own arrival times are ignored.
+    """
+
+    records: Sequence[TraceRecord]
+    start_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.start_s) and self.start_s >= 0):
+            raise ValueError(f"start_s must be finite and >= 0, got {self.start_s!r}")
+
+
 @dataclass(slots=True)
 class SimResult:
     records: list[RequestRecord]
@@ -128,6 +151,16 @@ class _Entry:
 
 
 @dataclass(slots=True, eq=False)
+class _Client:
+    """A `ClosedLoop` client while it runs."""
+
+    endpoint: str
+    start_s: float
+    slots: int  # the endpoint's sequence slots outside the newcomer reserve
+    waiting: list[int]  # indexes of its entries not yet sent, the next one last
+
+
+@dataclass(slots=True, eq=False)
 class _Replica:
     worker: Worker  # its entry in the pool: capacity, and what was sent and not finished
     engine: BatchingEngineModel
@@ -139,7 +172,7 @@ class Simulation:
 
     def __init__(self, trace: Sequence[TraceRecord], config: Config,
                  engine: EngineParams | None = None, *, replicas: int = 1,
-                 policy: Policy = "fairq") -> None:
+                 policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = ()) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas!r}")
         self.config = config
@@ -163,8 +196,41 @@ class Simulation:
         self.entries = [self._entry(i, record) for i, record in enumerate(trace)]
         self._events: list[tuple[float, int, int]] = [
             (e.request.arrival, _ARRIVAL, i) for i, e in enumerate(self.entries)]
+        self._clients: list[_Client] = []
+        for spec in closed_loop:
+            self._add_client(spec, replicas)
         heapq.heapify(self._events)
         self.now = 0.0
+
+    def _add_client(self, spec: ClosedLoop, replicas: int) -> None:
+        first = len(self.entries)
+        for record in spec.records:
+            self.entries.append(self._entry(len(self.entries), record))
+        endpoint = spec.records[0].endpoint if spec.records else None
+        endpoint = endpoint or self.default_endpoint
+        waiting = list(range(len(self.entries) - 1, first - 1, -1))
+        slots = replicas * self._slots_outside_reserve(endpoint)
+        self._clients.append(_Client(endpoint, spec.start_s, slots, waiting))
+        self._events.append((spec.start_s, _WAKE, 0))  # in case nothing else happens then
+
+    def _slots_outside_reserve(self, endpoint: str) -> int:
+        """Sequence slots of one replica of `endpoint` outside the newcomer reserve."""
+        total = next(r.worker.capacity for r in self.replicas
+                     if r.worker.endpoint == endpoint)
+        reserve = self.scheduler.endpoints[endpoint].reserve(total)
+        return max(1, total.sequences - reserve.sequences)
+
+    def _top_up(self) -> None:
+        """Each closed-loop client fills the free slots outside the reserve."""
+        for client in self._clients:
+            if self.now < client.start_s:
+                continue
+            in_flight = (self.scheduler.endpoints[client.endpoint].running
+                         + self.scheduler.queued_count(client.endpoint))
+            for _ in range(min(client.slots - in_flight, len(client.waiting))):
+                entry = self.entries[client.waiting.pop()]
+                entry.request.arrival = self.now
+                self._arrive(entry)
 
     def _entry(self, index: int, record: TraceRecord) -> _Entry:
         endpoint = record.endpoint or self.default_endpoint
@@ -189,10 +255,11 @@ class Simulation:
                 _, kind, index = heapq.heappop(events)
                 if kind == _STEP_END:
                     self._end_step(self.replicas[index])
-                else:
+                elif kind == _ARRIVAL:
                     self._arrive(self.entries[index])
+            self._top_up()
             for request in self.scheduler.expire(self.now):
-                self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
+                self._expired(request)
             # Over every endpoint at once, like the dispatcher's pass: endpoints share no
             # queue, so the order between them changes nothing.
             for worker in self.pool.by_load():
@@ -213,15 +280,18 @@ class Simulation:
         if request.endpoint in self.config.endpoints and \
                 request.input_tokens + request.max_tokens > self.params.kv_cache_tokens:
             entry.outcome = Outcome.INVALID
-            return
-        entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
+        else:
+            entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
+
+    def _expired(self, request: Request) -> None:
+        self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
 
     def _dispatch(self, replica: _Replica) -> None:
         worker = replica.worker
         selection = self.scheduler.next_batch(worker.endpoint, worker.free(), self.now,
                                               worker.capacity)
         for request in selection.expired:
-            self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
+            self._expired(request)
         for request in selection.requests:
             # The engine runs in dispatch order, except that requests of tenants below
             # their fair share go first (as the worker asks vLLM to).
@@ -276,10 +346,12 @@ class Simulation:
 
 def simulate(trace: Sequence[TraceRecord], config: Config,
              engine: EngineParams | None = None, *, replicas: int = 1,
-             policy: Policy = "fairq",
+             policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = (),
              metrics: MetricOptions = DEFAULT_METRICS) -> SimResult:
-    """Run `trace` through the scheduler and `replicas` engines per endpoint."""
-    simulation = Simulation(trace, config, engine, replicas=replicas, policy=policy)
+    """Run `trace` (and the `closed_loop` clients) through the scheduler and `replicas`
+    engines per endpoint."""
+    simulation = Simulation(trace, config, engine, replicas=replicas, policy=policy,
+                            closed_loop=closed_loop)
     records = simulation.run()
     summary = summarize(records, metrics, tenant_weights(simulation.scheduler, records))
     summary["simulation"] = {
