@@ -22,6 +22,12 @@ another's submits in the recorder. Two ways to observe a request, chosen per ten
 For both, the dispatch time comes from the done event's timings (seconds since the
 request was queued): dispatched = first token - (ttft_s - queued_s), so queue wait =
 dispatched - submitted and TTFT = first token - submitted, both from the client's submit.
+A third kind of tenant, `WellBehaved`, runs closed loop: it sends its next request
+whenever this replay's requests in flight (its own and every streamed one) leave one of
+its `slots` free, so it keeps the engine as busy as it may without ever building a
+backlog. It submits without `Fq-Reply` and learns that a request ended by watching the
+results bucket (one message per request, not its token stream).
+
 The replay ends when every streamed request has its final event and the requests stream
 is empty (every message acked: every request finished), bounded by `timeout_s`; requests
 without a final event by then are recorded as `lost`.
@@ -34,10 +40,11 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import nats
+import nats.errors
 from nats.js.errors import KeyNotFoundError
 
 from broker_config.config import BrokerSettings
@@ -86,6 +93,41 @@ def arrivals_from_trace(trace: Sequence[TraceRecord], time_scale: float,
     return [Arrival(r.tenant, r.arrival_s * time_scale, r.input_tokens,
                     r.max_tokens or r.output_tokens, streamed=r.tenant not in collected)
             for r in trace]
+
+
+@dataclass(frozen=True, slots=True)
+class WellBehaved:
+    """A closed-loop tenant (see the module doc): `requests` are sent in order, their
+    offsets ignored, while fewer than `slots` requests of the replay are in flight."""
+
+    requests: Sequence[Arrival]
+    slots: int
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots!r}")
+        if len({a.tenant for a in self.requests}) > 1:
+            raise ValueError("a well-behaved client is one tenant")
+
+
+class _InFlight:
+    """Requests of the replay submitted and not yet ended, for the well-behaved tenant."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._ended = asyncio.Event()
+
+    def start(self) -> None:
+        self.count += 1
+
+    def end(self) -> None:
+        self.count -= 1
+        self._ended.set()
+
+    async def below(self, slots: int) -> None:
+        while self.count >= slots:
+            self._ended.clear()
+            await self._ended.wait()
 
 
 @dataclass(slots=True)
@@ -180,31 +222,42 @@ def describe_outcomes(counts: dict[str, int]) -> str:
 
 async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
                  settings: BrokerSettings, timeout_s: float,
-                 alive: Callable[[], None] | None = None) -> Replay:
-    """Send `arrivals` on schedule to the stack at `url`; see the module doc.
+                 alive: Callable[[], None] | None = None,
+                 well_behaved: WellBehaved | None = None) -> Replay:
+    """Send `arrivals` on schedule to the stack at `url`, and run `well_behaved`'s
+    closed loop beside them; see the module doc.
 
     `alive` is called every `WATCH_S` while requests are outstanding and should raise if
     the stack has died (`Stack.check_alive`), so a crash ends the replay at once instead
     of at `timeout_s`.
     """
-    measured = to_measure(arrivals)
+    closed = ([replace(a, streamed=False) for a in well_behaved.requests]
+              if well_behaved is not None else [])
+    measured = to_measure([*arrivals, *closed])
+    open_loop, closed_loop = measured[:len(arrivals)], measured[len(arrivals):]
     by_tenant: dict[str, list[Measured]] = defaultdict(list)
-    for m in sorted(measured, key=lambda m: m.offset_s):
+    for m in sorted(open_loop, key=lambda m: m.offset_s):
         by_tenant[m.tenant].append(m)
+    in_flight = _InFlight()
     async with Client.connect(url, prefix=settings.prefix) as client:
         loop = asyncio.get_running_loop()
         start_wall, start_loop = time.time(), loop.time()
 
         async def replay_all() -> None:
-            await asyncio.gather(*(_tenant(client, endpoint, mine, start_wall, start_loop)
-                                   for mine in by_tenant.values()))
+            parts = [_tenant(client, endpoint, mine, start_wall, start_loop, in_flight)
+                     for mine in by_tenant.values()]
+            if well_behaved is not None:
+                parts.append(_closed_loop(client, endpoint, settings, closed_loop,
+                                          well_behaved.slots, in_flight, start_wall))
+            await asyncio.gather(*parts)
             await _until_stream_empty(client.connection, settings)
 
         await bounded(replay_all(), timeout_s, alive)
         await _collect(client.connection, settings,
-                       [m for m in measured if not m.streamed and m.submitted is not None],
+                       [m for m in open_loop if not m.streamed and m.submitted is not None],
                        start_wall)
         ends = [m.finished for m in measured if m.finished is not None]
+    # The closed loop has no schedule to be late against.
     lateness = {tenant: max((m.submitted - m.offset_s for m in mine
                              if m.submitted is not None), default=0.0)
                 for tenant, mine in by_tenant.items()}
@@ -237,7 +290,7 @@ async def bounded(work: Awaitable[None], timeout_s: float,
 
 
 async def _tenant(client: Client, endpoint: str, mine: list[Measured], start_wall: float,
-                  start_loop: float) -> None:
+                  start_loop: float, in_flight: _InFlight) -> None:
     """One tenant's requests, each at its offset; returns when its streamed ones ended."""
     loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(PUBLISH_IN_FLIGHT)
@@ -247,11 +300,27 @@ async def _tenant(client: Client, endpoint: str, mine: list[Measured], start_wal
             if delay > 0:
                 await asyncio.sleep(delay)
             await slots.acquire()
-            group.create_task(_request(client, endpoint, m, start_wall, slots))
+            group.create_task(_request(client, endpoint, m, start_wall, slots, in_flight))
 
 
 async def _request(client: Client, endpoint: str, m: Measured, start_wall: float,
-                   slots: asyncio.Semaphore) -> None:
+                   slots: asyncio.Semaphore, in_flight: _InFlight) -> None:
+    try:
+        submitted = await _submit(client, endpoint, m, start_wall)
+    finally:
+        slots.release()
+    if submitted is None or not m.streamed:
+        return
+    in_flight.start()
+    try:
+        await _stream(client, submitted, m, start_wall)
+    finally:
+        in_flight.end()
+
+
+async def _submit(client: Client, endpoint: str, m: Measured,
+                  start_wall: float) -> Submitted | None:
+    """Publish one request; None (and outcome `refused`) if the broker did not store it."""
     try:
         m.submitted = time.time() - start_wall
         submitted = await client.submit(endpoint, m.tenant, prompt=PROMPT,
@@ -259,12 +328,52 @@ async def _request(client: Client, endpoint: str, m: Measured, start_wall: float
                                         id=m.id, reply=m.streamed)
     except FairqError:
         m.outcome = REFUSED
-        return
-    finally:
-        slots.release()
+        return None
     m.acked = time.time() - start_wall
-    if m.streamed:
-        await _stream(client, submitted, m, start_wall)
+    return submitted
+
+
+async def _closed_loop(client: Client, endpoint: str, settings: BrokerSettings,
+                       mine: list[Measured], slots: int, in_flight: _InFlight,
+                       start_wall: float) -> None:
+    """The well-behaved tenant: send while a slot is free; a request ends when its final
+    event is stored in the results bucket."""
+    if not mine:
+        return
+    results = await client.connection.jetstream().key_value(settings.subjects.results_bucket)
+    tenant = mine[0].tenant
+    watcher = await results.watch(settings.subjects.tenant_results(tenant))
+    running: dict[str, Measured] = {}
+    sent = asyncio.Event()
+
+    async def send() -> None:
+        for m in mine:
+            await in_flight.below(slots)
+            in_flight.start()
+            key = settings.subjects.result_key(tenant, m.id)
+            running[key] = m
+            if await _submit(client, endpoint, m, start_wall) is None:
+                del running[key]
+                in_flight.end()
+        sent.set()
+
+    async def receive() -> None:
+        while not (sent.is_set() and not running):
+            try:
+                entry = await watcher.updates(timeout=WATCH_S)
+            except nats.errors.TimeoutError:
+                continue
+            m = running.pop(entry.key, None) if entry is not None else None
+            if m is None:  # the end of the initial values, or not one of ours
+                continue
+            result = STORED_RESULT.decode(entry.value)
+            m.settle(result.event, result.stored_at - start_wall, None)
+            in_flight.end()
+
+    try:
+        await asyncio.gather(send(), receive())
+    finally:
+        await watcher.stop()
 
 
 async def _stream(client: Client, submitted: Submitted, m: Measured, start_wall: float) -> None:

@@ -40,6 +40,8 @@ from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import provision
 from broker_config.wire import HEARTBEAT
 from costmodel.engine_model import EngineParams
+from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity
+from dispatcher.core.scheduler import newcomer_reserve
 from dispatcher.core.sim import scheduling_only
 from producers.client import Client, FairqTimeout, NoDispatcher
 from producers.supervisor import Child, ChildExited
@@ -97,6 +99,14 @@ class StackSpec:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale!r}")
         if self.endpoint not in self.config.endpoints:
             raise ValueError(f"endpoint {self.endpoint!r} is not in the config")
+
+    def slots_outside_reserve(self) -> int:
+        """Sequence slots of every worker outside the endpoint's newcomer reserve: what a
+        well-behaved tenant may keep busy without taking the newcomers' room."""
+        total = Capacity(self.engine.max_sequences, self.engine.kv_cache_tokens,
+                         UNLIMITED_MODEL_UNITS)
+        fraction = self.config.endpoints[self.endpoint].newcomer_reserve
+        return self.workers * (total.sequences - newcomer_reserve(total, fraction).sequences)
 
     def describe(self) -> dict[str, object]:
         """The spec as plain data, for result files."""

@@ -217,6 +217,11 @@ class Subjects:
         return f"{check_token(tenant, 'tenant')}.{check_request_id(request_id).replace('.', '=')}"
 
     @staticmethod
+    def tenant_results(tenant: str) -> str:
+        """The KV key filter matching every result key of `tenant` (to watch them)."""
+        return f"{check_token(tenant, 'tenant')}.*"
+
+    @staticmethod
     def parse_result_key(key: str) -> tuple[str, str]:
         """`(tenant, request_id)` of a result key."""
         tenant, sep, encoded = key.partition(".")

@@ -61,6 +61,15 @@ class Completed:
     refund: QuotaCheck | None
 
 
+def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
+    """The part of a worker's `total` capacity that only tenants below their fair share
+    may use (at least one sequence when `fraction` > 0)."""
+    if fraction <= 0:
+        return Capacity(0, 0, 0.0)
+    reserved = total.scaled(fraction)
+    return Capacity(max(1, reserved.sequences), reserved.tokens, reserved.model_units)
+
+
 class EndpointQueues:
     """Everything the scheduler keeps for one endpoint."""
 
@@ -83,10 +92,7 @@ class EndpointQueues:
         self.present_weight_by_rank = [0.0] * tier_count
 
     def reserve(self, total: Capacity) -> Capacity:
-        if self.reserve_fraction <= 0:
-            return Capacity(0, 0, 0.0)
-        reserved = total.scaled(self.reserve_fraction)
-        return Capacity(max(1, reserved.sequences), reserved.tokens, reserved.model_units)
+        return newcomer_reserve(total, self.reserve_fraction)
 
     def below_fair_share(self, flow: TenantFlow) -> bool:
         """Runs fewer sequences than its weighted share of what the endpoint runs now
