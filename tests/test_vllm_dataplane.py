@@ -37,7 +37,7 @@ from tests.test_vllm_engine import (  # noqa: F401
     vllm_env,
     vllm_outputs,
 )
-from workers.engine import Delta, EngineRequest
+from workers.engine import Delta, Engine, EngineRequest
 from workers.service import WorkerService
 from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -80,9 +80,9 @@ async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:  # noqa: F811
         yield running
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def dispatcher(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Dispatcher]:
-    """A dispatcher and one worker on the module's engine, on this test's nats-server."""
+@contextlib.asynccontextmanager
+async def serving(nats_url: str, engine: Engine) -> AsyncIterator[Dispatcher]:
+    """A dispatcher and one worker on `engine`, on this test's nats-server."""
     async with contextlib.AsyncExitStack() as stack:
         nc = await nats.connect(nats_url, name="fairq-vllm-dataplane")
         stack.push_async_callback(nc.drain)
@@ -93,6 +93,12 @@ async def dispatcher(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Dispatc
             nc, engine, endpoint="chat", worker_id="vllm-1", subjects=running.subjects,
             results=results, profile=running.scheduler.endpoints["chat"].profile,
             settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0)))
+        yield running
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def dispatcher(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Dispatcher]:
+    async with serving(nats_url, engine) as running:
         yield running
 
 
@@ -161,6 +167,42 @@ async def test_cancel_aborts_a_running_request_inside_vllm(
     assert stored["state"] == "failed" and stored["result"]["code"] == "cancelled"
 
 
+class StartOrder:
+    """One reply subscription for many requests: the order in which they produced their
+    first token, and their final events."""
+
+    def __init__(self, client: NATS) -> None:
+        self.client = client
+        self.inbox = client.new_inbox()
+        self.started: list[str] = []
+        self.finals: dict[str, dict] = {}
+        self._replies: Any = None
+
+    async def __aenter__(self) -> StartOrder:
+        self._replies = await self.client.subscribe(f"{self.inbox}.>")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._replies.unsubscribe()
+
+    async def publish(self, tenant: str, rid: str, max_tokens: int, priority: int = 0) -> None:
+        body = {"prompt": "class A:", "max_tokens": max_tokens, "priority": priority}
+        await self.client.jetstream().publish(
+            f"fq.req.chat.{tenant}", json.dumps(body).encode(),
+            headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{self.inbox}.{rid}"})
+
+    async def read_until(self, condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not condition():
+            msg = await self._replies.next_msg(
+                timeout=max(0.01, deadline - time.monotonic()))
+            event = json.loads(msg.data)
+            if event["type"] == "token" and event["id"] not in self.started:
+                self.started.append(event["id"])
+            elif event["type"] in ("done", "error"):
+                self.finals[event["id"]] = event
+
+
 async def test_queued_requests_start_in_priority_order(
     dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
 ) -> None:
@@ -168,44 +210,26 @@ async def test_queued_requests_start_in_priority_order(
     per-tenant order (the client's priority, then arrival) decides which starts next: the
     client's priority never reaches vLLM, which holds one request at a time here. One reply
     subscription sees every request's events in the order the worker published them."""
-    inbox = client.new_inbox()
-    replies = await client.subscribe(f"{inbox}.>")
-    started: list[str] = []
-    finals: dict[str, dict] = {}
+    async with StartOrder(client) as order:
+        await order.publish("acme", "blocker", LONG)
+        await order.read_until(lambda: bool(order.started))
+        priorities = {"low": 1, "mid": 3, "high": 9, "mid-later": 3}
+        # All at once, so the queue forms well within the blocker's 2,000 tokens (one by
+        # one with status polls was too slow on a loaded machine). Published in order, so
+        # "mid" still arrives before "mid-later".
+        for rid, priority in priorities.items():
+            await order.publish("acme", rid, 4, priority)
+        await asyncio.gather(*(wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S)
+                               for rid in priorities))
+        assert engine.llm.get_num_unfinished_requests() == 1, "the queue formed inside vLLM"
+        cancelled = await api(client, "fq.api.cancel.acme", {"id": "blocker"})
+        assert cancelled["cancelled"] is True
 
-    async def publish(rid: str, max_tokens: int, priority: int = 0) -> None:
-        body = {"prompt": "class A:", "max_tokens": max_tokens, "priority": priority}
-        await client.jetstream().publish("fq.req.chat.acme", json.dumps(body).encode(),
-                                         headers={"Nats-Msg-Id": rid,
-                                                  "Fq-Reply": f"{inbox}.{rid}"})
-
-    async def read_until(condition: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not condition():
-            msg = await replies.next_msg(timeout=max(0.01, deadline - time.monotonic()))
-            event = json.loads(msg.data)
-            if event["type"] == "token" and event["id"] not in started:
-                started.append(event["id"])
-            elif event["type"] in ("done", "error"):
-                finals[event["id"]] = event
-
-    await publish("blocker", LONG)
-    await read_until(lambda: bool(started))
-    priorities = {"low": 1, "mid": 3, "high": 9, "mid-later": 3}
-    # All at once, so the queue forms well within the blocker's 2,000 tokens (one by one
-    # with status polls was too slow on a loaded machine). Published in order, so "mid"
-    # still arrives before "mid-later".
-    for rid, priority in priorities.items():
-        await publish(rid, 4, priority)
-    await asyncio.gather(*(wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S)
-                           for rid in priorities))
-    assert engine.llm.get_num_unfinished_requests() == 1, "the queue formed inside vLLM"
-    assert (await api(client, "fq.api.cancel.acme", {"id": "blocker"}))["cancelled"] is True
-
-    await read_until(lambda: finals.keys() >= {"blocker", *priorities})
-    assert started == ["blocker", "high", "mid", "mid-later", "low"]
-    assert finals["blocker"]["code"] == "cancelled", "the blocker ended before the queue formed"
-    assert all(finals[rid]["type"] == "done" for rid in priorities)
+        await order.read_until(lambda: order.finals.keys() >= {"blocker", *priorities})
+    assert order.started == ["blocker", "high", "mid", "mid-later", "low"]
+    assert order.finals["blocker"]["code"] == "cancelled", (
+        "the blocker ended before the queue formed")
+    assert all(order.finals[rid]["type"] == "done" for rid in priorities)
 
 
 class Oversubscribed:
@@ -234,16 +258,7 @@ class Oversubscribed:
 async def oversubscribed(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Oversubscribed]:
     """A dispatcher and one worker whose engine reports 8 sequences while vLLM runs 1."""
     worker_engine = Oversubscribed(engine, sequences=8)
-    async with contextlib.AsyncExitStack() as stack:
-        nc = await nats.connect(nats_url, name="fairq-vllm-dataplane")
-        stack.push_async_callback(nc.drain)
-        running = await stack.enter_async_context(
-            Dispatcher(nc, msgspec.structs.replace(parse_config(CONFIG), dispatcher=OPTIONS)))
-        results = await nc.jetstream().key_value(running.subjects.results_bucket)
-        await stack.enter_async_context(WorkerService(
-            nc, worker_engine, endpoint="chat", worker_id="vllm-1", subjects=running.subjects,
-            results=results, profile=running.scheduler.endpoints["chat"].profile,
-            settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0)))
+    async with serving(nats_url, worker_engine):
         yield worker_engine
 
 
@@ -254,42 +269,23 @@ async def test_a_tenants_own_priority_never_jumps_another_tenant_inside_vllm(
     is expedited by the dispatcher. With all of them waiting inside vLLM's priority
     scheduler (the worker takes 8, vLLM runs 1), globex's request starts first: engine
     priority is the dispatcher's `expedited` decision, never the client's `priority`."""
-    inbox = client.new_inbox()
-    replies = await client.subscribe(f"{inbox}.>")
-    started: list[str] = []
-    finals: dict[str, dict] = {}
-
-    async def publish(tenant: str, rid: str, max_tokens: int, priority: int) -> None:
-        body = {"prompt": "class A:", "max_tokens": max_tokens, "priority": priority}
-        await client.jetstream().publish(f"fq.req.chat.{tenant}", json.dumps(body).encode(),
-                                         headers={"Nats-Msg-Id": rid,
-                                                  "Fq-Reply": f"{inbox}.{rid}"})
-
-    async def read_until(condition: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not condition():
-            msg = await replies.next_msg(timeout=max(0.01, deadline - time.monotonic()))
-            event = json.loads(msg.data)
-            if event["type"] == "token" and event["id"] not in started:
-                started.append(event["id"])
-            elif event["type"] in ("done", "error"):
-                finals[event["id"]] = event
-
     greedy = 1_000_000_000
-    await publish("acme", "blocker", LONG, greedy)
-    await read_until(lambda: bool(started))
-    flood = ["acme-1", "acme-2", "acme-3"]
-    for rid in flood:
-        await publish("acme", rid, 4, greedy)
-    await until_unfinished(engine, 1 + len(flood))  # all of acme's wait inside vLLM
-    await publish("globex", "globex-1", 4, 0)
-    await until_unfinished(engine, 2 + len(flood))
-    assert (await api(client, "fq.api.cancel.acme", {"id": "blocker"}))["cancelled"] is True
+    async with StartOrder(client) as order:
+        await order.publish("acme", "blocker", LONG, greedy)
+        await order.read_until(lambda: bool(order.started))
+        flood = ["acme-1", "acme-2", "acme-3"]
+        for rid in flood:
+            await order.publish("acme", rid, 4, greedy)
+        await until_unfinished(engine, 1 + len(flood))  # all of acme's wait inside vLLM
+        await order.publish("globex", "globex-1", 4, 0)
+        await until_unfinished(engine, 2 + len(flood))
+        cancelled = await api(client, "fq.api.cancel.acme", {"id": "blocker"})
+        assert cancelled["cancelled"] is True
 
-    await read_until(lambda: finals.keys() >= {"blocker", "globex-1", *flood})
-    assert finals["blocker"]["code"] == "cancelled"
-    assert started[:2] == ["blocker", "globex-1"], started
-    assert sorted(started[2:]) == flood
+        await order.read_until(lambda: order.finals.keys() >= {"blocker", "globex-1", *flood})
+    assert order.finals["blocker"]["code"] == "cancelled"
+    assert order.started[:2] == ["blocker", "globex-1"], order.started
+    assert sorted(order.started[2:]) == flood
     engine_priority = oversubscribed.priorities
     assert engine_priority[Subjects.result_key("globex", "globex-1")] == 1  # expedited
     assert [engine_priority[Subjects.result_key("acme", rid)] for rid in flood] == [0, 0, 0]
