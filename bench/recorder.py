@@ -4,9 +4,9 @@ records what happened to every request.
 Each arrival is one JetStream publish to `fq.req.<endpoint>.<tenant>` through the SDK
 (`producers.client.Client`: `Nats-Msg-Id` = the request id `<tenant>-<index of the
 arrival>`, body with `prompt`, `max_tokens` and `input_tokens`), at `offset_s` after the
-start, by one connection. Every tenant publishes independently, at most
-`PUBLISH_IN_FLIGHT` unacknowledged at a time, so one tenant's burst never delays
-another's submits in the recorder. Two ways to observe a request, chosen per tenant:
+start, by one connection for the streamed tenants and another for the collected ones.
+Every tenant publishes independently, at most `PUBLISH_IN_FLIGHT` unacknowledged at a
+time, so one tenant's burst never delays another's submits in the recorder. Two ways to observe a request, chosen per tenant:
 
 - streamed: with an `Fq-Reply` inbox; the first event and the final event are timed
   when they arrive here (the client's view);
@@ -239,15 +239,20 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
     for m in sorted(open_loop, key=lambda m: m.offset_s):
         by_tenant[m.tenant].append(m)
     in_flight = _InFlight()
-    async with Client.connect(url, prefix=settings.prefix) as client:
+    # Collected tenants (a flood, a batch job) publish on a connection of their own, as
+    # separate clients would: a burst of theirs must not queue the streamed tenants'
+    # submits behind it in this process.
+    async with Client.connect(url, prefix=settings.prefix) as client, \
+            Client.connect(url, prefix=settings.prefix) as batch_client:
         loop = asyncio.get_running_loop()
         start_wall, start_loop = time.time(), loop.time()
 
         async def replay_all() -> None:
-            parts = [_tenant(client, endpoint, mine, start_wall, start_loop, in_flight)
+            parts = [_tenant(client if mine[0].streamed else batch_client, endpoint, mine,
+                             start_wall, start_loop, in_flight)
                      for mine in by_tenant.values()]
             if well_behaved is not None:
-                parts.append(_closed_loop(client, endpoint, settings, closed_loop,
+                parts.append(_closed_loop(batch_client, endpoint, settings, closed_loop,
                                           well_behaved.slots, in_flight, start_wall))
             await asyncio.gather(*parts)
             await _until_stream_empty(client.connection, settings)
