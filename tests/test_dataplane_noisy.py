@@ -1,92 +1,74 @@
-"""The noisy neighbour through the real stack: NATS, dispatcher, simulated workers.
+"""The noisy neighbour through the real stack: nats-server, dispatcher and simulated
+workers, each in its own process (`bench.stack`), driven by the benchmark's recorder.
 
-The naive baseline (a shared JetStream work queue pulled in FIFO order, which this
-scenario defeats) runs in tests/test_bench_smoke.py, with each part in its own process."""
+The reference (issue 10's decision) is the small tenants next to an equally busy engine:
+the same requests of A sent by a well-behaved client that runs closed loop, keeping
+every sequence slot outside the newcomer reserve busy and never building a backlog
+(`bench.recorder.WellBehaved`). What a full continuous batch costs the small tenants by
+itself belongs to sharing the engine; the flood's backlog must add no more than 20%.
+
+The bound holds on the small tenants' p95 time to first token pooled over three seeds
+(about 370 requests per kind of run), a ratio with no absolute slack. Both kinds of run
+share one startup cost: at t=0 A's first requests take every slot outside the reserve
+at once, and the small tenants' first requests wait for the first of them to end.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import random
-import time
-import uuid
+from dataclasses import replace
+from pathlib import Path
 
-import nats
 import pytest
 
-from broker_config.config import DispatcherOptions, WorkerOptions, load_config
+from bench import scenario_noisy
+from bench.recorder import Replay
+from bench.scenario_noisy import NOISY, Run, Settings
 from dispatcher.core.fairness import percentile
-from dispatcher.core.sim import scheduling_only
-from tests.local_stack import LocalStack, StackOptions
 
 pytestmark = pytest.mark.integration
 
-TIME_SCALE = 0.1  # simulated engine time runs ten times faster than a real GPU's
-SMALL = ("B", "C", "D", "E")
-SMALL_RATE = 2.0  # requests per second per small tenant: "a few per second"
-SMALL_REQUESTS = 20
+# A stays backlogged through the small tenants' 30 s (it drains in about 80 engine
+# seconds). Time runs 5x faster than the engine model: the fixed wall-clock cost of
+# ingesting the flood (about 0.1 s here) then weighs 5x, not the 10x of the benchmark.
+SETTINGS = Settings(noisy_requests=1_000, small_rate=1.0, duration_s=30.0, workers=1,
+                    time_scale=0.2, timeout_s=120.0)
+SEEDS = (1, 2, 3)
+BESIDE = Run("beside", "fairq", "well-behaved")
+FLOOD = Run("fairq", "fairq", "flood")
+NAIVE = Run("naive", "naive", "flood")
 
 
-async def run(nats_url: str, *, noisy: bool) -> list[float]:
-    """B's times to first token (seconds, client view) in one scenario."""
-    # Short drains: what is still running when B is measured need not finish.
-    options = StackOptions(workers=1, endpoints=("chat",), time_scale=TIME_SCALE,
-                           workers_settings=WorkerOptions(heartbeat_interval_s=0.2,
-                                                          drain_timeout_s=0.5),
-                           dispatcher=DispatcherOptions(settle_s=0.3, tick_s=0.05,
-                                                        grace_s=0.5))
-    run_id = uuid.uuid4().hex[:8]  # results of earlier runs stay stored under their ids
-    config = scheduling_only(load_config())  # rate limits and throttle out of the way
-    async with LocalStack(config, options, nats_url=nats_url):
-        nc = await nats.connect(nats_url)
-        js = nc.jetstream()
-        published: dict[str, float] = {}
-        first_token: dict[str, float] = {}
-        finished = asyncio.Event()
-
-        async def on_event(msg):
-            event = json.loads(msg.data)
-            if event["id"] not in first_token and event["type"] in ("token", "done"):
-                first_token[event["id"]] = time.monotonic()
-            if event["type"] == "error":
-                raise AssertionError(event)
-            b_done = sum(1 for rid in first_token if rid.startswith(f"B-{run_id}-"))
-            if b_done == SMALL_REQUESTS:
-                finished.set()
-
-        await nc.subscribe("_INBOX.noisy.>", cb=on_event)
-
-        async def publish(tenant: str, rid: str, max_tokens: int, reply: bool = True) -> None:
-            body = json.dumps({"prompt": "tell me a story " * 8, "max_tokens": max_tokens})
-            headers = {"Nats-Msg-Id": rid}
-            if reply:
-                headers["Fq-Reply"] = f"_INBOX.noisy.{rid}"
-            published[rid] = time.monotonic()
-            await js.publish(f"fq.req.chat.{tenant}", body.encode(), headers=headers)
-
-        if noisy:
-            # A's answers are stored for later collection (no Fq-Reply): this test process
-            # plays every part on 2 cores and need not also receive A's token stream.
-            await asyncio.gather(*(publish("A", f"A-{run_id}-{i}", 200, reply=False)
-                                   for i in range(2000)))
-
-        async def small_tenant(tenant: str, seed: int) -> None:
-            rng = random.Random(seed)
-            for i in range(SMALL_REQUESTS):
-                await asyncio.sleep(rng.expovariate(SMALL_RATE))
-                await publish(tenant, f"{tenant}-{run_id}-{i}", 64)
-
-        tenants = SMALL if noisy else ("B",)
-        await asyncio.gather(*(small_tenant(t, n) for n, t in enumerate(tenants)))
-        await asyncio.wait_for(finished.wait(), timeout=120)
-        await nc.drain()
-    return [first_token[f"B-{run_id}-{i}"] - published[f"B-{run_id}-{i}"]
-            for i in range(SMALL_REQUESTS)]
+def small_ttfts(result: Replay) -> list[float]:
+    """The small tenants' times to first token in engine-model seconds, sorted; every
+    request of the run must have finished."""
+    assert result.counts() == {"done": len(result.measured)}, result.counts()
+    records = [m.request_record(SETTINGS.time_scale) for m in result.measured
+               if m.tenant != NOISY]
+    return sorted(r.first_token - r.arrival for r in records)
 
 
-async def test_small_tenant_keeps_its_latency_next_to_a_flood(nats_url):
-    alone = percentile(await run(nats_url, noisy=False), 95)
-    fairq = percentile(await run(nats_url, noisy=True), 95)
-    print(f"B p95 TTFT: alone {alone * 1000:.1f} ms, with a 2,000-request flood "
-          f"{fairq * 1000:.1f} ms")
-    assert fairq <= 1.5 * alone + 0.050
+async def test_a_flood_costs_the_small_tenants_no_more_than_an_equally_busy_engine(
+        nats_binary: Path, tmp_path: Path) -> None:
+    ttfts: dict[str, list[float]] = {BESIDE.name: [], FLOOD.name: []}
+    for seed in SEEDS:
+        settings = replace(SETTINGS, seed=seed)
+        for run in (BESIDE, FLOOD):
+            result = await scenario_noisy.run_one(run, settings, tmp_path / str(seed))
+            ttfts[run.name] += small_ttfts(result)
+    beside, flood = (percentile(sorted(ttfts[run.name]), 95) for run in (BESIDE, FLOOD))
+    print(f"small tenants' p95 TTFT over seeds {SEEDS}: next to the well-behaved A "
+          f"{beside:.3f} s, next to the flood {flood:.3f} s ({flood / beside:.2f}x)")
+    assert flood <= 1.2 * beside
+
+
+async def test_the_naive_queue_is_far_from_the_equally_busy_reference(
+        nats_binary: Path, tmp_path: Path) -> None:
+    """Behind the naive shared queue the small tenants wait for A's whole backlog."""
+    p95 = {}
+    for run in (BESIDE, NAIVE):
+        result = await scenario_noisy.run_one(run, SETTINGS, tmp_path)
+        p95[run.name] = percentile(small_ttfts(result), 95)
+    beside, naive = p95[BESIDE.name], p95[NAIVE.name]
+    print(f"small tenants' p95 TTFT: next to the well-behaved A {beside:.3f} s, "
+          f"behind the naive queue's flood {naive:.3f} s ({naive / beside:.0f}x)")
+    assert naive >= 50 * beside
