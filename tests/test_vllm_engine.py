@@ -343,6 +343,24 @@ async def test_an_abort_before_vllm_knows_the_request_ends_it_at_once(
     assert (await blocker.done()).finish_reason == "abort"
 
 
+async def test_cancelling_while_vllm_registers_the_request_leaves_nothing_in_vllm(
+    engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM records a request before it hands it to its engine core; a consumer cancelled
+    in between (the worker does so at its drain timeout) must not leave it there."""
+    gate = Gate(engine.llm.engine_core.add_request_async)
+    monkeypatch.setattr(engine.llm.engine_core, "add_request_async", gate)
+    cancelled = Streaming(engine, EngineRequest(id="cancelled", max_tokens=8, prompt="if"), [])
+    await gate.wait_reached()
+    cancelled.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled.task
+    assert engine.llm.get_num_unfinished_requests() == 0
+    monkeypatch.undo()
+    again = Streaming(engine, EngineRequest(id="cancelled", max_tokens=4, prompt="if"), [])
+    assert (await again.done()).finish_reason == "length"  # the id is free again
+
+
 async def test_higher_fairq_priority_is_served_first(engine: VLLMEngine) -> None:
     order: list[str] = []
     blocker = Streaming(engine, EngineRequest(id="blocker", max_tokens=LONG, prompt="try"), order)

@@ -145,9 +145,17 @@ class VLLMEngine:
                 yield usage.final("", 0, "abort", None)
                 return
             try:
-                # vLLM runs the lowest priority value first; fairq serves the highest first.
-                queue = await llm.add_request(request.id, prompt, params,
-                                              priority=-request.priority)
+                try:
+                    # vLLM runs the lowest priority value first; fairq serves the highest
+                    # first.
+                    queue = await llm.add_request(request.id, prompt, params,
+                                                  priority=-request.priority)
+                except BaseException:
+                    # Cancelled or failed while vLLM registered it: vLLM may hold it
+                    # already. By its external id: no other request runs with that id.
+                    if not llm.errored:
+                        await llm.abort(request.id)
+                    raise
                 live.vllm_id = queue.request_id
                 if live.aborted:
                     # Asked for while vLLM registered it, when vLLM's abort could not find
@@ -171,13 +179,16 @@ class VLLMEngine:
             except Exception as exc:
                 raise EngineError(f"vLLM failed request {request.id!r}: {exc!r}") from exc
         finally:
-            if queue is not None:
-                if not finished and not llm.errored:
+            try:
+                if queue is not None and not finished and not llm.errored:
                     # Left early (the consumer closed the stream, or was cancelled): vLLM
                     # drops the request now, while `abort` can still find it.
                     await llm.abort(queue.request_id, internal=True)
-                queue.close()
-            del self._live[request.id]
+            finally:
+                # Even if that abort fails or is cancelled, the id may run again.
+                if queue is not None:
+                    queue.close()
+                del self._live[request.id]
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
