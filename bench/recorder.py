@@ -310,17 +310,18 @@ async def _tenant(client: Client, endpoint: str, mine: list[Measured], start_wal
 
 async def _request(client: Client, endpoint: str, m: Measured, start_wall: float,
                    slots: asyncio.Semaphore, in_flight: _InFlight) -> None:
+    if m.streamed:  # from before its submit, as the well-behaved client counts its own
+        in_flight.start()
     try:
-        submitted = await _submit(client, endpoint, m, start_wall)
+        try:
+            submitted = await _submit(client, endpoint, m, start_wall)
+        finally:
+            slots.release()
+        if submitted is not None and m.streamed:
+            await _stream(client, submitted, m, start_wall)
     finally:
-        slots.release()
-    if submitted is None or not m.streamed:
-        return
-    in_flight.start()
-    try:
-        await _stream(client, submitted, m, start_wall)
-    finally:
-        in_flight.end()
+        if m.streamed:
+            in_flight.end()
 
 
 async def _submit(client: Client, endpoint: str, m: Measured,
@@ -368,15 +369,19 @@ async def _closed_loop(client: Client, endpoint: str, settings: BrokerSettings,
                 entry = await watcher.updates(timeout=WATCH_S)
             except nats.errors.TimeoutError:
                 continue
-            m = running.pop(entry.key, None) if entry is not None else None
-            if m is None:  # the end of the initial values, or not one of ours
+            # None ends the initial values; a delete or purge carries no result.
+            ours = entry is not None and entry.operation is None
+            m = running.pop(entry.key, None) if ours else None
+            if m is None:
                 continue
             result = STORED_RESULT.decode(entry.value)
             m.settle(result.event, result.stored_at - start_wall, None)
             in_flight.end()
 
     try:
-        await asyncio.gather(send(), receive())
+        async with asyncio.TaskGroup() as group:  # one failing stops the other
+            group.create_task(send())
+            group.create_task(receive())
     finally:
         await watcher.stop()
 

@@ -110,12 +110,11 @@ def test_a_closed_loop_client_fills_the_slots_outside_the_reserve_and_never_queu
     A, starting at t=1, keeps 2 in flight while B runs and 3 after, each request sent
     the moment a slot frees and dispatched at the next step boundary."""
     engine = EngineParams(max_sequences=4)
-    b_ends = simulate([TraceRecord("B", 0.0, 10, 400, max_tokens=400)],
-                      noisy_config(0.25), engine).records[0].finished
     a_records = [TraceRecord("A", 0.0, 10, 20, max_tokens=20) for _ in range(60)]
     result = simulate([TraceRecord("B", 0.0, 10, 400, max_tokens=400)],
                       noisy_config(0.25), engine,
                       closed_loop=[ClosedLoop(a_records, start_s=1.0)])
+    b_ends = next(r.finished for r in result.records if r.tenant == "B")
     a_runs = [r for r in result.records if r.tenant == "A"]
     assert len(a_runs) == 60 and all(r.outcome == "admitted" for r in a_runs)
     # No backlog, ever: a request waits at most for the engine step under way.
@@ -129,6 +128,27 @@ def test_a_closed_loop_client_fills_the_slots_outside_the_reserve_and_never_queu
     assert max(a_in_flight(t) for t in instants if t < b_ends) == 2
     assert max(a_in_flight(t) for t in instants if t >= b_ends) == 3
     assert all(a_in_flight(t) >= 2 for t in instants if t < b_ends)
+
+
+def test_a_closed_loop_client_sends_on_past_rejected_requests() -> None:
+    """A request that can never fit the KV cache is rejected `invalid` and takes no slot:
+    the client goes on with the next one at once, and every record is accounted for."""
+    engine = EngineParams(max_sequences=4, kv_cache_tokens=1_000)
+    records = [TraceRecord("A", 0.0, 10 if n % 2 else 2_000, 20, max_tokens=20)
+               for n in range(6)]
+    result = simulate([], noisy_config(0.25), engine, closed_loop=[ClosedLoop(records)])
+    outcomes = [r.outcome for r in result.records]
+    assert outcomes == ["invalid", "admitted"] * 3
+    assert all(r.finished is not None for r in result.records if r.outcome == "admitted")
+
+
+def test_a_closed_loop_client_is_checked() -> None:
+    with pytest.raises(ValueError, match="one endpoint"):
+        ClosedLoop([TraceRecord("A", 0.0, 1, 1, endpoint="chat"),
+                    TraceRecord("A", 0.0, 1, 1, endpoint="embed")])
+    with pytest.raises(ValueError, match="unknown endpoint"):
+        simulate([], noisy_config(), closed_loop=[
+            ClosedLoop([TraceRecord("A", 0.0, 1, 1, endpoint="nowhere")])])
 
 
 def test_newcomer_reserve_costs_under_3_percent_when_one_tenant_floods_alone() -> None:

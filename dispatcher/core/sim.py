@@ -118,7 +118,8 @@ class ClosedLoop:
     From `start_s` on, whenever the endpoint's requests in flight (every tenant's,
     running or queued) leave a sequence slot free outside the newcomer reserve, the next
     of `records` arrives, so the engine is as full as the reserve allows. The records'
-    own arrival times are ignored.
+    own arrival times are ignored. Clients on one endpoint fill it in the order they are
+    listed.
     """
 
     records: Sequence[TraceRecord]
@@ -127,6 +128,8 @@ class ClosedLoop:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start_s) and self.start_s >= 0):
             raise ValueError(f"start_s must be finite and >= 0, got {self.start_s!r}")
+        if len({r.endpoint for r in self.records}) > 1:
+            raise ValueError("a closed-loop client sends to one endpoint")
 
 
 @dataclass(slots=True)
@@ -208,6 +211,8 @@ class Simulation:
             self.entries.append(self._entry(len(self.entries), record))
         endpoint = spec.records[0].endpoint if spec.records else None
         endpoint = endpoint or self.default_endpoint
+        if endpoint not in self.config.endpoints:
+            raise ValueError(f"closed-loop client on unknown endpoint {endpoint!r}")
         waiting = list(range(len(self.entries) - 1, first - 1, -1))
         slots = replicas * self._slots_outside_reserve(endpoint)
         self._clients.append(_Client(endpoint, spec.start_s, slots, waiting))
@@ -225,9 +230,10 @@ class Simulation:
         for client in self._clients:
             if self.now < client.start_s:
                 continue
-            in_flight = (self.scheduler.endpoints[client.endpoint].running
-                         + self.scheduler.queued_count(client.endpoint))
-            for _ in range(min(client.slots - in_flight, len(client.waiting))):
+            queues = self.scheduler.endpoints[client.endpoint]
+            # A rejected request takes no slot: the client sends on at once.
+            while client.waiting and (queues.running + self.scheduler.queued_count(
+                    client.endpoint)) < client.slots:
                 entry = self.entries[client.waiting.pop()]
                 entry.request.arrival = self.now
                 self._arrive(entry)
@@ -257,9 +263,9 @@ class Simulation:
                     self._end_step(self.replicas[index])
                 elif kind == _ARRIVAL:
                     self._arrive(self.entries[index])
-            self._top_up()
             for request in self.scheduler.expire(self.now):
                 self._expired(request)
+            self._top_up()
             # Over every endpoint at once, like the dispatcher's pass: endpoints share no
             # queue, so the order between them changes nothing.
             for worker in self.pool.by_load():
@@ -269,6 +275,8 @@ class Simulation:
             for index, replica in enumerate(self.replicas):
                 if replica.step is None:
                     self._start_step(index, replica)
+        if any(client.waiting for client in self._clients):
+            raise RuntimeError("simulation ended with closed-loop requests never sent")
         if self.scheduler.queued_count():
             raise RuntimeError(
                 f"simulation ended with {self.scheduler.queued_count()} requests queued "
