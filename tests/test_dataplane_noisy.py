@@ -7,8 +7,8 @@ every sequence slot outside the newcomer reserve busy and never building a backl
 (`bench.recorder.WellBehaved`). What a full continuous batch costs the small tenants by
 itself belongs to sharing the engine; the flood's backlog must add no more than 20%.
 
-The bound holds on the small tenants' p95 time to first token pooled over three seeds
-(about 370 requests per kind of run), a ratio with no absolute slack. Both kinds of run
+The bound holds on the small tenants' p95 time to first token pooled over five seeds
+(about 600 requests per kind of run), a ratio with no absolute slack. Both kinds of run
 share one startup cost: at t=0 A's first requests take every slot outside the reserve
 at once, and the small tenants' first requests wait for the first of them to end.
 """
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.integration
 # ingesting the flood (about 0.1 s here) then weighs 5x, not the 10x of the benchmark.
 SETTINGS = Settings(noisy_requests=1_000, small_rate=1.0, duration_s=30.0, workers=1,
                     time_scale=0.2, timeout_s=120.0)
-SEEDS = (1, 2, 3)
+SEEDS = (1, 2, 3, 4, 5)
 BESIDE = Run("beside", "fairq", "well-behaved")
 FLOOD = Run("fairq", "fairq", "flood")
 NAIVE = Run("naive", "naive", "flood")
