@@ -41,7 +41,7 @@ from broker_config.streams import provision
 from broker_config.wire import HEARTBEAT
 from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity
-from dispatcher.core.scheduler import newcomer_reserve
+from dispatcher.core.endpoint import newcomer_reserve
 from dispatcher.core.sim import scheduling_only
 from producers.client import Client, FairqTimeout, NoDispatcher
 from producers.supervisor import Child, ChildExited

@@ -18,9 +18,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Literal
 
-from broker_config.config import Config, Endpoint, Registry
+from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
-from costmodel.units import Capacity, ModelProfile, Usage
+from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import (
     Check,
     LimiterStore,
@@ -31,8 +31,9 @@ from dispatcher.core.admission import (
     throttle,
 )
 from dispatcher.core.drr import TenantFlow
+from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.queues import arrival_order, priority_order
-from dispatcher.core.tiers import FifoSelector, Selector, TierLadder
+from dispatcher.core.tiers import FifoSelector, TierLadder
 from dispatcher.core.types import Decision, Outcome, Request, Selection
 
 Policy = Literal["fairq", "fifo"]
@@ -59,45 +60,6 @@ class Completed:
 
     request: Request
     refund: QuotaCheck | None
-
-
-def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
-    """The part of a worker's `total` capacity that only tenants below their fair share
-    may use (at least one sequence when `fraction` > 0)."""
-    if fraction <= 0:
-        return Capacity(0, 0, 0.0)
-    reserved = total.scaled(fraction)
-    return Capacity(max(1, reserved.sequences), reserved.tokens, reserved.model_units)
-
-
-class EndpointQueues:
-    """Everything the scheduler keeps for one endpoint."""
-
-    def __init__(self, name: str, spec: Endpoint, profile: ModelProfile,
-                 selector: Selector, reserve_fraction: float, tier_count: int) -> None:
-        self.name = name
-        self.spec = spec
-        self.profile = profile
-        self.selector = selector
-        self.reserve_fraction = reserve_fraction
-        self.flows: dict[str, TenantFlow] = {}
-        self.default_total = Capacity(spec.batch.sequences, spec.batch.tokens,
-                                      spec.batch.model_units)
-        self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
-        self.running = 0
-        # Flows with queued or running work, and the sum of their weights (overall and
-        # per tier rank, for the throttle's fair-share estimate).
-        self.present_flows = 0
-        self.present_weight = 0.0
-        self.present_weight_by_rank = [0.0] * tier_count
-
-    def reserve(self, total: Capacity) -> Capacity:
-        return newcomer_reserve(total, self.reserve_fraction)
-
-    def below_fair_share(self, flow: TenantFlow) -> bool:
-        """Runs fewer sequences than its weighted share of what the endpoint runs now
-        (inlined in `Scheduler.next_batch`, the hot path)."""
-        return flow.running * self.present_weight < flow.weight * max(self.running, 1)
 
 
 class Scheduler:
@@ -176,7 +138,7 @@ class Scheduler:
         endpoint = self.endpoints[request.endpoint]
         flow = self._flow(endpoint, request.tenant)
         self._estimate(endpoint, request)
-        self._mark_present(endpoint, flow)
+        endpoint.mark_present(flow)
         flow.queue.push(request)
         self._queued[(request.tenant, request.id)] = flow
         endpoint.selector.activate(flow)
@@ -291,7 +253,7 @@ class Scheduler:
         flow.served_cost -= request.charged_cost
         self._stop(endpoint, flow, request)
         request.dispatched_at = None
-        self._mark_present(endpoint, flow)
+        endpoint.mark_present(flow)
         flow.queue.push(request)
         self._queued[(tenant, request_id)] = flow
         endpoint.selector.activate(flow)
@@ -401,25 +363,6 @@ class Scheduler:
         share = endpoint.capacity_mu_per_s * weight / max(competing, weight)
         return flow.queue.queued_model_units / share
 
-    @staticmethod
-    def _mark_present(endpoint: EndpointQueues, flow: TenantFlow) -> None:
-        """Call before adding work to `flow`."""
-        if not len(flow.queue) and not flow.running:
-            endpoint.present_weight += flow.weight
-            endpoint.present_weight_by_rank[flow.tier_rank] += flow.weight
-            endpoint.present_flows += 1
-
-    @staticmethod
-    def _mark_absent_if_idle(endpoint: EndpointQueues, flow: TenantFlow) -> None:
-        """Call after taking work from `flow`."""
-        if not len(flow.queue) and not flow.running:
-            endpoint.present_flows -= 1
-            endpoint.present_weight -= flow.weight
-            endpoint.present_weight_by_rank[flow.tier_rank] -= flow.weight
-            if not endpoint.present_flows:  # so float error cannot build up over a long life
-                endpoint.present_weight = 0.0
-                endpoint.present_weight_by_rank = [0.0] * len(endpoint.present_weight_by_rank)
-
     def _start(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request,
                now: float) -> None:
         del self._queued[(request.tenant, request.id)]
@@ -431,12 +374,12 @@ class Scheduler:
     def _stop(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request) -> None:
         flow.running -= 1
         endpoint.running -= 1
-        self._mark_absent_if_idle(endpoint, flow)
+        endpoint.mark_absent_if_idle(flow)
 
     def _forget_queued(self, endpoint: EndpointQueues, flow: TenantFlow,
                        request: Request) -> None:
         del self._queued[(request.tenant, request.id)]
-        self._mark_absent_if_idle(endpoint, flow)
+        endpoint.mark_absent_if_idle(flow)
 
     def _quota_refund(self, request: Request, usage: Usage) -> QuotaCheck | None:
         policy = self.registry.tenant(request.tenant)

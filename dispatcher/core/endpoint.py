@@ -1,0 +1,67 @@
+"""One endpoint's scheduling state: its tenants' flows, what runs, the newcomer reserve.
+
+Pure, like the rest of the core; `Scheduler` keeps one `EndpointQueues` per endpoint.
+"""
+
+from __future__ import annotations
+
+from broker_config.config import Endpoint
+from costmodel.units import Capacity, ModelProfile
+from dispatcher.core.drr import TenantFlow
+from dispatcher.core.tiers import Selector
+
+
+def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
+    """The part of a worker's `total` capacity that only tenants below their fair share
+    may use (at least one sequence when `fraction` > 0)."""
+    if fraction <= 0:
+        return Capacity(0, 0, 0.0)
+    reserved = total.scaled(fraction)
+    return Capacity(max(1, reserved.sequences), reserved.tokens, reserved.model_units)
+
+
+class EndpointQueues:
+    """Everything the scheduler keeps for one endpoint."""
+
+    def __init__(self, name: str, spec: Endpoint, profile: ModelProfile,
+                 selector: Selector, reserve_fraction: float, tier_count: int) -> None:
+        self.name = name
+        self.spec = spec
+        self.profile = profile
+        self.selector = selector
+        self.reserve_fraction = reserve_fraction
+        self.flows: dict[str, TenantFlow] = {}
+        self.default_total = Capacity(spec.batch.sequences, spec.batch.tokens,
+                                      spec.batch.model_units)
+        self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
+        self.running = 0
+        # Flows with queued or running work, and the sum of their weights (overall and
+        # per tier rank, for the throttle's fair-share estimate).
+        self.present_flows = 0
+        self.present_weight = 0.0
+        self.present_weight_by_rank = [0.0] * tier_count
+
+    def reserve(self, total: Capacity) -> Capacity:
+        return newcomer_reserve(total, self.reserve_fraction)
+
+    def below_fair_share(self, flow: TenantFlow) -> bool:
+        """Runs fewer sequences than its weighted share of what the endpoint runs now
+        (inlined in `Scheduler.next_batch`, the hot path)."""
+        return flow.running * self.present_weight < flow.weight * max(self.running, 1)
+
+    def mark_present(self, flow: TenantFlow) -> None:
+        """Call before adding work to `flow`."""
+        if not len(flow.queue) and not flow.running:
+            self.present_weight += flow.weight
+            self.present_weight_by_rank[flow.tier_rank] += flow.weight
+            self.present_flows += 1
+
+    def mark_absent_if_idle(self, flow: TenantFlow) -> None:
+        """Call after taking work from `flow`."""
+        if not len(flow.queue) and not flow.running:
+            self.present_flows -= 1
+            self.present_weight -= flow.weight
+            self.present_weight_by_rank[flow.tier_rank] -= flow.weight
+            if not self.present_flows:  # so float error cannot build up over a long life
+                self.present_weight = 0.0
+                self.present_weight_by_rank = [0.0] * len(self.present_weight_by_rank)
