@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -69,8 +70,9 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig
 
+from bench.bench_intake import connected
 from bench.machine import command_line, machine_facts, table, with_overrides
 from bench.procstat import CpuMeter, memory_kb
 from bench.scenario_rate import tenant_names
@@ -78,7 +80,12 @@ from broker_config import jetstream
 from broker_config.config import BrokerSettings, DispatcherOptions
 from broker_config.direct_get import DirectBatchGet, DirectGetError, StoredMessage
 from broker_config.server import EmbeddedNatsServer
-from broker_config.streams import apply_stream, requests_stream_config
+from broker_config.streams import (
+    ConsumerLimits,
+    ConsumerSpec,
+    apply_stream,
+    requests_stream_config,
+)
 from broker_config.subjects import HDR_MSG_ID
 
 RESULTS = Path(__file__).resolve().parent / "results" / "intake_layouts"
@@ -91,6 +98,8 @@ BODY = b'{"prompt":"' + b"x" * 170 + b'","max_tokens":16}'
 WINDOW = DispatcherOptions().tenant_window
 MAX_ACK_PENDING = DispatcherOptions().max_ack_pending
 ACK_WAIT_S = DispatcherOptions().ack_wait_s
+# The dispatcher's consumer limits (dispatcher.service).
+LIMITS = ConsumerLimits(ACK_WAIT_S, MAX_ACK_PENDING)
 PUBLISH_IN_FLIGHT = 512
 # Consumers made concurrently, as the dispatcher's intake makes them.
 CREATE_IN_FLIGHT = 64
@@ -228,12 +237,32 @@ class Tally:
         self.done.set()
 
 
-class PullIntake:
+class LayoutIntake:
+    """What `consume` does with a layout's intake: setup (before go), start, stop; the
+    JetStream API requests it made per kind (direct gets and deletes)."""
+
+    consumers = 0
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.requests = Counter[str]()
+
+    async def setup(self) -> None:
+        """Nothing to make before go."""
+
+    async def start(self, tally: Tally) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        """Nothing of its own runs."""
+
+
+class PullIntake(LayoutIntake):
     """Durable pull consumers with standing pulls into one wildcard inbox, each consumer
     holding `Group.window` credits, topped up once they fell to half."""
 
     def __init__(self, nc: NATS, groups: list[Group], expires_s: float) -> None:
-        self.nc = nc
+        super().__init__(nc)
         self.groups = groups
         self.expires_s = expires_s
         self.credits = [0] * len(groups)
@@ -244,13 +273,14 @@ class PullIntake:
         self.tally: Tally | None = None
 
     async def setup(self) -> None:
-        configs = [ConsumerConfig(
-            durable_name=f"il~{n}", deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_ack_pending=MAX_ACK_PENDING,
-            # One filter as today's per-tenant consumers have it; several as FilterSubjects.
-            **({"filter_subject": g.filters[0]} if len(g.filters) == 1
-               else {"filter_subjects": g.filters}))
-            for n, g in enumerate(self.groups)]
+        configs = []
+        for n, group in enumerate(self.groups):
+            # As the dispatcher makes its consumers; several filters as FilterSubjects.
+            config = ConsumerSpec(f"il~{n}", group.filters[0], LIMITS).config()
+            if len(group.filters) > 1:
+                config = dataclasses.replace(config, filter_subject=None,
+                                             filter_subjects=group.filters)
+            configs.append(config)
         await create_consumers(self.nc, configs)
 
     async def start(self, tally: Tally) -> None:
@@ -280,12 +310,12 @@ class PullIntake:
             await self._pull(n, window - self.credits[n])
 
 
-class PushIntake:
+class PushIntake(LayoutIntake):
     """A durable push consumer per tenant with flow control, each delivering to its own
     subject under one inbox; `max_ack_pending` is the tenant's window."""
 
     def __init__(self, nc: NATS, tenants: list[str]) -> None:
-        self.nc = nc
+        super().__init__(nc)
         self.tenants = tenants
         self.consumers = len(tenants)
         self.inbox = nc.new_inbox()
@@ -293,11 +323,11 @@ class PushIntake:
 
     async def setup(self) -> None:
         # Nothing is delivered until start subscribes to the deliver subjects.
-        await create_consumers(self.nc, [ConsumerConfig(
-            durable_name=f"il~{n}", deliver_subject=f"{self.inbox}.{n}",
-            filter_subject=SUBJECTS.tenant_filter(tenant), deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_ack_pending=WINDOW,
-            flow_control=True, idle_heartbeat=PUSH_HEARTBEAT_S)
+        await create_consumers(self.nc, [dataclasses.replace(
+            ConsumerSpec(f"il~{n}", SUBJECTS.tenant_filter(tenant),
+                         ConsumerLimits(ACK_WAIT_S, WINDOW)).config(),
+            deliver_subject=f"{self.inbox}.{n}", flow_control=True,
+            idle_heartbeat=PUSH_HEARTBEAT_S)
             for n, tenant in enumerate(self.tenants)])
 
     async def start(self, tally: Tally) -> None:
@@ -323,22 +353,17 @@ class PushIntake:
                 await self.nc.publish(reply, b"")
 
 
-class DirectIntake:
+class DirectIntake(LayoutIntake):
     """Batch direct gets by subject, every tenant each round, from read positions kept
     here; each message read is deleted (or, `keep`, left in the stream)."""
 
     def __init__(self, nc: NATS, tenants: list[str], delete: bool) -> None:
-        self.nc = nc
+        super().__init__(nc)
         self.tenants = tenants
         self.delete = delete
-        self.consumers = 0
         self.next_seq = dict.fromkeys(tenants, 1)
-        self.requests = Counter[str]()
         self._slots = asyncio.Semaphore(DIRECT_IN_FLIGHT)
         self._task: asyncio.Task[None] | None = None
-
-    async def setup(self) -> None:
-        """Nothing to make: direct gets need no consumer."""
 
     async def start(self, tally: Tally) -> None:
         self._task = asyncio.create_task(self._rounds(tally))
@@ -370,13 +395,14 @@ class DirectIntake:
 
     async def _delete(self, message: StoredMessage) -> None:
         # nats-py's delete_msg erases (overwrites) the message; an ack does not, so neither
-        # does this. The subject is JetStream's API, which broker_config does not wrap.
+        # does this.
         self.requests["delete"] += 1
-        reply = await self.nc.request(f"$JS.API.STREAM.MSG.DELETE.{STREAM}",
-                                      json.dumps({"seq": message.seq, "no_erase": True}).encode(),
+        reply = await self.nc.request(jetstream.msg_delete_subject(STREAM),
+                                      jetstream.msg_delete_request(message.seq),
                                       timeout=DELETE_TIMEOUT_S)
-        if b'"success":true' not in reply.data:
-            raise BenchError(f"deleting message {message.seq}: {reply.data[:200]!r}")
+        error = jetstream.api_error(reply.data)
+        if error is not None:
+            raise BenchError(f"deleting message {message.seq}: {error}")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -405,10 +431,10 @@ async def consume(url: str, layout: Layout, tenants: list[str], backlogged: list
 
     Times from go: `elapsed_s`; `finished_at` is the unix time once the last ack was
     flushed to the server."""
-    nc = await nats.connect(url, connect_timeout=5)
-    try:
+    # Drained on exit: a head-of-line run stops while deliveries are still on their way.
+    async with connected(url) as nc:
         go = await nc.subscribe(GO_SUBJECT, max_msgs=1)
-        intake: PullIntake | PushIntake | DirectIntake
+        intake: LayoutIntake
         if layout.kind == "pull":
             intake = PullIntake(nc, layout.groups(tenants, backlogged), timeout_s)
         elif layout.kind == "push":
@@ -436,17 +462,12 @@ async def consume(url: str, layout: Layout, tenants: list[str], backlogged: list
         await nc.flush()
         elapsed_s, finished_at = time.perf_counter() - started, time.time()
         cpu_s = meter.stop()["consumer"]
-        if isinstance(intake, DirectIntake):
-            await intake.stop()
+        await intake.stop()
         return {"consumers": intake.consumers, "consumed": len(tally.seen),
                 "deliveries": tally.deliveries,
                 "elapsed_s": elapsed_s, "finished_at": finished_at, "cpu_s": cpu_s,
                 "setup_s": setup_s, "before_watch": tally.before_watch,
-                "statuses": dict(tally.statuses),
-                "requests": dict(intake.requests) if isinstance(intake, DirectIntake) else {}}
-    finally:
-        # Drain: a head-of-line run stops while deliveries are still on their way.
-        await nc.drain()
+                "statuses": dict(tally.statuses), "requests": dict(intake.requests)}
 
 
 # -- the publisher side (this process) -----------------------------------------------------
@@ -466,7 +487,7 @@ FULL = Settings()
 QUICK = Settings(tenant_counts=(10,), messages=1_000, backlog=1_000, timeout_s=30.0)
 
 
-async def publish(nc: NATS, subjects: list[str], first_id: int) -> None:
+async def publish(nc: NATS, subjects: list[str]) -> None:
     """One message on each subject, in order, `PUBLISH_IN_FLIGHT` unacked at most."""
     js = nc.jetstream()
     slots = asyncio.Semaphore(PUBLISH_IN_FLIGHT)
@@ -480,7 +501,7 @@ async def publish(nc: NATS, subjects: list[str], first_id: int) -> None:
     async with asyncio.TaskGroup() as group:
         for n, subject in enumerate(subjects):
             await slots.acquire()
-            group.create_task(one(subject, f"m{first_id + n}"))
+            group.create_task(one(subject, f"m{n}"))
 
 
 async def until_ready(ready: Any, job: asyncio.Future[Any], timeout_s: float) -> None:
@@ -521,7 +542,7 @@ async def measure(pool: ProcessPoolExecutor, layout: Layout, tenants: int,
         meter.start()
         await nc.publish(GO_SUBJECT, b"")
         first_publish = time.time()
-        await publish(nc, subjects, 0)
+        await publish(nc, subjects)
         publish_s = time.time() - first_publish
         result = await asyncio.wait_for(job, settings.timeout_s + JOB_MARGIN_S)
         cpu = meter.stop()
@@ -550,7 +571,7 @@ async def measure_head_of_line(pool: ProcessPoolExecutor, layout: Layout, tenant
     subjects.append(SUBJECTS.request(ENDPOINT, names[1]))
     async with started_consumer(pool, layout, names, names[:1], None, f"m{settings.backlog}",
                                 settings.timeout_s) as (_, nc, job):
-        await publish(nc, subjects, 0)
+        await publish(nc, subjects)
         await nc.publish(GO_SUBJECT, b"")
         result = await asyncio.wait_for(job, settings.timeout_s + JOB_MARGIN_S)
     return {"backlog": settings.backlog, "newcomer": names[1],

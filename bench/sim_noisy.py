@@ -46,9 +46,9 @@ def noisy_config(reserve: float = 0.03) -> Config:
     return msgspec.structs.replace(config, endpoints={**config.endpoints, "chat": chat})
 
 
-def reference_runs(seed: int, reserve: float = 0.03) -> dict[str, SimResult]:
+def reference_runs(seed: int) -> dict[str, SimResult]:
     """The four runs of one seed, by name (see the module docstring)."""
-    config = noisy_config(reserve)
+    config = noisy_config()
     trace = noisy_neighbour(seed, noisy_requests=10_000, small_tenants=4, small_rate=0.5,
                             duration_s=NOISY_DURATION_S)
     flood = [r for r in trace if r.tenant == "A"]

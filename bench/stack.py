@@ -40,8 +40,7 @@ from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import provision
 from broker_config.wire import HEARTBEAT
 from costmodel.engine_model import EngineParams
-from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity
-from dispatcher.core.endpoint import newcomer_reserve
+from dispatcher.core.endpoint import sequences_outside_reserve
 from dispatcher.core.sim import scheduling_only
 from producers.client import Client, FairqTimeout, NoDispatcher
 from producers.supervisor import Child, ChildExited
@@ -103,10 +102,8 @@ class StackSpec:
     def slots_outside_reserve(self) -> int:
         """Sequence slots of every worker outside the endpoint's newcomer reserve: what a
         well-behaved tenant may keep busy without taking the newcomers' room."""
-        total = Capacity(self.engine.max_sequences, self.engine.kv_cache_tokens,
-                         UNLIMITED_MODEL_UNITS)
         fraction = self.config.endpoints[self.endpoint].newcomer_reserve
-        return self.workers * (total.sequences - newcomer_reserve(total, fraction).sequences)
+        return self.workers * sequences_outside_reserve(self.engine.max_sequences, fraction)
 
     def describe(self) -> dict[str, object]:
         """The spec as plain data, for result files."""

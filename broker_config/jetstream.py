@@ -88,6 +88,27 @@ def delivery_of(ack_subject: str) -> tuple[float, int]:
     return int(tokens[first + 5]) / 1e9, int(tokens[first + 2])
 
 
+# -- stream messages -------------------------------------------------------------------------
+
+
+def msg_delete_subject(stream: str) -> str:
+    return f"$JS.API.STREAM.MSG.DELETE.{stream}"
+
+
+def msg_delete_request(seq: int) -> bytes:
+    """Delete one message by sequence; `no_erase`: no overwrite of its bytes on disk."""
+    return json.dumps({"seq": seq, "no_erase": True}).encode()
+
+
+def api_error(data: bytes) -> dict | None:
+    """The `error` object of a JetStream API reply (None on success or unreadable)."""
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error if isinstance(error, dict) else None
+
+
 # -- direct gets -----------------------------------------------------------------------------
 
 

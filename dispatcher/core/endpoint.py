@@ -6,7 +6,7 @@ Pure, like the rest of the core; `Scheduler` keeps one `EndpointQueues` per endp
 from __future__ import annotations
 
 from broker_config.config import Endpoint
-from costmodel.units import Capacity, ModelProfile
+from costmodel.units import NO_CAPACITY, Capacity, ModelProfile
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.tiers import Selector
 
@@ -15,9 +15,15 @@ def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
     """The part of a worker's `total` capacity that only tenants below their fair share
     may use (at least one sequence when `fraction` > 0)."""
     if fraction <= 0:
-        return Capacity(0, 0, 0.0)
+        return NO_CAPACITY
     reserved = total.scaled(fraction)
     return Capacity(max(1, reserved.sequences), reserved.tokens, reserved.model_units)
+
+
+def sequences_outside_reserve(sequences: int, fraction: float) -> int:
+    """Sequence slots of a worker with `sequences` outside the newcomer reserve: what a
+    well-behaved tenant may keep busy without taking the newcomers' room."""
+    return sequences - newcomer_reserve(Capacity(sequences, 0, 0.0), fraction).sequences
 
 
 class EndpointQueues:

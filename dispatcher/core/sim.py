@@ -48,6 +48,7 @@ from broker_config.config import Config, Tier, UnlistedTenants
 from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
 from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore
+from dispatcher.core.endpoint import sequences_outside_reserve
 from dispatcher.core.fairness import (
     DEFAULT_METRICS,
     MetricOptions,
@@ -220,10 +221,8 @@ class Simulation:
 
     def _slots_outside_reserve(self, endpoint: str) -> int:
         """Sequence slots of one replica of `endpoint` outside the newcomer reserve."""
-        total = next(r.worker.capacity for r in self.replicas
-                     if r.worker.endpoint == endpoint)
-        reserve = self.scheduler.endpoints[endpoint].reserve(total)
-        return max(1, total.sequences - reserve.sequences)
+        return max(1, sequences_outside_reserve(
+            self.params.max_sequences, self.scheduler.endpoints[endpoint].reserve_fraction))
 
     def _top_up(self) -> None:
         """Each closed-loop client fills the free slots outside the reserve."""
