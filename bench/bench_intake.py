@@ -168,7 +168,7 @@ class Fetched(NamedTuple):
 async def raw_fetch(url: str, expected: int, ack: bool, watch: str | None = None) -> Fetched:
     """One pull consumer fetches `expected` messages (and acks each): see `Fetched`."""
     limits = ConsumerLimits(max_ack_pending=expected)
-    spec = ConsumerSpec(RAW_CONSUMER, SETTINGS.subjects.all_requests, limits)
+    spec = ConsumerSpec(RAW_CONSUMER, SETTINGS.subjects.all_stored, limits)
     async with connected(url) as nc:
         subscription = await pull_subscription(nc.jetstream(),
                                                SETTINGS.subjects.requests_stream, spec)

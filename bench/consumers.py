@@ -1,6 +1,6 @@
 """Ways of reading the requests stream that only benchmarks and tests use.
 
-fairq itself reads the stream through one consumer per tenant (`ConsumerSpec.for_tenant`)
+fairq itself reads the stream through one consumer per shard (`ConsumerSpec.for_shard`)
 with standing pulls (`dispatcher.intake`). The naive baseline (`bench.naive_worker`)
 instead shares one consumer per endpoint among its workers, and the benchmarks and tests
 fetch batches through nats-py's pull subscription.
@@ -17,11 +17,19 @@ from broker_config.subjects import Subjects, check_token
 def endpoint_consumer(subjects: Subjects, endpoint: str,
                       limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
     """Every tenant's requests to one endpoint, in stream order: the naive shared queue.
-    On the work-queue stream it cannot coexist with the dispatcher's per-tenant consumers
+    On the work-queue stream it cannot coexist with the dispatcher's shard consumers
     (their filters overlap). `~` never occurs in a token, so the name cannot collide."""
     check_token(endpoint, "endpoint")
     return ConsumerSpec(f"{subjects.prefix}~req~{endpoint}",
-                        f"{subjects.prefix}.req.{endpoint}.*", limits)
+                        f"{subjects.prefix}.q.*.{endpoint}.*", limits)
+
+
+def tenant_consumer(subjects: Subjects, tenant: str,
+                    limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
+    """One tenant's stored requests to every endpoint, in stream order (tests that play
+    the dispatcher's part for one tenant)."""
+    return ConsumerSpec(f"{subjects.prefix}~test~{check_token(tenant, 'tenant')}",
+                        subjects.stored_tenant_filter(tenant), limits)
 
 
 async def pull_subscription(js: JetStreamContext, stream: str,

@@ -153,7 +153,7 @@ class Layout:
     def groups(self, tenants: list[str], backlogged: list[str]) -> list[Group]:
         """The pull consumers for `tenants`."""
         if self.shared:
-            return [Group([SUBJECTS.all_requests], tenants)]
+            return [Group([SUBJECTS.all_stored], tenants)]
         if self.mix:
             rest = [t for t in tenants if t not in backlogged]
             return [*map(own_group, backlogged), *([tenant_group(rest)] if rest else [])]
@@ -170,7 +170,7 @@ def own_group(tenant: str) -> Group:
 
 
 def tenant_group(tenants: list[str]) -> Group:
-    return Group([SUBJECTS.tenant_filter(t) for t in tenants], tenants)
+    return Group([SUBJECTS.stored_tenant_filter(t) for t in tenants], tenants)
 
 
 def shard_of(tenant: str, shards: int) -> int:
@@ -324,7 +324,7 @@ class PushIntake(LayoutIntake):
     async def setup(self) -> None:
         # Nothing is delivered until start subscribes to the deliver subjects.
         await create_consumers(self.nc, [dataclasses.replace(
-            ConsumerSpec(f"il~{n}", SUBJECTS.tenant_filter(tenant),
+            ConsumerSpec(f"il~{n}", SUBJECTS.stored_tenant_filter(tenant),
                          ConsumerLimits(ACK_WAIT_S, WINDOW)).config(),
             deliver_subject=f"{self.inbox}.{n}", flow_control=True,
             idle_heartbeat=PUSH_HEARTBEAT_S)
@@ -382,7 +382,7 @@ class DirectIntake(LayoutIntake):
     async def _read(self, reader: DirectBatchGet, tenant: str, tally: Tally) -> int:
         async with self._slots:
             self.requests["direct get"] += 1
-            page = await reader.scan(SUBJECTS.tenant_filter(tenant), self.next_seq[tenant],
+            page = await reader.scan(SUBJECTS.stored_tenant_filter(tenant), self.next_seq[tenant],
                                      WINDOW)
             if not page:
                 return 0

@@ -177,7 +177,7 @@ async def _consume_per_tenant(url: str, tenants: list[str], per_tenant: int) -> 
         for n, tenant in enumerate(tenants):
             name = raw_consumer_name(n)
             await ensure_consumer(js, subjects.requests_stream, ConsumerSpec(
-                name, subjects.tenant_filter(tenant), ConsumerLimits()))
+                name, subjects.stored_tenant_filter(tenant), ConsumerLimits()))
             await nc.publish(jetstream.pull_subject(subjects.requests_stream, name),
                              pull, reply=f"{inbox}.{n}")
         async with asyncio.timeout(RAW_CONSUME_WITHIN_S):

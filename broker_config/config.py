@@ -130,7 +130,11 @@ class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     max_bytes: ByteLimit = -1
     max_msg_size: ByteLimit = -1
-    # Consumers on the requests stream: the dispatcher makes one per tenant with requests.
+    # The requests stream stores each tenant's requests in one of this many shards, read
+    # by one consumer each (dispatcher/intake.py): nats-server's cost per message grows
+    # with the number of consumers, so it is kept well below the number of tenants.
+    intake_shards: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    # Consumers per stream (the parked stream has one per tenant with parked requests).
     # Set explicitly: nats-server 2.15 caps a stream without it at 1,000 consumers. Each
     # costs about 50 KB in the server.
     max_consumers: PositiveInt = 10_000
@@ -156,10 +160,14 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     intake_batch: PositiveInt = 256
     # Per tenant: waiting requests held in the dispatcher (the rest stay in the stream).
     tenant_window: PositiveInt = 64
-    # Per tenant: requests held at all, waiting or running (the consumer's max_ack_pending;
-    # must exceed what one tenant may run at once).
+    # Per tenant: parked requests held at all, waiting or running (its parked consumer's
+    # max_ack_pending; must exceed what one tenant may run at once).
     max_ack_pending: PositiveInt = 1_000
-    # How often the stream is listed for tenants the config does not name.
+    # Per shard of the requests stream: requests held at all, waiting or running (the
+    # shard consumer's max_ack_pending; must exceed what a shard's tenants run at once).
+    max_held_per_shard: PositiveInt = 10_000
+    # How often the streams' subjects are listed: backlog counts, and tenants whose
+    # requests wait behind a full tenant's in a shard that is not being read.
     discover_s: PositiveSeconds = 0.25
     # JetStream redelivers what is not acked within this; held messages are marked in
     # progress every third of it.

@@ -88,6 +88,19 @@ def delivery_of(ack_subject: str) -> tuple[float, int]:
     return int(tokens[first + 5]) / 1e9, int(tokens[first + 2])
 
 
+def stream_seq_of(ack_subject: str) -> int:
+    """The stream sequence of a delivered message, from its ack subject."""
+    tokens = ack_subject.split(".")
+    first = 2 if len(tokens) == 9 else 4
+    return int(tokens[first + 3])
+
+
+def consumer_of(ack_subject: str) -> str:
+    """The consumer that delivered a message, from its ack subject."""
+    tokens = ack_subject.split(".")
+    return tokens[3 if len(tokens) == 9 else 5]
+
+
 # -- stream messages -------------------------------------------------------------------------
 
 

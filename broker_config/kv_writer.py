@@ -1,9 +1,12 @@
-"""Puts into a JetStream KV bucket, many in flight, each awaiting its ack, cheaply.
+"""Publishes into a JetStream stream or KV bucket, many in flight, each awaiting its ack,
+cheaply.
 
     async with KeyValueWriter(nc, "FQ_RESULTS") as results:
         await results.put("acme.r1", value)     # returns once the server stored it
+    async with StreamWriter(nc, "FQ_PARKED") as parked:
+        await parked.publish("fq.park.chat.acme", data, headers)
 
-Same contract as nats-py's `KeyValue.put`, which is a JetStream request: a random inbox
+Same contract as nats-py's `KeyValue.put` and `JetStream.publish`, a JetStream request: a random inbox
 token, a future and an `asyncio.wait_for` timer per call, and the ack parsed as JSON. On
 the worker's hot path (one final event stored per request) that was about a quarter of
 its CPU. Here acks come to one wildcard subscription keyed by a counter, one sweep task
@@ -29,10 +32,10 @@ class PutError(nats.errors.Error):
     callers that retry on `nats.errors.Error` retry on this too."""
 
 
-class KeyValueWriter:
-    def __init__(self, nc: NATS, bucket: str, *, timeout_s: float = 5.0) -> None:
+class StreamWriter:
+    def __init__(self, nc: NATS, name: str, *, timeout_s: float = 5.0) -> None:
         self.nc = nc
-        self.bucket = bucket
+        self.name = name  # of the stream or bucket, for errors
         self.timeout_s = timeout_s
         self._inbox = ""
         self._subscription = None
@@ -41,10 +44,10 @@ class KeyValueWriter:
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
-    async def __aenter__(self) -> KeyValueWriter:
+    async def __aenter__(self) -> StreamWriter:
         self._inbox = self.nc.new_inbox()
         self._subscription = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_ack)
-        self._sweeper = asyncio.create_task(self._sweep(), name=f"kv-writer-{self.bucket}")
+        self._sweeper = asyncio.create_task(self._sweep(), name=f"writer-{self.name}")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -52,18 +55,20 @@ class KeyValueWriter:
         self._sweeper.cancel()
         await asyncio.gather(self._sweeper, return_exceptions=True)
         await self._subscription.unsubscribe()
-        self._fail_all(PutError(f"KV writer for {self.bucket} closed"))
+        self._fail_all(PutError(f"writer for {self.name} closed"))
 
-    async def put(self, key: str, value: bytes) -> None:
+    async def publish(self, subject: str, value: bytes,
+                      headers: dict[str, str] | None = None) -> None:
+        """Returns once the stream stored it (or had stored it: a duplicate)."""
         if self._closed:
-            raise PutError(f"KV writer for {self.bucket} closed")
+            raise PutError(f"writer for {self.name} closed")
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._waiting[token] = (done, loop.time() + self.timeout_s)
         try:
-            await self.nc.publish(jetstream.kv_subject(self.bucket, key), value,
-                                  reply=f"{self._inbox}.{token}")
+            await self.nc.publish(subject, value, reply=f"{self._inbox}.{token}",
+                                  headers=headers)
             await done
         finally:
             self._waiting.pop(token, None)
@@ -74,13 +79,13 @@ class KeyValueWriter:
             return  # an ack after its put timed out
         done, _ = entry
         status, description = jetstream.status_of(msg)
-        if status is not None:  # 503: no stream listens on the bucket's subjects
-            done.set_exception(PutError(f"put into {self.bucket}: status {status} "
+        if status is not None:  # 503: no stream listens on the subject
+            done.set_exception(PutError(f"put into {self.name}: status {status} "
                                         f"{description}"))
         elif jetstream.is_put_ack(msg.data):
             done.set_result(None)
         else:
-            done.set_exception(PutError(f"put into {self.bucket}: "
+            done.set_exception(PutError(f"put into {self.name}: "
                                         f"{jetstream.ack_error(msg.data)}"))
 
     async def _sweep(self) -> None:
@@ -91,9 +96,18 @@ class KeyValueWriter:
             for done, deadline in list(self._waiting.values()):
                 if deadline < now and not done.done():
                     done.set_exception(PutError(
-                        f"put into {self.bucket}: no ack within {self.timeout_s:g}s"))
+                        f"put into {self.name}: no ack within {self.timeout_s:g}s"))
 
     def _fail_all(self, error: PutError) -> None:
         for done, _ in self._waiting.values():
             if not done.done():
                 done.set_exception(error)
+
+
+class KeyValueWriter(StreamWriter):
+    def __init__(self, nc: NATS, bucket: str, *, timeout_s: float = 5.0) -> None:
+        super().__init__(nc, bucket, timeout_s=timeout_s)
+        self.bucket = bucket
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self.publish(jetstream.kv_subject(self.bucket, key), value)

@@ -1,10 +1,16 @@
 """JetStream resources fairq needs, declared once and applied idempotently.
 
-- Stream `<PREFIX>_REQUESTS` over `<prefix>.req.*.*`, work-queue retention: a message
-  stays until the dispatcher acks it, which it does only once the request's final event
-  is stored. So the messages on one subject are exactly that tenant's unfinished
-  requests to that endpoint, and `max_msgs_per_subject` with discard-new-per-subject is
-  the per-tenant queue cap, enforced at the publisher (see `is_backlog_full`).
+- Stream `<PREFIX>_REQUESTS` over `<prefix>.req.*.*`, stored as
+  `<prefix>.q.<shard>.<endpoint>.<tenant>` (a subject transform: one shard per tenant,
+  `Subjects.stored_request_transform`), work-queue retention: a message stays until the
+  dispatcher acks it, which it does only once the request's final event is stored (or
+  once it moved it to the parked stream). So the messages on one subject are exactly
+  that tenant's unfinished requests to that endpoint still in this stream, and
+  `max_msgs_per_subject` with discard-new-per-subject is the per-tenant queue cap,
+  enforced at the publisher (see `is_backlog_full`).
+- Stream `<PREFIX>_PARKED` over `<prefix>.park.*.*`, work-queue retention: a flooding
+  tenant's requests that the dispatcher moved out of a shard so that the shard's other
+  tenants are not stuck behind them (dispatcher/intake.py).
 - KV bucket `<PREFIX>_RESULTS`: final events by `Subjects.result_key(tenant, id)`,
   history 1, kept `results_ttl_s` (24 h by default).
 
@@ -15,6 +21,7 @@ storage type, raises ProvisionError naming it).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -29,6 +36,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
     StreamInfo,
+    SubjectTransform,
 )
 from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
@@ -37,6 +45,9 @@ from broker_config import jetstream
 from broker_config.config import BrokerSettings
 from broker_config.subjects import Subjects
 
+# A move to the parked stream is repeated only when the dispatcher died between the
+# parked copy's acknowledgement and the original's ack, then redelivered it (ack wait).
+PARK_DUPLICATE_WINDOW_S = 120.0
 # nats-py's own KV duplicate window; a bucket whose TTL is shorter must use the TTL.
 _KV_DUPLICATE_WINDOW_S = 120.0
 
@@ -51,6 +62,8 @@ def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
         name=subjects.requests_stream,
         description="fairq submitted requests, until their final event is stored",
         subjects=[subjects.all_requests],
+        subject_transform=SubjectTransform(*subjects.stored_request_transform(
+            settings.intake_shards)),
         retention=RetentionPolicy.WORK_QUEUE,
         max_msgs_per_subject=settings.max_queued_per_subject,
         discard=DiscardPolicy.NEW,
@@ -65,6 +78,26 @@ def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
         # The dispatcher reads requests still in the stream for status and cancel
         # (broker_config.direct_get.DirectBatchGet.scan).
         allow_direct=True,
+    )
+
+
+def parked_stream_config(settings: BrokerSettings) -> StreamConfig:
+    subjects = settings.subjects
+    return StreamConfig(
+        name=subjects.parked_stream,
+        description="fairq requests moved out of a shard behind which others waited",
+        subjects=[subjects.all_parked],
+        retention=RetentionPolicy.WORK_QUEUE,
+        # The dispatcher publishes each move with the stored request's sequence as its id,
+        # so a move repeated after a crash is stored once.
+        duplicate_window=PARK_DUPLICATE_WINDOW_S,
+        max_age=settings.max_age_s,
+        max_bytes=settings.max_bytes,
+        max_msg_size=settings.max_msg_size,
+        max_consumers=settings.max_consumers,
+        storage=StorageType(settings.storage),
+        num_replicas=settings.replicas,
+        allow_direct=True,  # status and cancel read parked requests too
     )
 
 
@@ -84,26 +117,31 @@ def results_bucket_config(settings: BrokerSettings) -> KeyValueConfig:
 @dataclass(frozen=True, slots=True)
 class Provisioned:
     requests: StreamInfo
+    parked: StreamInfo
     results: KeyValue
 
 
 async def provision(js: JetStreamContext, settings: BrokerSettings) -> Provisioned:
-    """Create or update the requests stream and the results bucket."""
+    """Create or update the requests and parked streams and the results bucket."""
     requests = await apply_stream(js, requests_stream_config(settings))
     await remove_retired_consumers(js, settings)
+    parked = await apply_stream(js, parked_stream_config(settings))
     results = await apply_key_value(js, results_bucket_config(settings))
-    return Provisioned(requests, results)
+    return Provisioned(requests, parked, results)
 
 
 async def remove_retired_consumers(js: JetStreamContext, settings: BrokerSettings) -> None:
-    """Delete the consumer earlier releases read every request with (`<prefix>~requests`
-    over `<prefix>.req.*.*`): on a work-queue stream it would overlap every per-tenant
-    consumer. What it held but had not acked stays in the stream for them."""
-    name = f"{settings.prefix}~requests"
-    try:
-        await js.delete_consumer(settings.subjects.requests_stream, name)
-    except NotFoundError:
-        return
+    """Delete the requests stream's consumers of earlier releases: one over every request
+    (`<prefix>~requests`) and one per tenant (`<prefix>~tenant~<tenant>`). On a
+    work-queue stream they would overlap the consumer the dispatcher reads requests
+    stored before the shards with (`<prefix>.req.*.*`). What they held but had not acked
+    stays in the stream for it."""
+    stream = settings.subjects.requests_stream
+    retired = (f"{settings.prefix}~requests", f"{settings.prefix}~tenant")
+    for info in await js.consumers_info(stream):
+        if info.name.startswith(retired):
+            with contextlib.suppress(NotFoundError):
+                await js.delete_consumer(stream, info.name)
 
 
 async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
@@ -173,10 +211,17 @@ class ConsumerSpec:
     limits: ConsumerLimits = ConsumerLimits()
 
     @classmethod
-    def for_tenant(cls, subjects: Subjects, tenant: str,
+    def for_shard(cls, subjects: Subjects, shard: int,
+                  limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
+        """One shard of the requests stream (the dispatcher's intake)."""
+        return cls(subjects.shard_consumer(shard), subjects.shard_filter(shard), limits)
+
+    @classmethod
+    def for_parked(cls, subjects: Subjects, tenant: str,
                    limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
-        """One tenant's requests to every endpoint (the dispatcher's intake)."""
-        return cls(subjects.tenant_consumer(tenant), subjects.tenant_filter(tenant), limits)
+        """One tenant's parked requests to every endpoint (the dispatcher's intake)."""
+        return cls(subjects.parked_consumer(tenant), subjects.parked_tenant_filter(tenant),
+                   limits)
 
     def config(self) -> ConsumerConfig:
         return ConsumerConfig(

@@ -7,6 +7,12 @@ Public subjects (firm, see docs/protocol.md):
     <prefix>.api.cancel.<tenant>         request/reply
     <prefix>.api.depth                   request/reply
 
+Stored subjects (may change): the requests stream keeps each request under
+`<prefix>.q.<shard>.<endpoint>.<tenant>`, the shard a hash of the tenant (the stream's
+subject transform, so publishers never see it), and the dispatcher moves a flooding
+tenant's excess to `<prefix>.park.<endpoint>.<tenant>` in the parked stream
+(dispatcher/intake.py explains why).
+
 Internal subjects (may change; only fairq's own services use them) live under
 `<prefix>.int.`, so one permission line covers them all:
 
@@ -38,6 +44,15 @@ CONTENT_TYPE_MSGPACK = "application/msgpack"
 MAX_REPLY_LENGTH = 256
 # Prefix of every tenant's inbox; a tenant user may subscribe only below its own.
 TENANT_INBOX_BASE = "_INBOX_"
+
+
+def shard_of(tenant: str, shards: int) -> int:
+    """The shard a tenant's requests are stored in: FNV-1a (32 bit) of the tenant token,
+    modulo `shards`, as nats-server's `partition` subject transform computes it."""
+    digest = 0x811C9DC5
+    for byte in tenant.encode():
+        digest = ((digest ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return digest % shards
 
 
 class SubjectError(ValueError):
@@ -93,12 +108,21 @@ class Subjects:
                 f".{check_token(tenant, 'tenant')}")
 
     def parse_request(self, subject: str) -> tuple[str, str]:
-        """`(endpoint, tenant)` of a request subject."""
-        parts = subject.split(".")
-        if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "req":
+        """`(endpoint, tenant)` of a request subject, as published or as stored."""
+        parts = self._request_parts(subject)
+        if parts is None:
             raise SubjectError(f"not a request subject: {subject!r} "
                                f"(expected {self.prefix}.req.<endpoint>.<tenant>)")
-        return check_token(parts[2], "endpoint"), check_token(parts[3], "tenant")
+        return check_token(parts[0], "endpoint"), check_token(parts[1], "tenant")
+
+    def _request_parts(self, subject: str) -> tuple[str, str] | None:
+        """The endpoint and tenant tokens of a published, stored or parked request subject."""
+        parts = subject.split(".")
+        if len(parts) == 4 and parts[0] == self.prefix and parts[1] in ("req", "park"):
+            return parts[2], parts[3]
+        if len(parts) == 5 and parts[0] == self.prefix and parts[1] == "q":
+            return parts[3], parts[4]
+        return None
 
     @property
     def all_requests(self) -> str:
@@ -106,14 +130,18 @@ class Subjects:
         return f"{self.prefix}.req.*.*"
 
     def tenant_requests(self, tenant: str) -> str:
-        """Filter for one tenant's requests to every endpoint (a valid tenant name)."""
-        return self.tenant_filter(check_token(tenant, "tenant"))
+        """Filter for one tenant's requests to every endpoint (its user's publish
+        permission; a valid tenant name)."""
+        return f"{self.prefix}.req.*.{check_token(tenant, 'tenant')}"
 
     def tenant_of(self, subject: str) -> str | None:
-        """The tenant of a request or API subject (`<prefix>.req|api.<x>.<tenant>`), if its
-        tenant token is a valid name; None otherwise, whatever else is wrong with it."""
+        """The tenant of a request subject (published, stored or parked) or an API subject,
+        if its tenant token is a valid name; None otherwise, whatever else is wrong with it."""
+        request = self._request_parts(subject)
+        if request is not None:
+            return request[1] if is_token(request[1]) else None
         parts = subject.split(".")
-        if len(parts) == 4 and parts[0] == self.prefix and parts[1] in ("req", "api") \
+        if len(parts) == 4 and parts[0] == self.prefix and parts[1] == "api" \
                 and is_token(parts[3]):
             return parts[3]
         return None
@@ -191,21 +219,64 @@ class Subjects:
     def results_bucket(self) -> str:
         return f"{self.prefix.upper()}_RESULTS"
 
-    def tenant_consumer(self, tenant: str) -> str:
-        """Durable pull consumer over one tenant's requests to every endpoint.
+    @property
+    def parked_stream(self) -> str:
+        return f"{self.prefix.upper()}_PARKED"
 
-        `~` cannot occur in a token, so the names are unambiguous. A subject token that is
-        not a valid tenant name (any token can be published to) gets a hashed name, so its
-        requests can still be answered rather than stranded.
+    def stored_request_transform(self, shards: int) -> tuple[str, str]:
+        """The requests stream's subject transform: `<prefix>.req.<endpoint>.<tenant>` is
+        stored as `<prefix>.q.<shard>.<endpoint>.<tenant>`, the shard being
+        `shard_of(tenant, shards)` (the server's `partition` function)."""
+        return (self.all_requests,
+                f"{self.prefix}.q.{{{{partition({shards},2)}}}}.{{{{wildcard(1)}}}}"
+                f".{{{{wildcard(2)}}}}")
+
+    @property
+    def all_stored(self) -> str:
+        """Filter for every stored request subject."""
+        return f"{self.prefix}.q.*.*.*"
+
+    def shard_filter(self, shard: int) -> str:
+        """Filter for one shard's stored requests (the dispatcher's consumer of it)."""
+        return f"{self.prefix}.q.{shard}.*.*"
+
+    def shard_consumer(self, shard: int) -> str:
+        """Durable pull consumer over one shard (`~` cannot occur in a token)."""
+        return f"{self.prefix}~shard~{shard}"
+
+    def stored_tenant_filter(self, tenant: str) -> str:
+        """Filter for one tenant's stored requests, any subject token, valid name or not."""
+        return f"{self.prefix}.q.*.*.{tenant}"
+
+    def parked(self, subject: str) -> str:
+        """Where a stored request of `subject` is parked: `<prefix>.park.<endpoint>.<tenant>`."""
+        endpoint, tenant = self._request_parts(subject) or ("", "")
+        if not endpoint or not tenant:
+            raise SubjectError(f"not a request subject: {subject!r}")
+        return f"{self.prefix}.park.{endpoint}.{tenant}"
+
+    def is_parked(self, subject: str) -> bool:
+        return subject.startswith(f"{self.prefix}.park.")
+
+    @property
+    def all_parked(self) -> str:
+        """Filter for every parked request; also the parked stream's subject."""
+        return f"{self.prefix}.park.*.*"
+
+    def parked_tenant_filter(self, tenant: str) -> str:
+        """Filter for one tenant's parked requests, any subject token."""
+        return f"{self.prefix}.park.*.{tenant}"
+
+    def parked_consumer(self, tenant: str) -> str:
+        """Durable pull consumer over one tenant's parked requests.
+
+        A subject token that is not a valid tenant name (any token can be published to)
+        gets a hashed name, so its requests can still be answered rather than stranded.
         """
         if is_token(tenant):
-            return f"{self.prefix}~tenant~{tenant}"
+            return f"{self.prefix}~parked~{tenant}"
         digest = hashlib.sha256(tenant.encode()).hexdigest()[:24]
-        return f"{self.prefix}~tenant-hash~{digest}"
-
-    def tenant_filter(self, tenant: str) -> str:
-        """`<prefix>.req.*.<tenant>` for any subject token, valid tenant name or not."""
-        return f"{self.prefix}.req.*.{tenant}"
+        return f"{self.prefix}~parked-hash~{digest}"
 
     @staticmethod
     def result_key(tenant: str, request_id: str) -> str:

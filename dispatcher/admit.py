@@ -35,6 +35,7 @@ from dispatcher.core.types import Decision, Outcome, Request
 from dispatcher.core.workers import Key, WorkerPool
 from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
+from dispatcher.park import stored_at
 from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
 from dispatcher.results import Results
 
@@ -108,7 +109,8 @@ class Admission:
             await self.results.publish(submission.reply, submission.encoding, stored.event)
             await msg.ack()
             return
-        published_at, deliveries = jetstream.delivery_of(msg.reply)
+        _, deliveries = jetstream.delivery_of(msg.reply)
+        published_at = stored_at(msg, self.subjects)
         # Its queue wait and its place in line count from its publish, not from intake.
         held = Held(msg, submission, min(now, published_at))
         worker = self.pool.running_on(key)

@@ -2,9 +2,10 @@
 
 Every request between its publish acknowledgement and its final event answers `queued`
 (with its position in its tenant's line) or `running`, and can be cancelled, wherever it
-is: queued in the scheduler, running on a worker, or still waiting in the stream beyond
+is: queued in the scheduler, running on a worker, or still waiting in the streams beyond
 its tenant's intake window. The last are found by reading the tenant's messages in the
-stream (batch direct gets, in stream order). Cancelling one of those stores its
+parked stream and then the requests stream (batch direct gets, in stream order: a
+tenant's parked requests are older than those still in its shard). Cancelling one of those stores its
 `cancelled` final event first, then deletes its message: intake consults stored results
 before admitting anything, so the cancel holds even if this dispatcher dies in between,
 and admission refuses a request cancelled while it was being admitted.
@@ -31,6 +32,7 @@ from dispatcher.convert import to_error_event
 from dispatcher.core.scheduler import DepthRow, Scheduler
 from dispatcher.core.workers import Key
 from dispatcher.held import HeldRequests
+from dispatcher.park import HDR_PARKED_ID
 from dispatcher.results import Results
 
 log = logging.getLogger("fairq.dispatcher")
@@ -41,8 +43,9 @@ SCAN_BATCH = 256
 
 @dataclass(frozen=True, slots=True)
 class InStream:
-    """A request found in the stream, not yet taken in by the dispatcher."""
+    """A request found in a stream, not yet taken in by the dispatcher."""
 
+    stream: str
     seq: int
     submission: wire.Submission | None  # None: it breaks the contract (intake answers it)
     waiting_before: int  # the tenant's requests to the same endpoint ahead of it
@@ -51,7 +54,7 @@ class InStream:
 class Api:
     def __init__(self, nc: NATS, config: Config, subjects: Subjects, scheduler: Scheduler,
                  held: HeldRequests, admission: Admission, results: Results,
-                 stream: DirectBatchGet,
+                 parked: DirectBatchGet, stored: DirectBatchGet,
                  backlog: Callable[[], dict[tuple[str, str], int]]) -> None:
         self.nc = nc
         self.config = config
@@ -60,7 +63,9 @@ class Api:
         self.held = held
         self.admission = admission
         self.results = results
-        self.stream = stream
+        # Where a tenant's requests not taken in yet are, oldest first.
+        self.streams = ((parked, subjects.parked_tenant_filter),
+                        (stored, subjects.stored_tenant_filter))
         self.backlog = backlog
 
     # -- status ----------------------------------------------------------------------------
@@ -114,7 +119,7 @@ class Api:
         await self.results.store(submission.tenant, submission.endpoint, event, now)
         await self.results.publish(submission.reply, submission.encoding, event)
         try:
-            await self.nc.jetstream().delete_msg(self.subjects.requests_stream, found.seq)
+            await self.nc.jetstream().delete_msg(found.stream, found.seq)
         except NotFoundError:
             pass  # taken in meanwhile: its stored event answers it there
         await self._cancel_taken(key)  # taken in while the event was being stored
@@ -138,25 +143,31 @@ class Api:
     # -- the stream --------------------------------------------------------------------------
 
     async def find_in_stream(self, key: Key) -> InStream | None:
-        """The request's message if it is still in the stream, read in stream order."""
+        """The request's message if it is still in a stream, read in stream order."""
         tenant, request_id = key
-        ahead: dict[str, int] = {}  # request subject -> the tenant's messages ahead on it
-        seq = 0
-        while True:
-            messages = await self.stream.scan(self.subjects.tenant_filter(tenant), seq + 1,
-                                              SCAN_BATCH)
-            for message in messages:
-                seq = message.seq
-                if _request_id(message) == request_id:
-                    return InStream(seq, self._parse(message), ahead.get(message.subject, 0))
-                if self.held.get((tenant, _request_id(message) or "")) is None:
-                    ahead[message.subject] = ahead.get(message.subject, 0) + 1
-            if len(messages) < SCAN_BATCH:
-                return None
+        ahead: dict[str, int] = {}  # endpoint -> the tenant's messages ahead for it
+        for reader, tenant_filter in self.streams:
+            seq = 0
+            while True:
+                messages = await reader.scan(tenant_filter(tenant), seq + 1, SCAN_BATCH)
+                for message in messages:
+                    seq = message.seq
+                    endpoint = message.subject.split(".")[-2]
+                    if _request_id(message) == request_id:
+                        return InStream(reader.stream, seq, self._parse(message),
+                                        ahead.get(endpoint, 0))
+                    if self.held.get((tenant, _request_id(message) or "")) is None:
+                        ahead[endpoint] = ahead.get(endpoint, 0) + 1
+                if len(messages) < SCAN_BATCH:
+                    break
+        return None
 
     def _parse(self, message: StoredMessage) -> wire.Submission | None:
+        headers = dict(message.headers)
+        if HDR_PARKED_ID in headers:  # a parked copy: the request's own id back
+            headers[HDR_MSG_ID] = headers.pop(HDR_PARKED_ID)
         try:
-            return wire.parse_submission(message.subject, message.data, message.headers,
+            return wire.parse_submission(message.subject, message.data, headers,
                                          self.subjects,
                                          tenant_inboxes=self.config.dispatcher.tenant_inboxes)
         except wire.WireError:
@@ -226,7 +237,7 @@ async def _respond(msg: Msg, reply: Any) -> None:
 
 def _request_id(message: StoredMessage) -> str | None:
     headers = message.headers or {}
-    header_id = wire.header(headers, HDR_MSG_ID)
+    header_id = wire.header(headers, HDR_PARKED_ID) or wire.header(headers, HDR_MSG_ID)
     if header_id is not None:
         return header_id
     try:  # no header: the id is in the body (rare; the contract asks for the header)

@@ -1,39 +1,50 @@
-"""Intake: one durable pull consumer per tenant, all long-polled at once through one inbox.
+"""Intake: the requests stream read through a few shard consumers, each tenant's waiting
+requests bounded by a window, a flooding tenant's excess moved aside.
 
-    async with TenantIntake(nc, subjects, handler=..., queued=..., listed=...) as intake:
-        ...                     # handler(batch) is called with arrived messages
+    async with Intake(nc, subjects, handler=..., queued=..., in_hand=...) as intake:
+        ...                           # handler(batch) is called with arrived messages
         await intake.top_up(tenant)   # after the dispatcher took some of its queue
 
-Why per tenant: the requests stream keeps one subject per (endpoint, tenant), in publish
-order. A single consumer over all of them reads in stream order, so a newcomer published
-behind another tenant's deep backlog waits until intake has read that backlog. With one
-consumer per tenant (filter `<prefix>.req.*.<tenant>`), each tenant's next requests are
-always within reach, however much another tenant has published.
+Why shards: nats-server's cost per delivered message grows with the number of consumers
+that have a pull waiting (docs/benchmarks.md, "Intake layouts": about 600 us per message
+with 1,000 pull consumers against 30 with 10). The requests stream stores a tenant's
+requests as `<prefix>.q.<shard>.<endpoint>.<tenant>`, the shard a hash of the tenant
+(the stream's subject transform), and each shard is read by one durable pull consumer.
 
-Why one inbox and raw pull requests: a pull subscription per tenant with `fetch` needs a
-task per tenant, and `fetch` round-robin blocks on empty consumers. Instead every consumer
-gets a standing pull request (`$JS.API.CONSUMER.MSG.NEXT`) whose replies go to
-`<inbox>.<consumer>` under one wildcard subscription; the server pushes a message the
-moment it is stored, and an idle tenant costs one small pull request per `expires_s`.
+Head of line: a shard consumer delivers in stream order, so a request behind another
+tenant's deep backlog in the same shard is reached only by reading through that backlog.
+Each tenant has a window of waiting requests here (arrived, being admitted, or queued in
+the scheduler). What arrives for a tenant holding twice its window, or with requests
+already parked, is moved to the parked stream (dispatcher/park.py), from which a
+consumer of its own (one per parked tenant, only while it has parked requests) brings
+them back, in order, as its window drains. Memory per tenant is thus bounded by twice
+the window plus what it runs.
 
-Flow control, per tenant: the dispatcher buffers at most `window` of its requests that
-are waiting (arrived here, being admitted, or queued in the scheduler) plus the credits
-of its outstanding pull. A new pull asks for `window - buffered` once `buffered` fell to
-half the window. Running requests do not count against the window (they are bounded by
-the consumer's `max_ack_pending`, which the server enforces), so a lone tenant can still
-fill every worker. Memory per tenant is thus bounded by `max_ack_pending` messages
-whatever it publishes; everything beyond stays in the stream.
+Lazy reading: a shard is read only as far as one of its tenants needs. A pull asks for
+the room (window minus waiting, once at most half the window waits) of the shard's
+tenants known to have requests in the stream: from the subject listing, and from
+deliveries (a pull used up by a tenant's messages means it has more). A shard whose
+waiting tenants are all full is not read: a lone flood stays in the stream, and nothing
+is moved unless another tenant waits behind it. A shard with nothing known to wait keeps
+a standing pull of one window, so a new tenant's first request arrives the moment it is
+stored; one that starts sending behind a full tenant in a shard not being read is found
+by the next listing, within `list_s`. A pull that expires unused says the shard has
+nothing more, which corrects the estimates.
 
-Tenants: consumers for the tenants the config lists are made at start. Other tenants (who
-may be admitted into a default tier, or must get `unknown_tenant`) are found by listing
-the stream's subjects every `discover_s`; their consumers are removed by the server
-(`inactive_threshold`) once the dispatcher stopped pulling them after `idle_s` without
-a request.
+Listing: every `list_s` both streams' subjects are listed with counts: the backlog per
+(endpoint, tenant) for admission and the depth API, the tenants waiting in each shard
+(their stored requests minus what the dispatcher holds of them), tenants with parked
+requests (after a restart), and shards that hold requests but are not configured (the
+shard count was changed, or requests stored before shards existed).
 
-Drain order on exit: stop discovery and let the hand-over task finish its batch; drain
-the inbox subscription (what is on its way is still queued here; the server drops the
-outstanding pulls with their interest); nak what arrived but was not handed over, so
-another dispatcher gets it at once.
+Pulls: every consumer gets a standing pull request (`$JS.API.CONSUMER.MSG.NEXT`) whose
+replies go to `<inbox>.<consumer>` under one wildcard subscription; the server pushes a
+message the moment it is stored.
+
+Drain order on exit: stop listing, let the hand-over task finish its batch and the move
+task its moves; drain the inbox subscription (what is on its way is still queued here;
+the server drops the outstanding pulls with their interest); nak what arrived but was
+not handed over or moved, so another dispatcher gets it at once; close the mover.
 """
 
 from __future__ import annotations
@@ -42,8 +53,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -54,6 +65,7 @@ from nats.js.errors import APIError
 from broker_config import jetstream
 from broker_config.streams import ConsumerLimits, ConsumerSpec, ensure_consumer
 from broker_config.subjects import Subjects
+from dispatcher.park import Park, restore
 
 log = logging.getLogger("fairq.intake")
 
@@ -61,63 +73,84 @@ log = logging.getLogger("fairq.intake")
 PULL_LOST_MARGIN_S = 2.0
 # After a 409 (consumer deleted, leadership change...), wait this long before pulling again.
 PULL_RETRY_S = 1.0
-# A tenant whose consumer could not be made is tried again after this long.
-CONSUMER_RETRY_S = 30.0
 # A pull to a consumer that does not exist (any more): no responders, not found.
 CONSUMER_GONE = (jetstream.NO_RESPONDERS, jetstream.NOT_FOUND)
+# The shard of requests stored before the requests stream had shards (`<prefix>.req.*.*`).
+UNSHARDED = "unsharded"
+# The server removes a parked tenant's consumer after this long without pulls.
+PARKED_CONSUMER_IDLE_S = 60.0
+
+Handler = Callable[[list[Msg]], Awaitable[None]]
 
 
 @dataclass(slots=True)
-class TenantPull:
-    """One tenant's consumer and the state of its pull requests."""
+class Pull:
+    """A durable consumer and its outstanding pull request: a shard's, or (`tenant`) one
+    tenant's parked requests."""
 
-    tenant: str
     consumer: str
-    listed: bool
-    arrived: deque[Msg] = field(default_factory=deque)
-    handing_over: int = 0  # arrived messages the handler is working on
+    stream: str
+    tenant: str = ""
     requested: int = 0  # credits left on the outstanding pull
     pull_deadline: float = 0.0
     retry_at: float = 0.0
-    last_arrival: float = 0.0
-    retiring: bool = False  # idle: do not pull again after the outstanding pull ends
+    gone: bool = False  # the consumer must be made again
+    last_tenant: str = ""  # shard: whose message came last
+    tenants: set[str] = field(default_factory=set)  # shard: tenants with stored requests
+
+
+@dataclass(slots=True)
+class Tenant:
+    name: str  # the subject token: a valid tenant name or not (admission answers those)
+    shard: str = ""
+    arrived: deque[Msg] = field(default_factory=deque)
+    handing_over: int = 0  # arrived messages the handler is working on
     ready: bool = False  # in the hand-over ring
+    waiting: int = 0  # its requests in its shard not delivered yet, as far as known
+    parked: int = 0  # its requests in the parked stream not delivered back yet
+    moving: int = 0  # its requests being moved to the parked stream
+    parked_pull: Pull | None = None
 
 
-class TenantIntake:
+class Intake:
     def __init__(self, nc: NATS, subjects: Subjects, *,
-                 handler: Callable[[list[Msg]], Awaitable[None]],
+                 handler: Handler,
                  queued: Callable[[str], int],
-                 listed: Iterable[str],
-                 limits: ConsumerLimits = ConsumerLimits(),
+                 in_hand: Callable[[], Counter[tuple[bool, str]]],
+                 shards: int = 16,
+                 limits: ConsumerLimits = ConsumerLimits(max_ack_pending=10_000),
+                 parked_limits: ConsumerLimits = ConsumerLimits(),
                  window: int = 64,
                  batch: int = 256,
                  expires_s: float = 10.0,
-                 discover_s: float = 0.25,
-                 idle_s: float = 600.0,
+                 list_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects
-        self.stream = subjects.requests_stream
         self.handler = handler
         self.queued = queued
-        self.listed = frozenset(listed)
+        self.in_hand = in_hand  # (parked?, tenant) -> messages the dispatcher holds
+        self.shard_count = shards
         self.limits = limits
+        self.parked_limits = ConsumerLimits(
+            parked_limits.ack_wait_s, parked_limits.max_ack_pending, parked_limits.max_deliver,
+            inactive_threshold_s=PARKED_CONSUMER_IDLE_S)
         self.window = window
         self.batch = batch
         self.expires_s = expires_s
-        self.discover_s = discover_s
-        self.idle_s = idle_s
+        self.list_s = list_s
         self.clock = clock
-        self.pulls: dict[str, TenantPull] = {}
-        # (endpoint, tenant) -> unfinished requests in the stream, as of the last listing.
+        self.tenants: dict[str, Tenant] = {}
+        self.shards: dict[str, Pull] = {}
+        # (endpoint, tenant) -> unfinished requests in both streams, as of the last listing.
         self.backlog: dict[tuple[str, str], int] = {}
-        self._by_consumer: dict[str, TenantPull] = {}
-        # Tenants whose consumer could not be made -> when to try again.
-        self._refused: dict[str, float] = {}
-        self._ready: deque[TenantPull] = deque()
+        self._pulls: dict[str, Pull] = {}  # by consumer name
+        self._ready: deque[Tenant] = deque()
         self._arrivals = asyncio.Event()
+        self._to_move: list[tuple[Tenant, Msg]] = []
+        self._moves = asyncio.Event()
+        self._park = Park(nc, subjects)
         self._open = False
         self._inbox = ""
         self._reconnects = 0
@@ -126,9 +159,10 @@ class TenantIntake:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    async def __aenter__(self) -> TenantIntake:
+    async def __aenter__(self) -> Intake:
         self._inbox = self.nc.new_inbox()
-        # Unbounded pending queue: the server bounds it (tenants x max_ack_pending).
+        await self._stack.enter_async_context(self._park)
+        # Unbounded pending queue: the server bounds it (shards x max_ack_pending).
         subscription = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_message,
                                                pending_msgs_limit=0, pending_bytes_limit=0)
         self._stack.push_async_callback(self._nak_arrived)
@@ -138,12 +172,14 @@ class TenantIntake:
         self._open = True
         self._reconnects = self.nc.stats["reconnects"]
         try:
-            await self._add_tenants(sorted(self.listed), listed=True, strict=True)
-            await self._discover()
+            for shard in range(self.shard_count):
+                await self._add_shard(str(shard))
+            await self._list()
         except BaseException:
             await self._stack.aclose()
             raise
         self._tasks = [asyncio.create_task(self._hand_over_loop(), name="intake-hand-over"),
+                       asyncio.create_task(self._move_loop(), name="intake-move"),
                        asyncio.create_task(self._care_loop(), name="intake-care")]
         return self
 
@@ -155,189 +191,296 @@ class TenantIntake:
         await self._stack.aclose()
 
     async def _stop_tasks(self) -> None:
-        # The hand-over task is not cancelled: it finishes the batch it is handing over
-        # (a batch cut off halfway would wait for its ack wait to be redelivered).
+        # The hand-over and move tasks are not cancelled: they finish what they hold (a
+        # batch cut off halfway would wait for its ack wait to be redelivered).
         self._open = False
         self._arrivals.set()
+        self._moves.set()
         if not self._tasks:
             return  # the start failed before they were made
-        hand_over, care = self._tasks
+        *finishing, care = self._tasks
         care.cancel()
-        await asyncio.gather(hand_over, care, return_exceptions=True)
+        await asyncio.gather(*finishing, care, return_exceptions=True)
 
     async def _nak_arrived(self) -> None:
-        for pull in [*self.pulls.values(), *self._ready]:  # the ring: forgotten ones too
-            while pull.arrived:
-                with contextlib.suppress(nats.errors.Error):
-                    await pull.arrived.popleft().nak()
+        tenants = {id(t): t for t in [*self.tenants.values(), *self._ready]}.values()
+        msgs = [msg for tenant in tenants for msg in tenant.arrived]
+        msgs += [msg for _, msg in self._to_move]
+        for msg in msgs:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()
 
-    # -- tenants and their consumers ------------------------------------------------------
+    # -- consumers -----------------------------------------------------------------------
 
-    async def _add_tenants(self, tenants: list[str], *, listed: bool,
-                           strict: bool = False) -> None:
-        """Make the tenants' consumers and start pulling. `strict` (at start): a failure
-        raises; otherwise the tenant is tried again after CONSUMER_RETRY_S (for instance
-        once the stream's `max_consumers` has room again), so the log stays readable."""
-        # Concurrent, but bounded: each is one JetStream API request.
-        for start in range(0, len(tenants), 64):
-            chunk = tenants[start:start + 64]
-            results = await asyncio.gather(*(self._add_tenant(t, listed) for t in chunk),
-                                           return_exceptions=True)
-            for tenant, result in zip(chunk, results):
-                if not isinstance(result, BaseException):
-                    self._refused.pop(tenant, None)
-                elif strict:
-                    raise result
-                else:
-                    self._refused[tenant] = self.clock() + CONSUMER_RETRY_S
-                    log.error("cannot make a consumer for tenant %r (trying again in %gs): %s",
-                              tenant, CONSUMER_RETRY_S, result)
-
-    async def _add_tenant(self, tenant: str, listed: bool) -> None:
-        limits = self.limits if listed else ConsumerLimits(
-            self.limits.ack_wait_s, self.limits.max_ack_pending, self.limits.max_deliver,
-            inactive_threshold_s=self.idle_s)
-        spec = ConsumerSpec.for_tenant(self.subjects, tenant, limits)
-        name = spec.durable
-        await ensure_consumer(self.js, self.stream, spec)
-        pull = TenantPull(tenant, name, listed, last_arrival=self.clock())
-        self.pulls[tenant] = pull
-        self._by_consumer[name] = pull
+    async def _add_shard(self, key: str) -> None:
+        spec = (ConsumerSpec(f"{self.subjects.prefix}~shard~{UNSHARDED}",
+                             self.subjects.all_requests, self.limits)
+                if key == UNSHARDED else ConsumerSpec.for_shard(self.subjects, int(key),
+                                                                self.limits))
+        await ensure_consumer(self.js, self.subjects.requests_stream, spec)
+        pull = self.shards.get(key) or Pull(spec.durable, self.subjects.requests_stream)
+        pull.gone = False
+        self.shards[key] = self._pulls[spec.durable] = pull
         await self._pull(pull)
 
-    async def _discover(self) -> None:
-        """Start pulling for tenants with requests in the stream and no consumer yet."""
-        info = await self.js.stream_info(self.stream, subjects_filter=self.subjects.all_requests)
-        backlog = {}
-        for subject, count in (info.state.subjects or {}).items():
-            _, _, endpoint, tenant = subject.split(".")
-            backlog[(endpoint, tenant)] = count
-        self.backlog = backlog
-        found = {tenant for _, tenant in backlog}
-        now = self.clock()
-        self._refused = {t: at for t, at in self._refused.items() if t in found and at > now}
-        # A retiring tenant's consumer may be gone already (the server removes it once
-        # nobody pulls): it is made again like a new one's.
-        new = sorted(t for t in found if (t not in self.pulls or self.pulls[t].retiring)
-                     and t not in self._refused)
-        for listed in (True, False):
-            chosen = [t for t in new if (t in self.listed) is listed]
-            if chosen:
-                await self._add_tenants(chosen, listed=listed)
+    async def _add_parked(self, tenant: Tenant) -> bool:
+        spec = ConsumerSpec.for_parked(self.subjects, tenant.name, self.parked_limits)
+        try:
+            await ensure_consumer(self.js, self.subjects.parked_stream, spec)
+        except Exception as exc:
+            log.error("cannot make the parked consumer of tenant %r: %s", tenant.name, exc)
+            return False
+        tenant.parked_pull = self._pulls[spec.durable] = Pull(
+            spec.durable, self.subjects.parked_stream, tenant=tenant.name)
+        return True
+
+    def _tenant(self, name: str, shard: str = "") -> Tenant:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            tenant = self.tenants[name] = Tenant(name)
+        if shard and tenant.shard != shard:
+            if tenant.shard in self.shards:
+                self.shards[tenant.shard].tenants.discard(name)
+            tenant.shard = shard
+            self.shards[shard].tenants.add(name)
+        return tenant
+
+    # -- listing -------------------------------------------------------------------------
+
+    async def _list(self) -> None:
+        before = self.in_hand()
+        stored = await self._subjects(self.subjects.requests_stream, f"{self.subjects.prefix}.>")
+        parked = await self._subjects(self.subjects.parked_stream, self.subjects.all_parked)
+        held = before | self.in_hand()  # max of both: messages acked or delivered meanwhile
+        backlog: Counter[tuple[str, str]] = Counter()
+        waiting: dict[str, dict[str, int]] = {key: {} for key in self.shards}
+        for subject, count in stored.items():
+            parts = subject.split(".")
+            key, endpoint, name = ((UNSHARDED, *parts[2:]) if len(parts) == 4
+                                   else (parts[2], *parts[3:]))
+            backlog[(endpoint, name)] += count
+            waiting.setdefault(key, {}).setdefault(name, 0)
+            waiting[key][name] += count
+        for key, counts in waiting.items():
+            if key not in self.shards:
+                await self._add_shard(key)
+            shard = self.shards[key]
+            for name in shard.tenants - counts.keys():
+                self.tenants[name].waiting = 0
+            for name, count in counts.items():
+                tenant = self._tenant(name, key)
+                tenant.waiting = max(0, count - held[(False, name)] - self._holding(tenant)
+                                     - tenant.moving)
+        parked_by: Counter[str] = Counter()
+        for subject, count in parked.items():
+            _, _, endpoint, name = subject.split(".")
+            backlog[(endpoint, name)] += count
+            parked_by[name] += count
+        for name, count in parked_by.items():
+            tenant = self._tenant(name)
+            unseen = count - held[(True, name)] - self._holding(tenant)
+            if tenant.parked < unseen:  # after a restart: they were parked before it
+                tenant.parked = unseen
+        self.backlog = dict(backlog)
+        for pull in [*self._pulls.values()]:
+            await self._pull(pull)
+
+    async def _subjects(self, stream: str, subjects_filter: str) -> dict[str, int]:
+        info = await self.js.stream_info(stream, subjects_filter=subjects_filter)
+        return info.state.subjects or {}
 
     async def _care_loop(self) -> None:
         while self._open:
-            await asyncio.sleep(self.discover_s)
+            await asyncio.sleep(self.list_s)
             try:
-                await self._discover()
+                await self._list()
             except (nats.errors.Error, APIError, asyncio.TimeoutError) as exc:
                 log.warning("listing the request subjects failed: %s", exc)
             await self._tick()
 
+    async def _tick(self) -> None:
+        """Find lost pulls, make gone shard consumers again, forget idle tenants."""
+        now = self.clock()
+        reconnects = self.nc.stats["reconnects"]
+        reconnected, self._reconnects = reconnects != self._reconnects, reconnects
+        for pull in list(self._pulls.values()):
+            if pull.requested and (reconnected or now > pull.pull_deadline):
+                pull.requested = 0  # the server forgot it: ask again
+            if pull.gone and not pull.tenant and now >= pull.retry_at:
+                key = next(k for k, shard in self.shards.items() if shard is pull)
+                try:
+                    await self._add_shard(key)
+                except Exception as exc:
+                    pull.retry_at = now + PULL_RETRY_S
+                    log.error("cannot make the consumer of shard %s again: %s", key, exc)
+            await self._pull(pull)
+        for tenant in list(self.tenants.values()):
+            if tenant.parked and tenant.parked_pull is None:
+                await self._add_parked(tenant)
+            if not (tenant.ready or tenant.handing_over or tenant.waiting or tenant.parked
+                    or tenant.moving or self.queued(tenant.name)):
+                self._forget(tenant)
+
+    def _forget(self, tenant: Tenant) -> None:
+        del self.tenants[tenant.name]
+        if tenant.shard in self.shards:
+            self.shards[tenant.shard].tenants.discard(tenant.name)
+        if tenant.parked_pull is not None:
+            self._pulls.pop(tenant.parked_pull.consumer, None)
+
     # -- pulls ---------------------------------------------------------------------------
 
-    def _buffered(self, pull: TenantPull) -> int:
-        return (pull.requested + len(pull.arrived) + pull.handing_over
-                + self.queued(pull.tenant))
+    def _holding(self, tenant: Tenant) -> int:
+        return len(tenant.arrived) + tenant.handing_over
+
+    def _room(self, tenant: Tenant) -> int:
+        """What `tenant` may still take in, once at most half its window waits."""
+        waiting = self._holding(tenant) + self.queued(tenant.name)
+        return self.window - waiting if waiting <= self.window // 2 else 0
+
+    def _credits(self, pull: Pull) -> int:
+        if pull.tenant:  # parked: its room, while it has parked requests
+            tenant = self.tenants.get(pull.tenant)
+            if tenant is None or not (tenant.parked or tenant.moving):
+                return 0
+            return self._room(tenant)
+        waiting = [self.tenants[name] for name in pull.tenants if self.tenants[name].waiting]
+        if not waiting:
+            return self.window  # a standing pull: a new tenant's request arrives at once
+        # A parked tenant's requests in the shard would only be moved: no room for them.
+        credits = sum(self._room(t) for t in waiting if not (t.parked or t.moving))
+        return min(credits, self.limits.max_ack_pending)
 
     async def top_up(self, tenant: str) -> None:
-        """Pull more for `tenant` if its buffer fell to half the window."""
-        pull = self.pulls.get(tenant)
-        if pull is not None:
-            await self._pull(pull)
+        """Pull more for `tenant` (its shard, its parked requests) if its window has room."""
+        found = self.tenants.get(tenant)
+        if found is not None:
+            if found.parked_pull is not None:
+                await self._pull(found.parked_pull)
+            if found.shard in self.shards:
+                await self._pull(self.shards[found.shard])
 
-    async def _pull(self, pull: TenantPull) -> None:
-        if not self._open or pull.requested or pull.retiring or self.clock() < pull.retry_at:
+    async def _pull(self, pull: Pull) -> None:
+        if not self._open or pull.requested or pull.gone or self.clock() < pull.retry_at:
             return
-        buffered = self._buffered(pull)
-        if buffered > self.window // 2:
+        credits = self._credits(pull)
+        if credits <= 0:
             return
-        credits = self.window - buffered
         pull.requested = credits
         pull.pull_deadline = self.clock() + self.expires_s + PULL_LOST_MARGIN_S
         try:
-            await self.nc.publish(jetstream.pull_subject(self.stream, pull.consumer),
+            await self.nc.publish(jetstream.pull_subject(pull.stream, pull.consumer),
                                   jetstream.pull_request(credits, self.expires_s),
                                   reply=f"{self._inbox}.{pull.consumer}")
         except nats.errors.Error as exc:
             pull.requested = 0
             pull.retry_at = self.clock() + PULL_RETRY_S
-            log.warning("pull for tenant %r not sent: %s", pull.tenant, exc)
-
-    async def _tick(self) -> None:
-        """Find lost pulls, retire idle tenants, top everyone up."""
-        now = self.clock()
-        reconnects = self.nc.stats["reconnects"]
-        reconnected, self._reconnects = reconnects != self._reconnects, reconnects
-        for pull in list(self.pulls.values()):
-            if pull.requested and (reconnected or now > pull.pull_deadline):
-                pull.requested = 0  # the server forgot it: ask again
-                if pull.retiring:  # no expiry status will come to end its retirement
-                    self._forget(pull)
-                    continue
-            if (not pull.listed and not pull.retiring and now - pull.last_arrival > self.idle_s
-                    and not pull.arrived and not pull.handing_over
-                    and not self.queued(pull.tenant)):
-                pull.retiring = True
-            await self._pull(pull)
+            log.warning("pull on %s not sent: %s", pull.consumer, exc)
 
     # -- arrivals ------------------------------------------------------------------------
 
     async def _on_message(self, msg: Msg) -> None:
-        if not msg.reply:  # a status for one of our pull requests
-            await self._on_status(msg)
+        if not msg.reply:  # a status for one of our pull requests, on `<inbox>.<consumer>`
+            pull = self._pulls.get(msg.subject.rsplit(".", 1)[1])
+            if pull is not None:
+                await self._on_status(pull, msg)
             return
-        pull = self.pulls.get(msg.subject.rsplit(".", 1)[1])
-        if pull is None:  # cannot happen for a filtered consumer; never strand a message
-            log.error("a request on %s arrived for no known tenant; nak", msg.subject)
-            await msg.nak()
-            return
-        pull.requested = max(0, pull.requested - 1)
-        pull.last_arrival = self.clock()
-        pull.retiring = False
-        pull.arrived.append(msg)
-        if not pull.ready:
-            pull.ready = True
-            self._ready.append(pull)
+        pull = self._pulls.get(jetstream.consumer_of(msg.reply))
+        if pull is not None:
+            pull.requested = max(0, pull.requested - 1)
+        # (A parked tenant forgotten meanwhile has no pull any more; its message goes on.)
+        if self.subjects.is_parked(msg.subject):
+            tenant = self._tenant(msg.subject.rsplit(".", 1)[1])
+            tenant.parked = max(0, tenant.parked - 1)
+            self._arrive(tenant, restore(msg))
+        else:
+            key = self._shard_of(msg.subject)
+            tenant = self._tenant(msg.subject.rsplit(".", 1)[1], key)
+            tenant.waiting = max(0, tenant.waiting - 1)
+            full = self._holding(tenant) + self.queued(tenant.name) >= 2 * self.window
+            # A redelivery (handed back by a dispatcher that stopped) is older than what
+            # was moved after it: it is not moved behind that unless the tenant is full.
+            redelivered = jetstream.delivery_of(msg.reply)[1] > 1
+            if full or ((tenant.parked or tenant.moving) and not redelivered):
+                tenant.moving += 1
+                self._to_move.append((tenant, msg))
+                self._moves.set()
+            else:
+                self._arrive(tenant, msg)
+            if pull is not None:
+                pull.last_tenant = tenant.name
+                if not pull.requested:  # used up: whoever came last has more, likely
+                    tenant.waiting = max(1, tenant.waiting)
+                    await self._pull(pull)
+
+    def _shard_of(self, subject: str) -> str:
+        parts = subject.split(".")
+        return parts[2] if len(parts) == 5 else UNSHARDED
+
+    def _arrive(self, tenant: Tenant, msg: Msg) -> None:
+        tenant.arrived.append(msg)
+        if not tenant.ready:
+            tenant.ready = True
+            self._ready.append(tenant)
         self._arrivals.set()
 
-    async def _on_status(self, msg: Msg) -> None:
-        pull = self._by_consumer.get(msg.subject.rsplit(".", 1)[1])
-        if pull is None:
-            return
+    async def _on_status(self, pull: Pull, msg: Msg) -> None:
         status, description = jetstream.status_of(msg)
-        pull.requested = 0
-        if pull.retiring and status == jetstream.REQUEST_TIMEOUT:
-            self._forget(pull)
+        unused, pull.requested = pull.requested, 0
+        if status == jetstream.REQUEST_TIMEOUT:
+            if unused:  # the consumer had nothing more to deliver
+                if not pull.tenant:
+                    for name in pull.tenants:
+                        self.tenants[name].waiting = 0
+                elif pull.tenant in self.tenants and not self.tenants[pull.tenant].moving:
+                    self.tenants[pull.tenant].parked = 0
+            await self._pull(pull)  # keep one standing
             return
-        if status != jetstream.REQUEST_TIMEOUT:
-            log.warning("pull for tenant %r ended: %s %s", pull.tenant, status, description)
-            if status in CONSUMER_GONE or "deleted" in description.lower():
-                # Discovery makes the consumer again while its tenant has requests; what
-                # was delivered through the old one is redelivered through the new.
-                self._forget(pull)
-            else:  # 409 leadership change, server shutdown...: pause, then pull again
-                pull.retry_at = self.clock() + PULL_RETRY_S
-            return
-        await self._pull(pull)  # the pull expired: keep one standing
+        log.warning("pull on %s ended: %s %s", pull.consumer, status, description)
+        if status in CONSUMER_GONE or "deleted" in description.lower():
+            # What was delivered through the old consumer is redelivered through the new.
+            pull.gone = True
+            if pull.tenant:
+                tenant = self.tenants.get(pull.tenant)
+                if tenant is not None and tenant.parked_pull is pull:
+                    tenant.parked_pull = None
+                self._pulls.pop(pull.consumer, None)
+        pull.retry_at = self.clock() + PULL_RETRY_S
 
-    def _forget(self, pull: TenantPull) -> None:
-        # What it has arrived stays in the hand-over ring, which holds the pull itself.
-        if self.pulls.get(pull.tenant) is pull:  # not a newer pull for the same tenant
-            del self.pulls[pull.tenant]
-            del self._by_consumer[pull.consumer]
+    # -- moving to the parked stream -----------------------------------------------------
+
+    async def _move_loop(self) -> None:
+        while self._open or self._to_move:
+            await self._moves.wait()
+            self._moves.clear()
+            if not self._open:
+                return  # what waits is nak'd on exit
+            while self._to_move:
+                moving, self._to_move = self._to_move, []
+                for tenant in {tenant.name: tenant for tenant, _ in moving}.values():
+                    if tenant.parked_pull is None:
+                        await self._add_parked(tenant)  # else made again by the next tick
+                moved = await self._park.move([msg for _, msg in moving])
+                for (tenant, _), ok in zip(moving, moved):
+                    tenant.moving -= 1
+                    tenant.parked += ok
+                for tenant in {tenant.name: tenant for tenant, _ in moving}.values():
+                    if tenant.parked_pull is not None:
+                        await self._pull(tenant.parked_pull)
+
+    # -- hand-over -----------------------------------------------------------------------
 
     def _take(self) -> list[Msg]:
         """Up to `batch` arrived messages, one tenant at a time round-robin."""
         taken: list[Msg] = []
         while self._ready and len(taken) < self.batch:
-            pull = self._ready.popleft()
-            taken.append(pull.arrived.popleft())
-            pull.handing_over += 1
-            if pull.arrived:
-                self._ready.append(pull)
+            tenant = self._ready.popleft()
+            taken.append(tenant.arrived.popleft())
+            tenant.handing_over += 1
+            if tenant.arrived:
+                self._ready.append(tenant)
             else:
-                pull.ready = False
+                tenant.ready = False
         return taken
 
     async def _hand_over_loop(self) -> None:
@@ -350,9 +493,8 @@ class TenantIntake:
                     await self.handler(batch)
                 except Exception:
                     log.exception("intake handler failed; its messages will be redelivered")
-                tenants = {msg.subject.rsplit(".", 1)[1] for msg in batch}
-                for tenant in tenants:
-                    pull = self.pulls.get(tenant)
-                    if pull is not None:
-                        pull.handing_over = 0
-                        await self._pull(pull)
+                for name in {msg.subject.rsplit(".", 1)[1] for msg in batch}:
+                    tenant = self.tenants.get(name)
+                    if tenant is not None:
+                        tenant.handing_over = 0
+                        await self.top_up(name)

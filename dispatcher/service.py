@@ -5,7 +5,7 @@
 
 One request's path through the parts:
 
-    intake.TenantIntake      per-tenant pull consumers -> batches of arrived messages
+    intake.Intake            shard consumers, per-tenant windows -> batches of arrived messages
     admit.Admission          parse, de-duplicate, stored results, adoption, admission
     core.Scheduler           queues; tier -> DRR -> priority per batch
     dispatch.Dispatch        fill each worker's free capacity (core.WorkerPool) and send
@@ -38,6 +38,7 @@ import contextlib
 import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
@@ -53,7 +54,7 @@ from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.workers import WorkerPool
 from dispatcher.dispatch import Dispatch
 from dispatcher.held import HeldRequests
-from dispatcher.intake import TenantIntake
+from dispatcher.intake import Intake
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import AsyncLimiterStore, MemoryLimiterAsync
 from dispatcher.reports import WorkerReports
@@ -63,10 +64,6 @@ log = logging.getLogger("fairq.dispatcher")
 
 # How often the queue-depth gauges are refreshed (a scan of every queue).
 DEPTH_EXPORT_S = 1.0
-# An unlisted tenant idle this long stops being pulled (its consumer is then removed by
-# the server as long again later); much sooner when unlisted tenants are refused anyway.
-UNLISTED_IDLE_S = 600.0
-REFUSED_TENANT_IDLE_S = 10.0
 
 
 class State(enum.Enum):
@@ -92,7 +89,7 @@ class Dispatcher:
         self.state = State.STARTING
         self._settled_at = 0.0
         self._stack = contextlib.AsyncExitStack()
-        self.intake: TenantIntake | None = None
+        self.intake: Intake | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -111,8 +108,10 @@ class Dispatcher:
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         await provision(self.nc.jetstream(), self.config.broker)
         results = await stack.enter_async_context(Results(self.nc, self.subjects))
-        stream = await stack.enter_async_context(
+        stored = await stack.enter_async_context(
             DirectBatchGet(self.nc, self.subjects.requests_stream))
+        parked = await stack.enter_async_context(
+            DirectBatchGet(self.nc, self.subjects.parked_stream))
         self.admission = Admission(self.config, self.options, self.subjects, self.scheduler,
                                    self.limiter, self.pool, self.held, results, self.metrics,
                                    self._backlog)
@@ -122,7 +121,7 @@ class Dispatcher:
                                      self.held, self.admission, self.limiter, self.metrics,
                                      self.dispatch.wake)
         self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
-                       self.admission, results, stream, self._backlog)
+                       self.admission, results, parked, stored, self._backlog)
         for endpoint in self.config.endpoints:
             await self._subscribe(self.subjects.heartbeats(endpoint), self.reports.on_heartbeat)
             await self._subscribe(self.subjects.completions(endpoint),
@@ -132,19 +131,18 @@ class Dispatcher:
         await self._subscribe(self.subjects.depth, self.api.on_depth)
         self._settled_at = time.time() + self.options.settle_s
         self.state = State.SETTLING
-        # Each tenant's consumer covers all endpoints: requests for an endpoint this
-        # config does not know are still answered (unknown_endpoint), not stranded.
-        self.intake = TenantIntake(
+        # The shard consumers cover all endpoints: requests for an endpoint this config
+        # does not know are still answered (unknown_endpoint), not stranded.
+        self.intake = Intake(
             self.nc, self.subjects, handler=self._admit_batch,
-            queued=self.scheduler.tenant_queued, listed=self.config.tenants,
+            queued=self.scheduler.tenant_queued, in_hand=self._in_hand,
+            shards=self.config.broker.intake_shards,
             limits=ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
-                                  max_ack_pending=self.options.max_ack_pending),
+                                  max_ack_pending=self.options.max_held_per_shard),
+            parked_limits=ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
+                                         max_ack_pending=self.options.max_ack_pending),
             window=self.options.tenant_window, batch=self.options.intake_batch,
-            discover_s=self.options.discover_s,
-            # Tenants that will only ever be refused need their consumer only while
-            # their requests are answered: made-up names must not pile up consumers.
-            idle_s=(UNLISTED_IDLE_S if self.config.unlisted_tenants.policy == "admit"
-                    else REFUSED_TENANT_IDLE_S))
+            list_s=self.options.discover_s)
         await stack.enter_async_context(self.intake)
         # Unwound before the intake and the subscriptions above: the drain still uses them.
         group = await stack.enter_async_context(asyncio.TaskGroup())
@@ -186,6 +184,11 @@ class Dispatcher:
 
     def _backlog(self) -> dict[tuple[str, str], int]:
         return self.intake.backlog if self.intake is not None else {}
+
+    def _in_hand(self) -> Counter[tuple[bool, str]]:
+        """(parked?, tenant) -> the messages held, for the intake's estimates."""
+        return Counter((self.subjects.is_parked(held.msg.subject), held.submission.tenant)
+                       for held in self.held)
 
     async def _top_up(self, tenant: str) -> None:
         await self.intake.top_up(tenant)

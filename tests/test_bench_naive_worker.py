@@ -90,7 +90,7 @@ async def test_the_shared_queue_runs_requests_in_arrival_order_within_capacity(
 
 def test_the_shared_consumer_reads_one_endpoint_for_every_tenant() -> None:
     spec = endpoint_consumer(S, ENDPOINT)
-    assert (spec.durable, spec.filter_subject) == ("fq~req~chat", "fq.req.chat.*")
+    assert (spec.durable, spec.filter_subject) == ("fq~req~chat", "fq.q.*.chat.*")
     with pytest.raises(SubjectError, match="endpoint"):
         endpoint_consumer(S, "chat.*")
 

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 from nats.js.errors import APIError, ServiceUnavailableError
 
-from bench.consumers import endpoint_consumer, pull_subscription
+from bench.consumers import endpoint_consumer, pull_subscription, tenant_consumer
 from broker_config import jetstream
 from broker_config.config import BrokerSettings
 from broker_config.direct_get import DirectBatchGet, DirectGetError
@@ -43,7 +43,7 @@ from broker_config.streams import (
     is_backlog_full,
     provision,
 )
-from broker_config.subjects import HDR_MSG_ID, Subjects
+from broker_config.subjects import HDR_MSG_ID, Subjects, shard_of
 
 pytestmark = pytest.mark.integration
 S = Subjects()
@@ -143,7 +143,7 @@ async def test_backlog_cap_fails_at_the_publisher_per_subject(js: JetStreamConte
     await publish(js, S.request("chat", "globex"), "g0")
     await publish(js, S.request("embed", "acme"), "e0")
     # The cap counts unfinished requests: finishing one makes room for one more.
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
+    sub = await pull_subscription(js, S.requests_stream, tenant_consumer(S, "acme"))
     (msg,) = await sub.fetch(1, timeout=5)
     await msg.ack_sync()
     await publish(js, acme, "a4")
@@ -165,7 +165,7 @@ async def test_dedup_by_msg_id_survives_the_ack(js: JetStreamContext) -> None:
     again = await publish(js, subject, "same")
     assert not first.duplicate and again.duplicate and again.seq == first.seq
     assert (await js.stream_info("FQ_REQUESTS")).state.messages == 1
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
+    sub = await pull_subscription(js, S.requests_stream, tenant_consumer(S, "acme"))
     (msg,) = await sub.fetch(1, timeout=5)
     assert msg.headers[HDR_MSG_ID] == "same"
     await msg.ack_sync()
@@ -219,21 +219,23 @@ async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -
 
 
 @pytest.mark.parametrize("ack_subject", [
-    "$JS.ACK.FQ_REQUESTS.fq~tenant~acme.3.17.5.1795997433664286007.2",
-    "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~tenant~acme.3.17.5.1795997433664286007.2.x1y2",
+    "$JS.ACK.FQ_REQUESTS.fq~shard~3.3.17.5.1795997433664286007.2",
+    "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~shard~3.3.17.5.1795997433664286007.2.x1y2",
 ])
 def test_delivery_of_agrees_with_nats_py(ack_subject: str) -> None:
     metadata = Msg.Metadata._from_reply(ack_subject)
     stored_at, delivered = jetstream.delivery_of(ack_subject)
     assert stored_at == pytest.approx(metadata.timestamp.timestamp(), abs=1e-6)
     assert delivered == metadata.num_delivered == 3
+    assert jetstream.stream_seq_of(ack_subject) == metadata.sequence.stream == 17
+    assert jetstream.consumer_of(ack_subject) == metadata.consumer == "fq~shard~3"
 
 
 async def test_delivery_of_a_message_the_server_redelivered(js: JetStreamContext) -> None:
     await provision(js, BrokerSettings())
     before = time.time()
     await publish(js, S.request("chat", "acme"), "a1")
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
+    sub = await pull_subscription(js, S.requests_stream, tenant_consumer(S, "acme"))
     (first,) = await sub.fetch(1, timeout=5)
     await first.nak()
     (again,) = await sub.fetch(1, timeout=5)
@@ -248,12 +250,12 @@ async def test_delivery_of_a_message_the_server_redelivered(js: JetStreamContext
 
 async def test_consumers_are_created_updated_and_filtered(js: JetStreamContext) -> None:
     await provision(js, BrokerSettings())
-    spec = ConsumerSpec.for_tenant(S, "acme", ConsumerLimits(ack_wait_s=30.0, max_ack_pending=4))
+    spec = tenant_consumer(S, "acme", ConsumerLimits(ack_wait_s=30.0, max_ack_pending=4))
     info = await ensure_consumer(js, S.requests_stream, spec)
-    assert info.name == "fq~tenant~acme"
+    assert info.name == "fq~test~acme"
     assert (info.config.filter_subject, info.config.ack_wait, info.config.max_ack_pending) == (
-        "fq.req.*.acme", 30.0, 4)
-    updated = ConsumerSpec.for_tenant(S, "acme", ConsumerLimits(ack_wait_s=90.0,
+        "fq.q.*.*.acme", 30.0, 4)
+    updated = tenant_consumer(S, "acme", ConsumerLimits(ack_wait_s=90.0,
                                                                 max_ack_pending=8))
     info = await ensure_consumer(js, S.requests_stream, updated)
     assert (info.config.ack_wait, info.config.max_ack_pending) == (90.0, 8)
@@ -262,35 +264,44 @@ async def test_consumers_are_created_updated_and_filtered(js: JetStreamContext) 
     await publish(js, S.request("embed", "acme"), "a2")
     sub = await pull_subscription(js, S.requests_stream, updated)
     msgs = await sub.fetch(5, timeout=1)
-    assert [m.subject for m in msgs] == ["fq.req.chat.acme", "fq.req.embed.acme"]
-
-
-async def test_provision_removes_the_retired_shared_consumer(js: JetStreamContext) -> None:
-    await provision(js, BrokerSettings())
-    await publish(js, S.request("chat", "acme"), "a1")
-    old = ConsumerSpec("fq~requests", S.all_requests)  # how earlier releases read requests
-    await (await pull_subscription(js, S.requests_stream, old)).fetch(1, timeout=5)  # unacked
-    await provision(js, BrokerSettings())  # an upgraded dispatcher starts
-    names = [info.name for info in await js.consumers_info(S.requests_stream)]
-    assert "fq~requests" not in names
-    # The request it held is still there, for the per-tenant consumer.
-    sub = await pull_subscription(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
-    (msg,) = await sub.fetch(1, timeout=5)
-    assert msg.headers[HDR_MSG_ID] == "a1"
+    shard = shard_of("acme", BrokerSettings().intake_shards)
+    assert [m.subject for m in msgs] == [f"fq.q.{shard}.chat.acme", f"fq.q.{shard}.embed.acme"]
 
 
 async def test_overlapping_consumers_are_refused_with_a_hint(js: JetStreamContext) -> None:
     await provision(js, BrokerSettings())
-    await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "acme"))
+    await ensure_consumer(js, S.requests_stream, tenant_consumer(S, "acme"))
     # A tenant's consumer covers all its endpoints: no endpoint-wide consumer beside it.
     for endpoint in ("chat", "embed"):
         with pytest.raises(ProvisionError, match=re.escape(
-                f"filter overlaps fq.req.{endpoint}.*: on a work-queue stream consumer "
+                f"filter overlaps fq.q.*.{endpoint}.*: on a work-queue stream consumer "
                 "filters must not overlap")):
             await ensure_consumer(js, S.requests_stream, endpoint_consumer(S, endpoint))
     # Another tenant's consumer does not overlap.
-    info = await ensure_consumer(js, S.requests_stream, ConsumerSpec.for_tenant(S, "globex"))
-    assert info.config.filter_subject == "fq.req.*.globex"
+    info = await ensure_consumer(js, S.requests_stream, tenant_consumer(S, "globex"))
+    assert info.config.filter_subject == "fq.q.*.*.globex"
+
+
+async def test_the_server_stores_each_tenant_in_the_shard_fairq_computes(
+        js: JetStreamContext) -> None:
+    settings = BrokerSettings()
+    await provision(js, settings)
+    tenants = [f"tenant-{i}" for i in range(64)] + ["acme", "a", "Z_9-x"]
+    for tenant in tenants:
+        await publish(js, S.request("chat", tenant), f"{tenant}-1")
+    stored = (await js.stream_info(S.requests_stream, subjects_filter=">")).state.subjects
+    assert stored == {f"fq.q.{shard_of(t, settings.intake_shards)}.chat.{t}": 1
+                      for t in tenants}
+
+
+async def test_provision_removes_the_retired_per_tenant_consumers(
+        js: JetStreamContext) -> None:
+    await provision(js, BrokerSettings())
+    for tenant in ("acme", "globex"):  # how the last release read requests
+        await ensure_consumer(js, S.requests_stream,
+                              ConsumerSpec(f"fq~tenant~{tenant}", f"fq.req.*.{tenant}"))
+    await provision(js, BrokerSettings())
+    assert await js.consumers_info(S.requests_stream) == []
 
 
 # -- embedded servers ------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker_config.subjects import (
+    shard_of,
     HDR_CONTENT_TYPE,
     HDR_MSG_ID,
     HDR_REPLY,
@@ -130,13 +131,36 @@ def test_internal_subjects_stay_under_int() -> None:
 def test_names() -> None:
     assert S.requests_stream == "FQ_REQUESTS"
     assert S.results_bucket == "FQ_RESULTS"
-    assert S.tenant_consumer("acme") == "fq~tenant~acme"
-    assert S.tenant_filter("acme") == "fq.req.*.acme"
+    assert S.parked_stream == "FQ_PARKED"
+    assert S.shard_consumer(3) == "fq~shard~3"
+    assert S.shard_filter(3) == "fq.q.3.*.*"
+    assert S.stored_request_transform(16) == ("fq.req.*.*",
+                                              "fq.q.{{partition(16,2)}}.{{wildcard(1)}}"
+                                              ".{{wildcard(2)}}")
+    assert S.parked("fq.q.3.chat.acme") == "fq.park.chat.acme"
+    assert S.parked_consumer("acme") == "fq~parked~acme"
+    assert S.parked_tenant_filter("acme") == "fq.park.*.acme"
     # Any subject token may be published to; one that is no tenant name gets a hashed,
     # valid consumer name, distinct from every real tenant's.
-    odd = S.tenant_consumer("bad$name")
-    assert odd.startswith("fq~tenant-hash~") and "$" not in odd
-    assert odd != S.tenant_consumer("bad_name")
+    odd = S.parked_consumer("bad$name")
+    assert odd.startswith("fq~parked-hash~") and "$" not in odd
+    assert odd != S.parked_consumer("bad_name")
+
+
+def test_stored_and_parked_subjects_parse_like_published_ones() -> None:
+    for subject in ("fq.req.chat.acme", "fq.q.7.chat.acme", "fq.park.chat.acme"):
+        assert S.parse_request(subject) == ("chat", "acme")
+        assert S.tenant_of(subject) == "acme"
+    assert S.is_parked("fq.park.chat.acme") and not S.is_parked("fq.q.7.chat.acme")
+    with pytest.raises(SubjectError):
+        S.parse_request("fq.q.chat.acme")
+
+
+def test_shard_of_spreads_tenants_over_every_shard() -> None:
+    # That it matches the server's partition is checked against a real server
+    # (tests/test_broker_streams.py).
+    assert {shard_of(f"t{i}", 16) for i in range(200)} == set(range(16))
+    assert all(shard_of(f"t{i}", 1) == 0 for i in range(20))
 
 
 @pytest.mark.parametrize("request_id", ["r1", "a.b", "..", ".lead", "trail.", "x" * 128, "a-b_c.d"])

@@ -28,8 +28,9 @@ from nats.js import JetStreamContext
 from broker_config.auth import build_users, render_auth_config
 from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
-from broker_config.streams import ConsumerSpec, ensure_consumer, provision
-from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, HDR_REPLY, Subjects
+from bench.consumers import tenant_consumer
+from broker_config.streams import ensure_consumer, provision
+from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, HDR_REPLY, Subjects, shard_of
 from broker_config.wire import (
     DepthEntry,
     DepthReply,
@@ -136,7 +137,7 @@ def answer(request_id: str) -> list[Event]:
 async def play_worker(nc: NATS, js: JetStreamContext, tenant: str,
                       events: Callable[[str], list[Event]]) -> dict[str, str]:
     """Take the next stored request, answer it in its encoding, ack it; return its headers."""
-    consumer = ConsumerSpec.for_tenant(S, tenant)
+    consumer = tenant_consumer(S, tenant)
     await ensure_consumer(js, S.requests_stream, consumer)
     sub = await js.pull_subscribe_bind(consumer.durable, S.requests_stream)
     (msg,) = await sub.fetch(1, timeout=WAIT_S)
@@ -170,7 +171,8 @@ async def test_submit_returns_after_puback_with_the_exact_contract_message(
     assert client.listening == 1
 
     subject, headers, body = await stored(js, submitted.stream_seq)
-    assert subject == "fq.req.chat.acme"
+    # Published to fq.req.chat.acme, stored in acme's shard (the stream's transform).
+    assert subject == f"fq.q.{shard_of('acme', BrokerSettings().intake_shards)}.chat.acme"
     assert headers == {HDR_MSG_ID: "r-1", HDR_REPLY: submitted.reply_subject,
                        HDR_CONTENT_TYPE: "application/json"}
     assert json.loads(body) == {"id": "r-1", "prompt": "Hello", "max_tokens": 8, "priority": 2,

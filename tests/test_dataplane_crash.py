@@ -20,11 +20,12 @@ import pytest
 
 from broker_config.config import (
     EXAMPLE_ENGINE,
+    BrokerSettings,
     DispatcherOptions,
     WorkerOptions,
     parse_config,
 )
-from broker_config.subjects import Subjects
+from broker_config.subjects import Subjects, shard_of
 from costmodel.engine_model import load_engine_params
 from dispatcher.service import Dispatcher
 from workers.service import WorkerService
@@ -126,10 +127,11 @@ async def test_kill_9_of_the_dispatcher_loses_nothing(nats_url, tmp_path):
 
 
 async def held_by_dispatcher(js, subjects: Subjects, tenant: str) -> int:
-    """Messages delivered to the tenant's consumer and not yet acked (0 before the
-    dispatcher has found the unlisted tenant and made its consumer)."""
+    """Messages delivered to the tenant's shard consumer and not yet acked (0 before the
+    dispatcher has made it)."""
+    shard = shard_of(tenant, BrokerSettings().intake_shards)
     try:
-        info = await js.consumer_info(subjects.requests_stream, subjects.tenant_consumer(tenant))
+        info = await js.consumer_info(subjects.requests_stream, subjects.shard_consumer(shard))
     except nats.js.errors.NotFoundError:
         return 0
     return info.num_ack_pending
