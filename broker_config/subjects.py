@@ -236,6 +236,15 @@ class Subjects:
         """Filter for every stored request subject."""
         return f"{self.prefix}.q.*.*.*"
 
+    @property
+    def unsharded_filter(self) -> str:
+        """Filter for requests stored before the stream had shards, as published.
+
+        Not `all_requests`: nats-server takes a consumer whose filter is the stream's own
+        subject for one over every message, and on a work-queue stream then keeps every
+        message the other consumers ack until this one has passed it."""
+        return f"{self.prefix}.req.>"
+
     def shard_filter(self, shard: int) -> str:
         """Filter for one shard's stored requests (the dispatcher's consumer of it)."""
         return f"{self.prefix}.q.{shard}.*.*"

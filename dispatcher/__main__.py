@@ -39,6 +39,7 @@ OVERRIDES = {
     "grace": "grace_s",
     "tenant_window": "tenant_window",
     "max_held_per_tenant": "max_ack_pending",
+    "max_held_per_shard": "max_held_per_shard",
 }
 
 
@@ -64,9 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                              f"the stream (default: [dispatcher] tenant_window, "
                              f"{defaults.tenant_window})")
     parser.add_argument("--max-held-per-tenant", type=int, metavar="N",
-                        help="requests per tenant held at all, waiting or running; must "
-                             "exceed what one tenant may run at once (default: [dispatcher] "
-                             f"max_ack_pending, {defaults.max_ack_pending})")
+                        help="a parked tenant's requests held at all, waiting or running; "
+                             "must exceed what one tenant may run at once (default: "
+                             f"[dispatcher] max_ack_pending, {defaults.max_ack_pending})")
+    parser.add_argument("--max-held-per-shard", type=int, metavar="N",
+                        help="requests of one shard of the requests stream held at all, "
+                             "waiting or running (default: [dispatcher] max_held_per_shard, "
+                             f"{defaults.max_held_per_shard})")
     return parser
 
 
