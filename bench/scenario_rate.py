@@ -133,7 +133,8 @@ def rate_of(result: Replay) -> float:
 async def stack_rate(spec: StackSpec, arrivals: Sequence[Arrival], log_dir: Path,
                      timeout_s: float) -> dict[str, Any]:
     """One run of `arrivals` on a fresh stack: rate, outcomes, CPU seconds per process,
-    and (fairq) the dispatcher's memory (`bench.procstat.memory_kb`) before and after."""
+    the consumers on the requests stream at the end, the server's memory at the end, and
+    (fairq) the dispatcher's memory (`bench.procstat.memory_kb`) before and after."""
     async with Stack(spec, log_dir) as stack:
         pids = stack.pids()
         at_start = memory_kb(pids["dispatcher"]) if "dispatcher" in pids else None
@@ -144,7 +145,15 @@ async def stack_rate(spec: StackSpec, arrivals: Sequence[Arrival], log_dir: Path
                             timeout_s=timeout_s, alive=stack.check_alive)
         cpu = meter.stop()
         memory = memory_kb(pids["dispatcher"]) if "dispatcher" in pids else None
+        server_memory = memory_kb(pids["nats-server"])
+        nc = await nats.connect(stack.url, connect_timeout=5)
+        try:
+            consumers = len(await nc.jetstream().consumers_info(
+                stack.settings.subjects.requests_stream))
+        finally:
+            await nc.drain()
     run = _run_summary(spec.mode, result, cpu)
+    run["server_memory_kb"], run["consumers"] = server_memory, consumers
     if at_start is not None:
         run["dispatcher_memory_kb_at_start"], run["dispatcher_memory_kb"] = at_start, memory
     return run

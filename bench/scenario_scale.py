@@ -6,21 +6,23 @@ For each tenant count N, on fresh stacks (`bench.stack`, one simulated worker):
 
 - dispatch rate: scenario 3's fairq run (`bench.scenario_rate`: an instant engine with
   max_sequences 1024, `requests` requests of max_tokens 1 due at once) spread
-  round-robin over N listed tenants, `repeats` times; in each round beside it the raw
-  path with fairq's consumer layout: one durable pull consumer per tenant, each with a
-  standing pull into one inbox (as the dispatcher's intake does), every message acked at
-  once, no processing, in a fresh process;
-- dispatcher memory: VmRSS of the dispatcher process (/proc/<pid>/status) once the
-  stack is up and at the end of each rate run, and its high-water mark VmHWM;
+  round-robin over N tenants, `repeats` times, with `registered` tenants listed in the
+  config (the N active ones among them); in each round beside it the raw path with
+  fairq's consumer layout: one durable pull consumer per shard of the requests stream,
+  each with a standing pull into one inbox (as the dispatcher's intake does), every
+  message acked at once, no processing, in a fresh process. The goal: at 1,000 tenants
+  at least 70% of the rate at 10, in the same run;
+- memory: VmRSS of the dispatcher process (/proc/<pid>/status) once the stack is up and
+  at the end of each rate run, and its high-water mark VmHWM; nats-server's VmRSS and
+  the consumers on the requests stream at the end;
 - a newcomer behind N-1 backlogged tenants: on a time-scaled engine (default engine
   model, 64 sequences, time x0.1, so the backlog lasts while newcomers are measured),
   N-1 listed tenants publish a backlog of about `backlog` requests in all (max_tokens 64,
   at least `MIN_BACKLOG_PER_TENANT` each; no `Fq-Reply`), then, once the depth API shows
   every one of them queued or running, `newcomers` new tenants send one request each
-  (max_tokens 1) one after the other: a tenant the config lists (idle until now: its
-  consumer exists) first, then alternately one it does not (admitted as an unlisted
-  tenant: the dispatcher must first find its subject, within `discover_s` = 0.25 s) and
-  a listed one. Each newcomer's time to first token is measured at the client, in wall
+  (max_tokens 1) one after the other: a tenant the config lists (idle until now) first,
+  then alternately one it does not (admitted as an unlisted tenant; neither needs
+  anything made for it: its shard's pull delivers its request) and a listed one. Each newcomer's time to first token is measured at the client, in wall
   milliseconds, with its queue time in the dispatcher (the done event's `queued_s`). The
   first arrives while the N-1 are still new flows themselves; the later ones once the
   first was served. The row N = 1 is the same newcomers with no backlog, the floor of
@@ -67,7 +69,8 @@ BACKLOG_MAX_TOKENS = 64
 # corrected to the real output), so the backlog outlasts the first newcomer.
 MIN_BACKLOG_PER_TENANT = 20
 NEWCOMER_GAP_S = 0.2
-# Bound on the raw per-tenant consumers' run (also their pulls' expiry).
+SHARDS = BrokerSettings().intake_shards
+# Bound on the raw shard consumers' run (also their pulls' expiry).
 RAW_CONSUME_WITHIN_S = 120.0
 # Bound on waiting for the dispatcher to hold every backlogged tenant.
 BACKLOGGED_WITHIN_S = 60.0
@@ -78,6 +81,7 @@ class Settings:
     tenant_counts: tuple[int, ...] = (10, 100, 1000)
     requests: int = 10_000
     repeats: int = 3
+    registered: int = 10_000
     max_sequences: int = 1024
     backlog: int = 5_000
     newcomers: int = 10
@@ -86,7 +90,8 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(tenant_counts=(10, 100), requests=3_000, repeats=1, backlog=1_000,
+QUICK = Settings(tenant_counts=(10, 100), requests=3_000, repeats=1, registered=1_000,
+                 backlog=1_000,
                  newcomers=4, timeout_s=60.0)
 
 
@@ -95,33 +100,35 @@ QUICK = Settings(tenant_counts=(10, 100), requests=3_000, repeats=1, backlog=1_0
 
 async def rate_runs(tenants: int, settings: Settings, out_dir: Path,
                     pool: ProcessPoolExecutor) -> list[dict[str, Any]]:
-    """Rounds of the raw path with one consumer per tenant, then fairq."""
+    """Rounds of the raw path with one consumer per shard, then fairq."""
     names = scenario_rate.tenant_names(tenants)
-    spec = scenario_rate.instant_spec("fairq", 1, settings.max_sequences, names)
+    idle = [f"idle{n}" for n in range(max(0, settings.registered - tenants))]
+    spec = scenario_rate.instant_spec("fairq", 1, settings.max_sequences, names + idle)
     per_tenant = -(-settings.requests // tenants)
     arrivals = scenario_rate.burst(names, per_tenant * tenants)
     runs = []
     for repeat in range(settings.repeats):
         started = time.monotonic()
         raw = await scenario_rate.raw_rate(
-            [replace(a, streamed=False) for a in arrivals], pool, per_tenant_consumer_job,
-            (names, per_tenant), raw_consumer_name(tenants - 1), settings.timeout_s)
+            [replace(a, streamed=False) for a in arrivals], pool, shard_consumer_job,
+            (len(arrivals),), raw_consumer_name(SHARDS - 1), settings.timeout_s)
         run = await scenario_rate.stack_rate(spec, arrivals,
                                              out_dir / "logs" / f"rate-{tenants}-{repeat}",
                                              settings.timeout_s)
-        run["raw_per_tenant"] = raw
+        run["raw_shards"] = raw
         runs.append(run)
-        print(f"{tenants} tenants, round {repeat}: raw with a consumer per tenant "
+        print(f"{tenants} tenants, round {repeat}: raw with a consumer per shard "
               f"{raw['rate_per_s']:,.0f}/s, fairq {run['rate_per_s']:,.0f} requests/s, "
               f"{describe_outcomes(run['outcomes'])}, dispatcher "
-              f"{run['dispatcher_memory_kb']['rss_kb'] / 1024:.0f} MiB "
-              f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
+              f"{run['dispatcher_memory_kb']['rss_kb'] / 1024:.0f} MiB, server "
+              f"{run['server_memory_kb']['rss_kb'] / 1024:.0f} MiB, {run['consumers']} "
+              f"consumers ({time.monotonic() - started:.1f} s)", file=sys.stderr)
     return runs
 
 
 def summarise_rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rates = [run["rate_per_s"] for run in runs]
-    raw = [run["raw_per_tenant"]["rate_per_s"] for run in runs]
+    raw = [run["raw_shards"]["rate_per_s"] for run in runs]
     memory = [run["dispatcher_memory_kb"] for run in runs]
 
     def cpu_us(process: str, path: str | None = None) -> float:
@@ -131,35 +138,38 @@ def summarise_rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
             for run in runs)
 
     return {"rates": rates, "median": statistics.median(rates),
-            "raw_per_tenant_rates": raw, "raw_per_tenant_median": statistics.median(raw),
+            "raw_shards_rates": raw, "raw_shards_median": statistics.median(raw),
             "fairq_over_raw_median": statistics.median(f / r for f, r in zip(rates, raw)),
             "cpu_us_per_request": {"nats-server": cpu_us("nats-server"),
                                    "dispatcher": cpu_us("dispatcher"),
-                                   "raw nats-server": cpu_us("nats-server", "raw_per_tenant")},
+                                   "raw nats-server": cpu_us("nats-server", "raw_shards")},
             "rss_at_start_kb": statistics.median(
                 run["dispatcher_memory_kb_at_start"]["rss_kb"] for run in runs),
             "rss_end_kb": statistics.median(m["rss_kb"] for m in memory),
-            "peak_rss_kb": max(m["peak_rss_kb"] for m in memory), "runs": runs}
+            "peak_rss_kb": max(m["peak_rss_kb"] for m in memory),
+            "server_rss_end_kb": statistics.median(
+                run["server_memory_kb"]["rss_kb"] for run in runs),
+            "consumers": max(run["consumers"] for run in runs), "runs": runs}
 
 
 def raw_consumer_name(n: int) -> str:
     return f"bench~raw~{n}"
 
 
-def per_tenant_consumer_job(url: str, tenants: list[str], per_tenant: int) -> tuple[float, float]:
+def shard_consumer_job(url: str, messages: int) -> tuple[float, float]:
     """In a fresh process: when the last ack was sent, and the CPU seconds it took."""
-    return run_timed(_consume_per_tenant, url, tenants, per_tenant)
+    return run_timed(_consume_shards, url, messages)
 
 
-async def _consume_per_tenant(url: str, tenants: list[str], per_tenant: int) -> float:
-    """fairq's consumer layout without fairq: one durable pull consumer per tenant, each
+async def _consume_shards(url: str, messages: int) -> float:
+    """fairq's consumer layout without fairq: one durable pull consumer per shard, each
     with one standing pull for all its messages, every reply to one wildcard inbox, each
     message acked at once. Unix time when the last ack reached the server."""
     subjects = BrokerSettings().subjects
     nc = await nats.connect(url, connect_timeout=5)
     try:
         js = nc.jetstream()
-        remaining = len(tenants) * per_tenant
+        remaining = messages
         consumed = asyncio.Event()
 
         async def on_message(msg: Msg) -> None:
@@ -173,13 +183,13 @@ async def _consume_per_tenant(url: str, tenants: list[str], per_tenant: int) -> 
 
         inbox = nc.new_inbox()
         await nc.subscribe(f"{inbox}.*", cb=on_message)
-        pull = jetstream.pull_request(per_tenant, RAW_CONSUME_WITHIN_S)
-        for n, tenant in enumerate(tenants):
-            name = raw_consumer_name(n)
+        pull = jetstream.pull_request(messages, RAW_CONSUME_WITHIN_S)
+        for shard in range(SHARDS):
+            name = raw_consumer_name(shard)
             await ensure_consumer(js, subjects.requests_stream, ConsumerSpec(
-                name, subjects.stored_tenant_filter(tenant), ConsumerLimits()))
+                name, subjects.shard_filter(shard), ConsumerLimits(max_ack_pending=messages)))
             await nc.publish(jetstream.pull_subject(subjects.requests_stream, name),
-                             pull, reply=f"{inbox}.{n}")
+                             pull, reply=f"{inbox}.{shard}")
         async with asyncio.timeout(RAW_CONSUME_WITHIN_S):
             await consumed.wait()
         await nc.flush()  # the acks have reached the server
@@ -287,24 +297,28 @@ def _summary_ms(samples: list[dict[str, Any]], listed: bool) -> dict[str, float 
 
 def render(summary: dict[str, Any]) -> str:
     rows = []
-    for count, row in summary["tenants"].items():
-        rate = row.get("rate")
-        if rate is not None:
-            rows.append([count, ", ".join(f"{r:,.0f}" for r in rate["rates"]),
-                         f"{rate['median']:,.0f}",
-                         ", ".join(f"{r:,.0f}" for r in rate["raw_per_tenant_rates"]),
-                         f"{rate['fairq_over_raw_median']:.0%}",
-                         " / ".join(f"{rate['cpu_us_per_request'][p]:.0f}"
-                                    for p in ("nats-server", "dispatcher", "raw nats-server")),
-                         _mib(rate["rss_at_start_kb"]), _mib(rate["rss_end_kb"]),
-                         _mib(rate["peak_rss_kb"])])
-    lines = [("Dispatch rate, requests/s (instant engine, scenario 3's fairq run), beside the raw "
-             "path with fairq's consumer layout (one pull consumer per tenant, fetch and ack, "
-             "no processing), and dispatcher memory:"), ""]
-    lines += table(["tenants", "fairq per run", "fairq median", "raw, consumer per tenant",
-                    "fairq / raw", "CPU us/request: server / dispatcher / raw's server",
-                    "RSS when up, MiB", "RSS after the run, MiB",
-                    "peak RSS, MiB"], rows)
+    rates = {count: row["rate"] for count, row in summary["tenants"].items() if row.get("rate")}
+    fewest = rates[min(rates, key=int)]["median"] if rates else None
+    for count, rate in rates.items():
+        rows.append([count, ", ".join(f"{r:,.0f}" for r in rate["rates"]),
+                     f"{rate['median']:,.0f}", f"{rate['median'] / fewest:.0%}",
+                     ", ".join(f"{r:,.0f}" for r in rate["raw_shards_rates"]),
+                     f"{rate['fairq_over_raw_median']:.0%}",
+                     " / ".join(f"{rate['cpu_us_per_request'][p]:.0f}"
+                                for p in ("nats-server", "dispatcher", "raw nats-server")),
+                     _mib(rate["rss_at_start_kb"]), _mib(rate["rss_end_kb"]),
+                     _mib(rate["peak_rss_kb"]), _mib(rate["server_rss_end_kb"]),
+                     str(rate["consumers"])])
+    lines = [("Dispatch rate, requests/s (instant engine, scenario 3's fairq run; "
+              f"{summary['settings']['registered']:,} tenants registered in the config, "
+              "the active ones among them), beside the raw path with fairq's consumer "
+              "layout (one pull consumer per shard, fetch and ack, no processing), and "
+              "memory:"), ""]
+    lines += table(["tenants", "fairq per run", "fairq median", "of the fewest tenants'",
+                    "raw, consumer per shard", "fairq / raw",
+                    "CPU us/request: server / dispatcher / raw's server",
+                    "dispatcher RSS when up, MiB", "after the run, MiB", "peak, MiB",
+                    "nats-server RSS after, MiB", "consumers"], rows)
     lines += ["", ("A newcomer's time to first token behind N-1 backlogged tenants, wall ms "
               f"(engine time x{summary['settings']['time_scale']:g}). The first newcomer "
               "arrives just after the N-1 became backlogged; the later ones (p50 / max) "

@@ -34,9 +34,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -54,10 +54,10 @@ log = logging.getLogger("fairq.intake")
 
 # The shard of requests stored before the requests stream had shards (`<prefix>.req.*.*`).
 UNSHARDED = "unsharded"
+# How often the shards that are not being read are listed for new tenants.
+STALLED_POLL_S = 0.02
 # The server removes a parked tenant's consumer after this long without pulls.
 PARKED_CONSUMER_IDLE_S = 60.0
-
-Handler = Callable[[list[Msg]], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ class Tenant(Arrivals):
 
 class Intake:
     def __init__(self, nc: NATS, subjects: Subjects, *,
-                 handler: Handler,
+                 handler: Callable[[list[Msg]], Awaitable[None]],
                  queued: Callable[[str], int],
                  in_hand: Callable[[], Counter[tuple[bool, str]]],
                  shards: int = 16,
@@ -90,9 +90,7 @@ class Intake:
         self.in_hand = in_hand  # (parked?, tenant) -> messages the dispatcher holds
         self.shard_count = shards
         self.limits = limits
-        self.parked_limits = ConsumerLimits(
-            parked_limits.ack_wait_s, parked_limits.max_ack_pending, parked_limits.max_deliver,
-            inactive_threshold_s=PARKED_CONSUMER_IDLE_S)
+        self.parked_limits = replace(parked_limits, inactive_threshold_s=PARKED_CONSUMER_IDLE_S)
         self.window = window
         self.list_s = list_s
         self.clock = clock
@@ -108,8 +106,10 @@ class Intake:
         self._moves = asyncio.Event()
         self._park = Park(nc, subjects)
         self._open = False
+        self._held: Counter[tuple[bool, str]] = Counter()  # as of the last listing
         self._stack = contextlib.AsyncExitStack()
-        self._tasks: list[asyncio.Task] = []
+        self._finishing: list[asyncio.Task] = []
+        self._cancelled: list[asyncio.Task] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -130,9 +130,10 @@ class Intake:
         except BaseException:
             await self._stack.aclose()
             raise
-        self._tasks = [asyncio.create_task(self._hand_over.run(), name="intake-hand-over"),
-                       asyncio.create_task(self._move_loop(), name="intake-move"),
-                       asyncio.create_task(self._care_loop(), name="intake-care")]
+        self._finishing = [asyncio.create_task(self._hand_over.run(), name="intake-hand-over"),
+                           asyncio.create_task(self._move_loop(), name="intake-move")]
+        self._cancelled = [asyncio.create_task(self._care_loop(), name="intake-care"),
+                           asyncio.create_task(self._watch_stalled(), name="intake-stalled")]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -148,11 +149,9 @@ class Intake:
         self._open = False
         self._hand_over.stop()
         self._moves.set()
-        if not self._tasks:
-            return  # the start failed before they were made
-        *finishing, care = self._tasks
-        care.cancel()
-        await asyncio.gather(*finishing, care, return_exceptions=True)
+        for task in self._cancelled:
+            task.cancel()
+        await asyncio.gather(*self._finishing, *self._cancelled, return_exceptions=True)
 
     async def _nak_arrived(self) -> None:
         tenants = {id(t): t for t in [*self.tenants.values(), *self._hand_over.ring]}.values()
@@ -170,20 +169,20 @@ class Intake:
                 if key == UNSHARDED else ConsumerSpec.for_shard(self.subjects, int(key),
                                                                 self.limits))
         await ensure_consumer(self.js, self.subjects.requests_stream, spec)
-        pull = self.shards.get(key) or Pull(spec.durable, self.subjects.requests_stream)
+        pull = self.shards.get(key) or Pull(spec.durable, self.subjects.requests_stream,
+                                            spec.filter_subject)
         self.shards[key] = self._pulls.add(pull)
         await self._pull(pull)
 
-    async def _add_parked(self, tenant: Tenant) -> bool:
+    async def _add_parked(self, tenant: Tenant) -> None:
         spec = ConsumerSpec.for_parked(self.subjects, tenant.name, self.parked_limits)
         try:
             await ensure_consumer(self.js, self.subjects.parked_stream, spec)
-        except Exception as exc:
+        except Exception as exc:  # tried again by the next tick
             log.error("cannot make the parked consumer of tenant %r: %s", tenant.name, exc)
-            return False
+            return
         tenant.parked_pull = self._pulls.add(Pull(spec.durable, self.subjects.parked_stream,
                                                   tenant=tenant.name))
-        return True
 
     def _tenant(self, name: str, shard: str = "") -> Tenant:
         tenant = self.tenants.get(name)
@@ -204,15 +203,16 @@ class Intake:
                   ).state.subjects or {}
         parked = (await self.js.stream_info(self.subjects.parked_stream, subjects_filter=">")
                   ).state.subjects or {}
-        held = before | self.in_hand()  # max of both: messages acked or delivered meanwhile
+        # The max of both: messages acked or delivered meanwhile.
+        self._held = held = before | self.in_hand()
         backlog: Counter[tuple[str, str]] = Counter()
-        waiting: dict[str, dict[str, int]] = {key: {} for key in self.shards}
+        waiting: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        waiting.update((key, Counter()) for key in self.shards)
         for subject, count in stored.items():
             parts = subject.split(".")
             key, endpoint, name = ((UNSHARDED, *parts[2:]) if len(parts) == 4
                                    else (parts[2], *parts[3:]))
             backlog[(endpoint, name)] += count
-            waiting.setdefault(key, {}).setdefault(name, 0)
             waiting[key][name] += count
         for key, counts in waiting.items():
             if key not in self.shards:
@@ -247,6 +247,28 @@ class Intake:
                 log.warning("listing the request subjects failed: %s", exc)
             await self._tick()
 
+    async def _watch_stalled(self) -> None:
+        """List the subjects of each shard that is not being read (its waiting tenants
+        are full) every STALLED_POLL_S: a tenant unknown here that starts sending behind
+        them is read within that, not the next full listing."""
+        while self._open:
+            await asyncio.sleep(STALLED_POLL_S)
+            for key, shard in list(self.shards.items()):
+                if shard.requested or not any(self.tenants[name].waiting
+                                              for name in shard.tenants):
+                    continue
+                try:
+                    info = await self.js.stream_info(self.subjects.requests_stream,
+                                                      subjects_filter=shard.filter_subject)
+                except (nats.errors.Error, APIError, asyncio.TimeoutError) as exc:
+                    log.warning("listing the subjects of shard %s failed: %s", key, exc)
+                    continue
+                for subject in info.state.subjects or {}:
+                    name = subject.rsplit(".", 1)[1]
+                    if name not in self.tenants:  # else the full listing knows better
+                        self._tenant(name, key).waiting = 1
+                await self._pull(shard)
+
     async def _tick(self) -> None:
         """Find lost pulls, make gone consumers again, forget idle tenants."""
         now = self.clock()
@@ -266,7 +288,8 @@ class Intake:
             if tenant.parked and tenant.parked_pull is None:
                 await self._add_parked(tenant)
             if not (tenant.ready or tenant.handing_over or tenant.waiting or tenant.parked
-                    or tenant.moving or self.queued(tenant.name)):
+                    or tenant.moving or self.queued(tenant.name)
+                    or self._held[(False, tenant.name)] or self._held[(True, tenant.name)]):
                 self._forget(tenant)
 
     def _forget(self, tenant: Tenant) -> None:
@@ -333,11 +356,9 @@ class Intake:
             self._moves.set()
         else:
             self._hand_over.arrive(tenant, msg)
-        if pull is not None:
-            pull.last_tenant = tenant.name
-            if not pull.requested:  # used up: whoever came last has more, likely
-                tenant.waiting = max(1, tenant.waiting)
-                await self._pull(pull)
+        if pull is not None and not pull.requested:  # used up: the last tenant has more, likely
+            tenant.waiting = max(1, tenant.waiting)
+            await self._pull(pull)
 
     def _shard_of(self, subject: str) -> str:
         parts = subject.split(".")
@@ -359,20 +380,19 @@ class Intake:
     # -- moving to the parked stream -----------------------------------------------------
 
     async def _move_loop(self) -> None:
-        while self._open or self._to_move:
+        while self._open:  # what waits when it stops is nak'd on exit
             await self._moves.wait()
             self._moves.clear()
-            if not self._open:
-                return  # what waits is nak'd on exit
-            while self._to_move:
+            while self._to_move and self._open:
                 moving, self._to_move = self._to_move, []
-                for tenant in {tenant.name: tenant for tenant, _ in moving}.values():
+                tenants = {tenant.name: tenant for tenant, _ in moving}.values()
+                for tenant in tenants:
                     if tenant.parked_pull is None:
-                        await self._add_parked(tenant)  # else made again by the next tick
+                        await self._add_parked(tenant)
                 moved = await self._park.move([msg for _, msg in moving])
                 for (tenant, _), ok in zip(moving, moved):
                     tenant.moving -= 1
                     tenant.parked += ok
-                for tenant in {tenant.name: tenant for tenant, _ in moving}.values():
+                for tenant in tenants:
                     if tenant.parked_pull is not None:
                         await self._pull(tenant.parked_pull)

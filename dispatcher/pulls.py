@@ -46,12 +46,12 @@ class Pull:
 
     consumer: str
     stream: str
+    filter_subject: str = ""
     tenant: str = ""
     requested: int = 0  # credits left on the outstanding pull
     pull_deadline: float = 0.0
     retry_at: float = 0.0
     gone: bool = False  # the consumer must be made again
-    last_tenant: str = ""  # shard: whose message came last
     tenants: set[str] = field(default_factory=set)  # shard: tenants with stored requests
 
 
