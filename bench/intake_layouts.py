@@ -8,14 +8,17 @@ for every row, the requests stream exactly as fairq provisions it (work-queue re
 an acked or deleted message is gone). Layouts (`LAYOUTS`):
 
 - pull-per-tenant: one durable pull consumer per tenant, standing pulls into one inbox,
-  `tenant_window` credits topped up at half (today's intake, dispatcher.intake);
+  `tenant_window` credits topped up at half (the intake before issue 10);
 - push-per-tenant: one durable push consumer per tenant with flow control, idle
   heartbeats and `max_ack_pending` = `tenant_window` as the per-tenant window, each
   delivering to its own inbox subject;
 - pull-shards-S: S pull consumers, each with the filters of the tenants hashed to it
   (FilterSubjects, nats-server >= 2.10); a pull asks for the window of all its tenants,
   at most `max_ack_pending`;
-- pull-shared: one pull consumer over every request subject (`<prefix>.req.*.*`);
+- pull-partitioned-16: 16 pull consumers over the shards the stream's subject transform
+  stores tenants in (`<prefix>.q.<shard>.*.*`, one filter each: today's intake,
+  dispatcher.intake, without the moves that keep a shard's tenants apart);
+- pull-shared: one pull consumer over every stored request subject;
 - pull-mix: a dedicated consumer for each backlogged tenant (every tenth tenant in the
   rate run; the backlogged tenant in the head-of-line run, already moved out) and one
   shared consumer listing the others' filters (a subject filter cannot say "all but").
@@ -53,6 +56,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -87,6 +91,7 @@ from broker_config.streams import (
     requests_stream_config,
 )
 from broker_config.subjects import HDR_MSG_ID
+from broker_config.subjects import shard_of as broker_shard_of
 
 RESULTS = Path(__file__).resolve().parent / "results" / "intake_layouts"
 BROKER = BrokerSettings()
@@ -146,6 +151,7 @@ class Layout:
     name: str
     kind: Kind
     shards: int = 0  # pull: 0 is one consumer per tenant
+    partitioned: bool = False  # pull: the stream's shards, one filter each
     shared: bool = False  # pull: one consumer over all subjects
     mix: bool = False  # pull: dedicated consumers for `backlogged`, one shared for the rest
     delete: bool = True  # direct: delete each message read
@@ -154,6 +160,12 @@ class Layout:
         """The pull consumers for `tenants`."""
         if self.shared:
             return [Group([SUBJECTS.all_stored], tenants)]
+        if self.partitioned:
+            shards = BROKER.intake_shards
+            members = {shard: [t for t in tenants if broker_shard_of(t, shards) == shard]
+                       for shard in range(shards)}
+            return [Group([SUBJECTS.shard_filter(shard)], names)
+                    for shard, names in members.items() if names]
         if self.mix:
             rest = [t for t in tenants if t not in backlogged]
             return [*map(own_group, backlogged), *([tenant_group(rest)] if rest else [])]
@@ -183,6 +195,7 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("push-per-tenant", "push"),
     Layout("pull-shards-16", "pull", shards=16),
     Layout("pull-shards-64", "pull", shards=64),
+    Layout("pull-partitioned-16", "pull", partitioned=True),
     Layout("pull-shared", "pull", shared=True),
     Layout("pull-mix", "pull", mix=True),
     Layout("direct-get-delete", "direct"),
@@ -194,10 +207,11 @@ def head_of_line_tenants(layout: Layout, tenants: int) -> tuple[list[str], bool]
     """Tenant names with A first and newcomer B second, and whether B shares A's consumer
     (B is chosen to share it where the layout makes that possible)."""
     others = tenant_names(tenants - 1)
-    if layout.shards:
+    if layout.shards or layout.partitioned:
         # The first tenant name that hashes to A's shard stands in for B.
-        mates = [t for t in others if shard_of(t, layout.shards)
-                 == shard_of(BACKLOGGED, layout.shards)]
+        shard = (functools.partial(broker_shard_of, shards=BROKER.intake_shards)
+                 if layout.partitioned else functools.partial(shard_of, shards=layout.shards))
+        mates = [t for t in others if shard(t) == shard(BACKLOGGED)]
         if mates:
             others.remove(mates[0])
             return [BACKLOGGED, mates[0], *others], True
