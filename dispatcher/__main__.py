@@ -27,6 +27,7 @@ from broker_config.config import (
     DispatcherOptions,
     load_config,
 )
+from broker_config.runtime import freeze_startup_heap
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import limiter_from_url
 from dispatcher.service import Dispatcher
@@ -107,6 +108,7 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
     limiter = limiter_from_url(args.redis_url)
     try:
         async with Dispatcher(nc, config, limiter=limiter, metrics=metrics):
+            freeze_startup_heap()
             print("fairq dispatcher: running", flush=True)
             await stop.wait()
             log.info("draining")

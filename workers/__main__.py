@@ -33,6 +33,7 @@ from nats.js.errors import BucketNotFoundError
 
 from broker_config.config import DEFAULT_NATS_URL, Registry, WorkerOptions, load_config
 from broker_config.kv_writer import KeyValueWriter
+from broker_config.runtime import freeze_startup_heap
 from broker_config.subjects import SubjectError, Subjects, check_token
 from costmodel.engine_model import EngineParams, load_engine_params
 from costmodel.units import ModelProfile
@@ -210,6 +211,7 @@ async def serving(options: Options, stop: asyncio.Event) -> AsyncIterator[tuple[
                             f"{options.connect_wait_s:g}s: {exc!r}") from exc
     try:
         async with _service(nc, options) as service:
+            freeze_startup_heap()
             yield nc, service
     finally:
         if not nc.is_closed:
