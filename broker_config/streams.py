@@ -88,9 +88,15 @@ def parked_stream_config(settings: BrokerSettings) -> StreamConfig:
         description="fairq requests moved out of a shard behind which others waited",
         subjects=[subjects.all_parked],
         retention=RetentionPolicy.WORK_QUEUE,
+        # A tenant's moved requests are capped like those in the requests stream; a move
+        # beyond it fails and is tried again once some have been taken back.
+        max_msgs_per_subject=settings.max_queued_per_subject,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
         # The dispatcher publishes each move with the stored request's sequence as its id,
         # so a move repeated after a crash is stored once.
-        duplicate_window=PARK_DUPLICATE_WINDOW_S,
+        duplicate_window=(min(PARK_DUPLICATE_WINDOW_S, settings.max_age_s)
+                          if settings.max_age_s else PARK_DUPLICATE_WINDOW_S),
         max_age=settings.max_age_s,
         max_bytes=settings.max_bytes,
         max_msg_size=settings.max_msg_size,

@@ -32,7 +32,7 @@ from dispatcher.convert import to_error_event
 from dispatcher.core.scheduler import DepthRow, Scheduler
 from dispatcher.core.workers import Key
 from dispatcher.held import HeldRequests
-from dispatcher.park import HDR_PARKED_ID
+from dispatcher.park import restored_headers
 from dispatcher.results import Results
 
 log = logging.getLogger("fairq.dispatcher")
@@ -153,6 +153,8 @@ class Api:
                 for message in messages:
                     seq = message.seq
                     endpoint = message.subject.split(".")[-2]
+                    if self.subjects.is_parked(message.subject):
+                        message = replace(message, headers=restored_headers(message.headers))
                     if _request_id(message) == request_id:
                         return InStream(reader.stream, seq, self._parse(message),
                                         ahead.get(endpoint, 0))
@@ -163,11 +165,8 @@ class Api:
         return None
 
     def _parse(self, message: StoredMessage) -> wire.Submission | None:
-        headers = dict(message.headers)
-        if HDR_PARKED_ID in headers:  # a parked copy: the request's own id back
-            headers[HDR_MSG_ID] = headers.pop(HDR_PARKED_ID)
         try:
-            return wire.parse_submission(message.subject, message.data, headers,
+            return wire.parse_submission(message.subject, message.data, message.headers,
                                          self.subjects,
                                          tenant_inboxes=self.config.dispatcher.tenant_inboxes)
         except wire.WireError:
@@ -237,7 +236,7 @@ async def _respond(msg: Msg, reply: Any) -> None:
 
 def _request_id(message: StoredMessage) -> str | None:
     headers = message.headers or {}
-    header_id = wire.header(headers, HDR_PARKED_ID) or wire.header(headers, HDR_MSG_ID)
+    header_id = wire.header(headers, HDR_MSG_ID)
     if header_id is not None:
         return header_id
     try:  # no header: the id is in the body (rare; the contract asks for the header)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -44,10 +45,17 @@ MOVE_RETRY_S = 1.0
 def restore(msg: Msg) -> Msg:
     """A parked copy (delivered from the parked stream) as the original was published:
     its own id back in Nats-Msg-Id."""
-    headers = msg.headers or {}
-    if HDR_PARKED_ID in headers:
-        headers[HDR_MSG_ID] = headers.pop(HDR_PARKED_ID)
+    msg.headers = restored_headers(msg.headers or {})
     return msg
+
+
+def restored_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """A parked copy's headers as the original's (only a parked copy's: a client could
+    send the header with its request)."""
+    restored = dict(headers)
+    if HDR_PARKED_ID in restored:
+        restored[HDR_MSG_ID] = restored.pop(HDR_PARKED_ID)
+    return restored
 
 
 def stored_at(msg: Msg, subjects: Subjects) -> float:

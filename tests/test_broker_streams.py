@@ -77,9 +77,19 @@ async def test_provision_creates_the_contract_resources(js: JetStreamContext) ->
     assert config.discard == DiscardPolicy.NEW and config.discard_new_per_subject
     assert config.max_msgs_per_subject == 20_000
     assert config.duplicate_window == 0.1  # per-tenant dedup is the dispatcher's
-    assert config.max_consumers == 10_000  # one per tenant; the server's default cap is 1,000
+    assert config.max_consumers == 10_000  # the server's default cap is 1,000
     assert config.storage == StorageType.FILE
+    assert (config.subject_transform.src, config.subject_transform.dest) == (
+        "fq.req.*.*", "fq.q.{{partition(16,2)}}.{{wildcard(1)}}.{{wildcard(2)}}")
     assert done.requests.config.name == "FQ_REQUESTS"
+    parked = (await js.stream_info("FQ_PARKED")).config
+    assert parked.subjects == ["fq.park.*.*"]
+    assert parked.retention == RetentionPolicy.WORK_QUEUE
+    # Moved requests are capped per tenant like stored ones; moves are de-duplicated.
+    assert parked.discard == DiscardPolicy.NEW and parked.discard_new_per_subject
+    assert parked.max_msgs_per_subject == 20_000
+    assert parked.duplicate_window == 120.0
+    assert done.parked.config.name == "FQ_PARKED"
     status = await done.results.status()
     assert status.bucket == "FQ_RESULTS"
     assert status.ttl == 86_400.0
@@ -102,6 +112,8 @@ async def test_provision_is_idempotent_and_updates_in_place(js: JetStreamContext
     short = await provision(js, BrokerSettings(results_ttl_s=60.0))
     assert (await short.results.status()).ttl == 60.0
     assert (await js.stream_info(RESULTS_STREAM)).config.duplicate_window == 60.0
+    aged = await provision(js, BrokerSettings(max_age_s=30.0))
+    assert aged.parked.config.duplicate_window == 30.0  # a move's window within max_age
 
 
 async def test_provision_names_a_setting_that_cannot_change(js: JetStreamContext) -> None:
