@@ -217,7 +217,7 @@ class ConsumerSpec:
     limits: ConsumerLimits = ConsumerLimits()
 
     @classmethod
-    def for_shard(cls, subjects: Subjects, shard: int,
+    def for_shard(cls, subjects: Subjects, shard: int | str,
                   limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
         """One shard of the requests stream (the dispatcher's intake)."""
         return cls(subjects.shard_consumer(shard), subjects.shard_filter(shard), limits)

@@ -42,6 +42,8 @@ CONTENT_TYPE_MSGPACK = "application/msgpack"
 
 # NATS puts no hard limit on subject length; this one keeps a hostile Fq-Reply small.
 MAX_REPLY_LENGTH = 256
+# The shard of requests stored before the requests stream had shards.
+UNSHARDED = "unsharded"
 # Prefix of every tenant's inbox; a tenant user may subscribe only below its own.
 TENANT_INBOX_BASE = "_INBOX_"
 
@@ -236,22 +238,27 @@ class Subjects:
         """Filter for every stored request subject."""
         return f"{self.prefix}.q.*.*.*"
 
-    @property
-    def unsharded_filter(self) -> str:
-        """Filter for requests stored before the stream had shards, as published.
+    def shard_filter(self, shard: int | str) -> str:
+        """Filter for one shard's stored requests (the dispatcher's consumer of it).
 
-        Not `all_requests`: nats-server takes a consumer whose filter is the stream's own
-        subject for one over every message, and on a work-queue stream then keeps every
-        message the other consumers ack until this one has passed it."""
-        return f"{self.prefix}.req.>"
-
-    def shard_filter(self, shard: int) -> str:
-        """Filter for one shard's stored requests (the dispatcher's consumer of it)."""
+        The UNSHARDED shard holds requests stored before the stream had shards, as
+        published. Its filter is not `all_requests`: nats-server takes a consumer whose
+        filter is the stream's own subject for one over every message, and on a
+        work-queue stream then keeps every message the other consumers ack until this
+        one has passed it."""
+        if shard == UNSHARDED:
+            return f"{self.prefix}.req.>"
         return f"{self.prefix}.q.{shard}.*.*"
 
-    def shard_consumer(self, shard: int) -> str:
+    def shard_consumer(self, shard: int | str) -> str:
         """Durable pull consumer over one shard (`~` cannot occur in a token)."""
         return f"{self.prefix}~shard~{shard}"
+
+    def shard_key(self, subject: str) -> str:
+        """The shard of a stored request subject, as a string (UNSHARDED for one stored
+        before the stream had shards)."""
+        parts = subject.split(".")
+        return parts[2] if len(parts) == 5 else UNSHARDED
 
     def stored_tenant_filter(self, tenant: str) -> str:
         """Filter for one tenant's stored requests, any subject token, valid name or not."""

@@ -52,8 +52,6 @@ from dispatcher.pulls import PULL_RETRY_S, Pull, StandingPulls
 
 log = logging.getLogger("fairq.intake")
 
-# The shard of requests stored before the requests stream had shards (`<prefix>.req.*.*`).
-UNSHARDED = "unsharded"
 # How often the shards that are not being read are listed for new tenants.
 STALLED_POLL_S = 0.02
 # The server removes a parked tenant's consumer after this long without pulls.
@@ -164,10 +162,7 @@ class Intake:
     # -- consumers -----------------------------------------------------------------------
 
     async def _add_shard(self, key: str) -> None:
-        spec = (ConsumerSpec(f"{self.subjects.prefix}~shard~{UNSHARDED}",
-                             self.subjects.unsharded_filter, self.limits)
-                if key == UNSHARDED else ConsumerSpec.for_shard(self.subjects, int(key),
-                                                                self.limits))
+        spec = ConsumerSpec.for_shard(self.subjects, key, self.limits)
         await ensure_consumer(self.js, self.subjects.requests_stream, spec)
         pull = self.shards.get(key) or Pull(spec.durable, self.subjects.requests_stream,
                                             spec.filter_subject)
@@ -199,6 +194,7 @@ class Intake:
 
     async def _list(self) -> None:
         before = self.in_hand()
+        settled = {t.name for t in self.tenants.values() if t.parked and not t.moving}
         stored = (await self.js.stream_info(self.subjects.requests_stream, subjects_filter=">")
                   ).state.subjects or {}
         parked = (await self.js.stream_info(self.subjects.parked_stream, subjects_filter=">")
@@ -209,11 +205,9 @@ class Intake:
         waiting: defaultdict[str, Counter[str]] = defaultdict(Counter)
         waiting.update((key, Counter()) for key in self.shards)
         for subject, count in stored.items():
-            parts = subject.split(".")
-            key, endpoint, name = ((UNSHARDED, *parts[2:]) if len(parts) == 4
-                                   else (parts[2], *parts[3:]))
+            endpoint, name = subject.split(".")[-2:]
             backlog[(endpoint, name)] += count
-            waiting[key][name] += count
+            waiting[self.subjects.shard_key(subject)][name] += count
         for key, counts in waiting.items():
             if key not in self.shards:
                 await self._add_shard(key)
@@ -234,6 +228,11 @@ class Intake:
             unseen = count - held[(True, name)] - self._holding(tenant)
             if tenant.parked < unseen:  # after a restart: they were parked before it
                 tenant.parked = unseen
+        # Every move of these was stored before the listing, which shows none left: they
+        # were taken back, or cancelled in the parked stream.
+        for name in settled - parked_by.keys():
+            if name in self.tenants and not self.tenants[name].moving:
+                self.tenants[name].parked = 0
         self.backlog = dict(backlog)
         for pull in [*self._pulls.by_consumer.values()]:
             await self._pull(pull)
@@ -344,7 +343,8 @@ class Intake:
             tenant.parked = max(0, tenant.parked - 1)
             self._hand_over.arrive(tenant, restore(msg))
             return
-        tenant = self._tenant(msg.subject.rsplit(".", 1)[1], self._shard_of(msg.subject))
+        tenant = self._tenant(msg.subject.rsplit(".", 1)[1],
+                              self.subjects.shard_key(msg.subject))
         tenant.waiting = max(0, tenant.waiting - 1)
         full = self._holding(tenant) + self.queued(tenant.name) >= 2 * self.window
         # A redelivery (handed back by a dispatcher that stopped) is older than what was
@@ -359,10 +359,6 @@ class Intake:
         if pull is not None and not pull.requested:  # used up: the last tenant has more, likely
             tenant.waiting = max(1, tenant.waiting)
             await self._pull(pull)
-
-    def _shard_of(self, subject: str) -> str:
-        parts = subject.split(".")
-        return parts[2] if len(parts) == 5 else UNSHARDED
 
     async def _after_hand_over(self, tenants: list[Arrivals]) -> None:
         for tenant in tenants:

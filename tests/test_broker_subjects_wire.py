@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker_config.subjects import (
+    UNSHARDED,
     shard_of,
     HDR_CONTENT_TYPE,
     HDR_MSG_ID,
@@ -134,6 +135,12 @@ def test_names() -> None:
     assert S.parked_stream == "FQ_PARKED"
     assert S.shard_consumer(3) == "fq~shard~3"
     assert S.shard_filter(3) == "fq.q.3.*.*"
+    assert S.shard_key("fq.q.3.chat.acme") == "3"
+    # Stored before the stream had shards: read as published (not "fq.req.*.*", which
+    # the server would take for a consumer of every subject).
+    assert S.shard_key("fq.req.chat.acme") == UNSHARDED
+    assert S.shard_filter(UNSHARDED) == "fq.req.>"
+    assert S.shard_consumer(UNSHARDED) == "fq~shard~unsharded"
     assert S.stored_request_transform(16) == ("fq.req.*.*",
                                               "fq.q.{{partition(16,2)}}.{{wildcard(1)}}"
                                               ".{{wildcard(2)}}")
