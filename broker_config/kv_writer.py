@@ -32,6 +32,11 @@ class PutError(nats.errors.Error):
     callers that retry on `nats.errors.Error` retry on this too."""
 
 
+class Refused(PutError):
+    """The stream answered with an error: sending the same again fails the same way
+    (a per-subject limit, a header it refuses)."""
+
+
 class StreamWriter:
     def __init__(self, nc: NATS, name: str, *, timeout_s: float = 5.0) -> None:
         self.nc = nc
@@ -85,8 +90,8 @@ class StreamWriter:
         elif jetstream.is_put_ack(msg.data):
             done.set_result(None)
         else:
-            done.set_exception(PutError(f"put into {self.name}: "
-                                        f"{jetstream.ack_error(msg.data)}"))
+            done.set_exception(Refused(f"put into {self.name}: "
+                                       f"{jetstream.ack_error(msg.data)}"))
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()

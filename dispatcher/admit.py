@@ -100,7 +100,8 @@ class Admission:
         key = (submission.tenant, submission.id)
         held = self.held.get(key)
         if held is not None:
-            if held.msg.metadata.sequence.stream == msg.metadata.sequence.stream:
+            if (held.msg.metadata.stream, held.msg.metadata.sequence.stream) == (
+                    msg.metadata.stream, msg.metadata.sequence.stream):
                 held.msg = msg  # our own message, redelivered: keep its newest ack token
             else:
                 await msg.term()  # the same id published again: the first one answers

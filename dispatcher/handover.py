@@ -5,8 +5,8 @@
     await hand_over.run()               # until stop(); finishes the batch it is handing over
 
 Round-robin, so even the pushes that follow a restart over many backlogs interleave in
-each batch. `after(names)` runs once the handler is done with a batch, for the tenants
-it held (to pull more for them).
+each batch. `after(name)` runs once the handler is done with a batch, for each tenant it
+held (to pull more for it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Arrivals:
 
 class HandOver:
     def __init__(self, handler: Callable[[list[Msg]], Awaitable[None]], *, batch: int,
-                 after: Callable[[list[Arrivals]], Awaitable[None]]) -> None:
+                 after: Callable[[str], Awaitable[None]]) -> None:
         self.handler = handler
         self.batch = batch
         self.after = after
@@ -79,4 +79,4 @@ class HandOver:
                     log.exception("intake handler failed; its messages will be redelivered")
                 for owner in owners:
                     owner.handing_over = 0
-                await self.after(owners)
+                    await self.after(owner.name)

@@ -16,16 +16,14 @@ docs/architecture.md ("Intake") explains the design and the measurements behind 
   consumer of its own brings them back in order as its window drains.
 - Lazy reading: a shard pull asks for the room of the shard's tenants known to have
   requests not yet delivered (listing, deliveries); a shard whose waiting tenants are
-  all full is not read, so a lone flood stays in the stream; one with nothing known to
-  wait keeps a standing pull of one window. A pull that expires unused resets the
-  estimates. A tenant behind a full one in a shard not being read is found by the next
-  listing of both streams' subjects (every `list_s`), which also gives the backlogs.
+  all full is not read (a lone flood stays in the stream) and is listed every
+  STALLED_POLL_S for new tenants; one with nothing known to wait keeps a standing pull.
+  Both streams are listed every `list_s` (estimates, backlogs).
 - Pulls: one standing pull per consumer, replies through one inbox (dispatcher/pulls.py).
 
-Drain order on exit: stop listing, let the hand-over task finish its batch and the move
-task its moves; drain the pulls' subscription (what is on its way is still queued here);
-nak what arrived but was not handed over or moved, so another dispatcher gets it at
-once; close the mover.
+Drain order on exit: stop listing; the hand-over and move tasks finish what they hold;
+drain the pulls' subscription; nak what arrived but was not handed over or moved (another
+dispatcher gets it at once); close the mover.
 """
 
 from __future__ import annotations
@@ -47,11 +45,13 @@ from broker_config import jetstream
 from broker_config.streams import ConsumerLimits, ConsumerSpec, ensure_consumer
 from broker_config.subjects import Subjects
 from dispatcher.handover import Arrivals, HandOver
-from dispatcher.park import Park, restore
-from dispatcher.pulls import PULL_RETRY_S, Pull, StandingPulls
+from dispatcher.park import Moved, Park, restore
+from dispatcher.pulls import Pull, StandingPulls
 
 log = logging.getLogger("fairq.intake")
 
+# A shard whose consumer could not be made is tried again after this long.
+CONSUMER_RETRY_S = 30.0
 # How often the shards that are not being read are listed for new tenants.
 STALLED_POLL_S = 0.02
 # The server removes a parked tenant's consumer after this long without pulls.
@@ -99,7 +99,7 @@ class Intake:
         self.shards: dict[str, Pull] = {}
         # (endpoint, tenant) -> unfinished requests in both streams, as of the last listing.
         self.backlog: dict[tuple[str, str], int] = {}
-        self._hand_over = HandOver(handler, batch=batch, after=self._after_hand_over)
+        self._hand_over = HandOver(handler, batch=batch, after=self.top_up)
         self._to_move: list[tuple[Tenant, Msg]] = []
         self._moves = asyncio.Event()
         self._park = Park(nc, subjects)
@@ -120,7 +120,7 @@ class Intake:
             # Every consumer first, the listing's too, then the pulls: what a consumer of
             # the last release held is redelivered before anything is read.
             for shard in range(self.shard_count):
-                await self._add_shard(str(shard))
+                await self._add_shard(str(shard), strict=True)
             await self._list()
             self._open = True
             for pull in [*self._pulls.by_consumer.values()]:
@@ -152,21 +152,30 @@ class Intake:
         await asyncio.gather(*self._finishing, *self._cancelled, return_exceptions=True)
 
     async def _nak_arrived(self) -> None:
-        tenants = {id(t): t for t in [*self.tenants.values(), *self._hand_over.ring]}.values()
-        msgs = [msg for tenant in tenants for msg in tenant.arrived]
-        msgs += [msg for _, msg in self._to_move]
-        for msg in msgs:
+        # The hand-over ring holds known tenants only: a ready tenant is never forgotten.
+        msgs = [msg for tenant in self.tenants.values() for msg in tenant.arrived]
+        for msg in msgs + [msg for _, msg in self._to_move]:
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()
 
     # -- consumers -----------------------------------------------------------------------
 
-    async def _add_shard(self, key: str) -> None:
+    async def _add_shard(self, key: str, *, strict: bool = False) -> None:
+        """Make the shard's consumer and pull. `strict` (at start): a failure raises;
+        otherwise the shard is tried again after CONSUMER_RETRY_S by the tick."""
         spec = ConsumerSpec.for_shard(self.subjects, key, self.limits)
-        await ensure_consumer(self.js, self.subjects.requests_stream, spec)
-        pull = self.shards.get(key) or Pull(spec.durable, self.subjects.requests_stream,
-                                            spec.filter_subject)
-        self.shards[key] = self._pulls.add(pull)
+        pull = self.shards.setdefault(key, Pull(spec.durable, self.subjects.requests_stream,
+                                                spec.filter_subject, gone=True))
+        try:
+            await ensure_consumer(self.js, self.subjects.requests_stream, spec)
+        except Exception as exc:
+            if strict:
+                raise
+            pull.retry_at = self.clock() + CONSUMER_RETRY_S
+            log.error("cannot make the consumer of shard %s (trying again in %gs): %s", key,
+                      CONSUMER_RETRY_S, exc)
+            return
+        self._pulls.add(pull)
         await self._pull(pull)
 
     async def _add_parked(self, tenant: Tenant) -> None:
@@ -244,6 +253,8 @@ class Intake:
                 await self._list()
             except (nats.errors.Error, APIError, asyncio.TimeoutError) as exc:
                 log.warning("listing the request subjects failed: %s", exc)
+            except Exception:  # the loop must go on: it also finds lost pulls
+                log.exception("listing the request subjects failed")
             await self._tick()
 
     async def _watch_stalled(self) -> None:
@@ -274,11 +285,7 @@ class Intake:
         self._pulls.forget_lost()
         for key, shard in self.shards.items():
             if shard.gone and now >= shard.retry_at:
-                try:
-                    await self._add_shard(key)
-                except Exception as exc:
-                    shard.retry_at = now + PULL_RETRY_S
-                    log.error("cannot make the consumer of shard %s again: %s", key, exc)
+                await self._add_shard(key)
         for pull in [*self._pulls.by_consumer.values()]:
             await self._pull(pull)
         for tenant in list(self.tenants.values()):
@@ -360,10 +367,6 @@ class Intake:
             tenant.waiting = max(1, tenant.waiting)
             await self._pull(pull)
 
-    async def _after_hand_over(self, tenants: list[Arrivals]) -> None:
-        for tenant in tenants:
-            await self.top_up(tenant.name)
-
     async def _on_expired(self, pull: Pull, unused: int) -> None:
         if unused:  # the consumer had nothing more to deliver
             if not pull.tenant:
@@ -386,9 +389,11 @@ class Intake:
                     if tenant.parked_pull is None:
                         await self._add_parked(tenant)
                 moved = await self._park.move([msg for _, msg in moving])
-                for (tenant, _), ok in zip(moving, moved):
+                for (tenant, msg), outcome in zip(moving, moved):
                     tenant.moving -= 1
-                    tenant.parked += ok
+                    tenant.parked += outcome is Moved.MOVED
+                    if outcome is Moved.REFUSED:
+                        self._hand_over.arrive(tenant, msg)
                 for tenant in tenants:
                     if tenant.parked_pull is not None:
                         await self._pull(tenant.parked_pull)

@@ -15,6 +15,10 @@ The copy carries the request's own id and the time it was first stored in header
 its own; `restore` puts them back for admission, so the request keeps its id and its
 place in line.
 
+A copy the parked stream refuses for good (the tenant's parked requests at the stream's
+per-subject cap) is handed over as it is instead: its tenant then holds more than its
+window, but nobody behind it waits on a move that cannot happen.
+
 Drain order on exit: the writer fails the moves still waiting for an ack (their
 originals are nak'd by the caller, nothing is lost).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Mapping
 
@@ -31,7 +36,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from broker_config import jetstream
-from broker_config.kv_writer import StreamWriter
+from broker_config.kv_writer import Refused, StreamWriter
 from broker_config.subjects import HDR_MSG_ID, Subjects
 
 log = logging.getLogger("fairq.intake")
@@ -54,7 +59,11 @@ def restored_headers(headers: Mapping[str, str]) -> dict[str, str]:
     send the header with its request)."""
     restored = dict(headers)
     if HDR_PARKED_ID in restored:
-        restored[HDR_MSG_ID] = restored.pop(HDR_PARKED_ID)
+        original = restored.pop(HDR_PARKED_ID)
+        if original:
+            restored[HDR_MSG_ID] = original
+        else:  # the original had none (its id was in the body)
+            restored.pop(HDR_MSG_ID, None)
     return restored
 
 
@@ -66,6 +75,12 @@ def stored_at(msg: Msg, subjects: Subjects) -> float:
         with contextlib.suppress(ValueError, TypeError):
             return int((msg.headers or {}).get(HDR_PARKED_AT)) / 1e9
     return jetstream.delivery_of(msg.reply)[0]
+
+
+class Moved(enum.Enum):
+    MOVED = "moved"  # stored in the parked stream, acked in the requests stream
+    REFUSED = "refused"  # the parked stream refused it for good: still held, unacked
+    FAILED = "failed"  # not stored this time: nak'd, to be redelivered and moved again
 
 
 class Park:
@@ -80,27 +95,33 @@ class Park:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.writer.__aexit__(*exc_info)
 
-    async def move(self, msgs: list[Msg]) -> list[bool]:
-        """Store each in the parked stream and ack it here; one that fails (False) is
-        nak'd, to be redelivered and moved again, and logged."""
+    async def move(self, msgs: list[Msg]) -> list[Moved]:
+        """Store each in the parked stream and ack it here."""
         return list(await asyncio.gather(*(self._move(msg) for msg in msgs)))
 
-    async def _move(self, msg: Msg) -> bool:
-        headers = dict(msg.headers or {})
+    async def _move(self, msg: Msg) -> Moved:
+        # The client's own publish expectations (`Nats-Expected-Stream`...) were about the
+        # requests stream: the parked stream would refuse the copy for them.
+        headers = {name: value for name, value in (msg.headers or {}).items()
+                   if not name.lower().startswith("nats-expected")}
         ns, seq = _origin(msg.reply)
-        headers[HDR_PARKED_ID] = headers.pop(HDR_MSG_ID, "")
+        headers[HDR_PARKED_ID] = headers.pop(HDR_MSG_ID, "")  # "": it had none
         headers[HDR_PARKED_AT] = str(ns)
         headers[HDR_MSG_ID] = f"park-{seq}"
         try:
             await self.writer.publish(self.subjects.parked(msg.subject), msg.data, headers)
             await msg.ack()
-            return True
+            return Moved.MOVED
+        except Refused as exc:
+            log.warning("the parked stream refused request %s of %s (%s): handed over as "
+                        "it is", seq, msg.subject, exc)
+            return Moved.REFUSED
         except nats.errors.Error as exc:
             log.warning("moving request %s of %s to the parked stream failed: %s", seq,
                         msg.subject, exc)
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak(delay=MOVE_RETRY_S)
-            return False
+            return Moved.FAILED
 
 
 def _origin(ack_subject: str) -> tuple[int, int]:

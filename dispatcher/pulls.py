@@ -51,7 +51,7 @@ class Pull:
     requested: int = 0  # credits left on the outstanding pull
     pull_deadline: float = 0.0
     retry_at: float = 0.0
-    gone: bool = False  # the consumer must be made again
+    gone: bool = False  # the consumer must be made (again)
     tenants: set[str] = field(default_factory=set)  # shard: tenants with stored requests
 
 

@@ -17,6 +17,7 @@ import nats
 import nats.js.errors
 import pytest
 
+from broker_config import jetstream, wire
 from broker_config.config import (
     EXAMPLE_ENGINE,
     BrokerSettings,
@@ -31,9 +32,10 @@ from broker_config.streams import (
     provision,
     requests_stream_config,
 )
-from costmodel.engine_model import load_engine_params
 from broker_config.subjects import HDR_MSG_ID, shard_of
+from costmodel.engine_model import load_engine_params
 from dispatcher.intake import Intake
+from dispatcher.park import Moved, Park, restore, stored_at
 from dispatcher.service import Dispatcher
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import api, eventually
@@ -297,3 +299,37 @@ async def test_an_upgrade_strands_nothing_stored_before_the_shards(client) -> No
             return (await js.stream_info(SUBJECTS.requests_stream)).state.messages == 0
 
         await eventually(all_acked, what="both acked")
+
+
+async def test_a_move_keeps_the_request_as_sent_and_a_refused_one_stays_held(client):
+    js = client.jetstream()
+    settings = BrokerSettings(max_queued_per_subject=2)  # the parked stream's cap too
+    await provision(js, settings)
+    subject = SUBJECTS.request("chat", "acme")
+    # Sent as a client may: expecting the requests stream, or with its id only in the body.
+    await js.publish(subject, BODY, headers={HDR_MSG_ID: "a1"}, stream=SUBJECTS.requests_stream)
+    await js.publish(subject, b'{"id":"a2","prompt":"hello","max_tokens":4}')
+    consumer = await js.pull_subscribe(SUBJECTS.shard_filter(shard_of("acme", settings.intake_shards)), "test",
+                                       stream=SUBJECTS.requests_stream)
+    first, second = await consumer.fetch(2, timeout=5)
+    async with Park(client, SUBJECTS) as park:
+        assert await park.move([first, second]) == [Moved.MOVED, Moved.MOVED]
+
+        async def moved_out():  # acked there: room for acme's next request
+            return (await js.stream_info(SUBJECTS.requests_stream)).state.messages == 0
+
+        await eventually(moved_out, what="the moved requests acked")
+        await js.publish(subject, BODY, headers={HDR_MSG_ID: "a3"})
+        (third,) = await consumer.fetch(1, timeout=5)
+        # The parked stream holds two of acme's already: this one must be handed over.
+        assert await park.move([third]) == [Moved.REFUSED]
+    info = await js.consumer_info(SUBJECTS.requests_stream, "test")
+    assert info.num_ack_pending == 1  # still held (not acked, not nak'd)
+    parked = await js.pull_subscribe(SUBJECTS.parked_tenant_filter("acme"), "test",
+                                     stream=SUBJECTS.parked_stream)
+    copies = [restore(msg) for msg in await parked.fetch(2, timeout=5)]
+    submissions = [wire.parse_submission(msg.subject, msg.data, msg.headers, SUBJECTS)
+                   for msg in copies]
+    assert [s.id for s in submissions] == ["a1", "a2"]
+    assert [stored_at(msg, SUBJECTS) for msg in copies] == [
+        jetstream.delivery_of(msg.reply)[0] for msg in (first, second)]
