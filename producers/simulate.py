@@ -1,6 +1,6 @@
 """`fairq sim`: run a trace (or a generated scenario) through the virtual-clock simulator.
 
-    fairq sim --trace TRACE.csv --policy fairq|fifo [--config C.toml] [--engine E.toml]
+    fairq sim --trace TRACE.csv --policy fairq|fifo|vtc [--config C.toml] [--engine E.toml]
               [--replicas N] [--seed N] --out RESULT.json [--plot RESULT.png]
     fairq sim --scenario noisy-neighbour ...
 
@@ -21,6 +21,7 @@ from typing import Any
 from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
 from dispatcher.core.fairness import RequestRecord, service_over_time
+from dispatcher.core.scheduler import POLICIES
 from dispatcher.core.sim import SimResult, scheduling_only, simulate
 from producers.loadgen import TraceError, noisy_neighbour, read_trace
 
@@ -41,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--scenario", choices=sorted(SCENARIOS),
                         help="generate the trace: noisy-neighbour = tenant A sends 10,000 "
                              "requests at t=0, B-E send Poisson 0.5 req/s for 300 s")
-    parser.add_argument("--policy", choices=("fairq", "fifo"), default="fairq")
+    parser.add_argument("--policy", choices=POLICIES, default="fairq")
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG,
                         help="fairq config TOML (default: configs/example.toml)")
     parser.add_argument("--scheduling-only", action="store_true",

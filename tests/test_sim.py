@@ -423,3 +423,18 @@ def test_fairq_sim_reports_bad_input_without_a_traceback(tmp_path: Path, capsys)
     assert main(["sim", "--trace", str(bad), "--out", str(tmp_path / "r.json")]) == 2
     assert "missing required column" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_fairq_sim_runs_the_vtc_baseline(tmp_path: Path) -> None:
+    ttft_p95 = {}
+    for policy in ("vtc", "fifo"):
+        out = tmp_path / f"{policy}.json"
+        assert main(["sim", "--scenario", "noisy-neighbour", "--policy", policy,
+                     "--scheduling-only", "--out", str(out)]) == 0
+        tenants = json.loads(out.read_text())["summary"]["tenants"]
+        assert all(row["outcomes"] == {"admitted": row["count"]} for row in tenants.values())
+        ttft_p95[policy] = {name: row["ttft_s"]["p95"] for name, row in tenants.items()}
+    # The Virtual Token Counter serves the small tenants beside A's flood; FIFO makes
+    # them wait for it.
+    for tenant in "BCDE":
+        assert ttft_p95["vtc"][tenant] * 100 < ttft_p95["fifo"][tenant], ttft_p95

@@ -33,10 +33,11 @@ from dispatcher.core.admission import (
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.queues import arrival_order, priority_order
-from dispatcher.core.tiers import FifoSelector, TierLadder
+from dispatcher.core.tiers import selector_for
 from dispatcher.core.types import Decision, Outcome, Request, Selection
 
-Policy = Literal["fairq", "fifo"]
+Policy = Literal["fairq", "fifo", "vtc"]
+POLICIES: tuple[Policy, ...] = ("fairq", "fifo", "vtc")
 RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
 
 # Flows set aside in one batch before giving up on filling it: bounds the work of one
@@ -65,8 +66,8 @@ class Completed:
 class Scheduler:
     def __init__(self, config: Config, *, policy: Policy = "fairq",
                  estimator: OutputEstimator | None = None) -> None:
-        if policy not in ("fairq", "fifo"):
-            raise ValueError(f"unknown policy {policy!r}; expected 'fairq' or 'fifo'")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
         self.config = config
         self.policy = policy
         self.registry = Registry(config)
@@ -75,7 +76,7 @@ class Scheduler:
         self.endpoints = {
             name: EndpointQueues(
                 name, spec, self.registry.profile(name),
-                TierLadder(len(config.tiers)) if policy == "fairq" else FifoSelector(),
+                selector_for(policy, len(config.tiers)),
                 spec.newcomer_reserve if policy == "fairq" else 0.0,
                 len(config.tiers))
             for name, spec in config.endpoints.items()
@@ -236,6 +237,7 @@ class Scheduler:
         flow.served_cost += correction
         if not flow.in_ring:
             flow.deficit = min(flow.deficit, 0.0)
+        endpoint.selector.complete(flow, usage)
         self._stop(endpoint, flow, request)
         self.estimator.observe((tenant, request.endpoint), usage.output_tokens,
                                request.max_tokens)

@@ -3,7 +3,8 @@
 A selector answers one question for batch assembly: which tenant's head request goes
 next. `TierLadder` (fairq) asks each tier's DRR ring in strict order, so a lower tier is
 served only when no higher tier can dispatch. `FifoSelector` is the naive shared queue:
-oldest request first, whoever sent it, used as the baseline in every comparison.
+oldest request first, whoever sent it, used as the baseline in every comparison;
+`dispatcher.core.vtc.VtcSelector` is the Virtual Token Counter baseline.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
+from costmodel.units import Usage
 from dispatcher.core.drr import DrrRing, TenantFlow
 from dispatcher.core.types import Request
+from dispatcher.core.vtc import VtcSelector
 
 
 class Selector(Protocol):
@@ -27,6 +30,10 @@ class Selector(Protocol):
 
     def charge(self, flow: TenantFlow, request: Request) -> None:
         """`request` was just popped from the selected flow and dispatched."""
+
+    def complete(self, flow: TenantFlow, usage: Usage) -> None:
+        """A request of `flow` finished having used `usage` (after the scheduler's own
+        correction of the flow's charge)."""
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
         """The selected flow lost its head without dispatch (expiry)."""
@@ -62,6 +69,9 @@ class TierLadder:
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
         self.rings[flow.tier_rank].drop_if_empty(flow)
+
+    def complete(self, flow: TenantFlow, usage: Usage) -> None:
+        return None  # DRR's correction is the scheduler's (it owns the deficit)
 
     def set_aside(self, flow: TenantFlow) -> None:
         self._set_aside.append(self.rings[flow.tier_rank].set_aside())
@@ -104,6 +114,9 @@ class FifoSelector:
         flow.served_cost += request.charged_cost
         self.drop_if_empty(flow)
 
+    def complete(self, flow: TenantFlow, usage: Usage) -> None:
+        return None  # arrival order owes nothing to what was served
+
     def drop_if_empty(self, flow: TenantFlow) -> None:
         heapq.heappop(self._heads)
         if flow.queue.peek() is None:
@@ -120,3 +133,10 @@ class FifoSelector:
     def _push(self, flow: TenantFlow) -> None:
         arrival, rank = flow.queue.head_rank()
         heapq.heappush(self._heads, (arrival, rank, flow))
+
+
+def selector_for(policy: str, tier_count: int) -> Selector:
+    """fairq's tier ladder, or a baseline: "fifo" or "vtc"."""
+    if policy == "fairq":
+        return TierLadder(tier_count)
+    return VtcSelector() if policy == "vtc" else FifoSelector()

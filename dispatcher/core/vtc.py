@@ -1,0 +1,97 @@
+"""The Virtual Token Counter baseline (Sheng et al., "Fairness in Serving Large Language
+Models", OSDI 2024), behind the selector interface of `dispatcher.core.tiers`.
+
+Each tenant has a counter of the weighted tokens it was served, divided by its weight:
+`INPUT_WEIGHT` per prompt token and `OUTPUT_WEIGHT` per generated token. The next
+request comes from the backlogged tenant with the smallest counter; a tenant that
+becomes backlogged has its counter lifted to the smallest counter of the backlogged
+tenants (to the counter of the last one that left, when none is backlogged), so idle
+time earns no credit. A head that does not fit the batch is skipped (work conserving).
+
+Counters are charged a request's prompt when it is dispatched and its output when it
+completes. The paper charges output token by token as it is generated; the scheduling
+core learns about output only on completion, so a long generation is charged late.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from costmodel.units import Usage
+from dispatcher.core.drr import TenantFlow
+from dispatcher.core.types import Request
+
+INPUT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+
+
+class VtcSelector:
+    blocks_on_misfit = False
+
+    def __init__(self) -> None:
+        self.counters: dict[TenantFlow, float] = {}
+        # (counter, tie-break, flow) of backlogged flows; an entry whose counter is no
+        # longer the flow's is stale and skipped.
+        self._heap: list[tuple[float, int, TenantFlow]] = []
+        self._ties = itertools.count()
+        self._last_left = 0.0
+        self._set_aside: list[TenantFlow] = []
+
+    def activate(self, flow: TenantFlow) -> None:
+        if flow.in_ring:
+            return
+        backlogged = [c for c, _, f in self._heap if f.in_ring and self.counters[f] == c]
+        floor = min(backlogged) if backlogged else self._last_left
+        self.counters[flow] = max(self.counters.get(flow, 0.0), floor)
+        flow.in_ring = True
+        self._push(flow)
+
+    def select(self) -> TenantFlow | None:
+        heap = self._heap
+        while heap:
+            counter, _, flow = heap[0]
+            if not flow.in_ring or self.counters[flow] != counter:
+                heapq.heappop(heap)  # stale: its counter moved on
+            elif flow.queue.peek() is None:  # emptied by cancels
+                heapq.heappop(heap)
+                self._leave(flow)
+            else:
+                return flow
+        return None
+
+    def charge(self, flow: TenantFlow, request: Request) -> None:
+        flow.served_cost += request.charged_cost
+        self._add(flow, INPUT_WEIGHT * request.input_tokens)
+        if flow.queue.peek() is None:
+            self._leave(flow)
+
+    def complete(self, flow: TenantFlow, usage: Usage) -> None:
+        self._add(flow, OUTPUT_WEIGHT * usage.output_tokens)
+
+    def drop_if_empty(self, flow: TenantFlow) -> None:
+        if flow.queue.peek() is None:
+            heapq.heappop(self._heap)
+            self._leave(flow)
+
+    def set_aside(self, flow: TenantFlow) -> None:
+        heapq.heappop(self._heap)
+        self._set_aside.append(flow)
+
+    def restore_set_aside(self) -> None:
+        while self._set_aside:
+            flow = self._set_aside.pop()
+            if flow.in_ring:
+                self._push(flow)
+
+    def _add(self, flow: TenantFlow, tokens: float) -> None:
+        self.counters[flow] = self.counters.get(flow, 0.0) + tokens / flow.weight
+        if flow.in_ring:
+            self._push(flow)
+
+    def _leave(self, flow: TenantFlow) -> None:
+        flow.in_ring = False
+        self._last_left = self.counters[flow]
+
+    def _push(self, flow: TenantFlow) -> None:
+        heapq.heappush(self._heap, (self.counters[flow], next(self._ties), flow))
