@@ -76,6 +76,30 @@ def test_weighted_shares_match_weights(weights, quantum, sizes):
         assert abs(served[tenant] / total - expected) <= 0.02 * expected
 
 
+@settings(max_examples=30, deadline=None)
+@given(quantum=st.integers(1, 8), sizes=st.lists(st.integers(1, 300), min_size=5, max_size=20),
+       rounds=st.integers(20, 80))
+def test_request_mode_shares_requests_by_weight(quantum, sizes, rounds):
+    """cost = "request": weights 1:2:4 get requests 1:2:4, whatever their sizes, within
+    DRR's bound (one quantum of the tenant plus one request)."""
+    weights = {"t1": 1.0, "t2": 2.0, "t4": 4.0}
+    tenants = {name: ("gold", weight) for name, weight in weights.items()}
+    scheduler = Scheduler(make_config(cost="request", quantum=quantum, tenants=tenants))
+    store = MemoryLimiterStore()
+    for tenant in tenants:
+        backlog(scheduler, tenant, sizes)
+    served = dict.fromkeys(tenants, 0)
+    total = rounds * quantum * int(sum(weights.values()))
+    for sent in range(total):
+        request = pick_one(scheduler)
+        served[request.tenant] += 1
+        refill = req(request.tenant, f"r{sent}", input_tokens=sizes[sent % len(sizes)])
+        assert scheduler.admit(refill, 0.0, store).admitted
+    for tenant, weight in weights.items():
+        expected = total * weight / sum(weights.values())
+        assert abs(served[tenant] - expected) <= quantum * weight + 1, (served, expected)
+
+
 # (c) -------------------------------------------------------------------------------
 
 operations = st.lists(
