@@ -1,0 +1,240 @@
+"""Fairness on many traffic shapes: fairq, the Virtual Token Counter and FIFO, in the
+simulator, on the same engine, arrivals and metrics, in one run (issue 18).
+
+    python -m bench.fairness_matrix [--quick] [--seeds 1 2 3] [--shapes a b] [--trace CSV]
+
+Every shape is replayed with each policy on one replica of the default engine model
+(configs/engine.toml) with admission out of the way (`scheduling_only`: every request
+admitted, one tier; only the weights shape sets weights), so the policies differ in
+dispatch order alone. Shapes (`SHAPES`; each tenant draws arrivals and sizes from its
+own seeded stream), 300 s of arrivals:
+
+- prefill-heavy: 20 tenants at 0.5 requests/s with prompts of about 3,000 tokens and
+  answers of about 40, and one at 4/s of the same: the fleet is overloaded;
+- decode-heavy: the same tenants with prompts of about 100 tokens and answers of 500;
+- mixed: 10 prefill-heavy and 10 decode-heavy tenants, and a flood of each kind;
+- bursty: 10 steady tenants at 1 request/s and 10 on/off ones (2/s for 30 s, then
+  silent for 30 s), chat sizes (median 250 in, 120 out);
+- heavy-tailed: 200 tenants whose rates follow a Zipf law (s = 1.2), 20 requests/s in
+  all, chat sizes;
+- weights: three tenants with weights 1, 2 and 4, each sending 6 requests/s;
+- azure-conversation: the Azure LLM conversation trace's first 300 s spread over 20
+  Zipf tenants (`producers.loadgen.assign_azure_trace`), only with --trace or
+  $FQ_AZURE_TRACE (the shape is skipped, and says so, otherwise).
+
+Metrics (`dispatcher.core.fairness`, VTC's definitions): the average and maximum
+service difference over 60 s windows (service = input + 2 x output tokens), Jain's
+index on weighted max-min shares, throughput (tokens/s), and the worst tenant's p95 time
+to first token. Writes bench/results/fairness_matrix/summary.json; prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench.machine import command_line, machine_facts, table
+from bench.traces import add_trace_argument, azure_trace
+from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Tenant, load_config
+from costmodel.engine_model import load_engine_params
+from dispatcher.core.scheduler import POLICIES
+from dispatcher.core.sim import TraceRecord, scheduling_only, simulate
+from producers.loadgen import SizeModel, TraceError, assign_azure_trace, zipf_weights
+
+RESULTS = Path(__file__).resolve().parent / "results" / "fairness_matrix" / "summary.json"
+DURATION_S = 300.0
+PREFILL = SizeModel(input_median=3000.0, input_sigma=0.4, input_range=(256, 8000),
+                    output_median=40.0, output_sigma=0.5, output_range=(4, 256))
+DECODE = SizeModel(input_median=100.0, input_sigma=0.5, input_range=(16, 1024),
+                   output_median=500.0, output_sigma=0.4, output_range=(32, 2048))
+CHAT = SizeModel()
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One tenant's arrivals: Poisson at `rate`, or on/off (`rate` while on)."""
+
+    tenant: str
+    rate: float
+    sizes: SizeModel
+    weight: float = 1.0
+    on_off_s: float = 0.0  # on for this long, then off as long (0: always on)
+
+
+def arrivals(sources: list[Source], seed: int, duration_s: float) -> list[TraceRecord]:
+    records = []
+    for source in sources:
+        rng = random.Random(f"{seed}:{source.tenant}")
+        clock = rng.expovariate(source.rate)
+        while clock < duration_s:
+            if not source.on_off_s or int(clock // source.on_off_s) % 2 == 0:
+                prompt, output = source.sizes.sample(rng)
+                records.append(TraceRecord(source.tenant, round(clock, 6), prompt, output))
+            clock += rng.expovariate(source.rate)
+    return sorted(records, key=lambda r: (r.arrival_s, r.tenant))
+
+
+def _named(prefix: str, count: int, rate: float, sizes: SizeModel, **kw: Any) -> list[Source]:
+    return [Source(f"{prefix}{i:02d}", rate, sizes, **kw) for i in range(count)]
+
+
+def _zipf(count: int, total_rate: float) -> list[Source]:
+    return [Source(f"z{i:03d}", total_rate * share, CHAT)
+            for i, share in enumerate(zipf_weights(count, 1.2))]
+
+
+SHAPES: dict[str, Callable[[], list[Source]]] = {
+    "prefill-heavy": lambda: [*_named("p", 20, 0.5, PREFILL), Source("flood", 4.0, PREFILL)],
+    "decode-heavy": lambda: [*_named("d", 20, 0.5, DECODE), Source("flood", 4.0, DECODE)],
+    "mixed": lambda: [*_named("p", 10, 0.5, PREFILL), *_named("d", 10, 0.5, DECODE),
+                      Source("pflood", 2.0, PREFILL), Source("dflood", 2.0, DECODE)],
+    "bursty": lambda: [*_named("s", 10, 1.0, CHAT), *_named("b", 10, 2.0, CHAT,
+                                                            on_off_s=30.0)],
+    "heavy-tailed": lambda: _zipf(200, 20.0),
+    "weights": lambda: [Source("w1", 6.0, CHAT, 1.0), Source("w2", 6.0, CHAT, 2.0),
+                        Source("w4", 6.0, CHAT, 4.0)],
+}
+AZURE = "azure-conversation"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    seeds: tuple[int, ...] = (1, 2, 3)
+    shapes: tuple[str, ...] = (*SHAPES, AZURE)
+    duration_s: float = DURATION_S
+
+
+FULL = Settings()
+QUICK = Settings(seeds=(1,), shapes=("prefill-heavy", "weights"), duration_s=120.0)
+
+
+def workload(shape: str, seed: int, duration_s: float,
+             trace: Path | None) -> tuple[list[TraceRecord], dict[str, float]]:
+    """The shape's requests and the weights of the tenants that have one."""
+    if shape == AZURE:
+        assert trace is not None
+        records = [r for r in assign_azure_trace(trace, seed) if r.arrival_s < duration_s]
+        return records, {}
+    sources = SHAPES[shape]()
+    return (arrivals(sources, seed, duration_s),
+            {s.tenant: s.weight for s in sources if s.weight != 1.0})
+
+
+def run_cell(records: list[TraceRecord], weights: dict[str, float]) -> dict[str, Any]:
+    config = scheduling_only(load_config(EXAMPLE_CONFIG))
+    if weights:
+        config = msgspec.structs.replace(config, tenants={
+            name: Tenant(tier="all", weight=weight) for name, weight in weights.items()})
+    engine = load_engine_params(EXAMPLE_ENGINE)
+    cells = {}
+    for policy in POLICIES:
+        summary = simulate(records, config, engine, policy=policy).summary
+        p95 = [row["ttft_s"]["p95"] for row in summary["tenants"].values()
+               if row["ttft_s"]["p95"] is not None]
+        cells[policy] = {
+            "service_diff_avg": summary["service_diff_avg"],
+            "service_diff_max": summary["service_diff_max"],
+            "jain_index_mean": summary["jain_index_mean"],
+            "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
+            "worst_tenant_p95_ttft_s": max(p95, default=None),
+        }
+    return cells
+
+
+def run_all(settings: Settings, trace_flag: Path | None, command: str) -> dict[str, Any]:
+    facts = machine_facts(command)
+    trace, skipped = None, {}
+    if AZURE in settings.shapes:
+        try:
+            trace = azure_trace(trace_flag)
+        except TraceError as exc:
+            skipped[AZURE] = str(exc)
+    rows: dict[str, dict[str, Any]] = {}
+    for shape in settings.shapes:
+        if shape in skipped:
+            continue
+        for seed in settings.seeds:
+            started = time.monotonic()
+            records, weights = workload(shape, seed, settings.duration_s, trace)
+            rows.setdefault(shape, {})[str(seed)] = cells = run_cell(records, weights)
+            print(f"{shape}, seed {seed}: {len(records)} requests; service difference avg "
+                  + ", ".join(f"{p} {c['service_diff_avg']:,.0f}" for p, c in cells.items())
+                  + f" ({time.monotonic() - started:.1f} s)", file=sys.stderr)
+    return {"scenario": "fairness_matrix", "machine": facts,
+            "settings": {"seeds": list(settings.seeds), "shapes": list(settings.shapes),
+                         "duration_s": settings.duration_s},
+            "skipped": skipped, "shapes": rows}
+
+
+def mean_over_seeds(cells: dict[str, Any], policy: str, metric: str) -> float | None:
+    values = [seed[policy][metric] for seed in cells.values()
+              if seed[policy][metric] is not None]
+    return statistics.fmean(values) if values else None
+
+
+def render(summary: dict[str, Any]) -> str:
+    rows = []
+    for shape, cells in summary["shapes"].items():
+        for policy in POLICIES:
+            rows.append([shape, policy, *(_num(mean_over_seeds(cells, policy, metric), digits)
+                                          for metric, digits in (
+                                              ("service_diff_avg", 0), ("service_diff_max", 0),
+                                              ("jain_index_mean", 3),
+                                              ("throughput_tokens_per_s", 0),
+                                              ("worst_tenant_p95_ttft_s", 1)))])
+    seeds = ", ".join(map(str, summary["settings"]["seeds"]))
+    lines = [f"Means over seeds {seeds} (per seed in the JSON):", ""]
+    lines += table(["shape", "policy", "service diff avg", "service diff max", "Jain",
+                    "tokens/s", "worst p95 TTFT s"], rows)
+    for shape, reason in summary["skipped"].items():
+        lines += ["", f"{shape}: skipped: {reason}"]
+    lines += ["", "fairq against VTC, service difference (avg / max), per seed:", ""]
+    verdicts = []
+    for shape, cells in summary["shapes"].items():
+        per_seed = [(c["fairq"]["service_diff_avg"] <= c["vtc"]["service_diff_avg"],
+                     c["fairq"]["service_diff_max"] <= c["vtc"]["service_diff_max"])
+                    for c in cells.values()]
+        verdicts.append([shape, f"{sum(a for a, _ in per_seed)} of {len(per_seed)}",
+                         f"{sum(m for _, m in per_seed)} of {len(per_seed)}"])
+    lines += table(["shape", "fairq avg <= VTC avg", "fairq max <= VTC max"], verdicts)
+    return "\n".join(lines)
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fairness_matrix",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes, one seed, 120 s")
+    parser.add_argument("--seeds", type=int, nargs="+")
+    parser.add_argument("--shapes", nargs="+", choices=(*SHAPES, AZURE))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_trace_argument(parser)
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    if args.seeds:
+        settings = Settings(tuple(args.seeds), settings.shapes, settings.duration_s)
+    if args.shapes:
+        settings = Settings(settings.seeds, tuple(args.shapes), settings.duration_s)
+    summary = run_all(settings, args.trace, command_line("bench.fairness_matrix", argv))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(render(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
