@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import sim_noisy
+from bench import fairness_matrix, sim_noisy
 from bench.sim_noisy import noisy_config, p95_ttft
 from broker_config.config import EXAMPLE_CONFIG, load_config, parse_config
 from costmodel.engine_model import EngineParams
@@ -438,3 +438,18 @@ def test_fairq_sim_runs_the_vtc_baseline(tmp_path: Path) -> None:
     # them wait for it.
     for tenant in "BCDE":
         assert ttft_p95["vtc"][tenant] * 100 < ttft_p95["fifo"][tenant], ttft_p95
+
+
+def test_the_fairness_matrix_compares_the_three_policies(tmp_path: Path) -> None:
+    out = tmp_path / "matrix.json"
+    assert fairness_matrix.main(["--quick", "--out", str(out)]) == 0
+    shapes = json.loads(out.read_text())["shapes"]
+    assert set(shapes) == {"prefill-heavy", "weights"}
+    cell = shapes["prefill-heavy"]["1"]
+    assert set(cell) == {"fairq", "fifo", "vtc"}
+    # Both fair policies are far from FIFO on a flooded, prefill-heavy engine...
+    for policy in ("fairq", "vtc"):
+        assert cell[policy]["service_diff_avg"] * 2 < cell["fifo"]["service_diff_avg"]
+    # ...and serve 1:2:4 by weight (Jain's index on weighted shares), FIFO does not.
+    weights = shapes["weights"]["1"]
+    assert weights["fairq"]["jain_index_mean"] > 0.95 > weights["fifo"]["jain_index_mean"]
