@@ -22,8 +22,9 @@ For each tenant count N, on fresh stacks (`bench.stack`, one simulated worker):
   every one of them queued or running, `newcomers` new tenants send one request each
   (max_tokens 1) one after the other: a tenant the config lists (idle until now) first,
   then alternately one it does not (admitted as an unlisted tenant; neither needs
-  anything made for it: its shard's pull delivers its request) and a listed one. Each newcomer's time to first token is measured at the client, in wall
-  milliseconds, with its queue time in the dispatcher (the done event's `queued_s`). The
+  anything made for it: its shard's pull delivers its request) and a listed one. Each
+  newcomer's time to first token is measured at the client, in wall milliseconds, with
+  its queue time in the dispatcher (the done event's `queued_s`). The
   first arrives while the N-1 are still new flows themselves; the later ones once the
   first was served. The row N = 1 is the same newcomers with no backlog, the floor of
   the path on this engine (whose steps last 2.5-4.4 ms wall).

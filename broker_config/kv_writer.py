@@ -6,11 +6,12 @@ cheaply.
     async with StreamWriter(nc, "FQ_PARKED") as parked:
         await parked.publish("fq.park.chat.acme", data, headers)
 
-Same contract as nats-py's `KeyValue.put` and `JetStream.publish`, a JetStream request: a random inbox
-token, a future and an `asyncio.wait_for` timer per call, and the ack parsed as JSON. On
-the worker's hot path (one final event stored per request) that was about a quarter of
-its CPU. Here acks come to one wildcard subscription keyed by a counter, one sweep task
-fails puts that are overdue, and an ack is parsed only when it is not a plain success.
+Same contract as nats-py's `KeyValue.put` and `JetStream.publish`, a JetStream request:
+a random inbox token, a future and an `asyncio.wait_for` timer per call, and the ack
+parsed as JSON. On the worker's hot path (one final event stored per request) that was
+about a quarter of its CPU. Here acks come to one wildcard subscription keyed by a
+counter, one sweep task fails puts that are overdue, and an ack is parsed only when it
+is not a plain success.
 
 Drain order on exit: stop the sweep, unsubscribe, fail the puts still waiting.
 """

@@ -5,10 +5,11 @@ Every request between its publish acknowledgement and its final event answers `q
 is: queued in the scheduler, running on a worker, or still waiting in the streams beyond
 its tenant's intake window. The last are found by reading the tenant's messages in the
 parked stream and then the requests stream (batch direct gets, in stream order: a
-tenant's parked requests are older than those still in its shard). Cancelling one of those stores its
-`cancelled` final event first, then deletes its message: intake consults stored results
-before admitting anything, so the cancel holds even if this dispatcher dies in between,
-and admission refuses a request cancelled while it was being admitted.
+tenant's parked requests are older than those still in its shard). Cancelling one of
+those stores its `cancelled` final event first, then deletes its message: intake
+consults stored results before admitting anything, so the cancel holds even if this
+dispatcher dies in between, and admission refuses a request cancelled while it was
+being admitted.
 """
 
 from __future__ import annotations

@@ -49,6 +49,21 @@ def test_the_smallest_counter_goes_next_charged_prompt_then_output():
     assert counters(scheduler)["b"] == 130.0
 
 
+def test_output_is_charged_as_it_is_generated_and_the_rest_on_completion():
+    scheduler = vtc(a=1.0, b=1.0)
+    admit(scheduler, req("a", 0, input_tokens=10), req("a", 1, input_tokens=10),
+          req("b", 0, input_tokens=25))
+    picks(scheduler, 1)  # a0: a 10
+    scheduler.progress([("a", "0")] * 5)  # five tokens so far: a 20
+    assert counters(scheduler)["a"] == 20.0
+    # b (0) still goes first, then a (20) before b (25): the counters are live.
+    assert picks(scheduler, 2) == ["b0", "a1"]
+    scheduler.complete("a", "0", Usage(10, 8, 0.0), 1.0)  # 3 tokens never reported: +6
+    assert counters(scheduler)["a"] == 36.0
+    scheduler.progress([("a", "0")])  # no longer running: nothing to charge
+    assert counters(scheduler)["a"] == 36.0
+
+
 def test_a_tenant_that_becomes_backlogged_is_lifted_to_the_smallest_counter():
     scheduler = vtc(a=1.0, b=1.0, c=1.0)
     admit(scheduler, *(req("a", i, input_tokens=100) for i in range(4)),

@@ -277,7 +277,8 @@ async def test_an_upgrade_strands_nothing_stored_before_the_shards(client) -> No
     await js.publish(SUBJECTS.request("chat", "acme"), BODY, headers={HDR_MSG_ID: "a1"})
     old = ConsumerSpec("fq~tenant~acme", "fq.req.*.acme")
     await ensure_consumer(js, SUBJECTS.requests_stream, old)
-    await (await js.pull_subscribe_bind(old.durable, SUBJECTS.requests_stream)).fetch(1, timeout=5)  # unacked
+    held = await js.pull_subscribe_bind(old.durable, SUBJECTS.requests_stream)
+    await held.fetch(1, timeout=5)  # unacked
     await provision(js, BrokerSettings())  # an upgraded dispatcher starts
     assert await js.consumers_info(SUBJECTS.requests_stream) == []
     await js.publish(SUBJECTS.request("chat", "acme"), BODY, headers={HDR_MSG_ID: "a2"})
@@ -309,8 +310,8 @@ async def test_a_move_keeps_the_request_as_sent_and_a_refused_one_stays_held(cli
     # Sent as a client may: expecting the requests stream, or with its id only in the body.
     await js.publish(subject, BODY, headers={HDR_MSG_ID: "a1"}, stream=SUBJECTS.requests_stream)
     await js.publish(subject, b'{"id":"a2","prompt":"hello","max_tokens":4}')
-    consumer = await js.pull_subscribe(SUBJECTS.shard_filter(shard_of("acme", settings.intake_shards)), "test",
-                                       stream=SUBJECTS.requests_stream)
+    shard = SUBJECTS.shard_filter(shard_of("acme", settings.intake_shards))
+    consumer = await js.pull_subscribe(shard, "test", stream=SUBJECTS.requests_stream)
     first, second = await consumer.fetch(2, timeout=5)
     async with Park(client, SUBJECTS) as park:
         assert await park.move([first, second]) == [Moved.MOVED, Moved.MOVED]

@@ -47,6 +47,15 @@ class EndpointQueues:
         self.present_weight = 0.0
         self.present_weight_by_rank = [0.0] * tier_count
 
+    def cost(self, input_tokens: int, output_tokens: int, other: float) -> float:
+        """A request's cost in the endpoint's DRR unit."""
+        mode = self.spec.cost
+        if mode == "request":
+            return 1.0
+        if mode == "token":
+            return float(max(input_tokens, 1))
+        return self.profile.model_units(input_tokens, output_tokens, other)
+
     def reserve(self, total: Capacity) -> Capacity:
         return newcomer_reserve(total, self.reserve_fraction)
 

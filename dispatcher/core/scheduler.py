@@ -15,6 +15,7 @@ simulator drive the same object:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -231,17 +232,26 @@ class Scheduler:
             return None
         request, flow = entry
         endpoint = self.endpoints[request.endpoint]
-        correction = self._cost(endpoint, usage.input_tokens, usage.output_tokens,
-                                usage.other_units) - request.charged_cost
+        correction = endpoint.cost(usage.input_tokens, usage.output_tokens,
+                                   usage.other_units) - request.charged_cost
         flow.deficit -= correction
         flow.served_cost += correction
         if not flow.in_ring:
             flow.deficit = min(flow.deficit, 0.0)
-        endpoint.selector.complete(flow, usage)
+        endpoint.selector.complete(flow, request, usage)
         self._stop(endpoint, flow, request)
         self.estimator.observe((tenant, request.endpoint), usage.output_tokens,
                                request.max_tokens)
         return Completed(request, self._quota_refund(request, usage))
+
+    def progress(self, keys: Iterable[RequestKey]) -> None:
+        """One more output token for each running request of `keys` (the simulator's
+        engine steps; a policy that charges output as it is generated uses them)."""
+        for key in keys:
+            entry = self._running.get(key)
+            if entry is not None:
+                request, flow = entry
+                self.endpoints[request.endpoint].selector.progress(flow, request, 1)
 
     def requeue(self, tenant: str, request_id: str) -> Request | None:
         """Put a running request back in its queue (its worker failed); it keeps its
@@ -343,18 +353,8 @@ class Scheduler:
         output = self.estimator.estimate((request.tenant, request.endpoint), request.max_tokens)
         request.model_units = endpoint.profile.model_units(
             request.input_tokens, output, request.other_units)
-        request.charged_cost = self._cost(endpoint, request.input_tokens, output,
-                                          request.other_units)
-
-    @staticmethod
-    def _cost(endpoint: EndpointQueues, input_tokens: int, output_tokens: int,
-              other: float) -> float:
-        mode = endpoint.spec.cost
-        if mode == "request":
-            return 1.0
-        if mode == "token":
-            return float(max(input_tokens, 1))
-        return endpoint.profile.model_units(input_tokens, output_tokens, other)
+        request.charged_cost = endpoint.cost(request.input_tokens, output,
+                                             request.other_units)
 
     def _expected_wait(self, endpoint: EndpointQueues, flow: TenantFlow | None,
                        weight: float, tier_rank: int) -> float:

@@ -182,6 +182,8 @@ class Simulation:
         self.config = config
         self.params = engine or EngineParams()
         self.scheduler = Scheduler(config, policy=policy)
+        self._reports_tokens = any(e.selector.charges_output_as_generated  # VTC
+                                   for e in self.scheduler.endpoints.values())
         self.store = MemoryLimiterStore()
         self.default_endpoint = next(iter(config.endpoints))
         # Replicas never go silent: the simulator drives no heartbeats.
@@ -208,10 +210,8 @@ class Simulation:
 
     def _add_client(self, spec: ClosedLoop, replicas: int) -> None:
         first = len(self.entries)
-        for record in spec.records:
-            self.entries.append(self._entry(len(self.entries), record))
-        endpoint = spec.records[0].endpoint if spec.records else None
-        endpoint = endpoint or self.default_endpoint
+        self.entries += [self._entry(first + i, record) for i, record in enumerate(spec.records)]
+        endpoint = (spec.records[0].endpoint if spec.records else None) or self.default_endpoint
         if endpoint not in self.config.endpoints:
             raise ValueError(f"closed-loop client on unknown endpoint {endpoint!r}")
         waiting = list(range(len(self.entries) - 1, first - 1, -1))
@@ -320,6 +320,9 @@ class Simulation:
         # The engine's sequence ids are the trace indexes (`Request.payload`).
         for seq in step.first_tokens:
             self.entries[seq].first_token = self.now
+        if self._reports_tokens:
+            self.scheduler.progress((self.entries[s].request.tenant, self.entries[s].request.id)
+                                    for s in (*step.first_tokens, *step.tokens))
         for seq in step.finished:
             entry = self.entries[seq]
             entry.finished = self.now

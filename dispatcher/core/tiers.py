@@ -21,6 +21,8 @@ from dispatcher.core.vtc import VtcSelector
 class Selector(Protocol):
     # True for the naive queue: a head request that does not fit stops the batch.
     blocks_on_misfit: bool
+    # True if `progress` matters (the caller may skip reporting it otherwise).
+    charges_output_as_generated: bool
 
     def activate(self, flow: TenantFlow) -> None:
         """`flow` got a request while not scheduled."""
@@ -31,8 +33,11 @@ class Selector(Protocol):
     def charge(self, flow: TenantFlow, request: Request) -> None:
         """`request` was just popped from the selected flow and dispatched."""
 
-    def complete(self, flow: TenantFlow, usage: Usage) -> None:
-        """A request of `flow` finished having used `usage` (after the scheduler's own
+    def progress(self, flow: TenantFlow, request: Request, tokens: int) -> None:
+        """`request` of `flow` generated `tokens` more output tokens."""
+
+    def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
+        """`request` of `flow` finished having used `usage` (after the scheduler's own
         correction of the flow's charge)."""
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
@@ -48,6 +53,7 @@ class TierLadder:
     """One DRR ring per tier, asked in strict tier order."""
 
     blocks_on_misfit = False
+    charges_output_as_generated = False
 
     def __init__(self, tier_count: int) -> None:
         self.rings = [DrrRing() for _ in range(tier_count)]
@@ -70,7 +76,10 @@ class TierLadder:
     def drop_if_empty(self, flow: TenantFlow) -> None:
         self.rings[flow.tier_rank].drop_if_empty(flow)
 
-    def complete(self, flow: TenantFlow, usage: Usage) -> None:
+    def progress(self, flow: TenantFlow, request: Request, tokens: int) -> None:
+        return None  # DRR is corrected once, on completion
+
+    def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
         return None  # DRR's correction is the scheduler's (it owns the deficit)
 
     def set_aside(self, flow: TenantFlow) -> None:
@@ -86,6 +95,7 @@ class FifoSelector:
     """Global arrival order across tenants: a k-way merge of the tenants' queues."""
 
     blocks_on_misfit = True
+    charges_output_as_generated = False
 
     def __init__(self) -> None:
         # (arrival, counter, flow): the counter is unique, so flows are never compared.
@@ -114,7 +124,10 @@ class FifoSelector:
         flow.served_cost += request.charged_cost
         self.drop_if_empty(flow)
 
-    def complete(self, flow: TenantFlow, usage: Usage) -> None:
+    def progress(self, flow: TenantFlow, request: Request, tokens: int) -> None:
+        return None
+
+    def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
         return None  # arrival order owes nothing to what was served
 
     def drop_if_empty(self, flow: TenantFlow) -> None:

@@ -8,9 +8,10 @@ becomes backlogged has its counter lifted to the smallest counter of the backlog
 tenants (to the counter of the last one that left, when none is backlogged), so idle
 time earns no credit. A head that does not fit the batch is skipped (work conserving).
 
-Counters are charged a request's prompt when it is dispatched and its output when it
-completes. The paper charges output token by token as it is generated; the scheduling
-core learns about output only on completion, so a long generation is charged late.
+Counters are charged a request's prompt when it is dispatched and its output token by
+token as it is generated, as in the paper, where the caller reports generation
+(`Scheduler.progress`: the simulator does, once per engine step); what was not reported
+is charged on completion (the network dispatcher learns output only then).
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ OUTPUT_WEIGHT = 2.0
 
 class VtcSelector:
     blocks_on_misfit = False
+    charges_output_as_generated = True
 
     def __init__(self) -> None:
         self.counters: dict[TenantFlow, float] = {}
+        # (tenant, request id) -> output tokens charged so far
+        self._generated: dict[tuple[str, str], int] = {}
+        self._moved: set[TenantFlow] = set()  # counters raised since their last entry
         # (counter, tie-break, flow) of backlogged flows; an entry whose counter is no
         # longer the flow's is stale and skipped.
         self._heap: list[tuple[float, int, TenantFlow]] = []
@@ -48,6 +53,10 @@ class VtcSelector:
         self._push(flow)
 
     def select(self) -> TenantFlow | None:
+        for flow in self._moved:
+            if flow.in_ring:
+                self._push(flow)
+        self._moved.clear()
         heap = self._heap
         while heap:
             counter, _, flow = heap[0]
@@ -66,8 +75,15 @@ class VtcSelector:
         if flow.queue.peek() is None:
             self._leave(flow)
 
-    def complete(self, flow: TenantFlow, usage: Usage) -> None:
-        self._add(flow, OUTPUT_WEIGHT * usage.output_tokens)
+    def progress(self, flow: TenantFlow, request: Request, tokens: int) -> None:
+        key = (request.tenant, request.id)
+        self._generated[key] = self._generated.get(key, 0) + tokens
+        self.counters[flow] += OUTPUT_WEIGHT * tokens / flow.weight
+        self._moved.add(flow)  # pushed once by the next select, not once per token
+
+    def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
+        unreported = usage.output_tokens - self._generated.pop((request.tenant, request.id), 0)
+        self._add(flow, OUTPUT_WEIGHT * max(unreported, 0))
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
         if flow.queue.peek() is None:
