@@ -35,21 +35,25 @@ class VtcSelector:
         self.counters: dict[TenantFlow, float] = {}
         # (tenant, request id) -> output tokens charged so far
         self._generated: dict[tuple[str, str], int] = {}
-        self._moved: set[TenantFlow] = set()  # counters raised since their last entry
+        # Counters raised since their last entry, in order (a set's order would vary
+        # from run to run and with it the ties).
+        self._moved: dict[TenantFlow, None] = {}
         # (counter, tie-break, flow) of backlogged flows; an entry whose counter is no
         # longer the flow's is stale and skipped.
         self._heap: list[tuple[float, int, TenantFlow]] = []
         self._ties = itertools.count()
         self._last_left = 0.0
+        self._backlogged: set[TenantFlow] = set()
         self._set_aside: list[TenantFlow] = []
 
     def activate(self, flow: TenantFlow) -> None:
         if flow.in_ring:
             return
-        backlogged = [c for c, _, f in self._heap if f.in_ring and self.counters[f] == c]
-        floor = min(backlogged) if backlogged else self._last_left
+        floor = (min(self.counters[f] for f in self._backlogged) if self._backlogged
+                 else self._last_left)
         self.counters[flow] = max(self.counters.get(flow, 0.0), floor)
         flow.in_ring = True
+        self._backlogged.add(flow)
         self._push(flow)
 
     def select(self) -> TenantFlow | None:
@@ -79,7 +83,7 @@ class VtcSelector:
         key = (request.tenant, request.id)
         self._generated[key] = self._generated.get(key, 0) + tokens
         self.counters[flow] += OUTPUT_WEIGHT * tokens / flow.weight
-        self._moved.add(flow)  # pushed once by the next select, not once per token
+        self._moved[flow] = None  # pushed once by the next select, not once per token
 
     def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
         unreported = usage.output_tokens - self._generated.pop((request.tenant, request.id), 0)
@@ -107,6 +111,7 @@ class VtcSelector:
 
     def _leave(self, flow: TenantFlow) -> None:
         flow.in_ring = False
+        self._backlogged.discard(flow)
         self._last_left = self.counters[flow]
 
     def _push(self, flow: TenantFlow) -> None:
