@@ -79,26 +79,30 @@ def pull_request(batch: int, expires_s: float) -> bytes:
 
 def delivery_of(ack_subject: str) -> tuple[float, int]:
     """When a delivered message was stored (seconds since the epoch) and how many times it
-    has been delivered, read from its ack subject: `$JS.ACK.<stream>.<consumer>.
-    <delivered>.<stream seq>.<consumer seq>.<ns>.<pending>`, or the form with domain and
-    account hash before the stream and a token after. Cheaper than nats-py's
-    `Msg.metadata`, which builds a datetime."""
-    tokens = ack_subject.split(".")
-    first = 2 if len(tokens) == 9 else 4  # index of the stream name
-    return int(tokens[first + 5]) / 1e9, int(tokens[first + 2])
+    has been delivered, read from its ack subject. Cheaper than nats-py's `Msg.metadata`,
+    which builds a datetime."""
+    tokens, stream = _ack_tokens(ack_subject)
+    return int(tokens[stream + 5]) / 1e9, int(tokens[stream + 2])
 
 
 def stream_seq_of(ack_subject: str) -> int:
     """The stream sequence of a delivered message, from its ack subject."""
-    tokens = ack_subject.split(".")
-    first = 2 if len(tokens) == 9 else 4
-    return int(tokens[first + 3])
+    tokens, stream = _ack_tokens(ack_subject)
+    return int(tokens[stream + 3])
 
 
 def consumer_of(ack_subject: str) -> str:
     """The consumer that delivered a message, from its ack subject."""
+    tokens, stream = _ack_tokens(ack_subject)
+    return tokens[stream + 1]
+
+
+def _ack_tokens(ack_subject: str) -> tuple[list[str], int]:
+    """An ack subject's tokens and the index of the stream name in them:
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>`,
+    or the form with domain and account hash before the stream and a token after."""
     tokens = ack_subject.split(".")
-    return tokens[3 if len(tokens) == 9 else 5]
+    return tokens, 2 if len(tokens) == 9 else 4
 
 
 # -- stream messages -------------------------------------------------------------------------

@@ -22,7 +22,7 @@ storage type, raises ProvisionError naming it).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -75,35 +75,26 @@ def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
         max_consumers=settings.max_consumers,
         storage=StorageType(settings.storage),
         num_replicas=settings.replicas,
-        # The dispatcher reads requests still in the stream for status and cancel
-        # (broker_config.direct_get.DirectBatchGet.scan).
+        # The dispatcher reads requests still in the stream (the parked one too) for
+        # status and cancel (broker_config.direct_get.DirectBatchGet.scan).
         allow_direct=True,
     )
 
 
 def parked_stream_config(settings: BrokerSettings) -> StreamConfig:
+    """The requests stream's limits (a tenant's moved requests are capped per subject
+    like its stored ones), over the parked subjects, without the transform."""
     subjects = settings.subjects
-    return StreamConfig(
+    return replace(
+        requests_stream_config(settings),
         name=subjects.parked_stream,
         description="fairq requests moved out of a shard behind which others waited",
         subjects=[subjects.all_parked],
-        retention=RetentionPolicy.WORK_QUEUE,
-        # A tenant's moved requests are capped like those in the requests stream; a move
-        # beyond it fails and is tried again once some have been taken back.
-        max_msgs_per_subject=settings.max_queued_per_subject,
-        discard=DiscardPolicy.NEW,
-        discard_new_per_subject=True,
+        subject_transform=None,
         # The dispatcher publishes each move with the stored request's sequence as its id,
         # so a move repeated after a crash is stored once.
         duplicate_window=(min(PARK_DUPLICATE_WINDOW_S, settings.max_age_s)
                           if settings.max_age_s else PARK_DUPLICATE_WINDOW_S),
-        max_age=settings.max_age_s,
-        max_bytes=settings.max_bytes,
-        max_msg_size=settings.max_msg_size,
-        max_consumers=settings.max_consumers,
-        storage=StorageType(settings.storage),
-        num_replicas=settings.replicas,
-        allow_direct=True,  # status and cancel read parked requests too
     )
 
 
