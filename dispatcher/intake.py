@@ -53,7 +53,7 @@ log = logging.getLogger("fairq.intake")
 # A shard whose consumer could not be made is tried again after this long.
 CONSUMER_RETRY_S = 30.0
 # How often the shards that are not being read are listed for new tenants.
-STALLED_POLL_S = 0.02
+STALLED_POLL_S = 0.1
 # The server removes a parked tenant's consumer after this long without pulls.
 PARKED_CONSUMER_IDLE_S = 60.0
 
