@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -270,9 +270,16 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
 
 
 def to_measure(arrivals: Sequence[Arrival]) -> list[Measured]:
-    """One record per arrival, with its request id `<tenant>-<index of the arrival>`."""
-    return [Measured(f"{a.tenant}-{n}", a.tenant, a.offset_s, a.streamed, a.input_tokens,
-                     a.max_tokens) for n, a in enumerate(arrivals)]
+    """One record per arrival, with its request id `<tenant>-<n>` for the tenant's n-th
+    arrival: a tenant's requests keep their ids whatever the other tenants send (the
+    simulated engine draws each request's output length from its id)."""
+    numbers: Counter[str] = Counter()
+    measured = []
+    for a in arrivals:
+        measured.append(Measured(f"{a.tenant}-{numbers[a.tenant]}", a.tenant, a.offset_s,
+                                 a.streamed, a.input_tokens, a.max_tokens))
+        numbers[a.tenant] += 1
+    return measured
 
 
 async def bounded(work: Awaitable[None], timeout_s: float,
