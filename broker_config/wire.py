@@ -276,6 +276,9 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float
     sent_at: float
     seq: int
+    # Output tokens each `in_flight` request has generated so far, in the same order
+    # (tenants are charged for output as it is served); empty if the worker does not say.
+    output_tokens: list[int] = []
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

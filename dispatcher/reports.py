@@ -52,12 +52,22 @@ class WorkerReports:
 
     async def on_heartbeat(self, msg: Msg) -> None:
         beat = wire.HEARTBEAT.decode(msg.data, _encoding(msg))
+        counts = beat.output_tokens
+        if len(counts) != len(beat.in_flight):
+            if counts:
+                log.warning("worker %s reports output for %d of %d requests; ignored",
+                            beat.worker_id, len(counts), len(beat.in_flight))
+            counts = [0] * len(beat.in_flight)
         in_flight = set()
-        for key in beat.in_flight:
+        generated = []
+        for key, count in zip(beat.in_flight, counts):
             try:
-                in_flight.add(self.subjects.parse_result_key(key))
+                parsed = self.subjects.parse_result_key(key)
             except SubjectError:
                 log.warning("worker %s lists a malformed request key %r", beat.worker_id, key)
+                continue
+            in_flight.add(parsed)
+            generated.append((parsed, count))
         async with self._lock:
             lost = self.pool.heartbeat(beat.worker_id, beat.endpoint, beat.started_at,
                                        beat.capacity, in_flight, beat.healthy, time.time())
@@ -65,6 +75,8 @@ class WorkerReports:
                 log.warning("worker %s no longer has %d requests; taking them back",
                             beat.worker_id, len(lost.requests) + len(lost.adopted))
                 await self._take_back(lost)
+            # After the take-back: what went back to a queue is no longer charged here.
+            self.scheduler.progress(generated)
         worker = self.pool.get(beat.worker_id)
         self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
             worker.load)

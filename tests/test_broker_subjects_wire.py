@@ -467,7 +467,7 @@ def test_internal_messages_round_trip() -> None:
     batch = Batch(worker_id="w1", endpoint="chat", items=[item], sent_at=2.0)
     beat = Heartbeat(worker_id="w1", endpoint="chat", capacity=Capacity(64, 4096, 100.0),
                      used=Capacity(1, 20, 0.5), in_flight=["r-1"], healthy=True,
-                     started_at=0.5, sent_at=3.0, seq=7)
+                     started_at=0.5, sent_at=3.0, seq=7, output_tokens=[12])
     done = Completion(id="r-1", tenant="acme", endpoint="chat", worker_id="w1",
                       usage=DONE.usage, stored=True, finished_at=4.0)
     stored = StoredResult(tenant="acme", endpoint="chat", event=DONE, stored_at=4.0)
@@ -476,5 +476,8 @@ def test_internal_messages_round_trip() -> None:
                            (stored, STORED_RESULT), (abort, ABORT)):
         for encoding in Encoding:
             assert codec.decode(encode(message, encoding), encoding) == message
+    # A heartbeat from a worker that does not report output decodes with none.
+    older = {k: v for k, v in msgspec.to_builtins(beat).items() if k != "output_tokens"}
+    assert HEARTBEAT.decode(msgspec.json.encode(older), Encoding.JSON).output_tokens == []
     raw = msgspec.msgpack.decode(encode(batch, Encoding.MSGPACK))
     assert raw["items"][0]["encoding"] == "msgpack"

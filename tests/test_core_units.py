@@ -277,6 +277,42 @@ def test_requeue_puts_a_running_request_back_in_its_place():
     assert again.id == "1"
 
 
+def test_model_units_charge_the_prompt_at_dispatch_and_output_as_it_is_generated():
+    # Profile p: alpha 1, beta 2. The estimate (half of max_tokens 10) is not charged.
+    scheduler = Scheduler(make_config(cost="model_units", quantum=100.0))
+    # a's second request keeps it in the ring, so its deficit is kept.
+    admit_all(scheduler, [req("a", 1, input_tokens=10, max_tokens=10), req("a", 2)])
+    request = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
+    flow = scheduler.flow("ep", "a")
+    assert (request.charged_cost, flow.deficit) == (10.0, 90.0)
+    scheduler.progress([(("a", "1"), 3)])  # three tokens: 6 more
+    scheduler.progress([(("a", "1"), 2), (("b", "1"), 5)])  # stale, unknown: nothing
+    assert (request.charged_cost, request.output_charged, flow.deficit) == (16.0, 3, 84.0)
+    assert flow.served_cost == 16.0
+    scheduler.complete("a", "1", Usage(10, 7, 0.0), 1.0)  # 10 + 2 x 7: 8 more
+    assert (flow.deficit, flow.served_cost) == (76.0, 24.0)
+
+
+def test_a_requeued_request_is_charged_afresh_when_it_runs_again():
+    scheduler = Scheduler(make_config(cost="model_units", quantum=100.0))
+    admit_all(scheduler, [req("a", 1, input_tokens=10, max_tokens=10), req("a", 2)])
+    request = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
+    scheduler.progress([(("a", "1"), 4)])
+    flow = scheduler.flow("ep", "a")
+    assert flow.deficit == 100.0 - 10 - 8
+    assert scheduler.requeue("a", "1") is request
+    assert (request.charged_cost, request.output_charged, flow.deficit) == (10.0, 0, 100.0)
+
+
+def test_token_and_request_modes_charge_no_output():
+    for cost, charged in (("token", 10.0), ("request", 1.0)):
+        scheduler = Scheduler(make_config(cost=cost, quantum=100.0))
+        admit_all(scheduler, [req("a", 1, input_tokens=10, max_tokens=10)])
+        request = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
+        scheduler.progress([(("a", "1"), 5)])
+        assert request.charged_cost == charged, cost
+
+
 def test_a_cancelled_tenant_leaves_the_ring_without_breaking_rotation():
     scheduler = Scheduler(make_config(quantum=10.0))
     admit_all(scheduler, [req("a", 1), req("b", 1), req("b", 2)])

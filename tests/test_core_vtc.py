@@ -54,13 +54,14 @@ def test_output_is_charged_as_it_is_generated_and_the_rest_on_completion():
     admit(scheduler, req("a", 0, input_tokens=10), req("a", 1, input_tokens=10),
           req("b", 0, input_tokens=25))
     picks(scheduler, 1)  # a0: a 10
-    scheduler.progress([("a", "0")] * 5)  # five tokens so far: a 20
+    scheduler.progress([(("a", "0"), 2)])  # two tokens so far: a 14
+    scheduler.progress([(("a", "0"), 5), (("a", "0"), 4)])  # five (a stale 4 after): a 20
     assert counters(scheduler)["a"] == 20.0
     # b (0) still goes first, then a (20) before b (25): the counters are live.
     assert picks(scheduler, 2) == ["b0", "a1"]
     scheduler.complete("a", "0", Usage(10, 8, 0.0), 1.0)  # 3 tokens never reported: +6
     assert counters(scheduler)["a"] == 36.0
-    scheduler.progress([("a", "0")])  # no longer running: nothing to charge
+    scheduler.progress([(("a", "0"), 9)])  # no longer running: nothing to charge
     assert counters(scheduler)["a"] == 36.0
 
 

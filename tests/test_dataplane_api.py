@@ -5,6 +5,7 @@ priority a request gets, which only the dispatcher decides."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import urllib.request
@@ -177,6 +178,41 @@ async def test_engine_priority_is_the_dispatchers_decision_not_the_clients(clien
     assert engine.seen["acme.a1"] == 1  # expedited
     assert set(engine.seen.values()) <= {0, 1}, "a client's own priority reached the engine"
     assert sum(p == 0 for k, p in engine.seen.items() if k.startswith("globex.")) >= 39
+
+
+class FullLength(SimEngine):
+    """The simulated engine, every request generating all of its max_tokens."""
+
+    def generate(self, request: EngineRequest):
+        return super().generate(dataclasses.replace(request,
+                                                    target_output_tokens=request.max_tokens))
+
+
+async def test_a_running_requests_output_is_charged_as_the_worker_reports_it(client):
+    """The tenant pays for output while it is generated (the worker's heartbeats say how
+    far each request is), not only for its prompt until the request ends."""
+    js = client.jetstream()
+    engine = FullLength(time_scale=0.5)  # 200 tokens: about 2.5 s
+    async with Dispatcher(client, config_with(FAST)) as dispatcher, engine, \
+            WorkerService(client, engine, endpoint="chat", worker_id="w1", subjects=S,
+                          results=await js.key_value(S.results_bucket),
+                          settings=WorkerOptions(heartbeat_interval_s=0.2)):
+        # Two requests: the second keeps acme queued, so its deficit is kept in the ring.
+        await publish(js, "acme", "long", max_tokens=200, input_tokens=1000)
+        await publish(js, "acme", "next", max_tokens=200, input_tokens=1000)
+        scheduler = dispatcher.scheduler
+        profile = scheduler.endpoints["chat"].profile
+
+        async def charged_for_output():
+            request = scheduler.running_request("acme", "long")
+            return request if request is not None and request.output_charged >= 20 else None
+
+        request = await eventually(charged_for_output, timeout=WAIT_S,
+                                   what="output charged while the request runs")
+        generated = request.output_charged
+        assert generated < 200  # still running
+        assert request.charged_cost == pytest.approx(profile.model_units(1000, generated))
+        assert scheduler.flow("chat", "acme").served_cost >= request.charged_cost
 
 
 async def test_metrics_report_the_queue_running_and_admissions(nats_url):

@@ -371,6 +371,9 @@ async def test_heartbeats_report_capacity_load_and_in_flight_ids(
         await send_batch(nc, [item("r-long", max_tokens=LONG)])
         busy = await internal.until(
             lambda _: next((h for h in heartbeats(internal) if h.in_flight), None))
+        generating = await internal.until(
+            lambda _: next((h for h in heartbeats(internal)
+                            if h.output_tokens and h.output_tokens[0] > 0), None))
         await send_abort(nc, "r-long")
         await internal.until(lambda _: completion_of(internal, "r-long"))
         idle = await internal.until(
@@ -382,6 +385,9 @@ async def test_heartbeats_report_capacity_load_and_in_flight_ids(
     assert busy.used == Capacity(sequences=1, tokens=input_tokens + LONG,
                                  model_units=PROFILE.model_units(input_tokens, LONG))
     assert idle.used == Capacity(sequences=0, tokens=0, model_units=0.0)
+    # Each in-flight request's output so far, in the same order.
+    assert generating.in_flight == busy.in_flight and generating.output_tokens[0] < LONG
+    assert idle.output_tokens == []
     every = heartbeats(internal)
     assert [h.seq for h in every] == list(range(len(every)))
     assert {h.started_at for h in every} == {service.started_at}

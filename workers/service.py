@@ -514,7 +514,8 @@ class WorkerService:
         seq, self._heartbeat_seq = self._heartbeat_seq, self._heartbeat_seq + 1
         return Heartbeat(worker_id=self.worker_id, endpoint=self.endpoint, capacity=capacity,
                          used=used, in_flight=[r.key for r in running], healthy=healthy,
-                         started_at=self.started_at, sent_at=time.time(), seq=seq)
+                         started_at=self.started_at, sent_at=time.time(), seq=seq,
+                         output_tokens=[r.output_tokens for r in running])
 
     def _engine_capacity(self, healthy: bool) -> tuple[Capacity, bool]:
         try:

@@ -9,6 +9,7 @@ from broker_config.config import Endpoint
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.tiers import Selector
+from dispatcher.core.types import Request
 
 
 def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
@@ -55,6 +56,16 @@ class EndpointQueues:
         if mode == "token":
             return float(max(input_tokens, 1))
         return self.profile.model_units(input_tokens, output_tokens, other)
+
+    def charge_output(self, flow: TenantFlow, request: Request, tokens: int) -> None:
+        """Charge `flow` for `tokens` more output tokens of its running `request`, if the
+        policy charges output as it is generated. Only model units price output (request
+        and token modes charge at dispatch alone)."""
+        if self.spec.cost == "model_units" and self.selector.charges_output_as_generated:
+            cost = self.profile.beta * tokens
+            flow.deficit -= cost
+            flow.served_cost += cost
+            request.charged_cost += cost
 
     def reserve(self, total: Capacity) -> Capacity:
         return newcomer_reserve(total, self.reserve_fraction)

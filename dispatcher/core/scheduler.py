@@ -244,14 +244,20 @@ class Scheduler:
                                request.max_tokens)
         return Completed(request, self._quota_refund(request, usage))
 
-    def progress(self, keys: Iterable[RequestKey]) -> None:
-        """One more output token for each running request of `keys` (the simulator's
-        engine steps; a policy that charges output as it is generated uses them)."""
-        for key in keys:
+    def progress(self, reports: Iterable[tuple[RequestKey, int]]) -> None:
+        """Running requests' output so far, (key, output tokens), from the workers'
+        heartbeats or the simulator's steps: a tenant pays for output as it is served,
+        not for an estimate up front. A count at or below the last changes nothing."""
+        for key, generated in reports:
             entry = self._running.get(key)
-            if entry is not None:
-                request, flow = entry
-                self.endpoints[request.endpoint].selector.progress(flow, request, 1)
+            if entry is None or generated <= entry[0].output_charged:
+                continue
+            request, flow = entry
+            endpoint = self.endpoints[request.endpoint]
+            tokens = generated - request.output_charged
+            request.output_charged = generated
+            endpoint.selector.progress(flow, request, tokens)
+            endpoint.charge_output(flow, request, tokens)
 
     def requeue(self, tenant: str, request_id: str) -> Request | None:
         """Put a running request back in its queue (its worker failed); it keeps its
@@ -264,7 +270,8 @@ class Scheduler:
         flow.deficit += request.charged_cost
         flow.served_cost -= request.charged_cost
         self._stop(endpoint, flow, request)
-        request.dispatched_at = None
+        request.dispatched_at, request.output_charged = None, 0
+        self._estimate(endpoint, request)
         endpoint.mark_present(flow)
         flow.queue.push(request)
         self._queued[(tenant, request_id)] = flow
@@ -307,18 +314,13 @@ class Scheduler:
         return entry[0] if entry else None
 
     def queued_count(self, endpoint: str | None = None) -> int:
-        if endpoint is None:
-            return len(self._queued)
-        return sum(len(f.queue) for f in self.endpoints[endpoint].flows.values())
+        return (len(self._queued) if endpoint is None
+                else sum(len(f.queue) for f in self.endpoints[endpoint].flows.values()))
 
     def tenant_queued(self, tenant: str) -> int:
         """Requests of `tenant` waiting in its queues, over every endpoint."""
-        total = 0
-        for endpoint in self.endpoints.values():
-            flow = endpoint.flows.get(tenant)
-            if flow is not None:
-                total += len(flow.queue)
-        return total
+        return sum(len(endpoint.flows[tenant].queue) for endpoint in self.endpoints.values()
+                   if tenant in endpoint.flows)
 
     def depth(self, now: float) -> list[DepthRow]:
         rows = []
@@ -353,7 +355,10 @@ class Scheduler:
         output = self.estimator.estimate((request.tenant, request.endpoint), request.max_tokens)
         request.model_units = endpoint.profile.model_units(
             request.input_tokens, output, request.other_units)
-        request.charged_cost = endpoint.cost(request.input_tokens, output,
+        # fairq charges output as it is generated (`progress`): an estimate charged up
+        # front and corrected minutes later on a busy engine skews every turn meanwhile.
+        charged_output = 0 if endpoint.selector.charges_output_as_generated else output
+        request.charged_cost = endpoint.cost(request.input_tokens, charged_output,
                                              request.other_units)
 
     def _expected_wait(self, endpoint: EndpointQueues, flow: TenantFlow | None,

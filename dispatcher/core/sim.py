@@ -19,8 +19,9 @@ give the same result. The loop mirrors what the network dispatcher does with wor
   queue never holds work the dispatcher could still reorder), model units = the
   endpoint's batch model units minus their estimates; `total` is its whole capacity;
 - the batch goes into the replica's `BatchingEngineModel`, which then runs one step;
-  the step's first tokens and finishes happen when the step ends; a finished request
-  leaves the pool's ledger and is settled with `Scheduler.complete` and its real usage.
+  the step's tokens (`Scheduler.progress`), first tokens and finishes happen when the
+  step ends; a finished request leaves the pool's ledger and is settled with
+  `Scheduler.complete` and its real usage.
 
 Each endpoint has its own `replicas` engines, all with the same `EngineParams`, and the
 scheduler's throttle is told the endpoint's capacity (replicas x the profile's
@@ -182,7 +183,7 @@ class Simulation:
         self.config = config
         self.params = engine or EngineParams()
         self.scheduler = Scheduler(config, policy=policy)
-        self._reports_tokens = any(e.selector.charges_output_as_generated  # VTC
+        self._reports_tokens = any(e.selector.charges_output_as_generated
                                    for e in self.scheduler.endpoints.values())
         self.store = MemoryLimiterStore()
         self.default_endpoint = next(iter(config.endpoints))
@@ -320,9 +321,9 @@ class Simulation:
         # The engine's sequence ids are the trace indexes (`Request.payload`).
         for seq in step.first_tokens:
             self.entries[seq].first_token = self.now
-        if self._reports_tokens:
-            self.scheduler.progress((self.entries[s].request.tenant, self.entries[s].request.id)
-                                    for s in (*step.first_tokens, *step.tokens))
+        if self._reports_tokens:  # every step's token, as a worker's heartbeat would
+            self.scheduler.progress(((r.tenant, r.id), r.output_charged + 1) for r in (
+                self.entries[s].request for s in (*step.first_tokens, *step.tokens)))
         for seq in step.finished:
             entry = self.entries[seq]
             entry.finished = self.now

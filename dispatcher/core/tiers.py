@@ -21,7 +21,8 @@ from dispatcher.core.vtc import VtcSelector
 class Selector(Protocol):
     # True for the naive queue: a head request that does not fit stops the batch.
     blocks_on_misfit: bool
-    # True if `progress` matters (the caller may skip reporting it otherwise).
+    # True if the policy charges output as it is generated (`Scheduler.progress`)
+    # instead of an estimate at dispatch; the caller may skip reporting it otherwise.
     charges_output_as_generated: bool
 
     def activate(self, flow: TenantFlow) -> None:
@@ -53,7 +54,7 @@ class TierLadder:
     """One DRR ring per tier, asked in strict tier order."""
 
     blocks_on_misfit = False
-    charges_output_as_generated = False
+    charges_output_as_generated = True
 
     def __init__(self, tier_count: int) -> None:
         self.rings = [DrrRing() for _ in range(tier_count)]
@@ -77,7 +78,7 @@ class TierLadder:
         self.rings[flow.tier_rank].drop_if_empty(flow)
 
     def progress(self, flow: TenantFlow, request: Request, tokens: int) -> None:
-        return None  # DRR is corrected once, on completion
+        return None  # the scheduler charges the deficit (it owns it)
 
     def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
         return None  # DRR's correction is the scheduler's (it owns the deficit)

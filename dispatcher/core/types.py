@@ -69,7 +69,10 @@ class Request:
     other_units: float = 0.0
     payload: Any = None
     # Filled in by the scheduler on admission and dispatch.
-    charged_cost: float = 0.0  # DRR charge at dispatch, in the endpoint's cost unit
+    # What its tenant was charged so far, in the endpoint's cost unit: the prompt at
+    # dispatch, output as it is reported, the rest on completion.
+    charged_cost: float = 0.0
+    output_charged: int = 0  # output tokens included in `charged_cost`
     model_units: float = 0.0  # estimated model units, for throttle, routing and capacity
     dispatched_at: float | None = None
     # Dispatched while its tenant ran less than its fair share: the worker asks the

@@ -8,10 +8,10 @@ becomes backlogged has its counter lifted to the smallest counter of the backlog
 tenants (to the counter of the last one that left, when none is backlogged), so idle
 time earns no credit. A head that does not fit the batch is skipped (work conserving).
 
-Counters are charged a request's prompt when it is dispatched and its output token by
-token as it is generated, as in the paper, where the caller reports generation
-(`Scheduler.progress`: the simulator does, once per engine step); what was not reported
-is charged on completion (the network dispatcher learns output only then).
+Counters are charged a request's prompt when it is dispatched and its output as it is
+generated, as in the paper, as far as the caller reports it (`Scheduler.progress`: the
+simulator once per engine step, the network dispatcher from each worker heartbeat); what
+was not reported is charged on completion.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ class VtcSelector:
 
     def __init__(self) -> None:
         self.counters: dict[TenantFlow, float] = {}
-        # (tenant, request id) -> output tokens charged so far
-        self._generated: dict[tuple[str, str], int] = {}
         # Counters raised since their last entry, in order (a set's order would vary
         # from run to run and with it the ties).
         self._moved: dict[TenantFlow, None] = {}
@@ -80,13 +78,11 @@ class VtcSelector:
             self._leave(flow)
 
     def progress(self, flow: TenantFlow, request: Request, tokens: int) -> None:
-        key = (request.tenant, request.id)
-        self._generated[key] = self._generated.get(key, 0) + tokens
         self.counters[flow] += OUTPUT_WEIGHT * tokens / flow.weight
         self._moved[flow] = None  # pushed once by the next select, not once per token
 
     def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
-        unreported = usage.output_tokens - self._generated.pop((request.tenant, request.id), 0)
+        unreported = usage.output_tokens - request.output_charged
         self._add(flow, OUTPUT_WEIGHT * max(unreported, 0))
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
