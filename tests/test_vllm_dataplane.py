@@ -44,7 +44,9 @@ from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 KV_CACHE_BYTES = 64 << 20
-LONG = 2000  # max_tokens of a request that is still running when the test acts (< 2048)
+# max_tokens of a request that must still be running when the test acts (< 8192): 2000
+# tokens ended before a test's steps did on a slow machine.
+LONG = 8000
 WAIT_S = 60.0
 CONFIG = """
 [profiles.tiny]
@@ -58,7 +60,7 @@ profile = "tiny"
 cost = "model_units"
 quantum = 1.0
 latency_target_s = 600.0
-max_tokens_cap = 2000
+max_tokens_cap = 8000
 
 [[tiers]]
 name = "standard"
@@ -74,7 +76,7 @@ OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=10.0, gr
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:  # noqa: F811
-    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=1, max_model_len=2048,
+    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=1, max_model_len=8192,
                               kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
     async with VLLMEngine(config) as running:
         yield running
@@ -161,7 +163,7 @@ async def test_cancel_aborts_a_running_request_inside_vllm(
     assert final["type"] == "error" and final["code"] == "cancelled", final
     generated = sum(len(o.outputs[0].token_ids)
                     for o in vllm_outputs[Subjects.result_key("acme", rid)])
-    assert 3 <= generated < LONG // 2, "the request ran on instead of being aborted"
+    assert 3 <= generated < 1_000, "the request ran on instead of being aborted"
     assert engine.llm.get_num_unfinished_requests() == 0
     stored = await api(client, "fq.api.status.acme", {"id": rid})
     assert stored["state"] == "failed" and stored["result"]["code"] == "cancelled"
