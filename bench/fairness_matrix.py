@@ -2,6 +2,7 @@
 simulator, on the same engine, arrivals and metrics, in one run (issue 18).
 
     python -m bench.fairness_matrix [--quick] [--seeds 1 2 3] [--shapes a b] [--trace CSV]
+                                    [--plot-dir docs/img]
 
 Every shape is replayed with each policy on one replica of the default engine model
 (configs/engine.toml) with admission out of the way (`scheduling_only`: every request
@@ -26,7 +27,8 @@ Metrics (`dispatcher.core.fairness`, VTC's definitions): the average and maximum
 service difference over 60 s windows (service = input + 2 x output tokens), the same
 with service in the endpoint's model units (alpha x input + beta x output, what fairq
 charges), Jain's index on weighted max-min shares, throughput (tokens/s), and the worst
-tenant's p95 time to first token. Writes bench/results/fairness_matrix/summary.json; prints markdown.
+tenant's p95 time to first token. Writes bench/results/fairness_matrix/summary.json (and,
+with --plot-dir, sim_fairness_matrix.png there); prints markdown.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any
 import msgspec
 
 from bench.machine import command_line, machine_facts, table
+from bench.plots import grouped_bars
 from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, Tenant, load_config
 from costmodel.engine_model import load_engine_params
@@ -55,6 +58,7 @@ from dispatcher.core.sim import TraceRecord, scheduling_only, simulate
 from producers.loadgen import SizeModel, TraceError, assign_azure_trace, zipf_weights
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fairness_matrix" / "summary.json"
+PLOT = "sim_fairness_matrix.png"
 DURATION_S = 300.0
 PREFILL = SizeModel(input_median=3000.0, input_sigma=0.4, input_range=(256, 8000),
                     output_median=40.0, output_sigma=0.5, output_range=(4, 256))
@@ -242,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--shapes", nargs="+", choices=(*SHAPES, AZURE))
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--plot-dir", type=Path,
+                        help="also draw the service differences there (docs/img)")
     add_trace_argument(parser)
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
@@ -252,8 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_all(settings, args.trace, command_line("bench.fairness_matrix", argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot_dir is not None:
+        plot(summary, args.plot_dir / PLOT)
     print(render(summary))
     return 0
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """The mean service differences per shape and policy, in both units."""
+    panels = {
+        f"{title} (mean over seeds, log scale)": {
+            shape: {policy: mean_over_seeds(cells, policy, metric) or 0.0
+                    for policy in POLICIES}
+            for shape, cells in summary["shapes"].items()}
+        for title, metric in (("average service difference, VTC's unit", "service_diff_avg"),
+                              ("average service difference, model units",
+                               "mu_service_diff_avg"))}
+    grouped_bars(panels, path, title="fairq, VTC and FIFO on seven traffic shapes")
 
 
 if __name__ == "__main__":

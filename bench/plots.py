@@ -1,4 +1,4 @@
-"""Plots shared by the end-to-end scenarios (matplotlib, imported only when drawing)."""
+"""Plots shared by the benchmarks (matplotlib, imported only when drawing)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,34 @@ def cdf_plot(series: Mapping[str, Sequence[float]], path: Path, *, title: str,
     axes.set(xlabel=xlabel, ylabel="fraction of requests", title=title, xscale="log")
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def grouped_bars(panels: Mapping[str, Mapping[str, Mapping[str, float]]], path: Path, *,
+                 title: str) -> None:
+    """One panel per entry of `panels` (panel title -> group -> series -> value): bars of
+    each series side by side in each group, on a log y axis, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes_list = plt.subplots(len(panels), 1, figsize=(10, 4 * len(panels)),
+                                     squeeze=False)
+    for axes, (panel, groups) in zip(axes_list[:, 0], panels.items()):
+        series = list(dict.fromkeys(name for values in groups.values() for name in values))
+        width = 0.8 / max(len(series), 1)
+        for i, name in enumerate(series):
+            axes.bar([g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))],
+                     [values.get(name, 0.0) for values in groups.values()], width, label=name)
+        axes.set_xticks(range(len(groups)), list(groups), fontsize=8)
+        axes.set(title=panel, yscale="log")
+        axes.grid(True, axis="y", alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=80)
