@@ -2,6 +2,7 @@
 time, next to VTC and FIFO on the same requests (issue 18).
 
     python -m bench.fairness_ablation [--seeds 1 2 3] [--shapes prefill-heavy mixed]
+                                      [--trace CSV]   # for the azure-conversation shape
 
 The shapes, engine and metrics are `bench.fairness_matrix`'s (model units always those
 of the unchanged profile). Each variant changes one
@@ -14,6 +15,8 @@ reproduced with `fairq sim`:
   endpoint's max_tokens cap and learns from completions) and each request's KV
   reservation is tight (before issue 18 fairq charged that estimate at dispatch);
 - no reserve: the newcomer reserve off;
+- reserve never lifted: `newcomer_window_s` infinite, so the reserve is held even when
+  every present tenant is backlogged (fairq before the adaptive reserve);
 - quantum 8: the DRR quantum at 8 model units (the example's until issue 18) instead
   of 1;
 - VTC weights: beta = 2 x alpha, so a model unit weighs prompt and output tokens as
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -36,6 +40,7 @@ from typing import Any
 import msgspec
 
 from bench.fairness_matrix import (
+    AZURE,
     DURATION_S,
     SHAPES,
     model_unit_metric,
@@ -43,8 +48,11 @@ from bench.fairness_matrix import (
     workload,
 )
 from bench.machine import command_line, machine_facts, table
+from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, Config, load_config
-from dispatcher.core.sim import TraceRecord, scheduling_only
+from dispatcher.core.sim import scheduling_only
+from dispatcher.core.trace import TraceRecord
+from producers.loadgen import TraceError
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fairness_ablation" / "summary.json"
 DEFAULT_SHAPES = ("prefill-heavy", "decode-heavy", "mixed", "bursty")
@@ -66,6 +74,10 @@ def no_reserve(config: Config, records: Records) -> tuple[Config, Records]:
     return _endpoints(config, newcomer_reserve=0.0), records
 
 
+def reserve_never_lifted(config: Config, records: Records) -> tuple[Config, Records]:
+    return _endpoints(config, newcomer_window_s=math.inf), records
+
+
 def quantum_8(config: Config, records: Records) -> tuple[Config, Records]:
     return _endpoints(config, quantum=8.0), records
 
@@ -80,19 +92,22 @@ VARIANTS: dict[str, Variant] = {
     "as configured": lambda config, records: (config, records),
     "exact estimates": exact_estimates,
     "no reserve": no_reserve,
+    "reserve never lifted": reserve_never_lifted,
     "quantum 8": quantum_8,
     "VTC weights": vtc_weights,
 }
 METRICS = ("service_diff_avg", "service_diff_max", "mu_service_diff_avg",
-           "mu_service_diff_max", "jain_index_mean", "throughput_tokens_per_s")
+           "mu_service_diff_max", "jain_index_mean", "throughput_tokens_per_s",
+           "light_tenants_p95_ttft_s")
 
 
-def run(shapes: tuple[str, ...], seeds: tuple[int, ...], command: str) -> dict[str, Any]:
+def run(shapes: tuple[str, ...], seeds: tuple[int, ...], command: str,
+        trace: Path | None = None) -> dict[str, Any]:
     base = scheduling_only(load_config(EXAMPLE_CONFIG))
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for shape in shapes:
         for seed in seeds:
-            records, weights = workload(shape, seed, DURATION_S, None)
+            records, weights = workload(shape, seed, DURATION_S, trace)
             cells = {}
             for name, variant in VARIANTS.items():
                 config, replayed = variant(base, records)
@@ -117,23 +132,33 @@ def render(summary: dict[str, Any]) -> str:
                      for m in METRICS]
             rows.append([shape, variant if variant in VARIANTS else f"({variant})",
                          f"{means[0]:,.0f}", f"{means[1]:,.0f}", f"{means[2]:.2f}",
-                         f"{means[3]:.2f}", f"{means[4]:.3f}", f"{means[5]:,.0f}"])
+                         f"{means[3]:.2f}", f"{means[4]:.3f}", f"{means[5]:,.0f}",
+                         f"{means[6]:.2f}"])
     seeds = ", ".join(map(str, summary["settings"]["seeds"]))
     return "\n".join([f"fairq's variants, then VTC and FIFO as configured; means over seeds "
                       f"{seeds}:", "",
                       *table(["shape", "fairq variant", "service diff avg", "service diff max",
-                              "MU diff avg", "MU diff max", "Jain", "tokens/s"], rows)])
+                              "MU diff avg", "MU diff max", "Jain", "tokens/s",
+                              "light half p95 TTFT s"], rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fairness_ablation",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=DEFAULT_SHAPES)
+    parser.add_argument("--shapes", nargs="+", choices=(*SHAPES, AZURE),
+                        default=DEFAULT_SHAPES)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    add_trace_argument(parser)
     args = parser.parse_args(argv)
+    trace = None
+    if AZURE in args.shapes:
+        try:
+            trace = azure_trace(args.trace)
+        except TraceError as exc:
+            parser.error(str(exc))
     summary = run(tuple(args.shapes), tuple(args.seeds),
-                  command_line("bench.fairness_ablation", argv))
+                  command_line("bench.fairness_ablation", argv), trace)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(render(summary))

@@ -57,7 +57,7 @@ from broker_config.wire import (
     TokenEvent,
 )
 from dispatcher.core.fairness import RequestRecord
-from dispatcher.core.sim import TraceRecord
+from dispatcher.core.trace import TraceRecord
 from producers.client import Client, FairqError, Submitted
 
 # The engine is told the input length; the prompt itself is only a placeholder.

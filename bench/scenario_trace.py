@@ -61,7 +61,8 @@ from bench.stack import Mode, Stack, StackSpec, benchmark_config
 from bench.traces import add_trace_argument, azure_trace
 from dispatcher.core.fairness import RequestRecord, summarize
 from dispatcher.core.scheduler import Policy
-from dispatcher.core.sim import SimResult, TraceRecord, simulate
+from dispatcher.core.sim import SimResult, simulate
+from dispatcher.core.trace import TraceRecord
 from producers.loadgen import TraceError, assign_azure_trace
 from producers.simulate import plot_result
 

@@ -83,6 +83,9 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True):
     # Share of each worker's capacity that only tenants below their fair share may use,
     # so a newcomer never waits for a flooding tenant's sequences to finish.
     newcomer_reserve: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.03
+    # The reserve is held only while a tenant that left (nothing queued or running) less
+    # than this long ago may return; once every recent tenant is busy it would sit idle.
+    newcomer_window_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
 
 class Tier(msgspec.Struct, forbid_unknown_fields=True):

@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from costmodel.estimate import OutputEstimator
-from costmodel.units import Capacity, Usage
+from costmodel.units import NO_CAPACITY, Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore, RateCheck
 from dispatcher.core.scheduler import Scheduler
 from tests.core_support import ONE_SLOT, make_config, req
@@ -108,34 +108,47 @@ operations = st.lists(
                   st.integers(1, 50)),
         st.tuples(st.just("batch"), st.integers(0, 6), st.integers(0, 400)),
         st.tuples(st.just("complete"), st.integers(0, 100)),
+        st.tuples(st.just("wait"), st.integers(0, 90)),
     ),
     min_size=1, max_size=120)
 
 
 @SETTINGS
 @given(ops=operations, reserve=st.sampled_from([0.0, 0.1, 0.25]))
-# b, held back by the reserve after its first request, falls below its share once a starts.
-@example(ops=[("admit", "b", 1, 1), ("admit", "a", 1, 1), ("admit", "b", 1, 1),
+# c has just left, so the reserve is held; b, held back by it after its first request,
+# falls below its share once a starts.
+@example(ops=[("admit", "c", 1, 1), ("batch", 1, 2), ("complete", 0),
+              ("admit", "b", 1, 1), ("admit", "a", 1, 1), ("admit", "b", 1, 1),
               ("batch", 3, 6)], reserve=0.1)
 def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
     tenants = {t: ("gold", 1.0 + i % 2) for i, t in enumerate("abcde")}
     scheduler = Scheduler(make_config(tenants=tenants, reserve=reserve))
     total = Capacity(8, 400, 1e12)
-    reserved = scheduler.endpoints["ep"].reserve(total)
     store = MemoryLimiterStore()
     running: list = []
+    now = 0.0
     for n, op in enumerate(ops):
         if op[0] == "admit":
             _, tenant, inp, out = op
-            assert scheduler.admit(req(tenant, n, input_tokens=inp, max_tokens=out),
-                                   0.0, store).admitted
+            assert scheduler.admit(req(tenant, n, input_tokens=inp, max_tokens=out,
+                                       arrival=now), now, store).admitted
         elif op[0] == "complete" and running:
             request = running.pop(op[1] % len(running))
-            scheduler.complete(request.tenant, request.id, Usage(request.input_tokens, 1, 0.0), 0.0)
+            scheduler.complete(request.tenant, request.id, Usage(request.input_tokens, 1, 0.0), now)
+        elif op[0] == "wait":
+            now += op[1]
         elif op[0] == "batch":
             _, seqs, tokens = op
             free = Capacity(seqs, tokens, 1e12)
-            batch = scheduler.next_batch("ep", free, 0.0, total)
+            batch = scheduler.next_batch("ep", free, now, total)
+            # The reserve in force for that batch: lifted, if it held anything back,
+            # while it cannot matter (checked on the state the batch ended in).
+            endpoint = scheduler.endpoints["ep"]
+            flows = endpoint.flows.values()
+            assert endpoint.present_flows == sum(1 for f in flows if len(f.queue) or f.running)
+            assert endpoint.backlogged_flows == sum(1 for f in flows if len(f.queue))
+            reserved = (endpoint.reserve(total) if endpoint.reserve_can_matter(now)
+                        else NO_CAPACITY)
             running += batch.requests
             room = free
             for request in batch.requests:
@@ -144,7 +157,6 @@ def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
             if len(batch.requests) == 1 and room.sequences < 0:
                 continue  # an oversized request sent alone
             assert room.sequences >= 0 and room.tokens >= 0
-            endpoint = scheduler.endpoints["ep"]
             for flow in endpoint.flows.values():
                 head = flow.queue.peek()
                 if head is None:

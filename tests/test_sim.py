@@ -20,12 +20,8 @@ from dispatcher.core.fairness import (
     percentile,
     summarize,
 )
-from dispatcher.core.sim import (
-    ClosedLoop,
-    SimResult,
-    TraceRecord,
-    simulate,
-)
+from dispatcher.core.sim import ClosedLoop, SimResult, simulate
+from dispatcher.core.trace import TraceRecord
 from producers.cli import main
 from producers.loadgen import (
     TraceError,
@@ -221,6 +217,21 @@ def test_service_difference_counts_what_a_starved_tenant_asked_for() -> None:
     fair = [record("A", 0.0, 0.0, 10.0), record("B", 0.0, 0.0, 10.0),
             record("A", 10.0, 10.0, 11.0)]
     assert summarize(fair, options)["service_diff"] == [pytest.approx(0.0)]
+
+
+def test_service_difference_is_counted_per_unit_of_weight() -> None:
+    options = MetricOptions(window_s=10.0, warmup_s=0.0)
+    # Both backlogged over [0, 10): A (weight 1) gets 200 units, B (weight 2) 400.
+    records = [record("A", 0.0, 0.0, 10.0, 200, 0), record("B", 0.0, 0.0, 10.0, 400, 0),
+               record("A", 0.0, 20.0, 21.0, 1000, 0), record("B", 0.0, 20.0, 21.0, 1000, 0),
+               record("A", 10.0, 10.0, 11.0)]
+    # s_A = 20/s, s_B = 40/s; demand far above both.
+    assert summarize(records, options)["service_diff"] == [pytest.approx(20.0)]
+    weighted = summarize(records, options, {"A": 1.0, "B": 2.0})
+    assert weighted["service_diff"] == [pytest.approx(0.0)]
+    # Served 1:2 while the weights say 2:1: A gets 10/s per unit of weight, B 40/s.
+    even = summarize(records, options, {"A": 2.0, "B": 1.0})
+    assert even["service_diff"] == [pytest.approx(30.0)]
 
 
 def test_jain_index_normalises_by_max_min_fair_share() -> None:
@@ -470,16 +481,25 @@ def test_the_ablation_reruns_fairq_with_each_suspect_removed(tmp_path: Path) -> 
 
 
 def test_fairq_is_at_least_as_fair_as_vtc_in_the_units_it_charges(tmp_path: Path) -> None:
-    """On prefill-heavy traffic and, where the public trace is present, the Azure
-    conversation trace: fairq's average service difference, counted in model units, is
-    at most VTC's (issue 18; in VTC's own unit VTC stays ahead, docs/benchmarks.md)."""
+    """Issue 18's matrix, four shapes, seed 1 (the Azure one where the public trace is
+    present): fairq's average service difference in model units is at most VTC's;
+    sequence slots sit empty while queued work would fit at most 1% of the time beyond
+    the 3% newcomer reserve; the lighter tenants get their first token no later than
+    with VTC where tenants come and go; and where every tenant stays backlogged the
+    adaptive reserve keeps throughput within 0.5% of FIFO's (on Azure traffic the
+    reserve stays held for the small tenants and costs 0.8%: docs/benchmarks.md)."""
     out = tmp_path / "matrix.json"
-    assert fairness_matrix.main(["--shapes", "prefill-heavy", "azure-conversation",
-                                 "--seeds", "1", "--out", str(out)]) == 0
+    shapes = ("prefill-heavy", "decode-heavy", "heavy-tailed", "azure-conversation")
+    assert fairness_matrix.main(["--shapes", *shapes, "--seeds", "1", "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
-    shapes = summary["shapes"]
-    assert set(shapes) | set(summary["skipped"]) == {"prefill-heavy", "azure-conversation"}
-    for shape, cells in shapes.items():
-        cell = cells["1"]
-        assert cell["fairq"]["mu_service_diff_avg"] <= cell["vtc"]["mu_service_diff_avg"], (
-            shape, cell)
+    assert set(summary["shapes"]) | set(summary["skipped"]) == set(shapes)
+    for shape, cells in summary["shapes"].items():
+        fairq, vtc, fifo = (cells["1"][policy] for policy in ("fairq", "vtc", "fifo"))
+        assert fairq["mu_service_diff_avg"] <= vtc["mu_service_diff_avg"], (shape, fairq, vtc)
+        assert fairq["idle_while_waiting"] <= 0.01 + 0.03, (shape, fairq)
+        if shape in ("heavy-tailed", "azure-conversation"):
+            assert fairq["light_tenants_p95_ttft_s"] <= vtc["light_tenants_p95_ttft_s"], (
+                shape, fairq, vtc)
+        if shape != "azure-conversation":
+            assert fairq["throughput_tokens_per_s"] >= 0.995 * fifo["throughput_tokens_per_s"], (
+                shape, fairq, fifo)

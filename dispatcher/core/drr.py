@@ -22,7 +22,7 @@ class TenantFlow:
     """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
 
     __slots__ = ("policy", "weight", "tier_rank", "queue", "quantum", "deficit", "granted",
-                 "in_ring", "lane", "running", "served_cost")
+                 "in_ring", "lane", "running", "served_cost", "left_at_round")
 
     def __init__(self, policy: TenantPolicy, endpoint_quantum: float,
                  order: OrderKey = priority_order) -> None:
@@ -38,6 +38,7 @@ class TenantFlow:
         self.lane: deque[TenantFlow] | None = None  # the ring lane it waits in
         self.running = 0
         self.served_cost = 0.0
+        self.left_at_round = 0.0  # its ring's round when it last left the ring
 
     @property
     def tenant(self) -> str:
@@ -56,13 +57,21 @@ class DrrRing:
     once instead of after a whole round of a flooding tenant's. What it sends beyond
     its quantum is debt carried into the old lane, where plain DRR applies: a tenant
     gains nothing in the long run by arriving in bursts.
+
+    A flow that leaves in debt repays it while idle as if it had stayed: on its return
+    it is credited a quantum for each round the ring turned meanwhile, up to its debt
+    (as VTC lifts a returning client's counter to the backlogged ones'). Otherwise a
+    sparse tenant, whose output is charged after its queue emptied, would pay for its
+    last request again with rounds of waiting on its next.
     """
 
-    __slots__ = ("new", "flows")
+    __slots__ = ("new", "flows", "round")
 
     def __init__(self) -> None:
         self.new: deque[TenantFlow] = deque()
         self.flows: deque[TenantFlow] = deque()
+        # Rounds of the old lane so far: each grant of a quantum is 1/len(old lane) of one.
+        self.round = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.flows or self.new)
@@ -70,6 +79,9 @@ class DrrRing:
     def activate(self, flow: TenantFlow) -> None:
         """A flow that just became backlogged: to the new lane, with a fresh quantum."""
         if not flow.in_ring:
+            if flow.deficit < 0:
+                idle_rounds = self.round - flow.left_at_round
+                flow.deficit = min(0.0, flow.deficit + idle_rounds * flow.quantum)
             flow.in_ring = True
             flow.granted = True
             flow.deficit += flow.quantum
@@ -101,6 +113,7 @@ class DrrRing:
             if not flow.granted:
                 flow.deficit += flow.quantum
                 flow.granted = True
+                self.round += 1 / len(ring)
             if request.charged_cost <= flow.deficit:
                 return flow
             flow.granted = False
@@ -132,8 +145,8 @@ class DrrRing:
         """Put a set-aside flow back at the head of its lane, its visit state intact."""
         flow.lane.appendleft(flow)
 
-    @staticmethod
-    def _leave(flow: TenantFlow) -> None:
+    def _leave(self, flow: TenantFlow) -> None:
+        flow.left_at_round = self.round
         flow.in_ring = False
         flow.granted = False
         flow.lane = None
@@ -148,5 +161,6 @@ class DrrRing:
             for flow in self.flows
         )
         if rounds > 1:
+            self.round += rounds - 1
             for flow in self.flows:
                 flow.deficit += (rounds - 1) * flow.quantum

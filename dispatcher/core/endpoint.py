@@ -5,6 +5,8 @@ Pure, like the rest of the core; `Scheduler` keeps one `EndpointQueues` per endp
 
 from __future__ import annotations
 
+import math
+
 from broker_config.config import Endpoint
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile
 from dispatcher.core.drr import TenantFlow
@@ -37,14 +39,20 @@ class EndpointQueues:
         self.profile = profile
         self.selector = selector
         self.reserve_fraction = reserve_fraction
+        self.newcomer_window_s = spec.newcomer_window_s
+        # When a tenant last came or went (see `reserve_can_matter`), stamped with
+        # `clock`: the time of the endpoint's last admission, dispatch or completion.
+        self._presence_changed_at = -math.inf
+        self.clock = 0.0
         self.flows: dict[str, TenantFlow] = {}
         self.default_total = Capacity(spec.batch.sequences, spec.batch.tokens,
                                       spec.batch.model_units)
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
         self.running = 0
         # Flows with queued or running work, and the sum of their weights (overall and
-        # per tier rank, for the throttle's fair-share estimate).
+        # per tier rank, for the throttle's fair-share estimate); those with work queued.
         self.present_flows = 0
+        self.backlogged_flows = 0
         self.present_weight = 0.0
         self.present_weight_by_rank = [0.0] * tier_count
 
@@ -70,21 +78,63 @@ class EndpointQueues:
     def reserve(self, total: Capacity) -> Capacity:
         return newcomer_reserve(total, self.reserve_fraction)
 
+    def reserve_can_matter(self, now: float) -> bool:
+        """Could a tenant below its share need the reserve soon? Yes while a present
+        tenant has nothing queued (it runs below its share or may, and sends again) or
+        while tenants came or went within the window (one may return). Otherwise every
+        present tenant is backlogged, and one below its share takes a free slot without
+        a reserve: held, the reserve would only sit idle."""
+        return (self.backlogged_flows < self.present_flows
+                or now - self._presence_changed_at <= self.newcomer_window_s)
+
+    def expected_wait(self, flow: TenantFlow | None, weight: float, tier_rank: int) -> float:
+        """The tenant's queued model units over its weighted share of capacity."""
+        if flow is None or not len(flow.queue) or self.capacity_mu_per_s <= 0:
+            return 0.0
+        competing = sum(self.present_weight_by_rank[:tier_rank + 1])
+        share = self.capacity_mu_per_s * weight / max(competing, weight)
+        return flow.queue.queued_model_units / share
+
+    def waiting_that_fits(self, free: Capacity) -> int:
+        """How many of `free`'s sequence slots queued work could fill now, whatever the
+        reserve: flows whose next request fits the room, at most the free slots."""
+        count = 0
+        if free.sequences <= 0 or not self.backlogged_flows:
+            return count
+        for flow in self.flows.values():
+            head = flow.queue.peek()
+            if (head is not None and head.input_tokens + head.max_tokens <= free.tokens
+                    and head.model_units <= free.model_units):
+                count += 1
+                if count == free.sequences:
+                    break
+        return count
+
     def below_fair_share(self, flow: TenantFlow) -> bool:
         """Runs fewer sequences than its weighted share of what the endpoint runs now
         (inlined in `Scheduler.next_batch`, the hot path)."""
         return flow.running * self.present_weight < flow.weight * max(self.running, 1)
 
     def mark_present(self, flow: TenantFlow) -> None:
-        """Call before adding work to `flow`."""
-        if not len(flow.queue) and not flow.running:
+        """Call before queueing work for `flow`."""
+        if len(flow.queue):
+            return
+        self.backlogged_flows += 1
+        if not flow.running:
+            self._presence_changed_at = self.clock
             self.present_weight += flow.weight
             self.present_weight_by_rank[flow.tier_rank] += flow.weight
             self.present_flows += 1
 
+    def took_queued(self, flow: TenantFlow) -> None:
+        """Call after taking a request out of `flow`'s queue."""
+        if not len(flow.queue):
+            self.backlogged_flows -= 1
+
     def mark_absent_if_idle(self, flow: TenantFlow) -> None:
         """Call after taking work from `flow`."""
         if not len(flow.queue) and not flow.running:
+            self._presence_changed_at = self.clock
             self.present_flows -= 1
             self.present_weight -= flow.weight
             self.present_weight_by_rank[flow.tier_rank] -= flow.weight

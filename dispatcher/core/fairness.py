@@ -25,7 +25,9 @@ the window (service units per second),
 where the demand d_i is the cost of tenant i's requests that *arrived* in the window,
 whatever became of them (the artifact's "request rate"). A tenant that received as
 much as the best-served tenant, or as much as it asked for, adds nothing; a tenant
-starved while it asks adds what it is short of. Reported: the max and the mean over
+starved while it asks adds what it is short of. With tenant weights, s_i and d_i are
+divided by tenant i's weight, so tenants served in proportion to their weights add
+nothing (the paper's tenants all have weight 1). Reported: the max and the mean over
 windows.
 
 Jain's index per window is computed on normalised service x_i = s_i / f_i, as in
@@ -249,14 +251,18 @@ def available_per_window(records: Iterable[RequestRecord], windows: Sequence[Win
 
 def service_difference(service: Mapping[str, Sequence[float]],
                        demand: Mapping[str, Sequence[float]],
-                       windows: Sequence[Window]) -> list[float]:
-    """VTC's per-window service difference, in service units per second."""
+                       windows: Sequence[Window],
+                       weights: Mapping[str, float] | None = None) -> list[float]:
+    """VTC's per-window service difference, in service units per second (per unit of
+    weight: with `weights`, a tenant's service and demand are divided by its weight)."""
     tenants = sorted(set(service) | set(demand))
+    weights = weights or {}
     diffs = []
     for k, (start, end) in enumerate(windows):
         length = end - start
-        rates = {t: service.get(t, [0.0] * len(windows))[k] / length for t in tenants}
-        asked = {t: demand.get(t, [0.0] * len(windows))[k] / length for t in tenants}
+        scale = {t: length * weights.get(t, 1.0) for t in tenants}
+        rates = {t: service.get(t, [0.0] * len(windows))[k] / scale[t] for t in tenants}
+        asked = {t: demand.get(t, [0.0] * len(windows))[k] / scale[t] for t in tenants}
         best = max(rates.values(), default=0.0)
         diffs.append(sum(min(best - rates[t], abs(asked[t] - rates[t])) for t in tenants))
     return diffs
@@ -325,7 +331,8 @@ def summarize(records: Sequence[RequestRecord], options: MetricOptions = DEFAULT
     """The summary block of a result: throughput, fairness figures, per-tenant latency."""
     windows = metric_windows(records, options)
     service = service_per_window(records, windows, options)
-    diffs = service_difference(service, demand_per_window(records, windows, options), windows)
+    diffs = service_difference(service, demand_per_window(records, windows, options), windows,
+                               weights)
     jains = jain_per_window(service, available_per_window(records, windows, options),
                             windows, weights)
     measured = [j for j in jains if j is not None]

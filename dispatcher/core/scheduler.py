@@ -21,7 +21,7 @@ from typing import Literal
 
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
-from costmodel.units import Capacity, Usage
+from costmodel.units import NO_CAPACITY, Capacity, Usage
 from dispatcher.core.admission import (
     Check,
     LimiterStore,
@@ -117,7 +117,7 @@ class Scheduler:
         if limits.max_queued is not None and queued >= limits.max_queued:
             return Decision(Outcome.QUEUE_FULL,
                             f"tenant queue is full ({limits.max_queued} requests)", 1.0)
-        decision = throttle(self._expected_wait(endpoint, flow, policy.weight, policy.tier_rank),
+        decision = throttle(endpoint.expected_wait(flow, policy.weight, policy.tier_rank),
                             now, endpoint.spec.latency_target_s, request.deadline, waited_s)
         if not decision.admitted:
             return decision
@@ -140,6 +140,7 @@ class Scheduler:
         endpoint = self.endpoints[request.endpoint]
         flow = self._flow(endpoint, request.tenant)
         self._estimate(endpoint, request)
+        endpoint.clock = now
         endpoint.mark_present(flow)
         flow.queue.push(request)
         self._queued[(request.tenant, request.id)] = flow
@@ -163,20 +164,25 @@ class Scheduler:
         endpoint = self.endpoints[endpoint_name]
         total = total or endpoint.default_total
         selector = endpoint.selector
+        endpoint.clock = now
         reserve = endpoint.reserve(total)
         batch = Selection()
         # The room left, unpacked: this loop is the dispatcher's hot path.
         seqs, tokens, units = free.sequences, free.tokens, free.model_units
         set_aside = 0
-        # A flow held back by the reserve (at or above its share) can fall below its share
-        # when another flow starts a request; such flows get another look before the
-        # batch closes.
+        # A flow held back by the reserve (at or above its share) can fall below its
+        # share when another flow starts a request: it gets another look.
         held_by_reserve = recheck = False
         while seqs > 0:
             flow = selector.select()
             if flow is None:
-                if not recheck:
+                # Only the reserve holds work back and no newcomer is likely: lift it.
+                lift = (not recheck and held_by_reserve
+                        and not endpoint.reserve_can_matter(now))
+                if not (recheck or lift):
                     break
+                if lift:
+                    reserve, set_aside = NO_CAPACITY, 0
                 selector.restore_set_aside()
                 held_by_reserve = recheck = False
                 continue
@@ -214,6 +220,7 @@ class Scheduler:
                     break
                 continue
             flow.queue.pop()
+            endpoint.took_queued(flow)
             selector.charge(flow, request)
             request.expedited = below_share
             self._start(endpoint, flow, request, now)
@@ -232,6 +239,7 @@ class Scheduler:
             return None
         request, flow = entry
         endpoint = self.endpoints[request.endpoint]
+        endpoint.clock = now
         correction = endpoint.cost(usage.input_tokens, usage.output_tokens,
                                    usage.other_units) - request.charged_cost
         flow.deficit -= correction
@@ -361,15 +369,6 @@ class Scheduler:
         request.charged_cost = endpoint.cost(request.input_tokens, charged_output,
                                              request.other_units)
 
-    def _expected_wait(self, endpoint: EndpointQueues, flow: TenantFlow | None,
-                       weight: float, tier_rank: int) -> float:
-        """The tenant's queued model units over its weighted share of capacity."""
-        if flow is None or not len(flow.queue) or endpoint.capacity_mu_per_s <= 0:
-            return 0.0
-        competing = sum(endpoint.present_weight_by_rank[:tier_rank + 1])
-        share = endpoint.capacity_mu_per_s * weight / max(competing, weight)
-        return flow.queue.queued_model_units / share
-
     def _start(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request,
                now: float) -> None:
         del self._queued[(request.tenant, request.id)]
@@ -386,6 +385,7 @@ class Scheduler:
     def _forget_queued(self, endpoint: EndpointQueues, flow: TenantFlow,
                        request: Request) -> None:
         del self._queued[(request.tenant, request.id)]
+        endpoint.took_queued(flow)
         endpoint.mark_absent_if_idle(flow)
 
     def _quota_refund(self, request: Request, usage: Usage) -> QuotaCheck | None:

@@ -33,6 +33,11 @@ request whose input plus max_tokens can never fit a replica's KV cache is reject
 Besides the trace's open-loop arrivals, a `ClosedLoop` client sends a request whenever
 a sequence slot outside the newcomer reserve is free, after an instant's events and
 before its dispatch.
+
+The summary's `simulation` block has `idle_while_waiting`: the share of sequence-slot
+time, over every engine step, left empty while a queued request would have fit
+(`EndpointQueues.waiting_that_fits`), what the newcomer reserve or FIFO's head-of-line
+blocking cost.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from dispatcher.core.fairness import (
     summarize,
 )
 from dispatcher.core.scheduler import Policy, Scheduler
+from dispatcher.core.trace import TraceRecord
 from dispatcher.core.types import Outcome, Request
 from dispatcher.core.workers import Worker, WorkerPool
 
@@ -64,53 +70,6 @@ from dispatcher.core.workers import Worker, WorkerPool
 _STEP_END = 0
 _ARRIVAL = 1
 _WAKE = 2  # nothing to handle: a closed-loop client starts
-
-
-@dataclass(slots=True, frozen=True)
-class TraceRecord:
-    """One request of a trace.
-
-    `arrival_s` and `deadline_s` are on the trace's clock (seconds; the deadline is
-    absolute, like the wire contract's). `output_tokens` is what the engine produces;
-    the scheduler sees only `max_tokens` (None: the endpoint's cap). `endpoint` None
-    means the config's first endpoint.
-    """
-
-    tenant: str
-    arrival_s: float
-    input_tokens: int
-    output_tokens: int
-    priority: int = 0
-    deadline_s: float | None = None
-    session: str | None = None
-    max_tokens: int | None = None
-    endpoint: str | None = None
-
-    def __post_init__(self) -> None:
-        check_trace_record(self)
-
-
-class TraceRecordError(ValueError):
-    """A trace record the simulator cannot run; `column` names the bad field."""
-
-    def __init__(self, column: str, message: str) -> None:
-        super().__init__(f"{column}: {message}")
-        self.column = column
-        self.reason = message
-
-
-def check_trace_record(record: TraceRecord) -> None:
-    """Raise TraceRecordError if `record` cannot be simulated."""
-    if not record.tenant:
-        raise TraceRecordError("tenant", "must not be empty")
-    if not (math.isfinite(record.arrival_s) and record.arrival_s >= 0):
-        raise TraceRecordError("arrival_s", f"must be finite and >= 0, got {record.arrival_s!r}")
-    for column in ("input_tokens", "output_tokens", "max_tokens"):
-        value = getattr(record, column)
-        if value is not None and value < 1:
-            raise TraceRecordError(column, f"must be >= 1, got {value!r}")
-    if record.deadline_s is not None and not math.isfinite(record.deadline_s):
-        raise TraceRecordError("deadline_s", f"must be finite, got {record.deadline_s!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -208,6 +167,8 @@ class Simulation:
             self._add_client(spec, replicas)
         heapq.heapify(self._events)
         self.now = 0.0
+        # Sequence-slot seconds run, and those left empty while queued work would fit.
+        self.slot_s = self.idle_slot_s = 0.0
 
     def _add_client(self, spec: ClosedLoop, replicas: int) -> None:
         first = len(self.entries)
@@ -311,8 +272,12 @@ class Simulation:
     def _start_step(self, index: int, replica: _Replica) -> None:
         if replica.engine.idle:
             return
-        replica.step = replica.engine.step()
-        heapq.heappush(self._events, (self.now + replica.step.duration_s, _STEP_END, index))
+        replica.step = step = replica.engine.step()
+        heapq.heappush(self._events, (self.now + step.duration_s, _STEP_END, index))
+        worker = replica.worker
+        self.slot_s += step.duration_s * worker.capacity.sequences
+        self.idle_slot_s += step.duration_s * self.scheduler.endpoints[
+            worker.endpoint].waiting_that_fits(worker.free())
 
     def _end_step(self, replica: _Replica) -> None:
         step = replica.step
@@ -372,6 +337,7 @@ def simulate(trace: Sequence[TraceRecord], config: Config,
         "makespan_s": max((r.finished for r in records if r.finished is not None),
                           default=0.0),
         "engine_steps": sum(r.engine.steps for r in simulation.replicas),
+        "idle_while_waiting": simulation.idle_slot_s / max(simulation.slot_s, 1e-12),
     }
     return SimResult(records, summary)
 
