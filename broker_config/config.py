@@ -177,6 +177,17 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     ack_wait_s: PositiveSeconds = 60.0
     # A worker silent this long is out of rotation and its requests are requeued.
     worker_timeout_s: PositiveSeconds = 5.0
+    # Black-box health probes (one short generation through the worker's engine): sent
+    # to a worker that holds work and completed nothing for probe_stall_s, or idled for
+    # probe_idle_s; unanswered within probe_timeout_s a probe fails, and probe_failures
+    # failures in a row evict the worker (out of rotation until it restarts).
+    probe_stall_s: PositiveSeconds = 3.0
+    probe_idle_s: PositiveSeconds = 30.0
+    probe_timeout_s: PositiveSeconds = 3.0
+    probe_failures: PositiveInt = 2
+    # An evicted worker's requests that streamed no token yet run elsewhere; the others
+    # end with `internal` and this retry hint (a stream cannot take text back).
+    evicted_retry_after_s: Seconds = 1.0
     # After a (re)start, wait this long for heartbeats before dispatching, so requests
     # still running on workers are recognised instead of run twice.
     settle_s: Seconds = 1.5

@@ -20,6 +20,7 @@ Internal subjects (may change; only fairq's own services use them) live under
     <prefix>.int.abort.<endpoint>           dispatcher -> all workers of an endpoint: abort ids
     <prefix>.int.hb.<endpoint>.<worker>     worker -> dispatcher: heartbeats
     <prefix>.int.done.<endpoint>.<worker>   worker -> dispatcher: completions
+    <prefix>.int.evict.<endpoint>.<worker>  dispatcher -> worker: it failed its probes
 """
 
 from __future__ import annotations
@@ -188,6 +189,10 @@ class Subjects:
     def work(self, endpoint: str, worker_id: str) -> str:
         """Batches for one worker."""
         return self._internal("work", endpoint, worker_id)
+
+    def evict(self, endpoint: str, worker_id: str) -> str:
+        """Tells one worker it was evicted (failed health probes)."""
+        return self._internal("evict", endpoint, worker_id)
 
     def abort(self, endpoint: str) -> str:
         """Abort broadcast to every worker of an endpoint."""

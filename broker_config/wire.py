@@ -225,8 +225,10 @@ class BatchItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     `max_tokens` is the body's, capped by the endpoint. `expedited` is the engine priority
     the dispatcher chose (its tenant ran below its fair share): the worker schedules it
     ahead in the engine. The body's own `priority` orders requests only inside their
-    tenant's queue and never reaches the engine. Times are unix seconds; `probe` marks a
-    black-box health check, whose events go to `reply` like any other request's.
+    tenant's queue and never reaches the engine. Times are unix seconds. `probe` marks a
+    black-box health check: the worker runs it through its engine ahead of everything,
+    in a sequence slot it keeps free for probes, until the body's `deadline`, and
+    answers with a Completion (`probe` set) instead of events or a stored result.
     """
 
     id: str
@@ -257,6 +259,17 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     ids: list[str]
     code: ErrorCode = ErrorCode.CANCELLED
+
+
+class Evict(msgspec.Struct, frozen=True, kw_only=True):
+    """To one run (`started_at`) of a worker: it failed its health probes and is out of
+    rotation. It abandons its requests without final events or completions (the
+    dispatcher has run them elsewhere or ended them), takes no more batches and exits,
+    so its supervisor starts a fresh run. A run with another `started_at` ignores it."""
+
+    endpoint: str
+    worker_id: str
+    started_at: float
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
@@ -298,6 +311,8 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     finished_at: float
     # Unix time of the first token event, if there was one (for TTFT metrics).
     first_token_at: float | None = None
+    # The answer to a health probe (`BatchItem.probe`): nothing stored, no events.
+    probe: bool = False
 
 
 class Completions(msgspec.Struct, frozen=True):
@@ -364,6 +379,7 @@ DEPTH_REQUEST = Codec(DepthRequest)
 DEPTH_REPLY = Codec(DepthReply)
 BATCH = Codec(Batch)
 ABORT = Codec(Abort)
+EVICT = Codec(Evict)
 HEARTBEAT = Codec(Heartbeat)
 COMPLETIONS = Codec(Completions)
 STORED_RESULT = Codec(StoredResult)

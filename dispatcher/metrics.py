@@ -42,12 +42,30 @@ class DispatcherMetrics:
                                     "Sequences sent over the worker's free sequences",
                                     ["endpoint"], buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
                                     registry=r)
+        self.probes = Counter("fairq_probes", "Health probes sent to workers", ["endpoint"],
+                              registry=r)
+        self.probe_failures = Counter("fairq_probe_failures",
+                                      "Health probes unanswered in time or failed",
+                                      ["endpoint"], registry=r)
+        self.evictions = Counter("fairq_worker_evictions",
+                                 "Workers taken out of rotation by failed probes",
+                                 ["endpoint"], registry=r)
+        self.redispatched = Counter("fairq_redispatched",
+                                    "Requests of an evicted worker run again elsewhere",
+                                    ["endpoint"], registry=r)
+        self.failed_by_eviction = Counter(
+            "fairq_failed_by_eviction",
+            "Requests of an evicted worker ended with a retryable error (they had streamed)",
+            ["endpoint"], registry=r)
         # Children of the per-request metrics, which are never cleared: `labels()` hashes
         # and takes a lock on every call, a cost on the request path.
         self._children: dict[tuple[object, tuple[str, ...]], object] = {}
         for endpoint in endpoints:  # export every outcome from the start, also at zero
             for outcome in Outcome:
                 self.child(self.admissions, endpoint, outcome.value)
+            for counter in (self.probes, self.probe_failures, self.evictions,
+                            self.redispatched, self.failed_by_eviction):
+                self.child(counter, endpoint)
 
     def child(self, metric: Counter | Histogram, *labels: str):
         """`metric.labels(*labels)`, cached (for metrics whose labels are never cleared)."""

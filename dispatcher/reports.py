@@ -9,6 +9,10 @@
   JetStream message, or naks it when the worker could not store the final event.
 - `take_back_silent` (from the maintenance tick): workers silent for the pool's timeout
   leave rotation, and their work is taken back the same way.
+- `evicted`: a worker that failed its health probes (`dispatcher.probes`) leaves
+  rotation too. Its requests that streamed no token yet (as far as its heartbeats said)
+  run again elsewhere; the others end here with `internal` and a retry hint, since a
+  stream cannot take back text a client has seen.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from nats.aio.msg import Msg
 from broker_config import wire
 from broker_config.config import Config
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects
+from costmodel.units import Usage
 from dispatcher.admit import Admission
-from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.workers import Lost, WorkerPool
+from dispatcher.core.scheduler import Completed, Scheduler
+from dispatcher.core.types import Request
+from dispatcher.core.workers import Lost, Worker, WorkerPool
 from dispatcher.held import HeldRequests
 from dispatcher.metrics import DispatcherMetrics
+from dispatcher.probes import Probes
 from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
 
 log = logging.getLogger("fairq.dispatcher")
@@ -36,7 +43,7 @@ class WorkerReports:
     def __init__(self, config: Config, subjects: Subjects, scheduler: Scheduler,
                  pool: WorkerPool, held: HeldRequests, admission: Admission,
                  limiter: AsyncLimiterStore, metrics: DispatcherMetrics,
-                 wake: asyncio.Event) -> None:
+                 wake: asyncio.Event, probes: Probes) -> None:
         self.config = config
         self.subjects = subjects
         self.scheduler = scheduler
@@ -46,6 +53,7 @@ class WorkerReports:
         self.limiter = limiter
         self.metrics = metrics
         self.wake = wake
+        self.probes = probes
         # Held across a whole completions message: a worker's last heartbeat, which
         # follows its last completions, must not take back requests being completed.
         self._lock = asyncio.Lock()
@@ -90,6 +98,38 @@ class WorkerReports:
             await self._take_back(lost)
             self._update_capacity(worker.endpoint)
 
+    async def evicted(self, worker: Worker, lost: Lost) -> None:
+        """Take back an evicted worker's work: run what streamed nothing yet elsewhere,
+        end the rest with a retryable error."""
+        now = time.time()
+        streamed = [r for r in lost.requests if r.output_charged > 0]
+        lost.requests = [r for r in lost.requests if r.output_charged == 0]
+        await self._take_back(lost)
+        self.metrics.child(self.metrics.redispatched, worker.endpoint).inc(
+            len(lost.requests) + len(lost.adopted))
+        for request in streamed:
+            await self._fail_streamed(request, now)
+        self._update_capacity(worker.endpoint)
+        self.wake.set()
+
+    async def _fail_streamed(self, request: Request, now: float) -> None:
+        profile = self.scheduler.endpoints[request.endpoint].profile
+        usage = Usage(request.input_tokens, request.output_charged,
+                      profile.model_units(request.input_tokens, request.output_charged,
+                                          request.other_units))
+        completed = self.scheduler.complete(request.tenant, request.id, usage, now)
+        held = self.held.admitted.pop((request.tenant, request.id), None)
+        if held is None:
+            return
+        self.metrics.child(self.metrics.failed_by_eviction, request.endpoint).inc()
+        event = wire.ErrorEvent(
+            request.id, wire.ErrorCode.INTERNAL,
+            "its worker stopped answering health probes after it had started streaming",
+            self.config.dispatcher.evicted_retry_after_s)
+        await self.admission.results.finish(held.msg, held.submission, event, now)
+        if completed is not None:
+            await self._refund(completed)
+
     async def _take_back(self, lost: Lost) -> None:
         """Run lost work again elsewhere."""
         for request in lost.requests:
@@ -112,12 +152,15 @@ class WorkerReports:
     async def on_completions(self, msg: Msg) -> None:
         async with self._lock:
             for done in wire.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
-                await self._complete(done)
+                if not done.probe:
+                    await self._complete(done)
+                elif (eviction := await self.probes.answered(done, time.time())) is not None:
+                    await self.evicted(*eviction)
         self.wake.set()
 
     async def _complete(self, done: wire.Completion) -> None:
         key = (done.tenant, done.id)
-        self.pool.complete(done.worker_id, key)
+        self.pool.complete(done.worker_id, key, time.time())
         completed = self.scheduler.complete(done.tenant, done.id, done.usage, time.time())
         if completed is not None:
             held = self.held.admitted.pop(key, None)
@@ -135,13 +178,16 @@ class WorkerReports:
                 await held.msg.nak()  # the final event is not stored: run it again
         if completed is None:
             return
+        await self._refund(completed)
+        if done.code is None and done.first_token_at is not None:
+            self._observe(completed.request.endpoint, completed.request.arrival, done)
+
+    async def _refund(self, completed: Completed) -> None:
         if completed.refund is not None:
             try:
                 await self.limiter.refund(completed.refund)
             except LimiterUnavailable as exc:
                 log.warning("quota refund lost: %s", exc)
-        if done.code is None and done.first_token_at is not None:
-            self._observe(completed.request.endpoint, completed.request.arrival, done)
 
     def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
         self.metrics.child(self.metrics.ttft, endpoint).observe(

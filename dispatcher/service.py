@@ -56,6 +56,7 @@ from dispatcher.dispatch import Dispatch
 from dispatcher.held import HeldRequests
 from dispatcher.intake import Intake
 from dispatcher.metrics import DispatcherMetrics
+from dispatcher.probes import Probes
 from dispatcher.redis_limits import AsyncLimiterStore, MemoryLimiterAsync
 from dispatcher.reports import WorkerReports
 from dispatcher.results import Results
@@ -84,7 +85,8 @@ class Dispatcher:
         self.limiter = limiter or MemoryLimiterAsync()
         self.metrics = metrics or DispatcherMetrics(list(config.endpoints))
         self.scheduler = Scheduler(config)
-        self.pool = WorkerPool(timeout_s=self.options.worker_timeout_s)
+        self.pool = WorkerPool(timeout_s=self.options.worker_timeout_s,
+                               evict_after=self.options.probe_failures)
         self.held = HeldRequests()
         self.state = State.STARTING
         self._settled_at = 0.0
@@ -117,9 +119,10 @@ class Dispatcher:
                                    self._backlog)
         self.dispatch = Dispatch(self.nc, self.subjects, self.scheduler, self.pool,
                                  self.admission, self.metrics, self._top_up)
+        self.probes = Probes(self.nc, self.subjects, self.pool, self.options, self.metrics)
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
                                      self.held, self.admission, self.limiter, self.metrics,
-                                     self.dispatch.wake)
+                                     self.dispatch.wake, self.probes)
         self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
                        self.admission, results, parked, stored, self._backlog)
         for endpoint in self.config.endpoints:
@@ -206,6 +209,8 @@ class Dispatcher:
             now = time.time()
             await self.admission.drop_expired(self.scheduler.expire(now), now)
             await self.reports.take_back_silent(now)
+            for worker, lost in await self.probes.tick(now):
+                await self.reports.evicted(worker, lost)
             self.admission.forget_old_cancels(now)
             if now - last_extension > self.options.ack_wait_s / 3:
                 last_extension = now

@@ -54,7 +54,7 @@ def test_ledger_totals_follow_assign_and_complete_exactly() -> None:
     pool.assign(worker, b, 0.0)
     assert worker.used() == Capacity(2, 100, 0.75)
     assert worker.free() == Capacity(2, 900, 9.25)
-    assert pool.complete("w", key(a)) is a
+    assert pool.complete("w", key(a), 0.0) is a
     assert worker.used() == Capacity(1, 70, 0.25)
     assert worker.free() == CAP.minus(worker.used())
 
@@ -63,10 +63,10 @@ def test_completing_twice_or_elsewhere_changes_nothing() -> None:
     pool = new_pool("w", "v")
     a = request("1")
     pool.assign(pool.get("w"), a, 0.0)
-    assert pool.complete("v", key(a)) is None  # not sent there
-    assert pool.complete("gone", key(a)) is None  # a worker the pool does not know
-    assert pool.complete("w", key(a)) is a
-    assert pool.complete("w", key(a)) is None  # e.g. after a requeue
+    assert pool.complete("v", key(a), 0.0) is None  # not sent there
+    assert pool.complete("gone", key(a), 0.0) is None  # a worker the pool does not know
+    assert pool.complete("w", key(a), 0.0) is a
+    assert pool.complete("w", key(a), 0.0) is None  # e.g. after a requeue
     assert pool.get("w").used() == Capacity(0, 0, 0.0)
 
 
@@ -79,7 +79,7 @@ def test_model_units_return_to_exactly_zero_when_nothing_is_assigned() -> None:
     for r in requests:
         pool.assign(worker, r, 0.0)
     for r in requests:
-        pool.complete("w", key(r))
+        pool.complete("w", key(r), 0.0)
     assert worker.assigned_units == 0.0 and worker.load == 0.0
     assert worker.free() == CAP
 
@@ -116,7 +116,7 @@ def test_by_load_skips_unhealthy_and_full_workers_and_filters_by_endpoint() -> N
     assert [w.worker_id for w in pool.by_load("embed")] == ["other"]
     assert {w.worker_id for w in pool.by_load()} == {"ok", "other"}
     assert pool.healthy_count("ep") == 2  # full is healthy, only busy
-    pool.complete("full", ("a", "0"))
+    pool.complete("full", ("a", "0"), 0.0)
     assert [w.worker_id for w in pool.by_load("ep")] == ["ok", "full"]
 
 
@@ -265,7 +265,7 @@ def test_completing_an_adopted_request_forgets_it() -> None:
     k = ("x", "9")
     beat(pool, "w", 1.0, [k])
     pool.adopt("w", k)
-    assert pool.complete("w", k) is None  # it was not sent by this dispatcher
+    assert pool.complete("w", k, 0.0) is None  # it was not sent by this dispatcher
     assert pool.running_on(k) is None and not pool.get("w").adopted
     assert pool.get("w").used() == Capacity(0, 0, 0.0)  # adoption never held capacity
     assert not beat(pool, "w", 2.0) and not beat(pool, "w", 3.0)
@@ -317,3 +317,68 @@ def test_a_worker_gone_for_good_is_forgotten() -> None:
     assert pool.get("w") is not None and not pool.get("w").healthy
     pool.silent(TIMEOUT_S * FORGET_AFTER_TIMEOUTS + 1.0)
     assert pool.get("w") is None
+
+
+# -- probes and eviction ------------------------------------------------------------------
+
+
+def test_probes_are_due_after_a_stall_with_work_or_a_longer_idle_spell() -> None:
+    pool = new_pool("busy", "idle")
+    pool.assign(pool.get("busy"), request("r1"), 1.0)
+    assert pool.probes_due(10.9, stall_s=10.0, idle_s=30.0) == []  # busy since 1 s
+    assert [w.worker_id for w in pool.probes_due(11.0, 10.0, 30.0)] == ["busy"]
+    pool.complete("busy", ("a", "r1"), 11.0)  # progress: the clock starts again
+    assert pool.probes_due(29.9, 10.0, 30.0) == []
+    assert {w.worker_id for w in pool.probes_due(30.0, 10.0, 30.0)} == {"idle"}
+    assert {w.worker_id for w in pool.probes_due(41.0, 10.0, 30.0)} == {"busy", "idle"}
+
+
+def test_one_probe_at_a_time_and_an_answer_resets_the_clock() -> None:
+    pool = new_pool("w")
+    worker = pool.get("w")
+    pool.probe_sent(worker, "p1", 30.0)
+    assert pool.probes_due(31.0, 10.0, 30.0) == []  # p1 is still out
+    assert pool.probe_answered("w", "p0", True, 31.0) is None  # not the awaited probe
+    assert worker.probe_id == "p1"
+    assert pool.probe_answered("w", "p1", True, 31.0) is None
+    assert worker.probe_id is None and worker.progress_at == 31.0
+    assert pool.probes_due(60.9, 10.0, 30.0) == []
+
+
+def test_failed_probes_in_a_row_evict_the_worker_with_its_work() -> None:
+    pool = new_pool("w", "v")
+    worker = pool.get("w")
+    r1 = request("r1")
+    pool.assign(worker, r1, 1.0)
+    pool.probe_sent(worker, "p1", 11.0)
+    assert pool.probes_overdue(15.9, timeout_s=5.0) == []
+    [(failed, lost)] = pool.probes_overdue(16.0, timeout_s=5.0)
+    assert failed is worker and lost is None and worker.healthy  # one failure of two
+    pool.probe_sent(worker, "p2", 26.0)
+    assert pool.probe_answered("w", "p2", False, 27.0) == Lost([r1], [])  # an error answer
+    assert worker.evicted and not worker.healthy and not worker.assigned
+    assert [w.worker_id for w in pool.by_load()] == ["v"]
+    assert pool.probes_due(100.0, 10.0, 30.0) == [pool.get("v")]  # no probes for w
+
+
+def test_a_success_between_failures_starts_the_count_again() -> None:
+    pool = new_pool("w")
+    worker = pool.get("w")
+    for probe_id, ok in (("p1", False), ("p2", True), ("p3", False)):
+        pool.probe_sent(worker, probe_id, 1.0)
+        assert pool.probe_answered("w", probe_id, ok, 2.0) is None
+    assert worker.healthy and worker.probe_failures == 1
+
+
+def test_an_evicted_worker_is_ignored_until_it_restarts() -> None:
+    pool = WorkerPool(timeout_s=TIMEOUT_S, evict_after=1)
+    assert not beat(pool, "w", 0.0)
+    worker = pool.get("w")
+    pool.probe_sent(worker, "p1", 1.0)
+    assert pool.probe_answered("w", "p1", False, 2.0) == Lost()
+    # Its heartbeats still come (its event loop runs) but change nothing.
+    assert not beat(pool, "w", 3.0, [("a", "x")])
+    assert worker.evicted and not worker.healthy and pool.running_on(("a", "x")) is None
+    # A new run is a new worker: back in rotation.
+    assert not beat(pool, "w", 4.0, started_at=3.5)
+    assert worker.healthy and not worker.evicted and pool.by_load() == [worker]

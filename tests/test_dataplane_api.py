@@ -217,13 +217,16 @@ async def test_a_running_requests_output_is_charged_as_the_worker_reports_it(cli
 
 async def test_metrics_report_the_queue_running_and_admissions(nats_url):
     """Values after a known sequence, scraped over HTTP as Prometheus does."""
-    # Four sequence slots, one held back as the newcomer reserve: acme alone runs three.
-    engine = msgspec.structs.replace(SimEngine().params, max_sequences=4)
+    # Five sequence slots, one kept for health probes and one held back as the newcomer
+    # reserve: acme alone runs three.
+    engine = msgspec.structs.replace(SimEngine().params, max_sequences=5)
     metrics = DispatcherMetrics(["chat", "embed"])
     port = metrics.serve(0)
+    # The hung engine below stands for long requests: no probes to find it.
     options = StackOptions(workers=1, endpoints=("chat",), time_scale=1.0, engine=engine,
                            dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05,
-                                                        grace_s=0.0),
+                                                        grace_s=0.0, probe_stall_s=3600.0,
+                                                        probe_idle_s=3600.0),
                            workers_settings=WorkerOptions(heartbeat_interval_s=0.2,
                                                           drain_timeout_s=0.0))
     try:
@@ -254,6 +257,9 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
                            (("endpoint", "chat"), ("outcome", "admitted")))] == 5
             assert values[("fairq_admissions_total",
                            (("endpoint", "chat"), ("outcome", "rate_limited")))] == 0
+            for counter in ("fairq_probes_total", "fairq_worker_evictions_total",
+                            "fairq_redispatched_total"):
+                assert values[(counter, (("endpoint", "chat"),))] == 0  # exported at zero
             stack.engines[0].faults.hang = False
 
             async def drained():

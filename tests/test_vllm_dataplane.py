@@ -71,7 +71,10 @@ tier = "standard"
 [tenants.globex]
 tier = "standard"
 """
-OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=10.0, grace_s=5.0)
+# The module's engine runs one sequence, so no slot is kept for health probes and a probe
+# would wait behind a long request: these tests are not about probes (no probe is sent).
+OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=10.0, grace_s=5.0,
+                            probe_stall_s=3600.0, probe_idle_s=3600.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -54,7 +54,8 @@ from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile, Usage
 from workers import __main__ as worker_main
 from workers import service as service_module
-from workers.engine import EngineRequest
+from workers.engine import PROBE, EngineRequest
+from workers.probe import PROBE_ROOM
 from workers.service import WorkerService
 from workers.sim_engine import Faults, SimEngine
 
@@ -68,8 +69,11 @@ LONG = 10_000  # max_tokens of a request that is interrupted long before it ends
 PROFILE = ModelProfile(name="test", alpha=0.001, beta=0.01, gamma=0.5)
 PARAMS = EngineParams()
 WAIT_S = 10.0
-CAPACITY = Capacity(sequences=PARAMS.max_sequences, tokens=PARAMS.kv_cache_tokens,
-                    model_units=UNLIMITED_MODEL_UNITS)
+ENGINE_CAPACITY = Capacity(sequences=PARAMS.max_sequences, tokens=PARAMS.kv_cache_tokens,
+                           model_units=UNLIMITED_MODEL_UNITS)
+# What heartbeats advertise: one sequence (and a prompt's KV cache) is kept for probes.
+CAPACITY = Capacity(PARAMS.max_sequences - 1, PARAMS.kv_cache_tokens - PROBE_ROOM.tokens,
+                    UNLIMITED_MODEL_UNITS)
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
@@ -225,15 +229,13 @@ async def test_batch_streams_ordered_tokens_then_a_done_event_per_item(
     items = [
         item("r-json", prompt="hello world", metadata={"job": "7"}),
         item("r-pack", prompt=None, messages=chat, input_tokens=50, encoding=Encoding.MSGPACK),
-        item("r-probe", probe=True, max_tokens=4),
     ]
     async with running_worker(nc, results) as (_, engine):
         await send_batch(nc, items, batch_encoding)
-        await internal.until(lambda _: len(completions(internal)) == 3)
+        await internal.until(lambda _: len(completions(internal)) == 2)
     expected_input = {
         "r-json": engine.count_tokens(EngineRequest("r-json", 8, prompt="hello world")),
         "r-pack": 50,
-        "r-probe": engine.count_tokens(EngineRequest("r-probe", 4, prompt="hello world")),
     }
     for sent in items:
         received = [m for m in inbox.msgs if m.subject == sent.reply]
@@ -353,6 +355,49 @@ async def test_engine_priority_comes_from_expedited_never_from_the_body(
                                  S.result_key(TENANT, "r-fast"): service_module.EXPEDITED,
                                  S.result_key(TENANT, "r-default"): 0}
     assert all(c.code is None for c in completions(internal))
+
+
+async def test_a_probe_runs_ahead_in_the_engine_and_answers_with_a_completion_only(
+        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    engine_priorities: dict[str, int] = {}
+    async with running_worker(nc, results, heartbeat_interval_s=0.05) as (_, engine):
+        generate = engine.generate
+
+        def spying(request: EngineRequest):  # type: ignore[no-untyped-def]
+            engine_priorities[request.id] = request.priority
+            return generate(request)
+
+        engine.generate = spying  # type: ignore[method-assign]
+        await send_batch(nc, [item("r-long", max_tokens=LONG),
+                              item("p-1", probe=True, max_tokens=1,
+                                   deadline=time.time() + WAIT_S)])
+        answer = await internal.until(lambda _: completion_of(internal, "p-1"))
+        beat = await internal.until(lambda _: next(
+            (h for h in heartbeats(internal) if h.in_flight), None))
+        await send_abort(nc, "r-long")
+    assert answer.probe and answer.code is None and not answer.stored
+    assert answer.usage.output_tokens == 1
+    assert engine_priorities["probe~p-1"] == PROBE > service_module.EXPEDITED
+    assert events(inbox, "p-1") == []  # no events, nothing stored, never in flight
+    with pytest.raises(KeyNotFoundError):
+        await results.get(S.result_key(TENANT, "p-1"))
+    assert beat.in_flight == [S.result_key(TENANT, "r-long")]
+
+
+async def test_a_probe_the_engine_cannot_answer_by_its_deadline_gets_no_answer(
+        nc: Client, results: KeyValue, internal: Recorder) -> None:
+    faults = Faults(hang=True)
+    async with running_worker(nc, results, faults=faults) as (_, engine):
+        await send_batch(nc, [item("p-hung", probe=True, max_tokens=1,
+                                   deadline=time.time() + 0.3)])
+        await asyncio.sleep(1.0)
+        assert completion_of(internal, "p-hung") is None
+        faults.hang = False
+        await send_batch(nc, [item("p-ok", probe=True, max_tokens=1,
+                                   deadline=time.time() + WAIT_S)])
+        answer = await internal.until(lambda _: completion_of(internal, "p-ok"))
+    assert answer.probe and answer.code is None
+    assert completion_of(internal, "p-hung") is None
 
 
 async def test_first_heartbeat_is_sent_on_start(

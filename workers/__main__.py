@@ -258,10 +258,19 @@ def stop_on_signals() -> asyncio.Event:
 
 
 async def run(options: Options) -> None:
-    """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure."""
+    """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure, also when the
+    dispatcher evicted this worker (its supervisor then starts a fresh one)."""
     stop = stop_on_signals()
-    async with serving(options, stop):
-        await stop.wait()
+    async with serving(options, stop) as (_, service):
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(service.evicted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        was_evicted = service.evicted.is_set()
+    if was_evicted:
+        raise WorkerFailure("evicted by the dispatcher: the engine failed its health probes")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,11 @@ from broker_config.wire import ChatMessage
 from costmodel.units import Capacity
 
 
+# Engine priorities the worker sets, higher served first.
+EXPEDITED = 1  # a request of a tenant below its fair share (the dispatcher's decision)
+PROBE = 2  # a health probe: ahead of every tenant's request
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One request as the engine sees it. Exactly one of `prompt` and `messages` is set."""

@@ -41,6 +41,7 @@ from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, che
 from broker_config.wire import (
     ABORT,
     BATCH,
+    EVICT,
     BatchItem,
     Completion,
     Completions,
@@ -58,7 +59,8 @@ from broker_config.wire import (
     header,
 )
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
-from workers.engine import Delta, Engine, EngineError, EngineRequest
+from workers.engine import EXPEDITED, Delta, Engine, EngineError, EngineRequest
+from workers.probe import advertised, answer_probe
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,6 @@ STORE_BACKOFF_S = 0.05
 STORE_BACKOFF_MAX_S = 1.0
 # Upper bound for the round trip that pushes the last messages out on shutdown.
 FLUSH_TIMEOUT_S = 5.0
-# Engine priority of an expedited request (every other request runs at 0).
-EXPEDITED = 1
 
 T = TypeVar("T")
 
@@ -167,6 +167,10 @@ class WorkerService:
         self._tg: asyncio.TaskGroup | None = None
         self._work_sub: Subscription | None = None
         self._abort_sub: Subscription | None = None
+        self._evict_sub: Subscription | None = None
+        # Set when the dispatcher evicts this run (failed health probes): the process
+        # should exit so that its supervisor starts a fresh one.
+        self.evicted = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     @property
@@ -187,6 +191,8 @@ class WorkerService:
                 self.subjects.work(self.endpoint, self.worker_id), cb=self._on_batch)
             self._abort_sub = await self._nc.subscribe(
                 self.subjects.abort(self.endpoint), cb=self._on_abort)
+            self._evict_sub = await self._nc.subscribe(
+                self.subjects.evict(self.endpoint, self.worker_id), cb=self._on_evict)
             # Subscribed on the server before the heartbeat announces this worker.
             await self._nc.flush()
         except BaseException:
@@ -228,12 +234,12 @@ class WorkerService:
         await self._heartbeat(final=True)
         await self._nats_step("flush", self._nc.flush(timeout=FLUSH_TIMEOUT_S))
 
-    async def _abandon_unfinished(self) -> None:
+    async def _abandon_unfinished(self, why: str = "drain timeout") -> None:
         tasks = [r.task for r in self._running.values() if r.task is not None]
         abandoned = [r for r in self._running.values() if not r.finalizing]
         for running in abandoned:
-            log.warning("drain timeout: abandoning request %s (no final event; the dispatcher "
-                        "redelivers it)", running.key)
+            log.warning("%s: abandoning request %s (no final event; the dispatcher runs or "
+                        "ends it)", why, running.key)
             if running.task is not None:
                 running.task.cancel()
         if tasks:
@@ -242,10 +248,10 @@ class WorkerService:
             await self._abort_in_engine(running.key)
 
     async def _unsubscribe(self) -> None:
-        for sub in (self._work_sub, self._abort_sub):
+        for sub in (self._work_sub, self._abort_sub, self._evict_sub):
             if sub is not None:
                 await self._nats_step("unsubscribe", sub.unsubscribe())
-        self._work_sub = self._abort_sub = None
+        self._work_sub = self._abort_sub = self._evict_sub = None
 
     async def _nats_step(self, what: str, step: Awaitable[object]) -> None:
         """Await one NATS call of the shutdown path; a failure is logged, not fatal."""
@@ -260,6 +266,9 @@ class WorkerService:
         batch = _decode_or_log(msg, "batch", BATCH.decode)
         if batch is None:
             return
+        if self.evicted.is_set():
+            log.warning("evicted: skipping a batch of %d requests", len(batch.items))
+            return
         if batch.endpoint != self.endpoint or batch.worker_id != self.worker_id:
             log.error("skipping a batch for %s/%s sent to %s/%s", batch.endpoint,
                       batch.worker_id, self.endpoint, self.worker_id)
@@ -268,6 +277,10 @@ class WorkerService:
             self._start(item)
 
     def _start(self, item: BatchItem) -> None:
+        if item.probe:  # no result, no events, not in flight: only the engine's answer
+            assert self._tg is not None
+            self._tg.create_task(self._probe(item), name=f"probe-{item.id}")
+            return
         if item.endpoint != self.endpoint:
             log.error("skipping request %s: it is for endpoint %r, this worker serves %r",
                       item.id, item.endpoint, self.endpoint)
@@ -287,6 +300,22 @@ class WorkerService:
                            self._model_units(item, input_tokens, item.max_tokens))
         self._running[key] = running
         running.task = self._tg.create_task(self._serve(running), name=f"request-{key}")
+
+    async def _on_evict(self, msg: Msg) -> None:
+        evict = _decode_or_log(msg, "eviction", EVICT.decode)
+        if evict is None or self.evicted.is_set() or (
+                evict.endpoint, evict.worker_id, evict.started_at) != (
+                self.endpoint, self.worker_id, self.started_at):
+            return
+        log.error("evicted by the dispatcher (failed health probes): abandoning %d "
+                  "requests and stopping", len(self._running))
+        self.evicted.set()
+        await self._abandon_unfinished("evicted")
+
+    async def _probe(self, item: BatchItem) -> None:
+        completion = await answer_probe(self._engine, item, self.worker_id)
+        if completion is not None:
+            self._report(completion)
 
     async def _on_abort(self, msg: Msg) -> None:
         abort = _decode_or_log(msg, "abort", ABORT.decode)
@@ -504,7 +533,7 @@ class WorkerService:
         used = Capacity(sequences=len(running),
                         tokens=sum(r.input_tokens + r.item.max_tokens for r in running),
                         model_units=sum(r.footprint_mu for r in running))
-        healthy = not final and self._engine.healthy
+        healthy = not final and self._engine.healthy and not self.evicted.is_set()
         if final:
             capacity = NO_CAPACITY
         elif self._draining:
@@ -523,7 +552,7 @@ class WorkerService:
         except EngineError as exc:
             log.error("the engine reports no capacity: %s", exc)
             return NO_CAPACITY, False
-        return limits, healthy
+        return advertised(limits), healthy
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -293,7 +293,7 @@ class Simulation:
             entry = self.entries[seq]
             entry.finished = self.now
             request = entry.request
-            self.pool.complete(replica.worker.worker_id, (request.tenant, request.id))
+            self.pool.complete(replica.worker.worker_id, (request.tenant, request.id), self.now)
             completed = self.scheduler.complete(request.tenant, request.id,
                                                 self._usage(entry), self.now)
             if completed is not None and completed.refund is not None:

@@ -14,7 +14,12 @@ tokens and model units. Decisions:
   drained (unhealthy, nothing in flight, no capacity);
 - **lost requests**: a request sent to a worker that `missing_beats` heartbeats in a row
   do not list (and that was sent more than `heartbeat_lag_s` before them) never arrived:
-  core NATS is at most once.
+  core NATS is at most once;
+- **probes**: heartbeats only say the worker's event loop runs, not that its engine
+  does. A worker that holds work and completed nothing for a while, or sat idle for
+  longer, is sent a black-box probe (`probes_due`); a probe unanswered in time, or
+  answered with an error, is a failure, and `evict_after` failures in a row evict the
+  worker: out of rotation with its work, its reports ignored until it restarts.
 
 Requests a worker runs that the dispatcher did not send it (found in its heartbeat after
 a dispatcher restart) are *adopted*: the pool tracks them by key, without capacity (the
@@ -80,6 +85,13 @@ class Worker:
     # Totals over `assigned`, kept as it changes: read on every dispatch pass.
     assigned_tokens: int = 0
     assigned_units: float = 0.0
+    # When it last showed its engine works: work started on it idle, a completion, an
+    # answered probe. Probes are due from here.
+    progress_at: float = 0.0
+    probe_id: str | None = None  # the probe it has not answered yet
+    probe_sent_at: float = 0.0
+    probe_failures: int = 0  # in a row
+    evicted: bool = False
 
     def used(self) -> Capacity:
         return Capacity(len(self.assigned), self.assigned_tokens, self.assigned_units)
@@ -93,6 +105,8 @@ class Worker:
         return self.assigned_units / max(self.capacity.model_units, 1e-9)
 
     def _assign(self, request: Request, now: float) -> None:
+        if not self.assigned:
+            self.progress_at = now  # the stall clock starts with its first request
         self.assigned[(request.tenant, request.id)] = (request, now)
         self.assigned_tokens += request.input_tokens + request.max_tokens
         self.assigned_units += request.model_units
@@ -121,10 +135,12 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, *, timeout_s: float, heartbeat_lag_s: float = HEARTBEAT_LAG_S,
-                 missing_beats: int = MISSING_BEATS) -> None:
-        if timeout_s <= 0 or heartbeat_lag_s < 0 or missing_beats < 1:
-            raise ValueError("timeout_s must be > 0, heartbeat_lag_s >= 0, missing_beats >= 1")
+                 missing_beats: int = MISSING_BEATS, evict_after: int = 2) -> None:
+        if timeout_s <= 0 or heartbeat_lag_s < 0 or missing_beats < 1 or evict_after < 1:
+            raise ValueError("timeout_s must be > 0, heartbeat_lag_s >= 0, missing_beats >= 1, "
+                             "evict_after >= 1")
         self.timeout_s = timeout_s
+        self.evict_after = evict_after
         self.heartbeat_lag_s = heartbeat_lag_s
         self.missing_beats = missing_beats
         self.workers: dict[str, Worker] = {}
@@ -143,7 +159,7 @@ class WorkerPool:
     def add(self, worker_id: str, endpoint: str, capacity: Capacity, now: float,
             started_at: float = 0.0) -> Worker:
         """A worker the caller knows without heartbeats (the simulator's replicas)."""
-        worker = Worker(worker_id, endpoint, started_at, capacity, now)
+        worker = Worker(worker_id, endpoint, started_at, capacity, now, progress_at=now)
         self.workers[worker_id] = worker
         return worker
 
@@ -163,6 +179,11 @@ class WorkerPool:
             # awaits) records what it sends in the ledger the pool checks.
             lost.add(worker._lose_all(sent_before=started_at))
             worker.endpoint, worker.started_at = endpoint, started_at
+            worker.evicted, worker.probe_id, worker.probe_failures = False, None, 0
+            worker.progress_at = now
+        elif worker.evicted:
+            worker.last_seen = now  # out of rotation until it restarts
+            return lost
         self._forget_reports(worker)
         worker.capacity, worker.last_seen, worker.healthy = capacity, now, healthy
         worker.reported = frozenset(in_flight)
@@ -218,6 +239,55 @@ class WorkerPool:
                 del self.workers[worker.worker_id]
         return found
 
+    # -- probes -------------------------------------------------------------------------
+
+    def probes_due(self, now: float, stall_s: float, idle_s: float) -> list[Worker]:
+        """Healthy workers to probe now, one probe at a time each: holding work and
+        showing no progress for `stall_s`, or idle for `idle_s`."""
+        due = []
+        for worker in self.workers.values():
+            if not worker.healthy or worker.probe_id is not None:
+                continue
+            busy = worker.assigned or worker.adopted
+            if now - worker.progress_at >= (stall_s if busy else idle_s):
+                due.append(worker)
+        return due
+
+    def probe_sent(self, worker: Worker, probe_id: str, now: float) -> None:
+        worker.probe_id, worker.probe_sent_at = probe_id, now
+
+    def probe_answered(self, worker_id: str, probe_id: str, ok: bool,
+                       now: float) -> Lost | None:
+        """The worker answered `probe_id`; the work it loses if that failure evicts it
+        (None otherwise, and for an answer to a probe no longer awaited)."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.probe_id != probe_id:
+            return None
+        worker.probe_id = None
+        if ok:
+            worker.probe_failures, worker.progress_at = 0, now
+            return None
+        return self._probe_failed(worker)
+
+    def probes_overdue(self, now: float, timeout_s: float) -> list[tuple[Worker, Lost | None]]:
+        """Probes unanswered for `timeout_s` fail; each such worker, with the work it
+        loses if it is evicted."""
+        failed = []
+        for worker in list(self.workers.values()):
+            if worker.probe_id is not None and now - worker.probe_sent_at >= timeout_s:
+                worker.probe_id = None
+                failed.append((worker, self._probe_failed(worker)))
+        return failed
+
+    def _probe_failed(self, worker: Worker) -> Lost | None:
+        worker.probe_failures += 1  # still due: the next probe goes at once
+        if worker.probe_failures < self.evict_after or not worker.healthy:
+            return None
+        worker.evicted, worker.healthy = True, False
+        self._forget_reports(worker)
+        worker.reported = frozenset()
+        return worker._lose_all()
+
     def _forget_reports(self, worker: Worker) -> None:
         for key in worker.reported:
             if self._reported_by.get(key) == worker.worker_id:
@@ -232,11 +302,12 @@ class WorkerPool:
         """`key` runs on `worker_id` (its heartbeat says so) without having been sent."""
         self.workers[worker_id].adopted.add(key)
 
-    def complete(self, worker_id: str, key: Key) -> Request | None:
+    def complete(self, worker_id: str, key: Key, now: float) -> Request | None:
         """A request finished on its worker; the request, if it was sent there."""
         worker = self.workers.get(worker_id)
         if worker is None:
             return None
+        worker.progress_at = now
         if self._reported_by.get(key) == worker_id:
             del self._reported_by[key]
         worker.adopted.discard(key)
