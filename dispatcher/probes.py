@@ -2,7 +2,7 @@
 
 Heartbeats say a worker's event loop runs, not that its engine does: an engine that
 hangs keeps its worker beating. Each maintenance tick, the pool names the workers due a
-probe (holding work with no completion for `probe_stall_s`, or idle for
+probe (holding work with no completion and no new token for `probe_stall_s`, or idle for
 `probe_idle_s`); each gets one short generation (`BatchItem.probe`), published straight
 to its work subject, outside the scheduler and the pool's capacity ledger, with a
 deadline `probe_timeout_s` ahead. The worker runs it at the top engine priority in a

@@ -78,7 +78,8 @@ class WorkerReports:
             generated.append((parsed, count))
         async with self._lock:
             lost = self.pool.heartbeat(beat.worker_id, beat.endpoint, beat.started_at,
-                                       beat.capacity, in_flight, beat.healthy, time.time())
+                                       beat.capacity, in_flight, beat.healthy, time.time(),
+                                       sum(count for _, count in generated))
             if lost:
                 log.warning("worker %s no longer has %d requests; taking them back",
                             beat.worker_id, len(lost.requests) + len(lost.adopted))

@@ -143,6 +143,12 @@ class Child:
             raise ChildExited(f"{self.name} {describe_exit(self.process.returncode)}:\n"
                               f"{self.log_tail()}")
 
+    def kill(self) -> None:
+        """SIGKILL at once (a stopped or wedged process that SIGTERM would not move)."""
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                self.process.kill()
+
     async def stop(self) -> int | None:
         """SIGTERM, SIGKILL after `stop_timeout_s`; the exit code (None if not running)."""
         process = self.process
@@ -213,6 +219,13 @@ class Supervisor:
             self._report(f"{name} did not stop within {child.stop_timeout_s:g}s of SIGTERM: "
                          "killed")
         return code
+
+    def kill(self, name: str, why: str) -> None:
+        """SIGKILL a running child that is wedged; its watch restarts it under its policy."""
+        child = self._child(name)
+        if child.running:
+            self._report(f"{name} (pid {child.pid}) killed: {why}")
+            child.kill()
 
     async def replace(self, name: str, new: Child | None = None) -> Child:
         """Put `new` in place of child `name`; without `new`, a fresh run of the same one.

@@ -12,7 +12,9 @@ Supervision (`producers.supervisor`): a worker that exits without being asked to
 restarted under the same worker id after 0.5 s, doubling per further crash up to 30 s,
 back to 0.5 s after a run of 10 s; every exit and restart is printed. The dispatcher
 sees the new `started_at` in the new process's heartbeats and requeues what the dead one
-was running.
+was running. A worker process the dispatcher holds unhealthy (silent, e.g. stopped with
+SIGSTOP; evicted by its health probes and not exiting; its engine failed) is killed, once
+it has run `REPLACE_GRACE_S`, so that it is restarted the same way.
 
 Stop order: the workers first (SIGTERM, all at once: each finishes its running requests
 within `[workers] drain_timeout_s`, and the still-running dispatcher acks them; SIGKILL
@@ -29,6 +31,7 @@ import contextlib
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,7 @@ from broker_config.config import (
     load_config,
 )
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
+from dispatcher.core.workers import WorkerPool
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import limiter_from_url
 from dispatcher.service import Dispatcher
@@ -63,6 +67,10 @@ STOP_MARGIN_S = 5.0
 # Bound on the workers' start: interpreter, imports, connection, first heartbeat.
 START_TIMEOUT_S = 60.0
 _POLL_S = 0.1
+# A worker process gets this long after its start before being held unhealthy kills it
+# (a new run is unhealthy in the pool until its first heartbeat).
+REPLACE_GRACE_S = 15.0
+REPLACE_CHECK_S = 1.0
 
 
 class StartError(RuntimeError):
@@ -167,7 +175,8 @@ async def _up(args: argparse.Namespace, config: Config) -> int:
         stack.push_async_callback(nc.drain)
         limiter = limiter_from_url(args.redis_url)
         stack.push_async_callback(limiter.aclose)
-        await stack.enter_async_context(Dispatcher(nc, config, limiter=limiter, metrics=metrics))
+        dispatcher = await stack.enter_async_context(
+            Dispatcher(nc, config, limiter=limiter, metrics=metrics))
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
         launcher = WorkerLauncher(
             server.url, args.config.resolve(), args.time_scale, log_dir,
@@ -182,10 +191,29 @@ async def _up(args: argparse.Namespace, config: Config) -> int:
             print(f"LOG_DIR={log_dir}", flush=True)
             print(f"fairq is up: {len(supervisor.children)} simulated workers on "
                   f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
-            await stop.wait()
+            replacing = asyncio.create_task(_replace_unhealthy(dispatcher.pool, supervisor))
+            try:
+                await stop.wait()
+            finally:
+                replacing.cancel()
         _say("draining...")
     _say("stopped")
     return 0
+
+
+async def _replace_unhealthy(pool: WorkerPool, supervisor: Supervisor) -> None:
+    """Kill the worker processes the dispatcher holds unhealthy, for their restart: a
+    stopped or wedged process never exits by itself."""
+    while True:
+        await asyncio.sleep(REPLACE_CHECK_S)
+        for worker in list(pool):
+            child = supervisor.children.get(worker.worker_id)
+            if (child is None or worker.healthy or not child.running
+                    or time.monotonic() - child.started_at < REPLACE_GRACE_S):
+                continue
+            why = ("evicted after failed health probes" if worker.evicted
+                   else "silent or unhealthy in its heartbeats")
+            supervisor.kill(worker.worker_id, f"the dispatcher holds it {why}")
 
 
 async def _until_serving(nc: NATS, config: Config, supervisor: Supervisor,

@@ -382,3 +382,12 @@ def test_an_evicted_worker_is_ignored_until_it_restarts() -> None:
     # A new run is a new worker: back in rotation.
     assert not beat(pool, "w", 4.0, started_at=3.5)
     assert worker.healthy and not worker.evicted and pool.by_load() == [worker]
+
+
+def test_tokens_generated_since_the_last_heartbeat_count_as_progress() -> None:
+    pool = new_pool("w")
+    pool.assign(pool.get("w"), request("long"), 1.0)
+    assert not pool.heartbeat("w", "ep", 1.0, CAP, {("a", "long")}, True, 5.0, output_tokens=40)
+    assert pool.probes_due(14.9, stall_s=10.0, idle_s=30.0) == []  # tokens came at 5 s
+    assert not pool.heartbeat("w", "ep", 1.0, CAP, {("a", "long")}, True, 6.0, output_tokens=40)
+    assert pool.probes_due(15.0, 10.0, 30.0) == [pool.get("w")]  # none since

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 START_S = 30.0  # fairq up: nats-server, dispatcher, worker interpreters, first heartbeats
 REQUEST_S = 10.0
 RESTART_S = 10.0  # 0.5 s backoff, a new interpreter, its first heartbeat (1 s interval)
+# A stopped worker: 15 s of grace after its start, 5 s of silence, a 1 s check.
+REPLACE_S = 40.0
 STOP_S = 20.0
 
 
@@ -273,6 +275,17 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
             await heartbeats.unsubscribe()
 
             assert_completed(await submit(nc, "up-2"), "up-2")
+
+            # A stopped process never exits: silent, it is held unhealthy, killed and
+            # restarted (its first REPLACE_GRACE_S of life spared).
+            os.kill(new_pid, signal.SIGSTOP)
+            await output.expect(f"fairq: chat-w1 (pid {new_pid}) killed: the dispatcher "
+                                "holds it silent", REPLACE_S)
+            line = await output.expect("fairq: chat-w1 restarted (pid ", RESTART_S)
+            third_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
+            assert third_pid not in (old_pid, new_pid)
+            started |= children_of(up.pid)
+            assert_completed(await submit(nc, "up-3"), "up-3")
         finally:
             await nc.close()
 

@@ -16,8 +16,8 @@ tokens and model units. Decisions:
   do not list (and that was sent more than `heartbeat_lag_s` before them) never arrived:
   core NATS is at most once;
 - **probes**: heartbeats only say the worker's event loop runs, not that its engine
-  does. A worker that holds work and completed nothing for a while, or sat idle for
-  longer, is sent a black-box probe (`probes_due`); a probe unanswered in time, or
+  does. A worker that holds work and neither completed anything nor generated a token
+  for a while, or sat idle for longer, is sent a black-box probe (`probes_due`); a probe unanswered in time, or
   answered with an error, is a failure, and `evict_after` failures in a row evict the
   worker: out of rotation with its work, its reports ignored until it restarts.
 
@@ -92,6 +92,8 @@ class Worker:
     probe_sent_at: float = 0.0
     probe_failures: int = 0  # in a row
     evicted: bool = False
+    # Output tokens of its in-flight requests at its last heartbeat: more is progress.
+    reported_output: int = 0
 
     def used(self) -> Capacity:
         return Capacity(len(self.assigned), self.assigned_tokens, self.assigned_units)
@@ -164,9 +166,12 @@ class WorkerPool:
         return worker
 
     def heartbeat(self, worker_id: str, endpoint: str, started_at: float, capacity: Capacity,
-                  in_flight: Collection[Key], healthy: bool, now: float) -> Lost:
+                  in_flight: Collection[Key], healthy: bool, now: float,
+                  output_tokens: int = 0) -> Lost:
         """Take a heartbeat; returns the work the worker no longer has (it restarted,
-        drained away, or a request never reached it)."""
+        drained away, or a request never reached it). `output_tokens`: what its in-flight
+        requests have generated so far; more than last time is progress (a long answer
+        still streaming needs no probe)."""
         worker = self.workers.get(worker_id)
         lost = Lost()
         if worker is None:
@@ -185,6 +190,9 @@ class WorkerPool:
             worker.last_seen = now  # out of rotation until it restarts
             return lost
         self._forget_reports(worker)
+        if output_tokens > worker.reported_output:
+            worker.progress_at = now
+        worker.reported_output = output_tokens
         worker.capacity, worker.last_seen, worker.healthy = capacity, now, healthy
         worker.reported = frozenset(in_flight)
         for key in worker.reported:
