@@ -20,13 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from broker_config import wire
 from broker_config.config import Config
-from broker_config.direct_get import DirectBatchGet, StoredMessage
+from broker_config.direct_get import DirectBatchGet, DirectGetError, StoredMessage
 from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, Subjects
 from dispatcher.admit import CANCELLED, Admission
 from dispatcher.convert import to_error_event
@@ -40,6 +41,10 @@ log = logging.getLogger("fairq.dispatcher")
 
 # Messages read per round trip when looking for a request in the stream.
 SCAN_BATCH = 256
+# A status or cancel whose broker lookup failed (a timeout on a starved machine) is
+# answered `internal` with this retry hint.
+LOOKUP_ERRORS = (DirectGetError, nats.errors.Error, TimeoutError)
+LOOKUP_RETRY_AFTER_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +80,11 @@ class Api:
         tenant, query = await self._query(msg, wire.STATUS_REQUEST)
         if query is None:
             return
-        await _respond(msg, await self.status((tenant, query.id)))
+        try:
+            reply = await self.status((tenant, query.id))
+        except LOOKUP_ERRORS as exc:
+            reply = _unavailable(query.id, exc)
+        await _respond(msg, reply)
 
     async def status(self, key: Key) -> wire.StatusReply:
         request_id = key[1]
@@ -104,8 +113,11 @@ class Api:
         tenant, query = await self._query(msg, wire.CANCEL_REQUEST)
         if query is None:
             return
-        cancelled = await self.cancel((tenant, query.id))
-        await _respond(msg, wire.CancelReply(query.id, cancelled))
+        try:
+            reply = wire.CancelReply(query.id, await self.cancel((tenant, query.id)))
+        except LOOKUP_ERRORS as exc:
+            reply = _unavailable(query.id, exc)
+        await _respond(msg, reply)
 
     async def cancel(self, key: Key) -> bool:
         if await self._cancel_taken(key):
@@ -228,6 +240,15 @@ class Api:
         except wire.WireError as error:
             await _respond(msg, error.to_event())
             return None
+
+
+def _unavailable(request_id: str, exc: Exception) -> wire.ErrorEvent:
+    """The answer when the broker did not answer a lookup: retryable, not silence (the
+    caller would otherwise wait out its own timeout)."""
+    log.warning("an API lookup of %s failed: %r", request_id, exc)
+    return wire.ErrorEvent(request_id, wire.ErrorCode.INTERNAL,
+                           f"the broker did not answer a lookup ({exc}); try again",
+                           LOOKUP_RETRY_AFTER_S)
 
 
 async def _respond(msg: Msg, reply: Any) -> None:

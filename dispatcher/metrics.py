@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from broker_config.health import HealthServer
 
 from dispatcher.core.types import Outcome
 
@@ -18,6 +14,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class DispatcherMetrics:
     def __init__(self, endpoints: list[str]) -> None:
         self.registry = CollectorRegistry()
+        # The dispatcher sets its liveness and readiness checks once it is built.
+        self.http = HealthServer(self.registry)
         r = self.registry
         self.queue_depth = Gauge("fairq_queue_depth", "Requests queued in the dispatcher",
                                  ["endpoint", "tier", "tenant"], registry=r)
@@ -76,13 +74,9 @@ class DispatcherMetrics:
         return child
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose /metrics over HTTP; returns the bound port (0 picks a free one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        return server.server_address[1]
+        """Expose /metrics, and /healthz and /readyz (see `http`), over HTTP; returns the
+        bound port (0 picks a free one)."""
+        return self.http.serve(port, host)
 
     def close(self) -> None:
-        server = getattr(self, "_server", None)
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        self.http.close()

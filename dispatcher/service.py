@@ -65,6 +65,8 @@ log = logging.getLogger("fairq.dispatcher")
 
 # How often the queue-depth gauges are refreshed (a scan of every queue).
 DEPTH_EXPORT_S = 1.0
+# /healthz fails once the maintenance loop missed this many ticks (plus 5 s).
+LIVE_TICKS = 20
 
 
 class State(enum.Enum):
@@ -84,12 +86,14 @@ class Dispatcher:
         self.subjects = config.subjects
         self.limiter = limiter or MemoryLimiterAsync()
         self.metrics = metrics or DispatcherMetrics(list(config.endpoints))
+        self.metrics.http.live, self.metrics.http.ready = self.live, self.ready
         self.scheduler = Scheduler(config)
         self.pool = WorkerPool(timeout_s=self.options.worker_timeout_s,
                                evict_after=self.options.probe_failures)
         self.held = HeldRequests()
         self.state = State.STARTING
         self._settled_at = 0.0
+        self._ticked_at = time.time()
         self._stack = contextlib.AsyncExitStack()
         self.intake: Intake | None = None
 
@@ -202,11 +206,20 @@ class Dispatcher:
 
     # -- maintenance -------------------------------------------------------------------------
 
+    def live(self) -> bool:
+        """Its maintenance loop ran lately (for /healthz: a wedged loop fails it)."""
+        return (self.state is not State.STOPPED
+                and time.time() - self._ticked_at < LIVE_TICKS * self.options.tick_s + 5.0)
+
+    def ready(self) -> bool:
+        """Settled and not draining (for /readyz)."""
+        return self.state is State.RUNNING
+
     async def _maintenance_loop(self) -> None:
         last_extension = last_export = time.time()
         while True:
             await asyncio.sleep(self.options.tick_s)
-            now = time.time()
+            now = self._ticked_at = time.time()
             await self.admission.drop_expired(self.scheduler.expire(now), now)
             await self.reports.take_back_silent(now)
             for worker, lost in await self.probes.tick(now):

@@ -301,3 +301,22 @@ async def test_image_model_units_stay_charged_after_completion(nats_url):
             usage["input_tokens"], usage["output_tokens"], 2))
         assert charged > profile.model_units(usage["input_tokens"], usage["output_tokens"])
         await nc.drain()
+
+
+async def test_a_lookup_the_broker_does_not_answer_gets_a_retryable_error_not_silence(
+        client, monkeypatch):
+    """Status and cancel of a request the dispatcher does not hold look in the stream; if
+    that lookup fails (a timeout on a starved machine), the caller is told at once."""
+    from broker_config.direct_get import DirectGetError
+
+    async with Dispatcher(client, config_with(HOLD)) as dispatcher:
+        async def broker_times_out(key):
+            raise DirectGetError("batch direct get on FQ_REQUESTS: TimeoutError()")
+
+        monkeypatch.setattr(dispatcher.api, "find_in_stream", broker_times_out)
+        for kind in ("status", "cancel"):
+            started = time.monotonic()
+            reply = await api(client, f"fq.api.{kind}.acme", {"id": "r1"})
+            assert time.monotonic() - started < 2.0, kind
+            assert (reply["type"], reply["id"], reply["code"]) == ("error", "r1", "internal")
+            assert reply["retry_after_s"] == 0.5 and "try again" in reply["message"]

@@ -153,9 +153,17 @@ def load_engine_config_one_slot():
 
 async def wait_for_state(client, tenant: str, rid: str, state: str, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
-    while (await api(client, f"fq.api.status.{tenant}", {"id": rid}))["state"] != state:
-        assert time.monotonic() < deadline, f"{rid} never became {state}"
-        await asyncio.sleep(0.02)
+    while True:
+        # Each call may take what is left of the wait: a starved machine answers late,
+        # or `internal` (retryable) when the broker did not answer the dispatcher.
+        reply = await api(client, f"fq.api.status.{tenant}", {"id": rid},
+                          max(1.0, deadline - time.monotonic()))
+        if reply.get("type") == "error":
+            assert reply["code"] == "internal" and reply["retry_after_s"], reply
+        elif reply["state"] == state:
+            return
+        assert time.monotonic() < deadline, f"{rid} never became {state}: {reply}"
+        await asyncio.sleep(0.05)
 
 
 ERROR_CONFIG = """

@@ -83,6 +83,10 @@ async def test_a_hung_engine_is_found_by_probes_and_its_work_runs_elsewhere(nats
         await eventually(all_final, timeout=WAIT_S, what="every request's final event")
         pool = stack.dispatcher.pool
         assert pool.get("chat-w1").evicted and not pool.get("chat-w1").healthy
+        # The evicted run knows it: it fails /healthz and /readyz, and takes no work.
+        assert stack.workers[0].evicted.is_set()
+        assert not stack.workers[0].live() and not stack.workers[0].ready()
+        assert stack.workers[1].live() and stack.workers[1].ready()
         assert pool.get("chat-w2").healthy and not pool.get("chat-w2").evicted
         assert counter(stack, stack.metrics.evictions) == 1
         redispatched = counter(stack, stack.metrics.redispatched)

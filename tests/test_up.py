@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -236,6 +238,14 @@ def still_running(started: dict[int, list[str]]) -> list[int]:
     return [pid for pid, (_, argv) in processes().items() if started.get(pid) == argv]
 
 
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         nats_binary: Path, tmp_path: Path) -> None:
     up = await asyncio.create_subprocess_exec(
@@ -253,6 +263,14 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         assert up_line == "fairq is up: 2 simulated workers on chat, embed; Ctrl-C stops"
         started = children_of(up.pid)
         assert len(started) == 3  # nats-server and one worker per endpoint
+        metrics_url = next(line for line in output.lines if line.startswith("METRICS_URL="))
+        base = metrics_url.removeprefix("METRICS_URL=").removesuffix("/metrics")
+        # The dispatcher's, beside its metrics; ready once it has settled.
+        assert http_status(base + "/healthz") == 200
+        deadline = time.monotonic() + START_S
+        while http_status(base + "/readyz") != 200:
+            assert time.monotonic() < deadline, "the dispatcher never became ready"
+            await asyncio.sleep(0.2)
 
         nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
         try:

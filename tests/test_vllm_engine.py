@@ -398,3 +398,35 @@ async def test_a_dead_engine_fails_requests_and_reports_unhealthy(model_dir: Pat
         assert not doomed.healthy
         with pytest.raises(EngineError):
             await collect(doomed, EngineRequest(id="after", max_tokens=4, prompt="x"))
+
+
+async def test_a_busy_worker_answers_a_probe_in_the_slot_it_keeps_free(model_dir: Path) -> None:
+    """Its own engine of two sequences: the worker advertises one (`advertised`), which a
+    long request fills, as the dispatcher would; a probe then runs in the other slot at
+    the top priority and is answered well within the dispatcher's default timeout."""
+    import time
+
+    from broker_config.config import DispatcherOptions
+    from broker_config.wire import BatchItem, SubmitRequest
+    from workers.probe import advertised, answer_probe
+
+    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=2, max_model_len=8192,
+                              kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
+    async with VLLMEngine(config) as busy:
+        assert advertised(busy.capacity).sequences == 1
+        running = Streaming(busy, EngineRequest(id="long", max_tokens=LONG, prompt="x"), [])
+        await running.wait_tokens(1)
+        timeout_s = DispatcherOptions().probe_timeout_s
+        sent = time.time()
+        probe = BatchItem(id="p-1", tenant="fairq-probe", endpoint="chat",
+                          request=SubmitRequest(id="p-1", prompt="ping", max_tokens=1,
+                                                deadline=sent + timeout_s),
+                          max_tokens=1, enqueued_at=sent, dispatched_at=sent, probe=True)
+        answer = await answer_probe(busy, probe, "vllm-1")
+        took_s = time.time() - sent
+        assert answer is not None and answer.probe and answer.code is None, answer
+        assert answer.usage.output_tokens == 1
+        assert took_s < timeout_s / 2, took_s
+        assert not running.task.done()  # the long request kept running beside it
+        await busy.abort("long")
+        await running.done()

@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -45,6 +47,7 @@ from broker_config.wire import (
     ErrorCode,
     ErrorEvent,
     Event,
+    Evict,
     Heartbeat,
     SubmitRequest,
     TokenEvent,
@@ -741,19 +744,78 @@ def test_main_reports_an_unreachable_server(capsys: pytest.CaptureFixture[str]) 
     assert "cannot connect to NATS at nats://127.0.0.1:1" in capsys.readouterr().err
 
 
+async def worker_process(nats_url: str) -> asyncio.subprocess.Process:
+    """`python -m workers` on the sim engine, serving /healthz on a free port."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "workers", "--nats", nats_url, "--endpoint", ENDPOINT,
+        "--worker-id", WORKER, "--time-scale", str(SCALE), "--heartbeat-interval", "0.1",
+        "--config", str(REPO / "configs/example.toml"), "--health-port", "0", cwd=REPO,
+        env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+
+
+async def health_url(process: asyncio.subprocess.Process) -> str:
+    assert process.stdout is not None
+    line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
+    assert line.startswith("HEALTH_URL=http://127.0.0.1:"), line
+    return line.removeprefix("HEALTH_URL=")
+
+
+async def http_status(url: str) -> int:
+    def get() -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+    return await asyncio.to_thread(get)
+
+
+async def test_an_evicted_worker_process_abandons_its_work_fails_liveness_and_exits(
+        nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
+        internal: Recorder) -> None:
+    process = await worker_process(nats_url)
+    try:
+        health = await health_url(process)
+        beat = await internal.until(lambda _: next(iter(heartbeats(internal)), None),
+                                    timeout=30)
+        await send_batch(nc, [item("r-evicted", max_tokens=LONG)])
+        await inbox.until(lambda _: tokens_of(inbox, "r-evicted"))
+        # Another run's eviction changes nothing.
+        stale = Evict(endpoint=ENDPOINT, worker_id=WORKER, started_at=beat.started_at - 1)
+        await nc.publish(S.evict(ENDPOINT, WORKER), encode(stale))
+        await asyncio.sleep(0.3)
+        assert process.returncode is None and await http_status(f"{health}/healthz") == 200
+        evict = Evict(endpoint=ENDPOINT, worker_id=WORKER, started_at=beat.started_at)
+        await nc.publish(S.evict(ENDPOINT, WORKER), encode(evict))
+        async with asyncio.timeout(WAIT_S):
+            assert await process.wait() == 1
+        assert process.stderr is not None
+        assert b"evicted by the dispatcher" in await process.stderr.read()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    # Abandoned: no final event, nothing stored, no completion; a heartbeat said so.
+    assert final_of(inbox, "r-evicted") is None
+    with pytest.raises(KeyNotFoundError):
+        await results.get(S.result_key(TENANT, "r-evicted"))
+    assert completion_of(internal, "r-evicted") is None
+    assert any(not h.healthy for h in heartbeats(internal))
+
+
 async def test_worker_process_serves_and_drains_on_sigterm(
         nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
         internal: Recorder) -> None:
-    env = os.environ | {"PYTHONPATH": str(REPO)}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "workers", "--nats", nats_url, "--endpoint", ENDPOINT,
-        "--worker-id", WORKER, "--time-scale", str(SCALE), "--heartbeat-interval", "0.1",
-        "--config", str(REPO / "configs/example.toml"), cwd=REPO, env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    process = await worker_process(nats_url)
     try:
+        health = await health_url(process)
         await internal.until(lambda _: heartbeats(internal), timeout=30)
         await send_batch(nc, [item("r-proc")])
         done = await inbox.until(lambda _: final_of(inbox, "r-proc"))
+        assert await http_status(f"{health}/healthz") == 200
+        assert await http_status(f"{health}/readyz") == 200
+        assert await http_status(f"{health}/metrics") == 404  # a worker exports none
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(WAIT_S):
             assert await process.wait() == 0

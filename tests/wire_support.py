@@ -11,9 +11,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def api(nc, subject: str, body: dict) -> dict:
+async def api(nc, subject: str, body: dict, timeout: float = 5.0) -> dict:
     """A request/reply API call (status, cancel, depth), JSON both ways."""
-    reply = await nc.request(subject, json.dumps(body).encode(), timeout=5.0)
+    reply = await nc.request(subject, json.dumps(body).encode(), timeout=timeout)
     return json.loads(reply.data)
 
 

@@ -32,6 +32,7 @@ import nats.errors
 from nats.js.errors import BucketNotFoundError
 
 from broker_config.config import DEFAULT_NATS_URL, Registry, WorkerOptions, load_config
+from broker_config.health import HealthServer
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.runtime import freeze_startup_heap
 from broker_config.subjects import SubjectError, Subjects, check_token
@@ -60,6 +61,8 @@ class Options:
     profile: ModelProfile | None
     settings: WorkerOptions
     engine: Engine
+    health_port: int | None = None  # serve /healthz and /readyz there (0: a free port)
+    health_host: str = "127.0.0.1"
 
 
 def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
@@ -89,6 +92,12 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, metavar="S",
                         help="on SIGTERM, how long in-flight requests may take to finish "
                              f"(default: --config's [workers], else {defaults.drain_timeout_s:g})")
+    parser.add_argument("--health-port", type=int, metavar="PORT",
+                        help="serve /healthz (liveness: heartbeats go out, not evicted) and "
+                             "/readyz (takes work) over HTTP on PORT (0: a free port, "
+                             "printed as HEALTH_URL)")
+    parser.add_argument("--health-host", default="127.0.0.1",
+                        help="address for --health-port (0.0.0.0 inside a container)")
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
@@ -119,8 +128,10 @@ def parse_options(args: argparse.Namespace) -> Options:
         flag = str(exc).rsplit("`$.", 1)[-1].rstrip("`")
         raise UsageError(f"--{flag.removesuffix('_s').replace('_', '-')}: {exc}") from exc
     engine = _sim_engine(args) if args.engine == "sim" else _vllm_engine(args)
+    if args.health_port is not None and not 0 <= args.health_port <= 65535:
+        raise UsageError(f"--health-port must be in 0..65535, got {args.health_port}")
     return Options(args.nats, args.connect_wait, args.endpoint, args.worker_id, subjects, profile,
-                   settings, engine)
+                   settings, engine, args.health_port, args.health_host)
 
 
 def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, WorkerOptions]:
@@ -261,7 +272,14 @@ async def run(options: Options) -> None:
     """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure, also when the
     dispatcher evicted this worker (its supervisor then starts a fresh one)."""
     stop = stop_on_signals()
-    async with serving(options, stop) as (_, service):
+    async with contextlib.AsyncExitStack() as stack:
+        http = HealthServer()  # live, not ready, until the service runs; closed last
+        if options.health_port is not None:
+            port = http.serve(options.health_port, options.health_host)
+            stack.callback(http.close)
+            print(f"HEALTH_URL=http://{options.health_host}:{port}", flush=True)
+        _, service = await stack.enter_async_context(serving(options, stop))
+        http.live, http.ready = service.live, service.ready
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(service.evicted.wait())]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -162,6 +162,7 @@ class WorkerService:
         self._drain_timeout_s = settings.drain_timeout_s
         self._running: dict[str, _Running] = {}
         self._heartbeat_seq = 0
+        self._beat_at = time.time()  # when the last heartbeat went out
         self._completions: list[Completion] = []
         self._draining = False
         self._tg: asyncio.TaskGroup | None = None
@@ -172,6 +173,16 @@ class WorkerService:
         # should exit so that its supervisor starts a fresh one.
         self.evicted = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
+
+    def live(self) -> bool:
+        """Heartbeats go out and the dispatcher has not evicted this run (for /healthz:
+        a failure has the process restarted)."""
+        return (not self.evicted.is_set()
+                and time.time() - self._beat_at < 3 * self._heartbeat_interval_s + 5.0)
+
+    def ready(self) -> bool:
+        """Takes work: not draining, not evicted, its engine healthy (for /readyz)."""
+        return not (self._draining or self.evicted.is_set()) and self._engine.healthy
 
     @property
     def in_flight(self) -> list[str]:
@@ -525,6 +536,7 @@ class WorkerService:
             await self._heartbeat()
 
     async def _heartbeat(self, *, final: bool = False) -> None:
+        self._beat_at = time.time()
         await self._publish_internal(self.subjects.heartbeat(self.endpoint, self.worker_id),
                                      self._heartbeat_message(final=final))
 
