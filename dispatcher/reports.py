@@ -119,6 +119,8 @@ class WorkerReports:
                       profile.model_units(request.input_tokens, request.output_charged,
                                           request.other_units))
         completed = self.scheduler.complete(request.tenant, request.id, usage, now)
+        if completed is not None:
+            await self._refund(completed)
         held = self.held.admitted.pop((request.tenant, request.id), None)
         if held is None:
             return
@@ -128,8 +130,6 @@ class WorkerReports:
             "its worker stopped answering health probes after it had started streaming",
             self.config.dispatcher.evicted_retry_after_s)
         await self.admission.results.finish(held.msg, held.submission, event, now)
-        if completed is not None:
-            await self._refund(completed)
 
     async def _take_back(self, lost: Lost) -> None:
         """Run lost work again elsewhere."""
