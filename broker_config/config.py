@@ -83,8 +83,7 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True):
     # Share of each worker's capacity that only tenants below their fair share may use,
     # so a newcomer never waits for a flooding tenant's sequences to finish.
     newcomer_reserve: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.03
-    # The reserve is held only while a tenant that left (nothing queued or running) less
-    # than this long ago may return; once every recent tenant is busy it would sit idle.
+    # Lent out while every present tenant is backlogged and none came or went this long.
     newcomer_window_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
 
@@ -177,10 +176,9 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     ack_wait_s: PositiveSeconds = 60.0
     # A worker silent this long is out of rotation and its requests are requeued.
     worker_timeout_s: PositiveSeconds = 5.0
-    # Black-box health probes (one short generation through the worker's engine): sent
-    # to a worker that holds work and completed nothing for probe_stall_s, or idled for
-    # probe_idle_s; unanswered within probe_timeout_s a probe fails, and probe_failures
-    # failures in a row evict the worker (out of rotation until it restarts).
+    # Health probes (one token through the worker's engine) go to a worker holding work
+    # with no completion or new token for probe_stall_s, or idle for probe_idle_s; one
+    # unanswered in probe_timeout_s fails; probe_failures in a row evict the worker.
     probe_stall_s: PositiveSeconds = 3.0
     probe_idle_s: PositiveSeconds = 30.0
     probe_timeout_s: PositiveSeconds = 3.0

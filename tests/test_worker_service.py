@@ -744,14 +744,22 @@ def test_main_reports_an_unreachable_server(capsys: pytest.CaptureFixture[str]) 
     assert "cannot connect to NATS at nats://127.0.0.1:1" in capsys.readouterr().err
 
 
-async def worker_process(nats_url: str) -> asyncio.subprocess.Process:
-    """`python -m workers` on the sim engine, serving /healthz on a free port."""
-    return await asyncio.create_subprocess_exec(
+@asynccontextmanager
+async def worker_process(nats_url: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`python -m workers` on the sim engine, serving /healthz on a free port; killed on
+    leaving if it still runs."""
+    process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "workers", "--nats", nats_url, "--endpoint", ENDPOINT,
         "--worker-id", WORKER, "--time-scale", str(SCALE), "--heartbeat-interval", "0.1",
         "--config", str(REPO / "configs/example.toml"), "--health-port", "0", cwd=REPO,
         env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 async def health_url(process: asyncio.subprocess.Process) -> str:
@@ -774,8 +782,7 @@ async def http_status(url: str) -> int:
 async def test_an_evicted_worker_process_abandons_its_work_fails_liveness_and_exits(
         nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
         internal: Recorder) -> None:
-    process = await worker_process(nats_url)
-    try:
+    async with worker_process(nats_url) as process:
         health = await health_url(process)
         beat = await internal.until(lambda _: next(iter(heartbeats(internal)), None),
                                     timeout=30)
@@ -792,10 +799,6 @@ async def test_an_evicted_worker_process_abandons_its_work_fails_liveness_and_ex
             assert await process.wait() == 1
         assert process.stderr is not None
         assert b"evicted by the dispatcher" in await process.stderr.read()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     # Abandoned: no final event, nothing stored, no completion; a heartbeat said so.
     assert final_of(inbox, "r-evicted") is None
     with pytest.raises(KeyNotFoundError):
@@ -807,8 +810,7 @@ async def test_an_evicted_worker_process_abandons_its_work_fails_liveness_and_ex
 async def test_worker_process_serves_and_drains_on_sigterm(
         nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
         internal: Recorder) -> None:
-    process = await worker_process(nats_url)
-    try:
+    async with worker_process(nats_url) as process:
         health = await health_url(process)
         await internal.until(lambda _: heartbeats(internal), timeout=30)
         await send_batch(nc, [item("r-proc")])
@@ -819,10 +821,6 @@ async def test_worker_process_serves_and_drains_on_sigterm(
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(WAIT_S):
             assert await process.wait() == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     assert isinstance(done, DoneEvent) and done.usage.model_units > 0  # the chat profile
     await nc.flush()
     final = heartbeats(internal)[-1]
