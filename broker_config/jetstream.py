@@ -24,11 +24,14 @@ NO_RESPONDERS = "503"  # nothing listens (no such stream or consumer)
 NATS_SUBJECT = "Nats-Subject"
 NATS_SEQUENCE = "Nats-Sequence"
 KV_OPERATION = "KV-Operation"  # DEL or PURGE on a KV tombstone: no value
+# A publish with this header set to 0 is stored only if its subject holds no message.
+EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 
 # JetStream API error codes (err_code) that provisioning and publishers act on.
 ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
 ERR_MAX_MSGS_PER_SUBJECT = 10077  # "maximum messages per subject exceeded"
 ERR_CONSUMER_NOT_UNIQUE = 10100  # "filtered consumer not unique on workqueue stream"
+ERR_WRONG_LAST_SEQUENCE = 10071  # "wrong last sequence": a create-only put found a value
 
 
 def status_of(msg: Msg) -> tuple[str | None, str]:
@@ -56,12 +59,13 @@ def is_put_ack(data: bytes) -> bool:
     return data.startswith(b'{"stream":') and b'"error"' not in data
 
 
-def ack_error(data: bytes) -> str:
-    """Why a publish ack that is not `is_put_ack` failed."""
+def ack_error(data: bytes) -> tuple[int | None, str]:
+    """(err_code, description) of a publish ack that is not `is_put_ack`."""
     try:
-        return json.loads(data)["error"]["description"]
-    except (ValueError, KeyError, TypeError):
-        return f"unreadable ack {data[:200]!r}"
+        error = json.loads(data)["error"]
+        return error.get("err_code"), error["description"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, f"unreadable ack {data[:200]!r}"
 
 
 # -- pull consumers --------------------------------------------------------------------------

@@ -3,6 +3,7 @@ cheaply.
 
     async with KeyValueWriter(nc, "FQ_RESULTS") as results:
         await results.put("acme.r1", value)     # returns once the server stored it
+        await results.create("acme.r2", value)  # only if acme.r2 holds no value yet
     async with StreamWriter(nc, "FQ_PARKED") as parked:
         await parked.publish("fq.park.chat.acme", data, headers)
 
@@ -23,6 +24,7 @@ import itertools
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.aio.msg import Msg
 
 from broker_config import jetstream
@@ -35,7 +37,11 @@ class PutError(nats.errors.Error):
 
 class Refused(PutError):
     """The stream answered with an error: sending the same again fails the same way
-    (a per-subject limit, a header it refuses)."""
+    (a per-subject limit, a header it refuses). `err_code` is JetStream's."""
+
+    def __init__(self, message: str, err_code: int | None = None) -> None:
+        super().__init__(message)
+        self.err_code = err_code
 
 
 class StreamWriter:
@@ -91,8 +97,8 @@ class StreamWriter:
         elif jetstream.is_put_ack(msg.data):
             done.set_result(None)
         else:
-            done.set_exception(Refused(f"put into {self.name}: "
-                                       f"{jetstream.ack_error(msg.data)}"))
+            err_code, description = jetstream.ack_error(msg.data)
+            done.set_exception(Refused(f"put into {self.name}: {description}", err_code))
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -117,3 +123,15 @@ class KeyValueWriter(StreamWriter):
 
     async def put(self, key: str, value: bytes) -> None:
         await self.publish(jetstream.kv_subject(self.bucket, key), value)
+
+    async def create(self, key: str, value: bytes) -> None:
+        """Store `value` only if `key` holds none; else raise nats-py's
+        KeyWrongLastSequenceError, as `KeyValue.create` does. Unlike that, a deleted key
+        is not re-created: fairq never deletes from the buckets it creates into."""
+        try:
+            await self.publish(jetstream.kv_subject(self.bucket, key), value,
+                               {jetstream.EXPECTED_LAST_SUBJECT_SEQUENCE: "0"})
+        except Refused as exc:
+            if exc.err_code == jetstream.ERR_WRONG_LAST_SEQUENCE:
+                raise KeyWrongLastSequenceError(f"{self.bucket}: {key} holds a value") from exc
+            raise

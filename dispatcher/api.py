@@ -129,7 +129,9 @@ class Api:
         self.admission.cancelled[key] = now
         submission = found.submission
         event = to_error_event(submission.id, CANCELLED)
-        await self.results.store(submission.tenant, submission.endpoint, event, now)
+        if await self.results.store(submission.tenant, submission.endpoint, event,
+                                    now) != event:
+            return False  # a re-submission of a request that finished: nothing to cancel
         await self.results.publish(submission.reply, submission.encoding, event)
         try:
             await self.nc.jetstream().delete_msg(found.stream, found.seq)
@@ -149,8 +151,7 @@ class Api:
         if running is None and adopted is None:
             return False
         endpoint = running.endpoint if running else adopted.submission.endpoint
-        await self.nc.publish(self.subjects.abort(endpoint), wire.encode(
-            wire.Abort(endpoint=endpoint, tenant=key[0], ids=[key[1]])))
+        await self.results.abort(endpoint, key, wire.ErrorCode.CANCELLED)
         return True
 
     # -- the stream --------------------------------------------------------------------------

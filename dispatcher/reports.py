@@ -173,6 +173,8 @@ class WorkerReports:
         else:
             held = self.held.adopted.pop(key, None)
         if held is not None:
+            if held.worker not in (None, done.worker_id) and done.stored:
+                await self._abort_rerun(held.worker, done)
             if done.stored:
                 await held.msg.ack()
             else:
@@ -182,6 +184,14 @@ class WorkerReports:
         await self._refund(completed)
         if done.code is None and done.first_token_at is not None:
             self._observe(completed.request.endpoint, completed.request.arrival, done)
+
+    async def _abort_rerun(self, worker_id: str, done: wire.Completion) -> None:
+        """It finished on a worker thought lost while it runs again on `worker_id`: stop
+        that run (its result could not be stored anyway, the first one stands)."""
+        log.info("request %s of %s finished on %s while running again on %s; aborting "
+                 "the second run", done.id, done.tenant, done.worker_id, worker_id)
+        await self.admission.results.abort(done.endpoint, (done.tenant, done.id),
+                                           wire.ErrorCode.INTERNAL)
 
     async def _refund(self, completed: Completed) -> None:
         if completed.refund is not None:

@@ -5,6 +5,8 @@ the request's reply subject.
         stored = await results.lookup(keys)        # one batch direct get for many
         await results.finish(msg, submission, event) # a request the dispatcher ends itself
 
+Every store is create-only: a request has exactly one result, the first one stored.
+
 Stored results answer `status` (async jobs) and redeliveries (a request that finished
 before a restart is answered, not run again). Drain order on exit: the writer fails the
 puts still waiting, then the reader closes.
@@ -17,6 +19,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError
 
 from broker_config import jetstream, wire
 from broker_config.direct_get import DirectBatchGet
@@ -58,18 +61,37 @@ class Results:
         return (await self.lookup([key])).get(key)
 
     async def store(self, tenant: str, endpoint: str, event: wire.FinalEvent,
-                    now: float) -> None:
+                    now: float) -> wire.FinalEvent:
+        """Store `event` as the request's result unless it has one: create-only, so a
+        worker that finished it meanwhile keeps its result. The result that stands."""
         value = wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event, stored_at=now)
-        await self._writer.put(self.subjects.result_key(tenant, event.id), wire.encode(value))
+        key = self.subjects.result_key(tenant, event.id)
+        try:
+            await self._writer.create(key, wire.encode(value))
+            return event
+        except KeyWrongLastSequenceError:
+            standing = await self.get((tenant, event.id))
+            if standing is None:  # gone since (its age passed): ours is the only one
+                await self._writer.put(key, wire.encode(value))
+                return event
+            return standing.event
 
     async def publish(self, reply: str | None, encoding: wire.Encoding, event: Any) -> None:
         if reply:
             await self.nc.publish(reply, wire.encode(event, encoding),
                                   headers={HDR_CONTENT_TYPE: encoding.content_type})
 
+    async def abort(self, endpoint: str, key: Key, code: wire.ErrorCode) -> None:
+        """Stop a running request wherever it runs: its worker ends it with `code` (and
+        stores that only if it has no result yet)."""
+        abort = wire.Abort(endpoint=endpoint, tenant=key[0], ids=[key[1]], code=code)
+        await self.nc.publish(self.subjects.abort(endpoint), wire.encode(abort),
+                              headers={HDR_CONTENT_TYPE: wire.Encoding.JSON.content_type})
+
     async def finish(self, msg: Msg, submission: wire.Submission, event: wire.FinalEvent,
                      now: float) -> None:
-        """End a request here, without a worker: store, tell the client, drop the message."""
-        await self.store(submission.tenant, submission.endpoint, event, now)
+        """End a request here, without a worker: store, tell the client, drop the message.
+        If it has a result already (a worker stored one meanwhile), the client gets that."""
+        event = await self.store(submission.tenant, submission.endpoint, event, now)
         await self.publish(submission.reply, submission.encoding, event)
         await msg.term()

@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
-from nats.js.errors import APIError, ServiceUnavailableError
+from nats.js.errors import APIError, KeyWrongLastSequenceError, ServiceUnavailableError
 
 from bench.consumers import endpoint_consumer, pull_subscription, tenant_consumer
 from broker_config import jetstream
@@ -216,6 +216,21 @@ async def test_kv_writer_puts_many_at_once_and_reports_failures(
     async with KeyValueWriter(nc, "NO_SUCH_BUCKET", timeout_s=2.0) as writer:
         with pytest.raises(PutError, match="NO_SUCH_BUCKET"):
             await writer.put("acme.r1", b"lost")
+
+
+async def test_kv_writer_creates_a_key_once_and_refuses_a_second_value(
+        nc: Client, js: JetStreamContext) -> None:
+    done = await provision(js, BrokerSettings())
+    async with KeyValueWriter(nc, S.results_bucket) as writer:
+        await writer.create("acme.r1", b"first")
+        with pytest.raises(KeyWrongLastSequenceError, match="acme.r1"):
+            await writer.create("acme.r1", b"second")
+        await writer.create("acme.r2", b"other")  # other keys are not affected
+    assert (await done.results.get("acme.r1")).value == b"first"
+    assert (await done.results.get("acme.r2")).value == b"other"
+    # nats-py's own create agrees: the same header, the same error.
+    with pytest.raises(KeyWrongLastSequenceError):
+        await done.results.create("acme.r1", b"third")
 
 
 async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -> None:

@@ -49,6 +49,7 @@ from broker_config.wire import (
     Event,
     Evict,
     Heartbeat,
+    StoredResult,
     SubmitRequest,
     TokenEvent,
     encode,
@@ -292,10 +293,10 @@ class GatedResults:
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()
 
-    async def put(self, key: str, value: bytes) -> int:
+    async def create(self, key: str, value: bytes) -> int:
         self.entered.set()
         await self.gate.wait()
-        return await self._results.put(key, value)
+        return await self._results.create(key, value)
 
 
 async def test_final_event_is_stored_before_it_is_published_and_completed(
@@ -585,11 +586,11 @@ class FlakyResults:
         self.failures = failures
         self.attempts = 0
 
-    async def put(self, key: str, value: bytes) -> int:
+    async def create(self, key: str, value: bytes) -> int:
         self.attempts += 1
         if self.attempts <= self.failures:
             raise nats.errors.TimeoutError
-        return await self._results.put(key, value)
+        return await self._results.create(key, value)
 
 
 async def test_store_failures_are_retried(
@@ -603,6 +604,21 @@ async def test_store_failures_are_retried(
     assert flaky.attempts == 3
     assert completion.stored
     assert final_of(inbox, "r-retry") == await stored_event(results, "r-retry")
+
+
+async def test_a_result_stored_by_another_run_stands_and_is_what_the_client_gets(
+        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    """A request that ran again after its first worker was thought lost: whichever run
+    stores first is its one result; the other run's reply carries that same result."""
+    first = ErrorEvent(id="r-twice", code=ErrorCode.INTERNAL, message="the first run's")
+    await results.create(S.result_key(TENANT, "r-twice"), encode(
+        StoredResult(tenant=TENANT, endpoint=ENDPOINT, event=first, stored_at=time.time())))
+    async with running_worker(nc, results):
+        await send_batch(nc, [item("r-twice")])
+        completion = await internal.until(lambda _: completion_of(internal, "r-twice"))
+    assert tokens_of(inbox, "r-twice")  # it ran here, to the end
+    assert completion.code is None and completion.stored  # the request has its result
+    assert final_of(inbox, "r-twice") == first == await stored_event(results, "r-twice")
 
 
 async def test_unstorable_result_is_not_published_and_reported_unstored(

@@ -9,7 +9,10 @@ endpoint stop matching requests.
 Per request, in this order:
 
 1. token events to `item.reply` (seq from 0), in the request's encoding;
-2. the final event stored under `Subjects.result_key(tenant, id)` (bounded retries);
+2. the final event stored under `Subjects.result_key(tenant, id)` (bounded retries),
+   create-only: a request has one result. If another run stored one first (this worker
+   was thought lost and the request ran again elsewhere, or the dispatcher ended it),
+   that one stands and is what the reply subject gets;
 3. the final event to `item.reply`, only once stored: if storing fails for good the
    dispatcher redelivers the request, and the client must not see two final events;
 4. a `Completion` to `Subjects.completion(endpoint, worker_id)`, `stored` telling the
@@ -35,13 +38,16 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import KeyWrongLastSequenceError
 
 from broker_config.config import WorkerOptions
+from broker_config.jetstream import kv_stream, kv_subject
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
 from broker_config.wire import (
     ABORT,
     BATCH,
     EVICT,
+    STORED_RESULT,
     BatchItem,
     Completion,
     Completions,
@@ -77,10 +83,20 @@ T = TypeVar("T")
 
 class ResultStore(Protocol):
     """Where final events go: `broker_config.kv_writer.KeyValueWriter` (or nats-py's
-    KeyValue) on the results bucket. `put` returns once the value is stored."""
+    KeyValue) on the results bucket. `create` returns once the value is stored, and
+    raises KeyWrongLastSequenceError if the key holds a value already."""
 
-    async def put(self, key: str, value: bytes) -> object: ...
+    async def create(self, key: str, value: bytes) -> object: ...
+
+
 _INTERNAL_ENCODING = Encoding.JSON
+
+
+class _Existing:
+    """The request's key held a result already when this run tried to store its own."""
+
+
+_EXISTING = _Existing()
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,11 +464,13 @@ class WorkerService:
                  if images else Usage(running.input_tokens, running.output_tokens, cost))
         event = self._final_event(running, ending, usage)
         stored = await self._store(running.key, item, event)
-        if stored:
-            await self._send_event(item, event)
+        if stored is _EXISTING:
+            stored = await self._standing_result(running.key)
+        if stored is not None:
+            await self._send_event(item, stored)
         self._report(Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
                                 worker_id=self.worker_id, usage=usage, code=ending.code,
-                                stored=stored, finished_at=time.time(),
+                                stored=stored is not None, finished_at=time.time(),
                                 first_token_at=running.first_token_at))
 
     def _report(self, completion: Completion) -> None:
@@ -485,14 +503,21 @@ class WorkerService:
         return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
                          timings=timings, metadata=item.request.metadata)
 
-    async def _store(self, key: str, item: BatchItem, event: FinalEvent) -> bool:
+    async def _store(self, key: str, item: BatchItem,
+                     event: FinalEvent) -> FinalEvent | _Existing | None:
+        """`event` once stored; _EXISTING if the key holds a result already; None if
+        storing failed for good."""
         value = encode(StoredResult(tenant=item.tenant, endpoint=item.endpoint, event=event,
                                     stored_at=time.time()))
         delay = STORE_BACKOFF_S
         for attempt in range(1, STORE_ATTEMPTS + 1):
             try:
-                await self._results.put(key, value)
-                return True
+                await self._results.create(key, value)
+                return event
+            except KeyWrongLastSequenceError:
+                # Also after a put whose ack was lost: then the standing result is ours.
+                log.info("request %s has a result already; it stands", key)
+                return _EXISTING
             except nats.errors.Error as exc:
                 log.warning("storing the result of %s failed (attempt %d of %d): %r",
                             key, attempt, STORE_ATTEMPTS, exc)
@@ -501,7 +526,19 @@ class WorkerService:
                 delay = min(2 * delay, STORE_BACKOFF_MAX_S)
         log.error("could not store the result of %s: reporting it unstored, so the "
                   "dispatcher redelivers it", key)
-        return False
+        return None
+
+    async def _standing_result(self, key: str) -> FinalEvent | None:
+        """The result another run stored for `key` (None if it cannot be read now: it is
+        stored, so the request is answered through `status`)."""
+        bucket = self.subjects.results_bucket
+        try:
+            msg = await self._nc.jetstream().get_last_msg(kv_stream(bucket),
+                                                          kv_subject(bucket, key))
+            return STORED_RESULT.decode(msg.data).event
+        except (nats.errors.Error, msgspec.DecodeError) as exc:
+            log.warning("cannot read the standing result of %s: %r", key, exc)
+            return None
 
     def _model_units(self, item: BatchItem, input_tokens: int, output_tokens: int) -> float:
         if self._profile is None:
