@@ -713,6 +713,9 @@ async def test_service_rejects_bad_settings(nc: Client, results: KeyValue) -> No
     (["--endpoint", "nope", "--worker-id", "w1", "--config", str(REPO / "configs/example.toml")],
      "no endpoint 'nope'"),
     (["--endpoint", "chat", "--worker-id", "w1", "--drain-timeout", "-1"], "--drain-timeout"),
+    (["--endpoint", "chat", "--worker-id", "w1", "--slow-fault", "0"], "--slow-fault must be"),
+    (["--endpoint", "chat", "--worker-id", "w1", "--engine", "vllm", "--model", "/m",
+      "--slow-fault", "5"], "--slow-fault is for --engine sim"),
 ])
 def test_main_rejects_bad_arguments(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
@@ -821,6 +824,46 @@ async def test_an_evicted_worker_process_abandons_its_work_fails_liveness_and_ex
         await results.get(S.result_key(TENANT, "r-evicted"))
     assert completion_of(internal, "r-evicted") is None
     assert any(not h.healthy for h in heartbeats(internal))
+
+
+async def test_sigusr1_hangs_a_simulated_worker_process_and_sigusr2_slows_it(
+        nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
+        internal: Recorder) -> None:
+    """The chaos suite's faults: a hang stops output while heartbeats go on; lifting it
+    lets the request finish; the slow fault makes steps ten times longer."""
+    # Ids whose drawn output lengths (engine seed 0) are 59 and 55 tokens of at most 60.
+    fast, slow = "r-fast-13", "r-slow-8"
+    async with worker_process(nats_url) as process:
+        await health_url(process)
+        await internal.until(lambda _: heartbeats(internal), timeout=30)
+        await send_batch(nc, [item(fast, max_tokens=60)])
+        await inbox.until(lambda _: final_of(inbox, fast))
+        process.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(0.3)  # the signal has been handled
+        await send_batch(nc, [item("r-hung", max_tokens=20)])
+        beats = len(heartbeats(internal))
+        await internal.until(lambda _: len(heartbeats(internal)) >= beats + 5)
+        assert tokens_of(inbox, "r-hung") == [] and heartbeats(internal)[-1].healthy
+        process.send_signal(signal.SIGUSR1)
+        await inbox.until(lambda _: final_of(inbox, "r-hung"))
+        process.send_signal(signal.SIGUSR2)
+        await asyncio.sleep(0.3)
+        await send_batch(nc, [item(slow, max_tokens=60)])
+        await inbox.until(lambda _: final_of(inbox, slow), timeout=30)
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(WAIT_S):
+            assert await process.wait() == 0
+        assert process.stderr is not None
+        log = (await process.stderr.read()).decode()
+    assert "fault injection: hang on" in log and "fault injection: hang off" in log
+    assert "fault injection: steps x10" in log
+
+    def per_token(request_id: str) -> float:
+        done = final_of(inbox, request_id)
+        assert done.usage.output_tokens > 50
+        return (done.timings.total_s - done.timings.ttft_s) / (done.usage.output_tokens - 1)
+
+    assert per_token(slow) > 3 * per_token(fast), (per_token(fast), per_token(slow))
 
 
 async def test_worker_process_serves_and_drains_on_sigterm(

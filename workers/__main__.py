@@ -10,6 +10,10 @@ The broker must be provisioned already (the dispatcher does it): the worker only
 results bucket. SIGTERM or SIGINT drains the worker (see `WorkerService`) and exits 0;
 bad arguments exit 2, runtime failures (NATS unreachable, no results bucket, the engine
 failing to start, the connection lost) exit 1.
+
+Fault injection, simulated engine only (for chaos runs: `python -m bench.chaos`):
+SIGUSR1 switches the engine's hang fault on or off (steps stop, heartbeats go on);
+SIGUSR2 switches its slow fault (every step `--slow-fault` times longer).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Options:
     engine: Engine
     health_port: int | None = None  # serve /healthz and /readyz there (0: a free port)
     health_host: str = "127.0.0.1"
+    slow_fault: float = 10.0  # the step-time factor SIGUSR2 switches on (sim engine)
 
 
 def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
@@ -81,6 +86,9 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
     parser.add_argument("--time-scale", type=float, metavar="X",
                         help="sim only: multiplies simulated step times (default 1.0)")
     parser.add_argument("--seed", type=int, help="sim only: output text and lengths (default 0)")
+    parser.add_argument("--slow-fault", type=float, metavar="X",
+                        help="sim only: SIGUSR2 makes every step X times longer, and "
+                             "SIGUSR2 again undoes it (default 10; SIGUSR1 toggles a hang)")
     parser.add_argument("--model", metavar="DIR", help="vllm only: the model directory")
     parser.add_argument("--config", type=Path, metavar="TOML",
                         help="fairq config: the endpoint's cost profile and the subject prefix")
@@ -130,8 +138,11 @@ def parse_options(args: argparse.Namespace) -> Options:
     engine = _sim_engine(args) if args.engine == "sim" else _vllm_engine(args)
     if args.health_port is not None and not 0 <= args.health_port <= 65535:
         raise UsageError(f"--health-port must be in 0..65535, got {args.health_port}")
+    slow_fault = 10.0 if args.slow_fault is None else args.slow_fault
+    if not 0 < slow_fault < math.inf:
+        raise UsageError(f"--slow-fault must be a finite number > 0, got {args.slow_fault}")
     return Options(args.nats, args.connect_wait, args.endpoint, args.worker_id, subjects, profile,
-                   settings, engine, args.health_port, args.health_host)
+                   settings, engine, args.health_port, args.health_host, slow_fault)
 
 
 def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, WorkerOptions]:
@@ -158,7 +169,8 @@ def _sim_engine(args: argparse.Namespace) -> Engine:
 
 
 def _vllm_engine(args: argparse.Namespace) -> Engine:
-    for flag, value in (("--time-scale", args.time_scale), ("--seed", args.seed)):
+    for flag, value in (("--time-scale", args.time_scale), ("--seed", args.seed),
+                        ("--slow-fault", args.slow_fault)):
         if value is not None:
             raise UsageError(f"{flag} is for --engine sim (set vLLM's seed in --engine-config)")
     # Imported only here: its module is the one place fairq reaches vllm from.
@@ -268,10 +280,31 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+def faults_on_signals(engine: Engine, slow_fault: float) -> None:
+    """SIGUSR1 toggles a simulated engine's hang fault, SIGUSR2 its slow fault (call
+    inside the running loop; other engines have no faults to switch)."""
+    if not isinstance(engine, SimEngine):
+        return
+    faults = engine.faults
+
+    def toggle_hang() -> None:
+        faults.hang = not faults.hang
+        log.warning("fault injection: hang %s", "on" if faults.hang else "off")
+
+    def toggle_slow() -> None:
+        faults.slow_factor = slow_fault if faults.slow_factor == 1.0 else 1.0
+        log.warning("fault injection: steps x%g", faults.slow_factor)
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, toggle_hang)
+    loop.add_signal_handler(signal.SIGUSR2, toggle_slow)
+
+
 async def run(options: Options) -> None:
     """Serve until SIGTERM/SIGINT, then drain. Raises WorkerFailure, also when the
     dispatcher evicted this worker (its supervisor then starts a fresh one)."""
     stop = stop_on_signals()
+    faults_on_signals(options.engine, options.slow_fault)
     async with contextlib.AsyncExitStack() as stack:
         http = HealthServer()  # live, not ready, until the service runs; closed last
         if options.health_port is not None:
