@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -50,6 +51,36 @@ def memory_kb(pid: int | str = "self") -> dict[str, int]:
         raise ProcError(f"/proc/{pid}/status lacks VmRSS or VmHWM: memory is measured on "
                         "Linux only")
     return found
+
+
+def processes() -> dict[int, tuple[int, list[str]]]:
+    """pid -> (parent pid, argv) of every live process (zombies have no argv)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:  # exited meanwhile
+            continue
+        if argv:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), argv)
+    return found
+
+
+def worker_pid(parent: int, worker_id: str) -> int | None:
+    """The pid of the worker process `worker_id` that `parent` (`fairq up`) runs."""
+    for pid, (ppid, argv) in processes().items():
+        if ppid == parent and "workers" in argv and worker_id in argv:
+            return pid
+    return None
+
+
+def children_of(parent: int) -> dict[int, list[str]]:
+    """pid -> argv of the live children of `parent`."""
+    return {pid: argv for pid, (ppid, argv) in processes().items() if ppid == parent}
 
 
 class CpuMeter:

@@ -203,18 +203,29 @@ class Subjects:
 
     def heartbeats(self, endpoint: str) -> str:
         """Filter for every heartbeat of an endpoint's workers."""
-        return f"{self.prefix}.int.hb.{check_token(endpoint, 'endpoint')}.*"
+        return self._every("hb", endpoint)
 
     def completion(self, endpoint: str, worker_id: str) -> str:
         return self._internal("done", endpoint, worker_id)
 
     def completions(self, endpoint: str) -> str:
         """Filter for every completion of an endpoint's workers."""
-        return f"{self.prefix}.int.done.{check_token(endpoint, 'endpoint')}.*"
+        return self._every("done", endpoint)
+
+    def batches(self, endpoint: str) -> str:
+        """Filter for every batch sent to an endpoint's workers (for observers)."""
+        return self._every("work", endpoint)
+
+    def evictions(self, endpoint: str) -> str:
+        """Filter for every eviction of an endpoint's workers (for observers)."""
+        return self._every("evict", endpoint)
 
     def _internal(self, kind: str, endpoint: str, worker_id: str) -> str:
         return (f"{self.prefix}.int.{kind}.{check_token(endpoint, 'endpoint')}"
                 f".{check_token(worker_id, 'worker id')}")
+
+    def _every(self, kind: str, endpoint: str) -> str:
+        return f"{self.prefix}.int.{kind}.{check_token(endpoint, 'endpoint')}.*"
 
     # -- JetStream names ----------------------------------------------------------------
 

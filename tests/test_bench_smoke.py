@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import scenario_noisy, scenario_rate, scenario_trace, sim_azure
+from bench import chaos, scenario_noisy, scenario_rate, scenario_trace, sim_azure
 from bench.traces import AZURE_TRACE_ENV, azure_trace
 from producers.loadgen import TraceError
 
@@ -41,6 +41,46 @@ async def test_dispatch_rate_smoke(nats_binary: Path, tmp_path: Path) -> None:
     # About 40% of the raw broker path on 2 shared cores; a throughput collapse (a
     # per-request stall, a serialised round trip) falls far below a tenth of it.
     assert summary["fairq_over_raw"]["median"] >= 0.1
+
+
+async def test_chaos_smoke(nats_binary: Path, tmp_path: Path) -> None:
+    """500 requests through `fairq up` while a worker process is killed, one stopped, one
+    hung and one slowed: nothing lost, one result each, each fault found and repaired."""
+    summary = await chaos.run_named("smoke", chaos.SMOKE, tmp_path, "tests/test_bench_smoke.py")
+    print(chaos.render(summary))
+    figures = summary["figures"]
+    assert summary["failed"] == [], summary["failed"]
+    assert figures["submitted"] == chaos.SMOKE.requests
+    assert figures["unreadable_messages"] == 0
+    # Every request ends done, or (streamed on the hung worker) with the retryable error.
+    assert set(figures["outcomes"]) <= {"done", "internal"}
+    assert figures["outcomes"].get("done", 0) >= 0.9 * chaos.SMOKE.requests
+    faults = {f["kind"]: f for f in figures["faults"]}
+    assert set(faults) == set(chaos.FAULTS)
+    for kind in ("kill", "stop", "hang"):
+        fault = faults[kind]
+        assert fault["held"] > 0, f"{kind}: the worker held nothing; the run proves little"
+        # Goals 10 s and 30 s; doubled for a loaded CI machine.
+        assert fault["redispatched_s"] is not None and fault["redispatched_s"] < 20, fault
+        assert fault["replacement_serving_s"] is not None
+        assert fault["replacement_serving_s"] < 60, fault
+    assert faults["hang"]["evicted_s"] is not None
+    # A slow worker keeps serving: nothing of it moves, no new process.
+    assert faults["slow"]["replacement_serving_s"] is None
+    assert faults["slow"]["finished_where_they_were"] == faults["slow"]["held"]
+
+
+async def test_chaos_saturated_smoke(nats_binary: Path, tmp_path: Path) -> None:
+    """The false-kill run, short: workers full of long prompts and long generations, and
+    no worker evicted."""
+    settings = replace(chaos.SATURATED, saturate_s=20.0, max_tokens=512)
+    summary = await chaos.run_named("saturated", settings, tmp_path,
+                                    "tests/test_bench_smoke.py")
+    print(chaos.render(summary))
+    figures = summary["figures"]
+    assert summary["failed"] == [], summary["failed"]
+    assert figures["evictions"] == 0 and figures["lost"] == 0
+    assert figures["outcomes"] == {"done": figures["submitted"]}
 
 
 # -- the Azure trace: public data, found through --trace or FQ_AZURE_TRACE -----------------

@@ -20,6 +20,7 @@ import nats
 import pytest
 from nats.aio.subscription import Subscription
 
+from bench.procstat import children_of, processes, worker_pid
 from producers.supervisor import Backoff, Child, Supervisor, SupervisorError
 
 pytestmark = pytest.mark.integration
@@ -173,30 +174,6 @@ class Output:
         pytest.fail(f"no line {prefix!r}: {reason}; output:\n" + "\n".join(self.lines))
 
 
-def processes() -> dict[int, tuple[int, list[str]]]:
-    """pid -> (parent pid, argv) of every live process (zombies have no argv)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-        except OSError:  # exited meanwhile
-            continue
-        if argv:
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-            found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), argv)
-    return found
-
-
-def worker_pid(parent: int, worker_id: str) -> int | None:
-    for pid, (ppid, argv) in processes().items():
-        if ppid == parent and "workers" in argv and worker_id in argv:
-            return pid
-    return None
-
-
 async def submit(nc: nats.NATS, request_id: str) -> list[dict]:
     """One chat request for tenant acme over plain NATS; its events up to the final one."""
     reply = nc.new_inbox()
@@ -227,10 +204,6 @@ async def heartbeat_after(subscription: Subscription, started_at: float) -> dict
             beat = json.loads((await subscription.next_msg(timeout=RESTART_S)).data)
             if beat["started_at"] > started_at:
                 return beat
-
-
-def children_of(parent: int) -> dict[int, list[str]]:
-    return {pid: argv for pid, (ppid, argv) in processes().items() if ppid == parent}
 
 
 def still_running(started: dict[int, list[str]]) -> list[int]:

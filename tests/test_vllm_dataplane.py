@@ -25,6 +25,7 @@ from nats.aio.client import Client as NATS
 
 from broker_config.config import DispatcherOptions, WorkerOptions, parse_config
 from broker_config.subjects import Subjects
+from dispatcher.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
 from tests.test_dataplane_e2e import api, collect, submit, wait_for_state
 
@@ -89,13 +90,15 @@ async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:  # noqa: F811
 
 
 @contextlib.asynccontextmanager
-async def serving(nats_url: str, engine: Engine) -> AsyncIterator[Dispatcher]:
+async def serving(nats_url: str, engine: Engine, options: DispatcherOptions = OPTIONS,
+                  metrics: DispatcherMetrics | None = None) -> AsyncIterator[Dispatcher]:
     """A dispatcher and one worker on `engine`, on this test's nats-server."""
     async with contextlib.AsyncExitStack() as stack:
         nc = await nats.connect(nats_url, name="fairq-vllm-dataplane")
         stack.push_async_callback(nc.drain)
-        running = await stack.enter_async_context(
-            Dispatcher(nc, msgspec.structs.replace(parse_config(CONFIG), dispatcher=OPTIONS)))
+        running = await stack.enter_async_context(Dispatcher(
+            nc, msgspec.structs.replace(parse_config(CONFIG), dispatcher=options),
+            metrics=metrics))
         results = await nc.jetstream().key_value(running.subjects.results_bucket)
         await stack.enter_async_context(WorkerService(
             nc, engine, endpoint="chat", worker_id="vllm-1", subjects=running.subjects,
@@ -297,3 +300,50 @@ async def test_a_tenants_own_priority_never_jumps_another_tenant_inside_vllm(
     engine_priority = oversubscribed.priorities
     assert engine_priority[Subjects.result_key("globex", "globex-1")] == 1  # expedited
     assert [engine_priority[Subjects.result_key("acme", rid)] for rid in flood] == [0, 0, 0]
+
+
+async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted(
+    nats_url: str, client: NATS, model_dir: Path,  # noqa: F811
+) -> None:
+    """Its own engine of four sequences (three advertised, one kept for probes), kept
+    full through the dispatcher by long requests, and probed as often as the dispatcher
+    can (stall 0.05 s: a probe whenever one heartbeat reports no new token and the last
+    probe was answered). The dispatcher's default probe timeout and failure count apply:
+    every probe is answered in time, and the worker is never evicted."""
+    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=4, max_model_len=8192,
+                              kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
+    defaults = DispatcherOptions()
+    options = msgspec.structs.replace(
+        OPTIONS, probe_stall_s=0.05, probe_idle_s=0.05,
+        probe_timeout_s=defaults.probe_timeout_s, probe_failures=defaults.probe_failures)
+    metrics = DispatcherMetrics(["chat"])
+    running: list[int] = []  # requests on the worker, sampled every 50 ms
+
+    async def sample(dispatcher: Dispatcher) -> None:
+        while True:
+            running.append(len(dispatcher.pool.get("vllm-1").assigned))
+            await asyncio.sleep(0.05)
+
+    async with VLLMEngine(config) as engine, \
+            serving(nats_url, engine, options, metrics) as dispatcher:
+        submitted = await asyncio.gather(*(
+            submit(client, "chat", tenant, {"prompt": f"def g{i}():", "max_tokens": 1000},
+                   rid=f"{tenant}-{i}") for i in range(3) for tenant in ("acme", "globex")))
+        sampler = asyncio.create_task(sample(dispatcher))
+        try:
+            streams = await asyncio.gather(*(collect(sub, timeout=4 * WAIT_S)
+                                             for _, sub in submitted))
+        finally:
+            sampler.cancel()
+        worker = dispatcher.pool.get("vllm-1")
+        assert worker.healthy and not worker.evicted
+
+    def count(metric) -> float:
+        return metrics.child(metric, "chat")._value.get()
+
+    assert all(events[-1]["type"] == "done" for events in streams), [
+        events[-1] for events in streams if events[-1]["type"] != "done"]
+    # Full (three of three) for most of the run: six requests, three at a time.
+    assert running.count(3) >= len(running) / 3, running
+    assert count(metrics.probes) >= 10, count(metrics.probes)
+    assert count(metrics.probe_failures) == 0 and count(metrics.evictions) == 0

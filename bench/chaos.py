@@ -1,0 +1,399 @@
+"""Chaos: worker processes killed, stopped, hung and slowed under load, and what it costs.
+
+    python -m bench.chaos [--smoke] [--requests 5000] [--tenants 20] [--workers 4] [--seed 1]
+    python -m bench.chaos --saturate 300 [--workers 2]
+
+The real stack as a user runs it: `fairq up` (embedded nats-server, the dispatcher, and
+simulated worker processes under its supervisor) with the benchmark config (admission out
+of the way, so every request should end `done`). Requests from `--tenants` tenants (Zipf
+shares) arrive as a Poisson stream, each with its own reply subject. Meanwhile, at random
+moments (a gap of `fault_gap_s` x U(0.5, 1.5) between two), one of the faults is injected
+into a random serving worker process:
+
+- `kill`: SIGKILL; `stop`: SIGSTOP (the process freezes: no heartbeats, no output);
+- `hang`: SIGUSR1, the simulated engine's hang (steps stop; heartbeats go on, so only
+  a health probe can tell); `slow`: SIGUSR2, every step 10x longer for `slow_for_s`,
+  then back (a slow worker still serves: it should not be evicted).
+
+An observer (`bench.chaos_watch`) records batches, completions, heartbeats, evictions and
+every final event. Reported: requests lost, with two different final results, with an
+identical final event delivered again, run twice to completion; per fault the seconds
+to detection, to all its requests re-dispatched (or ended with the retryable error), and
+to a replacement process serving; evictions of workers that had no hang or stop.
+
+`--saturate S` is the false-kill run instead: no faults, every worker kept full for S
+seconds by closed-loop tenants with long prompts and long generations; any eviction
+there is a false one. `--smoke`: 500 requests and one fault of each kind (CI).
+
+Writes bench/results/chaos/<name>.json and prints a markdown digest; exits 1 if a
+request was lost, got two different results or ran twice to completion, or (saturated)
+a worker was evicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+
+from bench.chaos_watch import Fault, Watch, verdict
+from bench.machine import command_line, machine_facts, table, with_overrides
+from bench.procstat import worker_pid
+from bench.stack import ENDPOINT, benchmark_config
+from broker_config import jetstream, wire
+from broker_config.direct_get import DirectBatchGet
+from broker_config.subjects import HDR_MSG_ID, HDR_REPLY, Subjects
+from dispatcher.core.workers import Key
+from producers.loadgen import tenant_names, zipf_weights
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "chaos"
+FAULTS = ("kill", "stop", "hang", "slow")
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": signal.SIGUSR1,
+           "slow": signal.SIGUSR2}
+UP_START_S = 90.0
+UP_STOP_S = 90.0
+LOOKUP_BATCH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    requests: int = 5_000
+    tenants: int = 20
+    workers: int = 4
+    faults: tuple[str, ...] = FAULTS * 2
+    rate_per_s: float = 25.0
+    time_scale: float = 1.0
+    max_tokens: int = 256  # the simulated engine draws a length in [1, max_tokens]
+    first_fault_s: float = 8.0
+    fault_gap_s: float = 20.0
+    slow_for_s: float = 10.0
+    finish_timeout_s: float = 180.0
+    seed: int = 1
+    # > 0: the false-kill run (no faults, every worker full for this many seconds).
+    saturate_s: float = 0.0
+    prompt_tokens: tuple[int, int] = (16, 512)  # uniform; the saturated run: long prefills
+    # The dispatcher's probe_stall_s and probe_idle_s (None: the defaults); a tiny value
+    # probes a worker at every heartbeat that reports no new token.
+    probe_stall_s: float | None = None
+
+
+SMOKE = Settings(requests=500, faults=FAULTS, rate_per_s=10.0, fault_gap_s=10.0)
+SATURATED = Settings(workers=2, faults=(), saturate_s=300.0, max_tokens=2048,
+                     prompt_tokens=(2_000, 8_000))
+
+
+@dataclass(slots=True)
+class Up:
+    """A running `fairq up`: its process and what it printed."""
+
+    process: asyncio.subprocess.Process
+    nats_url: str
+    log_dir: Path
+
+
+@contextlib.asynccontextmanager
+async def fairq_up(settings: Settings, work_dir: Path):
+    config_path = work_dir / "fairq.toml"
+    config = benchmark_config()
+    if settings.probe_stall_s is not None:
+        config = msgspec.structs.replace(config, dispatcher=msgspec.structs.replace(
+            config.dispatcher, probe_stall_s=settings.probe_stall_s,
+            probe_idle_s=settings.probe_stall_s))
+    config_path.write_bytes(msgspec.toml.encode(config))
+    log_dir = work_dir / "logs"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producers.cli", "up", "--config", str(config_path),
+        "--workers", str(settings.workers), "--time-scale", repr(settings.time_scale),
+        "--metrics-port", "0", "--log-dir", str(log_dir), cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True)
+    output: list[str] = []
+    try:
+        nats_url = await _until_up(process, output)
+        drain = asyncio.create_task(_drain_output(process, output))
+        yield Up(process, nats_url, log_dir)
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(process.wait(), UP_STOP_S)
+            except TimeoutError:
+                os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+    drain.cancel()
+    (work_dir / "fairq-up.log").write_text("\n".join(output))
+
+
+async def _until_up(process: asyncio.subprocess.Process, output: list[str]) -> str:
+    url = None
+    async with asyncio.timeout(UP_START_S):
+        while True:
+            line = (await process.stdout.readline()).decode(errors="replace")
+            if not line:
+                raise RuntimeError("fairq up exited:\n" + "\n".join(output))
+            output.append(line.rstrip())
+            if line.startswith("NATS_URL="):
+                url = line.strip().split("=", 1)[1]
+            if line.startswith("fairq is up") and url:
+                return url
+
+
+async def _drain_output(process: asyncio.subprocess.Process, output: list[str]) -> None:
+    async for line in process.stdout:
+        output.append(line.decode(errors="replace").rstrip())
+
+
+# -- load --------------------------------------------------------------------------------
+
+
+def _body(rng: random.Random, settings: Settings) -> bytes:
+    low, high = settings.prompt_tokens
+    return json.dumps({"prompt": "chaos", "input_tokens": rng.randint(low, high),
+                       "max_tokens": settings.max_tokens}).encode()
+
+
+async def _submit(js, watch: Watch, key: Key, n: int, body: bytes) -> None:
+    tenant, request_id = key
+    await js.publish(Subjects().request(ENDPOINT, tenant), body,
+                     headers={HDR_MSG_ID: request_id, HDR_REPLY: watch.reply_for(key, n)},
+                     timeout=30)
+
+
+async def open_loop(js, watch: Watch, settings: Settings, rng: random.Random) -> list[Key]:
+    """Poisson arrivals at `rate_per_s`, tenants by Zipf shares; every request submitted."""
+    tenants = tenant_names(settings.tenants)
+    weights = zipf_weights(settings.tenants, 1.1)
+    keys, tasks = [], []
+    start = time.monotonic()
+    due = 0.0
+    for n in range(settings.requests):
+        due += rng.expovariate(settings.rate_per_s)
+        await asyncio.sleep(max(0.0, start + due - time.monotonic()))
+        key = (rng.choices(tenants, weights)[0], f"c{n}")
+        keys.append(key)
+        tasks.append(asyncio.create_task(_submit(js, watch, key, n, _body(rng, settings))))
+    await asyncio.gather(*tasks)
+    return keys
+
+
+async def closed_loop(js, watch: Watch, settings: Settings, rng: random.Random,
+                      per_tenant: int) -> list[Key]:
+    """Each tenant keeps `per_tenant` requests in flight until `saturate_s` has passed."""
+    keys: list[Key] = []
+    counter = iter(range(10**9))
+    stop_at = time.monotonic() + settings.saturate_s
+
+    async def tenant(name: str) -> None:
+        while time.monotonic() < stop_at:
+            n = next(counter)
+            key = (name, f"s{n}")
+            keys.append(key)
+            await _submit(js, watch, key, n, _body(rng, settings))
+            while key not in watch.finals:
+                await asyncio.sleep(0.05)
+
+    await asyncio.gather(*(tenant(name) for name in tenant_names(settings.tenants)
+                           for _ in range(per_tenant)))
+    return keys
+
+
+# -- faults ------------------------------------------------------------------------------
+
+
+async def inject_faults(up: Up, watch: Watch, settings: Settings, rng: random.Random,
+                        faults: list[Fault]) -> None:
+    """The faults in a random order at random moments, each on a serving worker."""
+    kinds = list(settings.faults)
+    rng.shuffle(kinds)
+    worker_ids = [f"{ENDPOINT}-w{n}" for n in range(1, settings.workers + 1)]
+    await asyncio.sleep(settings.first_fault_s)
+    for index, kind in enumerate(kinds):
+        if index:
+            await asyncio.sleep(settings.fault_gap_s * rng.uniform(0.5, 1.5))
+        busy = {f.worker_id for f in faults if watch.current_run(f.worker_id) == f.started_at}
+        candidates = [w for w in worker_ids if w not in busy and worker_pid(
+            up.process.pid, w) is not None and watch.current_run(w) is not None]
+        if not candidates:
+            continue
+        worker_id = rng.choice(candidates)
+        pid = worker_pid(up.process.pid, worker_id)
+        at = time.time()
+        os.kill(pid, SIGNALS[kind])
+        fault = Fault(kind, worker_id, pid, watch.current_run(worker_id), at,
+                      watch.held_by(worker_id, at))
+        faults.append(fault)
+        print(f"chaos: {kind} {worker_id} (pid {pid}) holding {len(fault.held)}", flush=True)
+        if kind == "slow":
+            asyncio.get_running_loop().call_later(settings.slow_for_s, _unslow, pid)
+
+
+def _unslow(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # replaced meanwhile: nothing to undo
+        os.kill(pid, signal.SIGUSR2)
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(settings.seed)
+    faults: list[Fault] = []
+    async with fairq_up(settings, work_dir) as up:
+        nc = await nats.connect(up.nats_url, name="chaos")
+        try:
+            watch = Watch(nc, Subjects(), ENDPOINT, nc.new_inbox())
+            await watch.start()
+            js = nc.jetstream()
+            began = time.monotonic()
+            if settings.saturate_s > 0:
+                keys = await closed_loop(js, watch, settings, rng, per_tenant=max(
+                    1, -(-settings.workers * 80 // settings.tenants)))
+            else:
+                injector = asyncio.create_task(inject_faults(up, watch, settings, rng, faults))
+                keys = await open_loop(js, watch, settings, rng)
+                await injector
+            load_s = time.monotonic() - began
+            await _until_answered(watch, keys, settings.finish_timeout_s)
+            stored = await _stored(nc, keys)
+            figures = verdict(watch, faults, keys, stored)
+        finally:
+            await nc.drain()
+    figures["load_s"] = load_s
+    return figures
+
+
+async def _until_answered(watch: Watch, keys: list[Key], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(k not in watch.finals for k in keys):
+        await asyncio.sleep(0.5)
+
+
+async def _stored(nc, keys: list[Key]) -> dict[Key, wire.StoredResult]:
+    subjects = Subjects()
+    bucket = subjects.results_bucket
+    found: dict[Key, wire.StoredResult] = {}
+    async with DirectBatchGet(nc, jetstream.kv_stream(bucket)) as reader:
+        for start in range(0, len(keys), LOOKUP_BATCH):
+            chunk = {jetstream.kv_subject(bucket, subjects.result_key(*k)): k
+                     for k in keys[start:start + LOOKUP_BATCH]}
+            for subject, data in (await reader.last(list(chunk))).items():
+                found[chunk[subject]] = wire.STORED_RESULT.decode(data)
+    return found
+
+
+def failures(figures: dict[str, Any], saturated: bool) -> list[str]:
+    """The goals that failed: delivery always; no eviction at all when saturated."""
+    failed = [name for name in ("lost", "two_different_results", "ran_twice_to_completion")
+              if figures[name]]
+    if figures["healthy_evictions"] or (saturated and figures["evictions"]):
+        failed.append("evictions")
+    if saturated and figures["redispatched"]:
+        failed.append("redispatched")  # a healthy worker was thought lost
+    return failed
+
+
+def render(summary: dict[str, Any]) -> str:
+    f = summary["figures"]
+    lines = [f"### Chaos: {summary['name']} ({summary['machine']['date']})", "",
+             f"`{summary['machine']['command']}`", "",
+             *table(["submitted", "lost", "two different results", "final repeated "
+                     "(identical)", "ran twice to completion", "evictions (of healthy)",
+                     "probes sent / answered", "outcomes", "done: p50 / p95 / p99 s",
+                     "re-dispatched", "worker fullness"],
+                    [[str(f["submitted"]), str(f["lost"]), str(f["two_different_results"]),
+                      str(f["final_repeated_identical"]), str(f["ran_twice_to_completion"]),
+                      f"{f['evictions']} ({f['healthy_evictions']})",
+                      f"{f['probes_sent']} / {f['probes_answered']}",
+                      ", ".join(f"{k} {v}" for k, v in sorted(f["outcomes"].items())),
+                      " / ".join(_seconds(v) for v in f["done_total_s"].values()),
+                      str(f["redispatched"]), _share(f["worker_fullness_mean"])]])]
+    if f["faults"]:
+        lines += ["", *table(
+            ["fault", "worker", "requests held", "finished there", "detected s",
+             "all re-dispatched s", "replacement serving s"],
+            [[x["kind"], x["worker"], str(x["held"]), str(x["finished_where_they_were"]),
+              _seconds(x["detected_s"]), _seconds(x["redispatched_s"]),
+              _seconds(x["replacement_serving_s"])] for x in f["faults"]])]
+    lines += ["", f"failed goals: {', '.join(summary['failed']) or 'none'}"]
+    return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true",
+                        help="500 requests, one fault of each kind")
+    parser.add_argument("--saturate", type=float, metavar="S",
+                        help="the false-kill run: no faults, every worker full for S seconds")
+    parser.add_argument("--no-faults", action="store_true",
+                        help="the same load without faults: the baseline for the figures")
+    parser.add_argument("--probe-stall", type=float, metavar="S",
+                        help="the dispatcher's probe_stall_s and probe_idle_s (default: its "
+                             "own); 0.05 probes a worker whenever a heartbeat shows no new "
+                             "token")
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--tenants", type=int)
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> tuple[str, Settings]:
+    if args.saturate is not None:
+        name, settings = "saturated", replace(SATURATED, saturate_s=args.saturate)
+        if args.probe_stall is not None:
+            name = "saturated-probed"
+    else:
+        name, settings = ("smoke", SMOKE) if args.smoke else ("full", Settings())
+        if args.no_faults:
+            name, settings = f"{name}-no-faults", replace(settings, faults=())
+    return name, with_overrides(settings, {"requests": args.requests, "tenants": args.tenants,
+                                           "workers": args.workers, "seed": args.seed,
+                                           "probe_stall_s": args.probe_stall})
+
+
+async def run_named(name: str, settings: Settings, out_dir: Path,
+                    command: str) -> dict[str, Any]:
+    figures = await run(settings, out_dir / name)
+    summary = {"name": name, "machine": machine_facts(command), "settings": asdict(settings),
+               "figures": figures,
+               "failed": failures(figures, saturated=settings.saturate_s > 0)}
+    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    name, settings = settings_from(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    summary = asyncio.run(run_named(name, settings, args.out_dir,
+                                    command_line("bench.chaos", argv)))
+    print(render(summary))
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

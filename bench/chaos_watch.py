@@ -1,0 +1,268 @@
+"""What a chaos run sees, and what it concludes.
+
+`Watch` listens, as an observer on the same NATS server, to everything that tells
+whether a worker's failure cost a request anything: the batches the dispatcher sends
+(which request went to which worker, and the probes), the workers' completions and
+heartbeats (a new `started_at` is a new process), the evictions, and every event on the
+requests' reply subjects. `verdict()` turns that and the injected faults into the
+report's figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from broker_config import wire
+from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
+from dispatcher.core.workers import Key
+
+# A token event on a reply subject, recognised without decoding it (most events are).
+_TOKEN_PREFIX = b'{"type":"token"'
+
+
+@dataclass(slots=True)
+class Fault:
+    """One injected fault: `kind` on the worker process `worker_id` (pid, run) at `at`."""
+
+    kind: str
+    worker_id: str
+    pid: int
+    started_at: float  # the run it hit (heartbeats' started_at)
+    at: float
+    held: set[Key] = field(default_factory=set)  # its unfinished requests at `at`
+
+
+@dataclass(slots=True)
+class _Dispatch:
+    at: float
+    worker_id: str
+
+
+class Watch:
+    """Records, from subscriptions on `nc`, what the run's parts say to each other."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, endpoint: str, inbox: str) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.endpoint = endpoint
+        self.inbox = inbox
+        self.dispatches: dict[Key, list[_Dispatch]] = defaultdict(list)
+        self.completions: dict[Key, list[tuple[float, wire.Completion]]] = defaultdict(list)
+        self.finals: dict[Key, list[wire.FinalEvent]] = defaultdict(list)
+        self.final_at: dict[Key, float] = {}
+        self.runs: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (seen, started)
+        self.unhealthy_beats: Counter[str] = Counter()
+        self.evictions: list[tuple[float, wire.Evict]] = []
+        # Per healthy heartbeat: the larger of its sequence and KV token shares in use.
+        self.fullness: list[float] = []
+        self.probes_sent = 0
+        self.probes_answered = 0
+        self.unreadable = 0
+        self.replies: dict[str, Key] = {}
+
+    async def start(self) -> None:
+        s, ep = self.subjects, self.endpoint
+        for subject, handler in ((s.batches(ep), self._on_batch),
+                                 (s.completions(ep), self._on_completions),
+                                 (s.heartbeats(ep), self._on_heartbeat),
+                                 (s.evictions(ep), self._on_evict),
+                                 (f"{self.inbox}.>", self._on_event)):
+            await self.nc.subscribe(subject, cb=handler, pending_msgs_limit=1_000_000,
+                                    pending_bytes_limit=1 << 30)
+        await self.nc.flush()
+
+    def reply_for(self, key: Key, n: int) -> str:
+        reply = f"{self.inbox}.{n}"
+        self.replies[reply] = key
+        return reply
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def _on_batch(self, msg: Msg) -> None:
+        batch = self._decode(msg, wire.BATCH.decode)
+        if batch is None:
+            return
+        now = time.time()
+        for item in batch.items:
+            if item.probe:
+                self.probes_sent += 1
+            else:
+                self.dispatches[(item.tenant, item.id)].append(_Dispatch(now, batch.worker_id))
+
+    async def _on_completions(self, msg: Msg) -> None:
+        completions = self._decode(msg, wire.COMPLETIONS.decode)
+        if completions is None:
+            return
+        now = time.time()
+        for done in completions.items:
+            if done.probe:
+                self.probes_answered += 1
+            else:
+                self.completions[(done.tenant, done.id)].append((now, done))
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        beat = self._decode(msg, wire.HEARTBEAT.decode)
+        if beat is None:
+            return
+        runs = self.runs[beat.worker_id]
+        if not runs or runs[-1][1] != beat.started_at:
+            runs.append((time.time(), beat.started_at))
+        if not beat.healthy:
+            self.unhealthy_beats[beat.worker_id] += 1
+        elif beat.capacity.sequences and beat.capacity.tokens:
+            self.fullness.append(max(beat.used.sequences / beat.capacity.sequences,
+                                     beat.used.tokens / beat.capacity.tokens))
+
+    async def _on_evict(self, msg: Msg) -> None:
+        evict = self._decode(msg, wire.EVICT.decode)
+        if evict is not None:
+            self.evictions.append((time.time(), evict))
+
+    async def _on_event(self, msg: Msg) -> None:
+        if msg.data.startswith(_TOKEN_PREFIX):
+            return
+        key = self.replies.get(msg.subject)
+        event = self._decode(msg, wire.EVENT.decode)
+        if key is None or event is None or isinstance(event, wire.TokenEvent):
+            return
+        self.finals[key].append(event)
+        self.final_at.setdefault(key, time.time())
+
+    def _decode(self, msg: Msg, decode: Any) -> Any:
+        try:
+            return decode(msg.data, wire.Encoding.from_content_type(
+                wire.header(msg.headers, HDR_CONTENT_TYPE)))
+        except (msgspec.DecodeError, wire.WireError):
+            self.unreadable += 1
+            return None
+
+    # -- reading -------------------------------------------------------------------------
+
+    def current_run(self, worker_id: str) -> float | None:
+        runs = self.runs.get(worker_id)
+        return runs[-1][1] if runs else None
+
+    def held_by(self, worker_id: str, at: float) -> set[Key]:
+        """Requests whose latest dispatch before `at` went to `worker_id`, unfinished then."""
+        held = set()
+        for key, dispatches in self.dispatches.items():
+            before = [d for d in dispatches if d.at <= at]
+            ended = self.final_at.get(key)
+            if not before or before[-1].worker_id != worker_id or (
+                    ended is not None and ended <= at):
+                continue
+            if not any(t <= at and c.worker_id == worker_id
+                       for t, c in self.completions.get(key, ())):
+                held.add(key)
+        return held
+
+    def answered(self) -> int:
+        return len(self.finals)
+
+
+def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
+            stored: dict[Key, wire.StoredResult]) -> dict[str, Any]:
+    """The run's figures: delivery (lost, two results, repeats, run twice), and per fault
+    the times to detection, re-dispatch and a replacement serving."""
+    lost = [k for k in submitted if k not in stored and k not in watch.finals]
+    two_results = [k for k in submitted if _results_of(watch, stored, k) > 1]
+    repeated = sum(1 for k in submitted if len(watch.finals.get(k, ())) > 1
+                   and _results_of(watch, stored, k) == 1)
+    ran_twice = [k for k in submitted if sum(
+        1 for _, c in watch.completions.get(k, ()) if c.code is None) > 1]
+    outcomes: Counter[str] = Counter()
+    for key in submitted:
+        outcomes[_outcome(_final(watch, stored, key))] += 1
+    totals = sorted(e.timings.total_s for key in submitted
+                    for e in [_final(watch, stored, key)] if isinstance(e, wire.DoneEvent))
+    expected = {(f.worker_id, f.started_at) for f in faults if f.kind in ("hang", "stop")}
+    healthy_evictions = [e.worker_id for _, e in watch.evictions
+                         if (e.worker_id, e.started_at) not in expected]
+    return {
+        "submitted": len(submitted),
+        "lost": len(lost), "lost_ids": [list(k) for k in lost[:20]],
+        "two_different_results": len(two_results),
+        "two_results_ids": [list(k) for k in two_results[:20]],
+        "final_repeated_identical": repeated,
+        "ran_twice_to_completion": len(ran_twice),
+        "ran_twice_ids": [list(k) for k in ran_twice[:20]],
+        "outcomes": dict(outcomes),
+        "done_total_s": {f"p{q}": _quantile(totals, q / 100) for q in (50, 95, 99)},
+        "redispatched": sum(1 for k in submitted if len(watch.dispatches.get(k, ())) > 1),
+        "worker_fullness_mean": (sum(watch.fullness) / len(watch.fullness)
+                                 if watch.fullness else None),
+        "evictions": len(watch.evictions),
+        "healthy_evictions": len(healthy_evictions),
+        "healthy_evicted": healthy_evictions,
+        "probes_sent": watch.probes_sent, "probes_answered": watch.probes_answered,
+        "unreadable_messages": watch.unreadable,
+        "faults": [_fault_figures(watch, fault) for fault in faults],
+    }
+
+
+def _results_of(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) -> int:
+    """How many different final events the request has, stored or delivered."""
+    events = list(watch.finals.get(key, ()))
+    if key in stored:
+        events.append(stored[key].event)
+    return len({msgspec.json.encode(e) for e in events})
+
+
+def _final(watch: Watch, stored: dict[Key, wire.StoredResult],
+           key: Key) -> wire.FinalEvent | None:
+    result = stored.get(key)
+    return result.event if result is not None else (watch.finals.get(key) or [None])[0]
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def _outcome(event: wire.FinalEvent | None) -> str:
+    if event is None:
+        return "none"
+    if isinstance(event, wire.DoneEvent):
+        return "done"
+    return event.code.value
+
+
+def _fault_figures(watch: Watch, fault: Fault) -> dict[str, Any]:
+    """Seconds from the fault to: detection (the worker evicted, or the first of its
+    requests sent elsewhere or ended), all its requests re-dispatched or ended, and a
+    new process of the worker heartbeating."""
+    moved: list[float] = []
+    finished_there = 0
+    for key in fault.held:
+        # Sent again (also to the worker's replacement, which has the same id)...
+        later = [d.at for d in watch.dispatches.get(key, ()) if d.at > fault.at]
+        ended = watch.final_at.get(key)
+        if later:
+            moved.append(min(later) - fault.at)
+        elif any(c.worker_id == fault.worker_id and c.code is None
+                 for _, c in watch.completions.get(key, ())):
+            finished_there += 1  # ... or not: it finished where it was (a slow worker)
+        elif ended is not None:
+            moved.append(ended - fault.at)  # ended by the dispatcher: it had streamed
+        else:
+            moved.append(float("inf"))
+    evicted = [t - fault.at for t, e in watch.evictions
+               if e.worker_id == fault.worker_id and e.started_at == fault.started_at]
+    replaced = [seen - fault.at for seen, started in watch.runs.get(fault.worker_id, ())
+                if started > fault.started_at]
+    first_signs = evicted[:1] + ([min(moved)] if moved else [])
+    return {
+        "kind": fault.kind, "worker": fault.worker_id, "at_s": fault.at,
+        "held": len(fault.held),
+        "finished_where_they_were": finished_there,
+        "evicted_s": evicted[0] if evicted else None,
+        "detected_s": min(first_signs) if first_signs else None,
+        "redispatched_s": max(moved) if moved else None,
+        "replacement_serving_s": replaced[0] if replaced else None,
+    }
