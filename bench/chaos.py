@@ -48,8 +48,8 @@ from typing import Any
 import msgspec
 import nats
 
-from bench.chaos_watch import Fault, Watch, verdict
-from bench.machine import command_line, machine_facts, table, with_overrides
+from bench.chaos_watch import Fault, Watch, render, verdict
+from bench.machine import command_line, machine_facts, with_overrides
 from bench.procstat import worker_pid
 from bench.stack import ENDPOINT, benchmark_config
 from broker_config import jetstream, wire
@@ -66,6 +66,8 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": signal.SIGUSR
 UP_START_S = 90.0
 UP_STOP_S = 90.0
 LOOKUP_BATCH = 200
+# After a fault, how long the observer gets to hear of batches sent just before it.
+HELD_LAG_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,7 @@ async def fairq_up(settings: Settings, work_dir: Path):
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         start_new_session=True)
     output: list[str] = []
+    drain = None
     try:
         nats_url = await _until_up(process, output)
         drain = asyncio.create_task(_drain_output(process, output))
@@ -133,8 +136,9 @@ async def fairq_up(settings: Settings, work_dir: Path):
             except TimeoutError:
                 os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
-    drain.cancel()
-    (work_dir / "fairq-up.log").write_text("\n".join(output))
+        if drain is not None:
+            drain.cancel()
+        (work_dir / "fairq-up.log").write_text("\n".join(output))
 
 
 async def _until_up(process: asyncio.subprocess.Process, output: list[str]) -> str:
@@ -202,8 +206,9 @@ async def closed_loop(js, watch: Watch, settings: Settings, rng: random.Random,
             key = (name, f"s{n}")
             keys.append(key)
             await _submit(js, watch, key, n, _body(rng, settings))
-            while key not in watch.finals:
-                await asyncio.sleep(0.05)
+            given_up = time.monotonic() + settings.finish_timeout_s
+            while key not in watch.finals and time.monotonic() < given_up:
+                await asyncio.sleep(0.05)  # a request never answered counts as lost
 
     await asyncio.gather(*(tenant(name) for name in tenant_names(settings.tenants)
                            for _ in range(per_tenant)))
@@ -227,13 +232,19 @@ async def inject_faults(up: Up, watch: Watch, settings: Settings, rng: random.Ra
         candidates = [w for w in worker_ids if w not in busy and worker_pid(
             up.process.pid, w) is not None and watch.current_run(w) is not None]
         if not candidates:
+            print(f"chaos: {kind} skipped, no worker serving without a fault", flush=True)
             continue
         worker_id = rng.choice(candidates)
         pid = worker_pid(up.process.pid, worker_id)
         at = time.time()
-        os.kill(pid, SIGNALS[kind])
-        fault = Fault(kind, worker_id, pid, watch.current_run(worker_id), at,
-                      watch.held_by(worker_id, at))
+        try:
+            os.kill(pid, SIGNALS[kind])
+        except (ProcessLookupError, TypeError):  # it exited since it was chosen
+            print(f"chaos: {kind} skipped, {worker_id} exited meanwhile", flush=True)
+            continue
+        run = watch.current_run(worker_id)
+        await asyncio.sleep(HELD_LAG_S)  # batches sent before `at` have been heard of
+        fault = Fault(kind, worker_id, pid, run, at, watch.held_by(worker_id, at))
         faults.append(fault)
         print(f"chaos: {kind} {worker_id} (pid {pid}) holding {len(fault.held)}", flush=True)
         if kind == "slow":
@@ -250,7 +261,8 @@ def _unslow(pid: int) -> None:
 
 async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
     work_dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(settings.seed)
+    # One generator each: the faults' timing must not shift the arrivals of a seed.
+    rng, fault_rng = random.Random(settings.seed), random.Random(-settings.seed)
     faults: list[Fault] = []
     async with fairq_up(settings, work_dir) as up:
         nc = await nats.connect(up.nats_url, name="chaos")
@@ -263,7 +275,8 @@ async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
                 keys = await closed_loop(js, watch, settings, rng, per_tenant=max(
                     1, -(-settings.workers * 80 // settings.tenants)))
             else:
-                injector = asyncio.create_task(inject_faults(up, watch, settings, rng, faults))
+                injector = asyncio.create_task(
+                    inject_faults(up, watch, settings, fault_rng, faults))
                 keys = await open_loop(js, watch, settings, rng)
                 await injector
             load_s = time.monotonic() - began
@@ -304,40 +317,6 @@ def failures(figures: dict[str, Any], saturated: bool) -> list[str]:
     if saturated and figures["redispatched"]:
         failed.append("redispatched")  # a healthy worker was thought lost
     return failed
-
-
-def render(summary: dict[str, Any]) -> str:
-    f = summary["figures"]
-    lines = [f"### Chaos: {summary['name']} ({summary['machine']['date']})", "",
-             f"`{summary['machine']['command']}`", "",
-             *table(["submitted", "lost", "two different results", "final repeated "
-                     "(identical)", "ran twice to completion", "evictions (of healthy)",
-                     "probes sent / answered", "outcomes", "done: p50 / p95 / p99 s",
-                     "re-dispatched", "worker fullness"],
-                    [[str(f["submitted"]), str(f["lost"]), str(f["two_different_results"]),
-                      str(f["final_repeated_identical"]), str(f["ran_twice_to_completion"]),
-                      f"{f['evictions']} ({f['healthy_evictions']})",
-                      f"{f['probes_sent']} / {f['probes_answered']}",
-                      ", ".join(f"{k} {v}" for k, v in sorted(f["outcomes"].items())),
-                      " / ".join(_seconds(v) for v in f["done_total_s"].values()),
-                      str(f["redispatched"]), _share(f["worker_fullness_mean"])]])]
-    if f["faults"]:
-        lines += ["", *table(
-            ["fault", "worker", "requests held", "finished there", "detected s",
-             "all re-dispatched s", "replacement serving s"],
-            [[x["kind"], x["worker"], str(x["held"]), str(x["finished_where_they_were"]),
-              _seconds(x["detected_s"]), _seconds(x["redispatched_s"]),
-              _seconds(x["replacement_serving_s"])] for x in f["faults"]])]
-    lines += ["", f"failed goals: {', '.join(summary['failed']) or 'none'}"]
-    return "\n".join(lines)
-
-
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
 
 
 def build_parser() -> argparse.ArgumentParser:

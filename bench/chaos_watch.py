@@ -5,7 +5,7 @@ whether a worker's failure cost a request anything: the batches the dispatcher s
 (which request went to which worker, and the probes), the workers' completions and
 heartbeats (a new `started_at` is a new process), the evictions, and every event on the
 requests' reply subjects. `verdict()` turns that and the injected faults into the
-report's figures.
+report's figures, `render()` into its markdown digest.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from bench.machine import table
 from broker_config import wire
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from dispatcher.core.workers import Key
@@ -64,6 +65,8 @@ class Watch:
         self.fullness: list[float] = []
         self.probes_sent = 0
         self.probes_answered = 0
+        self.probe_sent_at: dict[str, float] = {}
+        self.probe_answer_s: list[float] = []  # from the probe's batch to its answer
         self.unreadable = 0
         self.replies: dict[str, Key] = {}
 
@@ -89,23 +92,26 @@ class Watch:
         batch = self._decode(msg, wire.BATCH.decode)
         if batch is None:
             return
-        now = time.time()
-        for item in batch.items:
+        for item in batch.items:  # timed by the dispatcher's clock: this one may lag
             if item.probe:
                 self.probes_sent += 1
+                self.probe_sent_at[item.id] = batch.sent_at
             else:
-                self.dispatches[(item.tenant, item.id)].append(_Dispatch(now, batch.worker_id))
+                self.dispatches[(item.tenant, item.id)].append(
+                    _Dispatch(batch.sent_at, batch.worker_id))
 
     async def _on_completions(self, msg: Msg) -> None:
         completions = self._decode(msg, wire.COMPLETIONS.decode)
         if completions is None:
             return
-        now = time.time()
         for done in completions.items:
             if done.probe:
                 self.probes_answered += 1
+                sent = self.probe_sent_at.pop(done.id, None)
+                if sent is not None:
+                    self.probe_answer_s.append(done.finished_at - sent)
             else:
-                self.completions[(done.tenant, done.id)].append((now, done))
+                self.completions[(done.tenant, done.id)].append((done.finished_at, done))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         beat = self._decode(msg, wire.HEARTBEAT.decode)
@@ -182,6 +188,7 @@ def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
         outcomes[_outcome(_final(watch, stored, key))] += 1
     totals = sorted(e.timings.total_s for key in submitted
                     for e in [_final(watch, stored, key)] if isinstance(e, wire.DoneEvent))
+    answers = sorted(watch.probe_answer_s)
     expected = {(f.worker_id, f.started_at) for f in faults if f.kind in ("hang", "stop")}
     healthy_evictions = [e.worker_id for _, e in watch.evictions
                          if (e.worker_id, e.started_at) not in expected]
@@ -202,6 +209,8 @@ def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
         "healthy_evictions": len(healthy_evictions),
         "healthy_evicted": healthy_evictions,
         "probes_sent": watch.probes_sent, "probes_answered": watch.probes_answered,
+        "probe_answer_s": {"p50": _quantile(answers, 0.5), "p99": _quantile(answers, 0.99),
+                           "max": answers[-1] if answers else None},
         "unreadable_messages": watch.unreadable,
         "faults": [_fault_figures(watch, fault) for fault in faults],
     }
@@ -266,3 +275,40 @@ def _fault_figures(watch: Watch, fault: Fault) -> dict[str, Any]:
         "redispatched_s": max(moved) if moved else None,
         "replacement_serving_s": replaced[0] if replaced else None,
     }
+
+
+def render(summary: dict[str, Any]) -> str:
+    f = summary["figures"]
+    lines = [f"### Chaos: {summary['name']} ({summary['machine']['date']})", "",
+             f"`{summary['machine']['command']}`", "",
+             *table(["submitted", "lost", "two different results", "final repeated "
+                     "(identical)", "ran twice to completion", "evictions (of healthy)",
+                     "probes sent / answered (answer p50 / max s)", "outcomes",
+                     "done: p50 / p95 / p99 s",
+                     "re-dispatched", "worker fullness"],
+                    [[str(f["submitted"]), str(f["lost"]), str(f["two_different_results"]),
+                      str(f["final_repeated_identical"]), str(f["ran_twice_to_completion"]),
+                      f"{f['evictions']} ({f['healthy_evictions']})",
+                      f"{f['probes_sent']} / {f['probes_answered']} ("
+                      f"{_seconds(f['probe_answer_s']['p50'], 2)} / "
+                      f"{_seconds(f['probe_answer_s']['max'], 2)})",
+                      ", ".join(f"{k} {v}" for k, v in sorted(f["outcomes"].items())),
+                      " / ".join(_seconds(v) for v in f["done_total_s"].values()),
+                      str(f["redispatched"]), _share(f["worker_fullness_mean"])]])]
+    if f["faults"]:
+        lines += ["", *table(
+            ["fault", "worker", "requests held", "finished there", "detected s",
+             "all re-dispatched s", "replacement serving s"],
+            [[x["kind"], x["worker"], str(x["held"]), str(x["finished_where_they_were"]),
+              _seconds(x["detected_s"]), _seconds(x["redispatched_s"]),
+              _seconds(x["replacement_serving_s"])] for x in f["faults"]])]
+    lines += ["", f"failed goals: {', '.join(summary['failed']) or 'none'}"]
+    return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _seconds(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -131,7 +131,10 @@ class Api:
         event = to_error_event(submission.id, CANCELLED)
         if await self.results.store(submission.tenant, submission.endpoint, event,
                                     now) != event:
-            return False  # a re-submission of a request that finished: nothing to cancel
+            # A re-submission of a request that finished: nothing to cancel; intake
+            # answers it with the stored result.
+            del self.admission.cancelled[key]
+            return False
         await self.results.publish(submission.reply, submission.encoding, event)
         try:
             await self.nc.jetstream().delete_msg(found.stream, found.seq)

@@ -48,6 +48,10 @@ class DispatcherMetrics:
         self.evictions = Counter("fairq_worker_evictions",
                                  "Workers taken out of rotation by failed probes",
                                  ["endpoint"], registry=r)
+        self.replacements = Counter(
+            "fairq_worker_replacements",
+            "New processes of known workers (a restart after a crash, an eviction or a stop)",
+            ["endpoint"], registry=r)
         self.redispatched = Counter("fairq_redispatched",
                                     "Requests of an evicted worker run again elsewhere",
                                     ["endpoint"], registry=r)
@@ -62,7 +66,7 @@ class DispatcherMetrics:
             for outcome in Outcome:
                 self.child(self.admissions, endpoint, outcome.value)
             for counter in (self.probes, self.probe_failures, self.evictions,
-                            self.redispatched, self.failed_by_eviction):
+                            self.replacements, self.redispatched, self.failed_by_eviction):
                 self.child(counter, endpoint)
 
     def child(self, metric: Counter | Histogram, *labels: str):

@@ -76,6 +76,9 @@ class WorkerReports:
                 continue
             in_flight.add(parsed)
             generated.append((parsed, count))
+        known = self.pool.get(beat.worker_id)
+        if known is not None and known.started_at != beat.started_at:
+            self.metrics.child(self.metrics.replacements, beat.endpoint).inc()
         async with self._lock:
             lost = self.pool.heartbeat(beat.worker_id, beat.endpoint, beat.started_at,
                                        beat.capacity, in_flight, beat.healthy, time.time(),
@@ -173,10 +176,10 @@ class WorkerReports:
         else:
             held = self.held.adopted.pop(key, None)
         if held is not None:
-            if held.worker not in (None, done.worker_id) and done.stored:
-                await self._abort_rerun(held.worker, done)
             if done.stored:
                 await held.msg.ack()
+                if held.worker not in (None, done.worker_id):
+                    await self._abort_rerun(held.worker, done)
             else:
                 await held.msg.nak()  # the final event is not stored: run it again
         if completed is None:

@@ -27,6 +27,8 @@ from broker_config.kv_writer import KeyValueWriter
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from dispatcher.core.workers import Key
 
+STORE_ATTEMPTS = 3  # create-only puts of one result, when its key looks empty but is not
+
 
 class Results:
     def __init__(self, nc: NATS, subjects: Subjects) -> None:
@@ -64,17 +66,21 @@ class Results:
                     now: float) -> wire.FinalEvent:
         """Store `event` as the request's result unless it has one: create-only, so a
         worker that finished it meanwhile keeps its result. The result that stands."""
-        value = wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event, stored_at=now)
+        value = wire.encode(wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event,
+                                              stored_at=now))
         key = self.subjects.result_key(tenant, event.id)
-        try:
-            await self._writer.create(key, wire.encode(value))
-            return event
-        except KeyWrongLastSequenceError:
-            standing = await self.get((tenant, event.id))
-            if standing is None:  # gone since (its age passed): ours is the only one
-                await self._writer.put(key, wire.encode(value))
+        for _ in range(STORE_ATTEMPTS):
+            try:
+                await self._writer.create(key, value)
                 return event
-            return standing.event
+            except KeyWrongLastSequenceError:
+                standing = await self.get((tenant, event.id))
+                if standing is not None:
+                    return standing.event
+                # Gone since (its age passed), or a tombstone: try again.
+        # Only a tombstone (an operator deleted the key) stays in the way of a create.
+        await self._writer.put(key, value)
+        return event
 
     async def publish(self, reply: str | None, encoding: wire.Encoding, event: Any) -> None:
         if reply:

@@ -67,6 +67,7 @@ async def test_chaos_smoke(nats_binary: Path, tmp_path: Path) -> None:
     assert faults["hang"]["evicted_s"] is not None
     # A slow worker keeps serving: nothing of it moves, no new process.
     assert faults["slow"]["replacement_serving_s"] is None
+    assert faults["slow"]["held"] > 0
     assert faults["slow"]["finished_where_they_were"] == faults["slow"]["held"]
 
 

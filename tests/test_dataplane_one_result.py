@@ -17,11 +17,28 @@ from pathlib import Path
 import nats
 import pytest
 
-from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, DispatcherOptions, load_config
+from broker_config.config import (
+    EXAMPLE_CONFIG,
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    DispatcherOptions,
+    WorkerOptions,
+    load_config,
+)
 from broker_config.kv_writer import KeyValueWriter
+from broker_config.streams import provision
 from broker_config.subjects import Subjects
-from broker_config.wire import COMPLETIONS, EVENT, STORED_RESULT, DoneEvent, ErrorCode, TokenEvent
+from broker_config.wire import (
+    COMPLETIONS,
+    EVENT,
+    STORED_RESULT,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    TokenEvent,
+)
 from costmodel.engine_model import load_engine_params
+from dispatcher.results import Results
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import eventually
 from workers.service import WorkerService
@@ -101,7 +118,7 @@ async def test_a_paused_worker_that_resumes_cannot_give_a_request_a_second_resul
                     SimEngine(params, time_scale=2.0) as engine, \
                     WorkerService(stack.nc, engine, endpoint="chat", worker_id="chat-second",
                                   subjects=S, results=results,
-                                  settings=stack.config.workers) as second:
+                                  settings=WorkerOptions(heartbeat_interval_s=0.2)) as second:
 
                 async def running_again():
                     return held.get(key) is not None and held.get(key).worker == "chat-second" \
@@ -129,3 +146,22 @@ async def test_a_paused_worker_that_resumes_cannot_give_a_request_a_second_resul
     assert isinstance(stored, DoneEvent) and stored.usage.output_tokens == TOKENS
     # Both runs answered the reply subject with the one result: identical events.
     assert [e for e in events if not isinstance(e, TokenEvent)] == [stored, stored]
+
+
+async def test_the_dispatcher_never_overwrites_a_stored_result(nats_url):
+    """What the dispatcher ends itself (a cancel, a rejection, a streamed request of an
+    evicted worker) does not replace a result a worker stored first: the first stands,
+    and is what the client is sent."""
+    nc = await nats.connect(nats_url)
+    try:
+        await provision(nc.jetstream(), BrokerSettings())
+        first = ErrorEvent(id="r-1", code=ErrorCode.INTERNAL, message="stored first")
+        later = ErrorEvent(id="r-1", code=ErrorCode.CANCELLED, message="too late")
+        async with Results(nc, S) as results:
+            assert await results.store("acme", "chat", first, 1.0) == first
+            assert await results.store("acme", "chat", later, 2.0) == first
+            assert (await results.get(("acme", "r-1"))).event == first
+            # Another tenant's request of the same id is another result.
+            assert await results.store("globex", "chat", later, 3.0) == later
+    finally:
+        await nc.drain()

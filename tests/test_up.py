@@ -279,6 +279,10 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
             assert_completed(await submit(nc, "up-3"), "up-3")
         finally:
             await nc.close()
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+            exported = response.read().decode()
+        # Both new processes of chat-w1 (after SIGKILL, after SIGSTOP) are counted.
+        assert 'fairq_worker_replacements_total{endpoint="chat"} 2.0' in exported
 
         up.send_signal(signal.SIGINT)
         await output.expect("fairq: draining...", STOP_S)

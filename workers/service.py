@@ -464,10 +464,10 @@ class WorkerService:
                  if images else Usage(running.input_tokens, running.output_tokens, cost))
         event = self._final_event(running, ending, usage)
         stored = await self._store(running.key, item, event)
-        if stored is _EXISTING:
-            stored = await self._standing_result(running.key)
-        if stored is not None:
-            await self._send_event(item, stored)
+        # The request's one result: this run's, or the one another run stored first.
+        result = await self._standing_result(running.key) if stored is _EXISTING else stored
+        if result is not None:
+            await self._send_event(item, result)
         self._report(Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
                                 worker_id=self.worker_id, usage=usage, code=ending.code,
                                 stored=stored is not None, finished_at=time.time(),
