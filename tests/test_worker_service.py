@@ -57,8 +57,8 @@ from broker_config.wire import (
 from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile, Usage
 from workers import __main__ as worker_main
-from workers import service as service_module
-from workers.engine import PROBE, EngineRequest
+from workers import results as results_module
+from workers.engine import EXPEDITED, PROBE, EngineRequest
 from workers.probe import PROBE_ROOM
 from workers.service import WorkerService
 from workers.sim_engine import Faults, SimEngine
@@ -354,9 +354,9 @@ async def test_engine_priority_comes_from_expedited_never_from_the_body(
                               results=results, profile=PROFILE)):
         await send_batch(nc, items)
         await internal.until(lambda _: len(completions(internal)) == 3)
-    assert service_module.EXPEDITED > 0  # engine priority: higher is served first
+    assert EXPEDITED > 0  # engine priority: higher is served first
     assert engine.priorities == {S.result_key(TENANT, "r-plain"): 0,
-                                 S.result_key(TENANT, "r-fast"): service_module.EXPEDITED,
+                                 S.result_key(TENANT, "r-fast"): EXPEDITED,
                                  S.result_key(TENANT, "r-default"): 0}
     assert all(c.code is None for c in completions(internal))
 
@@ -381,7 +381,7 @@ async def test_a_probe_runs_ahead_in_the_engine_and_answers_with_a_completion_on
         await send_abort(nc, "r-long")
     assert answer.probe and answer.code is None and not answer.stored
     assert answer.usage.output_tokens == 1
-    assert engine_priorities["probe~p-1"] == PROBE > service_module.EXPEDITED
+    assert engine_priorities["probe~p-1"] == PROBE > EXPEDITED
     assert events(inbox, "p-1") == []  # no events, nothing stored, never in flight
     with pytest.raises(KeyNotFoundError):
         await results.get(S.result_key(TENANT, "p-1"))
@@ -596,7 +596,7 @@ class FlakyResults:
 async def test_store_failures_are_retried(
         nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "STORE_BACKOFF_S", 0.001)
+    monkeypatch.setattr(results_module, "STORE_BACKOFF_S", 0.001)
     flaky = FlakyResults(results, failures=2)
     async with running_worker(nc, flaky):
         await send_batch(nc, [item("r-retry")])
@@ -624,12 +624,12 @@ async def test_a_result_stored_by_another_run_stands_and_is_what_the_client_gets
 async def test_unstorable_result_is_not_published_and_reported_unstored(
         nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "STORE_BACKOFF_S", 0.001)
-    flaky = FlakyResults(results, failures=service_module.STORE_ATTEMPTS)
+    monkeypatch.setattr(results_module, "STORE_BACKOFF_S", 0.001)
+    flaky = FlakyResults(results, failures=results_module.STORE_ATTEMPTS)
     async with running_worker(nc, flaky):
         await send_batch(nc, [item("r-lost")])
         completion = await internal.until(lambda _: completion_of(internal, "r-lost"))
-    assert flaky.attempts == service_module.STORE_ATTEMPTS
+    assert flaky.attempts == results_module.STORE_ATTEMPTS
     assert not completion.stored and completion.code is None
     # Published before the Completion, had it been sent: the redelivered run sends it.
     assert tokens_of(inbox, "r-lost") and final_of(inbox, "r-lost") is None

@@ -10,9 +10,8 @@ Per request, in this order:
 
 1. token events to `item.reply` (seq from 0), in the request's encoding;
 2. the final event stored under `Subjects.result_key(tenant, id)` (bounded retries),
-   create-only: a request has one result. If another run stored one first (this worker
-   was thought lost and the request ran again elsewhere, or the dispatcher ended it),
-   that one stands and is what the reply subject gets;
+   create-only: a request has one result (`workers.results`). If another run stored one
+   first, that one stands and is what the reply subject gets;
 3. the final event to `item.reply`, only once stored: if storing fails for good the
    dispatcher redelivers the request, and the client must not see two final events;
 4. a `Completion` to `Subjects.completion(endpoint, worker_id)`, `stored` telling the
@@ -25,111 +24,55 @@ batches and aborts are read in whichever encoding their `Content-Type` names.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol, Self, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Self, TypeVar
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import KeyWrongLastSequenceError
 
 from broker_config.config import WorkerOptions
-from broker_config.jetstream import kv_stream, kv_subject
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
 from broker_config.wire import (
     ABORT,
     BATCH,
     EVICT,
-    STORED_RESULT,
     BatchItem,
     Completion,
     Completions,
-    DoneEvent,
     Encoding,
     ErrorCode,
-    ErrorEvent,
     FinalEvent,
     Heartbeat,
-    StoredResult,
-    Timings,
     TokenEvent,
     WireError,
     encode,
     header,
 )
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
-from workers.engine import EXPEDITED, Delta, Engine, EngineError, EngineRequest
+from workers.engine import Delta, Engine, EngineError, EngineRequest
 from workers.probe import advertised, answer_probe
+from workers.results import FinalResults, ResultStore
+from workers.running import (
+    Ending,
+    Running,
+    close_stream,
+    conclude,
+    engine_request,
+    final_event,
+)
 
 log = logging.getLogger(__name__)
 
-# Storing a final event: attempts, and the backoff before each retry (doubling, capped).
-STORE_ATTEMPTS = 5
-STORE_BACKOFF_S = 0.05
-STORE_BACKOFF_MAX_S = 1.0
 # Upper bound for the round trip that pushes the last messages out on shutdown.
 FLUSH_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
-
-
-
-class ResultStore(Protocol):
-    """Where final events go: `broker_config.kv_writer.KeyValueWriter` (or nats-py's
-    KeyValue) on the results bucket. `create` returns once the value is stored, and
-    raises KeyWrongLastSequenceError if the key holds a value already."""
-
-    async def create(self, key: str, value: bytes) -> object: ...
-
-
 _INTERNAL_ENCODING = Encoding.JSON
-
-
-class _Existing:
-    """The request's key held a result already when this run tried to store its own."""
-
-
-_EXISTING = _Existing()
-
-
-@dataclass(frozen=True, slots=True)
-class _Ending:
-    """How a request ended: `code` None for done, else the error it ends with."""
-
-    code: ErrorCode | None
-    message: str = ""
-
-
-@dataclass(slots=True, eq=False)
-class _Running:
-    """One request on this worker, from its batch to its Completion.
-
-    `key` (`Subjects.result_key(tenant, id)`) names it everywhere on the worker: ids are
-    unique per tenant only. It is also the request's id inside the engine.
-    """
-
-    key: str
-    item: BatchItem
-    input_tokens: int
-    footprint_mu: float
-    task: asyncio.Task[None] | None = None
-    # Set once, by an Abort message or the deadline; the request then ends with it.
-    stop: _Ending | None = None
-    # Handed to the engine; a request that never was costs no model units.
-    in_engine: bool = False
-    # From here on the request is storing/publishing its final event; drain waits for it.
-    finalizing: bool = False
-    seq: int = 0
-    parts: list[str] = field(default_factory=list)
-    output_tokens: int = 0
-    first_token_at: float | None = None  # unix time of the first token event
 
 
 class WorkerService:
@@ -172,11 +115,11 @@ class WorkerService:
         self.started_at = time.time()
         self._nc = nc
         self._engine = engine
-        self._results = results
+        self._results = FinalResults(nc, subjects, results)
         self._profile = profile
         self._heartbeat_interval_s = settings.heartbeat_interval_s
         self._drain_timeout_s = settings.drain_timeout_s
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, Running] = {}
         self._heartbeat_seq = 0
         self._beat_at = time.time()  # when the last heartbeat went out
         self._completions: list[Completion] = []
@@ -323,7 +266,7 @@ class WorkerService:
             return
         assert self._tg is not None
         input_tokens = item.request.input_tokens or 0  # counted when the request starts
-        running = _Running(key, item, input_tokens,
+        running = Running(key, item, input_tokens,
                            self._model_units(item, input_tokens, item.max_tokens))
         self._running[key] = running
         running.task = self._tg.create_task(self._serve(running), name=f"request-{key}")
@@ -352,24 +295,24 @@ class WorkerService:
                    else f"aborted by the dispatcher ({abort.code})")
         for request_id in abort.ids:
             running = self._find(abort.tenant, request_id)
-            if running is not None and self._stop(running, _Ending(abort.code, message)):
+            if running is not None and self._stop(running, Ending(abort.code, message)):
                 await self._abort_in_engine(running.key)
 
-    def _find(self, tenant: str, request_id: str) -> _Running | None:
+    def _find(self, tenant: str, request_id: str) -> Running | None:
         try:
             return self._running.get(self.subjects.result_key(tenant, request_id))
         except SubjectError:
             return None  # a malformed name cannot belong to a running request
 
-    def _stop(self, running: _Running, ending: _Ending) -> bool:
+    def _stop(self, running: Running, ending: Ending) -> bool:
         """Mark a request to end with `ending`; False if it is already ending."""
         if running.stop is not None or running.finalizing:
             return False
         running.stop = ending
         return True
 
-    def _expire(self, running: _Running) -> None:
-        ending = _Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while running")
+    def _expire(self, running: Running) -> None:
+        ending = Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while running")
         if self._stop(running, ending) and self._tg is not None:
             self._tg.create_task(self._abort_in_engine(running.key))
 
@@ -381,7 +324,7 @@ class WorkerService:
 
     # -- one request --------------------------------------------------------------------
 
-    async def _serve(self, running: _Running) -> None:
+    async def _serve(self, running: Running) -> None:
         try:
             ending = await self._execute(running)
             running.finalizing = True
@@ -389,42 +332,42 @@ class WorkerService:
         finally:
             del self._running[running.key]
 
-    async def _execute(self, running: _Running) -> _Ending:
+    async def _execute(self, running: Running) -> Ending:
         item = running.item
         try:
-            request = await _engine_request(running.key, item)
+            request = await engine_request(running.key, item)
             if item.request.input_tokens is None:
                 running.input_tokens = self._engine.count_tokens(request)
                 running.footprint_mu = self._model_units(item, running.input_tokens,
                                                          item.max_tokens)
         except ValueError as exc:
-            return _Ending(ErrorCode.INVALID_REQUEST, str(exc))
+            return Ending(ErrorCode.INVALID_REQUEST, str(exc))
         deadline = item.request.deadline
         if deadline is not None and time.time() >= deadline:
-            return _Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the start")
+            return Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the start")
         timer = self._deadline_timer(running)
         try:
             final = await self._stream(running, request)
         except EngineError as exc:
-            return _Ending(ErrorCode.INTERNAL, str(exc))
+            return Ending(ErrorCode.INTERNAL, str(exc))
         except ValueError as exc:
-            return _Ending(ErrorCode.INVALID_REQUEST, str(exc))
+            return Ending(ErrorCode.INVALID_REQUEST, str(exc))
         except Exception as exc:
             log.exception("engine failed request %s", running.key)
-            return _Ending(ErrorCode.INTERNAL, f"engine failure: {exc!r}")
+            return Ending(ErrorCode.INTERNAL, f"engine failure: {exc!r}")
         finally:
             if timer is not None:
                 timer.cancel()
-        return _conclude(running, final)
+        return conclude(running, final)
 
-    def _deadline_timer(self, running: _Running) -> asyncio.TimerHandle | None:
+    def _deadline_timer(self, running: Running) -> asyncio.TimerHandle | None:
         deadline = running.item.request.deadline
         if deadline is None:
             return None
         loop = asyncio.get_running_loop()
         return loop.call_at(loop.time() + (deadline - time.time()), self._expire, running)
 
-    async def _stream(self, running: _Running, request: EngineRequest) -> Delta | None:
+    async def _stream(self, running: Running, request: EngineRequest) -> Delta | None:
         """Publish the engine's output; the final delta, or None if stopped before it."""
         if running.stop is not None:
             return None
@@ -440,9 +383,9 @@ class WorkerService:
                 await self._emit(running, delta)
             return None
         finally:
-            await _close(deltas)
+            await close_stream(deltas)
 
-    async def _emit(self, running: _Running, delta: Delta) -> None:
+    async def _emit(self, running: Running, delta: Delta) -> None:
         running.output_tokens += delta.token_count
         if not delta.text:
             return
@@ -453,7 +396,7 @@ class WorkerService:
         running.seq += 1
         await self._send_event(running.item, event)
 
-    async def _finish(self, running: _Running, ending: _Ending) -> None:
+    async def _finish(self, running: Running, ending: Ending) -> None:
         item = running.item
         cost = (self._model_units(item, running.input_tokens, running.output_tokens)
                 if running.in_engine else 0.0)
@@ -462,15 +405,13 @@ class WorkerService:
         # and the contract's usage has no `other_units` otherwise.
         usage = (Usage(running.input_tokens, running.output_tokens, cost, float(images))
                  if images else Usage(running.input_tokens, running.output_tokens, cost))
-        event = self._final_event(running, ending, usage)
-        stored = await self._store(running.key, item, event)
-        # The request's one result: this run's, or the one another run stored first.
-        result = await self._standing_result(running.key) if stored is _EXISTING else stored
+        event = final_event(running, ending, usage)
+        stored, result = await self._results.store(running.key, item, event)
         if result is not None:
             await self._send_event(item, result)
         self._report(Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
                                 worker_id=self.worker_id, usage=usage, code=ending.code,
-                                stored=stored is not None, finished_at=time.time(),
+                                stored=stored, finished_at=time.time(),
                                 first_token_at=running.first_token_at))
 
     def _report(self, completion: Completion) -> None:
@@ -488,57 +429,6 @@ class WorkerService:
         items, self._completions = self._completions, []
         await self._publish_internal(self.subjects.completion(self.endpoint, self.worker_id),
                                      Completions(items))
-
-    @staticmethod
-    def _final_event(running: _Running, ending: _Ending, usage: Usage) -> FinalEvent:
-        item = running.item
-        if ending.code is not None:
-            return ErrorEvent(id=item.id, code=ending.code, message=ending.message)
-        first = running.first_token_at
-        timings = Timings(
-            queued_s=max(0.0, item.dispatched_at - item.enqueued_at),
-            ttft_s=None if first is None else max(0.0, first - item.enqueued_at),
-            total_s=max(0.0, time.time() - item.enqueued_at),
-        )
-        return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
-                         timings=timings, metadata=item.request.metadata)
-
-    async def _store(self, key: str, item: BatchItem,
-                     event: FinalEvent) -> FinalEvent | _Existing | None:
-        """`event` once stored; _EXISTING if the key holds a result already; None if
-        storing failed for good."""
-        value = encode(StoredResult(tenant=item.tenant, endpoint=item.endpoint, event=event,
-                                    stored_at=time.time()))
-        delay = STORE_BACKOFF_S
-        for attempt in range(1, STORE_ATTEMPTS + 1):
-            try:
-                await self._results.create(key, value)
-                return event
-            except KeyWrongLastSequenceError:
-                # Also after a put whose ack was lost: then the standing result is ours.
-                log.info("request %s has a result already; it stands", key)
-                return _EXISTING
-            except nats.errors.Error as exc:
-                log.warning("storing the result of %s failed (attempt %d of %d): %r",
-                            key, attempt, STORE_ATTEMPTS, exc)
-            if attempt < STORE_ATTEMPTS:
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, STORE_BACKOFF_MAX_S)
-        log.error("could not store the result of %s: reporting it unstored, so the "
-                  "dispatcher redelivers it", key)
-        return None
-
-    async def _standing_result(self, key: str) -> FinalEvent | None:
-        """The result another run stored for `key` (None if it cannot be read now: it is
-        stored, so the request is answered through `status`)."""
-        bucket = self.subjects.results_bucket
-        try:
-            msg = await self._nc.jetstream().get_last_msg(kv_stream(bucket),
-                                                          kv_subject(bucket, key))
-            return STORED_RESULT.decode(msg.data).event
-        except (nats.errors.Error, msgspec.DecodeError) as exc:
-            log.warning("cannot read the standing result of %s: %r", key, exc)
-            return None
 
     def _model_units(self, item: BatchItem, input_tokens: int, output_tokens: int) -> float:
         if self._profile is None:
@@ -616,44 +506,3 @@ def _decode_or_log(msg: Msg, what: str, decode: Callable[[bytes, Encoding], T]) 
         return None
 
 
-async def _engine_request(engine_id: str, item: BatchItem) -> EngineRequest:
-    """The engine's view of an item; ValueError for images that are not base64."""
-    body = item.request
-    images = await asyncio.to_thread(_decode_images, body.images) if body.images else []
-    # Engine priority is the dispatcher's decision, never the client's own `priority`,
-    # which orders requests only inside the client's tenant.
-    return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=body.prompt,
-                         messages=body.messages, priority=EXPEDITED if item.expedited else 0,
-                         input_tokens=body.input_tokens, images=images)
-
-
-def _decode_images(images: list[str]) -> list[bytes]:
-    decoded = []
-    for index, image in enumerate(images):
-        try:
-            decoded.append(base64.b64decode(image, validate=True))
-        except binascii.Error as exc:
-            raise ValueError(f"image {index} is not valid base64: {exc}") from exc
-    return decoded
-
-
-async def _close(deltas: AsyncIterator[Delta]) -> None:
-    """Close an engine stream left early, so the engine frees the request at once."""
-    aclose = getattr(deltas, "aclose", None)  # async generators; plain iterators have none
-    if aclose is not None:
-        await aclose()
-
-
-def _conclude(running: _Running, final: Delta | None) -> _Ending:
-    """How a request ended, from the engine's final delta (None: stopped before it)."""
-    if final is not None:
-        # The engine's own count is the usage, also for an aborted request.
-        running.input_tokens = final.input_tokens
-        running.output_tokens = final.output_tokens
-        if final.finish_reason != "abort":
-            return _Ending(None)
-    if running.stop is not None:
-        return running.stop
-    if final is None:
-        return _Ending(ErrorCode.INTERNAL, "the engine ended the request without a final output")
-    return _Ending(ErrorCode.INTERNAL, "the engine aborted the request")

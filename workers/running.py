@@ -1,0 +1,111 @@
+"""One request on a worker, from its batch item to how it ended: the record the worker
+service keeps while it runs (`Running`), the engine's view of it, and the reading of the
+engine's last output (`conclude`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from broker_config.wire import (
+    BatchItem,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    FinalEvent,
+    Timings,
+)
+from costmodel.units import Usage
+from workers.engine import EXPEDITED, Delta, EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a request ended: `code` None for done, else the error it ends with."""
+
+    code: ErrorCode | None
+    message: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class Running:
+    """One request on this worker, from its batch to its Completion.
+
+    `key` (`Subjects.result_key(tenant, id)`) names it everywhere on the worker: ids are
+    unique per tenant only. It is also the request's id inside the engine.
+    """
+
+    key: str
+    item: BatchItem
+    input_tokens: int
+    footprint_mu: float
+    task: asyncio.Task[None] | None = None
+    # Set once, by an Abort message or the deadline; the request then ends with it.
+    stop: Ending | None = None
+    # Handed to the engine; a request that never was costs no model units.
+    in_engine: bool = False
+    # From here on the request is storing/publishing its final event; drain waits for it.
+    finalizing: bool = False
+    seq: int = 0
+    parts: list[str] = field(default_factory=list)
+    output_tokens: int = 0
+    first_token_at: float | None = None  # unix time of the first token event
+
+async def engine_request(engine_id: str, item: BatchItem) -> EngineRequest:
+    """The engine's view of an item; ValueError for images that are not base64."""
+    body = item.request
+    images = await asyncio.to_thread(decode_images, body.images) if body.images else []
+    # Engine priority is the dispatcher's decision, never the client's own `priority`,
+    # which orders requests only inside the client's tenant.
+    return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=body.prompt,
+                         messages=body.messages, priority=EXPEDITED if item.expedited else 0,
+                         input_tokens=body.input_tokens, images=images)
+
+def decode_images(images: list[str]) -> list[bytes]:
+    decoded = []
+    for index, image in enumerate(images):
+        try:
+            decoded.append(base64.b64decode(image, validate=True))
+        except binascii.Error as exc:
+            raise ValueError(f"image {index} is not valid base64: {exc}") from exc
+    return decoded
+
+async def close_stream(deltas: AsyncIterator[Delta]) -> None:
+    """Close an engine stream left early, so the engine frees the request at once."""
+    aclose = getattr(deltas, "aclose", None)  # async generators; plain iterators have none
+    if aclose is not None:
+        await aclose()
+
+def conclude(running: Running, final: Delta | None) -> Ending:
+    """How a request ended, from the engine's final delta (None: stopped before it)."""
+    if final is not None:
+        # The engine's own count is the usage, also for an aborted request.
+        running.input_tokens = final.input_tokens
+        running.output_tokens = final.output_tokens
+        if final.finish_reason != "abort":
+            return Ending(None)
+    if running.stop is not None:
+        return running.stop
+    if final is None:
+        return Ending(ErrorCode.INTERNAL, "the engine ended the request without a final output")
+    return Ending(ErrorCode.INTERNAL, "the engine aborted the request")
+
+
+def final_event(running: Running, ending: Ending, usage: Usage) -> FinalEvent:
+    """The request's final event: `done` with its text, usage and timings, or the error
+    it ended with."""
+    item = running.item
+    if ending.code is not None:
+        return ErrorEvent(id=item.id, code=ending.code, message=ending.message)
+    first = running.first_token_at
+    timings = Timings(
+        queued_s=max(0.0, item.dispatched_at - item.enqueued_at),
+        ttft_s=None if first is None else max(0.0, first - item.enqueued_at),
+        total_s=max(0.0, time.time() - item.enqueued_at),
+    )
+    return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
+                     timings=timings, metadata=item.request.metadata)
