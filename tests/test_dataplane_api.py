@@ -295,6 +295,12 @@ async def test_image_model_units_stay_charged_after_completion(nats_url):
         usage = done["usage"]
         assert usage["other_units"] == 2
         scheduler = stack.dispatcher.scheduler
+        # The client hears of the end before the dispatcher does: the worker publishes the
+        # final event, then its Completion, which corrects the charge.
+        async def completed() -> bool:
+            return scheduler.state("acme", "img") is None
+
+        await eventually(completed, timeout=WAIT_S, what="the dispatcher seeing the completion")
         profile = scheduler.endpoints["chat"].profile
         charged = scheduler.flow("chat", "acme").served_cost
         assert charged == pytest.approx(profile.model_units(
