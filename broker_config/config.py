@@ -179,9 +179,9 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # Health probes (one token through the worker's engine) go to a worker holding work
     # with no completion or new token for probe_stall_s, or idle for probe_idle_s; one
     # unanswered in probe_timeout_s fails; probe_failures in a row evict the worker.
-    probe_stall_s: PositiveSeconds = 2.0
+    probe_stall_s: PositiveSeconds = 1.5
     probe_idle_s: PositiveSeconds = 30.0
-    probe_timeout_s: PositiveSeconds = 2.5
+    probe_timeout_s: PositiveSeconds = 3.0
     probe_failures: PositiveInt = 2
     # An evicted worker's requests that streamed no token yet run elsewhere; the others
     # end with `internal` and this retry hint (a stream cannot take text back).
