@@ -66,6 +66,7 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": signal.SIGUSR
 UP_START_S = 90.0
 UP_STOP_S = 90.0
 LOOKUP_BATCH = 200
+SUBJECTS = Subjects()  # the benchmark config's prefix
 # After a fault, how long the observer gets to hear of batches sent just before it.
 HELD_LAG_S = 0.5
 
@@ -171,7 +172,7 @@ def _body(rng: random.Random, settings: Settings) -> bytes:
 
 async def _submit(js, watch: Watch, key: Key, n: int, body: bytes) -> None:
     tenant, request_id = key
-    await js.publish(Subjects().request(ENDPOINT, tenant), body,
+    await js.publish(SUBJECTS.request(ENDPOINT, tenant), body,
                      headers={HDR_MSG_ID: request_id, HDR_REPLY: watch.reply_for(key, n)},
                      timeout=30)
 
@@ -267,7 +268,7 @@ async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
     async with fairq_up(settings, work_dir) as up:
         nc = await nats.connect(up.nats_url, name="chaos")
         try:
-            watch = Watch(nc, Subjects(), ENDPOINT, nc.new_inbox())
+            watch = Watch(nc, SUBJECTS, ENDPOINT, nc.new_inbox())
             await watch.start()
             js = nc.jetstream()
             began = time.monotonic()
@@ -296,7 +297,7 @@ async def _until_answered(watch: Watch, keys: list[Key], timeout_s: float) -> No
 
 
 async def _stored(nc, keys: list[Key]) -> dict[Key, wire.StoredResult]:
-    subjects = Subjects()
+    subjects = SUBJECTS
     bucket = subjects.results_bucket
     found: dict[Key, wire.StoredResult] = {}
     async with DirectBatchGet(nc, jetstream.kv_stream(bucket)) as reader:

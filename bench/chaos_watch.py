@@ -59,7 +59,6 @@ class Watch:
         self.finals: dict[Key, list[wire.FinalEvent]] = defaultdict(list)
         self.final_at: dict[Key, float] = {}
         self.runs: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (seen, started)
-        self.unhealthy_beats: Counter[str] = Counter()
         self.evictions: list[tuple[float, wire.Evict]] = []
         # Per healthy heartbeat: the larger of its sequence and KV token shares in use.
         self.fullness: list[float] = []
@@ -120,9 +119,7 @@ class Watch:
         runs = self.runs[beat.worker_id]
         if not runs or runs[-1][1] != beat.started_at:
             runs.append((time.time(), beat.started_at))
-        if not beat.healthy:
-            self.unhealthy_beats[beat.worker_id] += 1
-        elif beat.capacity.sequences and beat.capacity.tokens:
+        if beat.healthy and beat.capacity.sequences and beat.capacity.tokens:
             self.fullness.append(max(beat.used.sequences / beat.capacity.sequences,
                                      beat.used.tokens / beat.capacity.tokens))
 
@@ -169,8 +166,6 @@ class Watch:
                 held.add(key)
         return held
 
-    def answered(self) -> int:
-        return len(self.finals)
 
 
 def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
