@@ -321,7 +321,9 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
 
     async def sample(dispatcher: Dispatcher) -> None:
         while True:
-            running.append(len(dispatcher.pool.get("vllm-1").assigned))
+            # The dispatcher may not have read the worker's first heartbeat yet.
+            if (worker := dispatcher.pool.get("vllm-1")) is not None:
+                running.append(len(worker.assigned))
             await asyncio.sleep(0.05)
 
     async with VLLMEngine(config) as engine, \
@@ -335,6 +337,8 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
                                              for _, sub in submitted))
         finally:
             sampler.cancel()
+        if sampler.done() and not sampler.cancelled():
+            sampler.result()  # a sampler that died says why
         worker = dispatcher.pool.get("vllm-1")
         assert worker.healthy and not worker.evicted
 
