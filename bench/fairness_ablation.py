@@ -50,7 +50,7 @@ from bench.fairness_matrix import (
 from bench.machine import command_line, machine_facts, table
 from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, Config, load_config
-from dispatcher.core.sim import scheduling_only
+from dispatcher.core.admission import scheduling_only
 from dispatcher.core.trace import TraceRecord
 from producers.loadgen import TraceError
 

@@ -57,7 +57,8 @@ from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, Tenant,
 from costmodel.engine_model import load_engine_params
 from dispatcher.core.fairness import MetricOptions, summarize
 from dispatcher.core.scheduler import POLICIES
-from dispatcher.core.sim import scheduling_only, simulate
+from dispatcher.core.admission import scheduling_only
+from dispatcher.core.sim import simulate
 from dispatcher.core.trace import TraceRecord
 from producers.loadgen import SizeModel, TraceError, assign_azure_trace, zipf_weights
 

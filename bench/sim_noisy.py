@@ -27,7 +27,8 @@ import msgspec
 
 from bench.machine import command_line, machine_facts, table
 from broker_config.config import Config, load_config
-from dispatcher.core.sim import ClosedLoop, SimResult, scheduling_only, simulate
+from dispatcher.core.admission import scheduling_only
+from dispatcher.core.sim import ClosedLoop, SimResult, simulate
 from producers.loadgen import noisy_neighbour
 
 NOISY_DURATION_S = 300.0

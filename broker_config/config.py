@@ -85,6 +85,11 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True):
     newcomer_reserve: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.03
     # Lent out while every present tenant is backlogged and none came or went this long.
     newcomer_window_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    # Routing (dispatcher/core/placement.py): a request's session, else its prompt's
+    # first block of this many tokens, keeps it on one worker while that worker stays
+    # within affinity_load_bound x its share of the endpoint's load.
+    affinity_block_tokens: PositiveInt = 128
+    affinity_load_bound: Annotated[float, msgspec.Meta(gt=1)] = 1.25
 
 
 class Tier(msgspec.Struct, forbid_unknown_fields=True):

@@ -189,8 +189,10 @@ class BatchingEngineModel:
     # -- commands ---------------------------------------------------------------------
 
     def add(self, seq_id: SeqId, input_tokens: int, output_tokens: int, images: int = 0,
-            priority: int = 0) -> None:
-        """Queue a sequence; it generates exactly `output_tokens` tokens once admitted."""
+            priority: int = 0, cached_tokens: int = 0) -> None:
+        """Queue a sequence; it generates exactly `output_tokens` tokens once admitted.
+        Its first `cached_tokens` input tokens are in the prefix cache: not prefilled
+        (the last input token always is, as in vLLM, to produce the first output)."""
         if seq_id in self:
             raise ValueError(f"sequence {seq_id!r} is already in the engine")
         if input_tokens < 1:
@@ -205,7 +207,11 @@ class BatchingEngineModel:
             raise ValueError(
                 f"sequence {seq_id!r}: input + output = {input_tokens + output_tokens} "
                 f"tokens can never fit the KV cache of {self.params.kv_cache_tokens}")
-        seq = _Sequence(seq_id, input_tokens, output_tokens, images, priority)
+        if cached_tokens < 0:
+            raise ValueError(f"sequence {seq_id!r}: cached_tokens must be >= 0, "
+                             f"got {cached_tokens!r}")
+        seq = _Sequence(seq_id, input_tokens, output_tokens, images, priority,
+                        prefilled=min(cached_tokens, input_tokens - 1))
         self._waiting[seq_id] = seq
         heapq.heappush(self._queue, (-priority, next(self._arrivals), seq))
 
@@ -268,8 +274,8 @@ class BatchingEngineModel:
         for seq in prefilling:
             if used == budget:
                 break
-            if seq.prefilled == 0:
-                images += seq.images
+            images += seq.images  # encoded in the step its prefill starts
+            seq.images = 0
             chunk = min(seq.input_tokens - seq.prefilled, budget - used)
             seq.prefilled += chunk
             used += chunk

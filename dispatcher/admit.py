@@ -130,7 +130,9 @@ class Admission:
         if await self._cancelled_meanwhile(held, now):
             return
         spec = self.config.endpoints.get(sub.endpoint)
-        request = to_request(sub, held.received_at, spec.max_tokens_cap if spec else 1, held)
+        request = (to_request(sub, held.received_at, 1, held) if spec is None else
+                   to_request(sub, held.received_at, spec.max_tokens_cap, held,
+                              spec.affinity_block_tokens))
         result = self.scheduler.check(
             request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
         if isinstance(result, list):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from broker_config import wire
 from costmodel.units import approx_tokens
+from dispatcher.core.placement import DEFAULT_AFFINITY_BLOCK_TOKENS, affinity_key
 from dispatcher.core.types import Decision, Request
 
 
@@ -23,15 +24,19 @@ def prompt_text(body: wire.SubmitRequest) -> str:
 
 
 def to_request(submission: wire.Submission, received_at: float, max_tokens_cap: int,
-               payload: object) -> Request:
+               payload: object,
+               affinity_block_tokens: int = DEFAULT_AFFINITY_BLOCK_TOKENS) -> Request:
     """The core's view of a submitted request. `max_tokens_cap` stands in for an absent
     `max_tokens` (the scheduler then caps either to the endpoint's own limit)."""
     body = submission.request
-    input_tokens = (body.input_tokens if body.input_tokens is not None
-                    else approx_tokens(prompt_text(body)))
+    text = prompt_text(body)
+    input_tokens = body.input_tokens if body.input_tokens is not None else approx_tokens(text)
+    # The leading block: a chat's system prompt and first message, or the prompt.
+    leading = text if body.messages is None else "".join(m.content for m in body.messages[:2])
     return Request(submission.id, submission.tenant, submission.endpoint, received_at,
                    input_tokens, body.max_tokens or max_tokens_cap, priority=body.priority,
                    deadline=body.deadline, session=body.session,
+                   affinity=affinity_key(body.session, leading, affinity_block_tokens),
                    other_units=float(len(body.images)), payload=payload)
 
 

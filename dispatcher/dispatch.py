@@ -1,9 +1,11 @@
 """Batches out: fill every worker's free capacity from the scheduler and send it.
 
-One pass (`Dispatch.once`) visits the healthy workers with a free sequence, least
-model-unit load first (`WorkerPool.by_load`), asks `Scheduler.next_batch` for each
-worker's free room, records what it sends in the pool's ledger (so capacity is never
-double-booked between heartbeats), and publishes the batch to the worker's subject. The
+One pass (`Dispatch.once`) visits each endpoint whose healthy workers have a free
+sequence: `Scheduler.place` takes the next requests in fair order and places each on a
+worker (`WorkerPool.placement`: session or prefix affinity with bounded load, else the
+least utilised worker); each worker's requests are recorded in the pool's ledger (so
+capacity is never double-booked between heartbeats) and published as one batch to its
+subject. The
 loop runs a pass whenever something changed (`wake`): an intake batch, a completion, a
 heartbeat, or the maintenance tick.
 """
@@ -52,16 +54,20 @@ class Dispatch:
                 await self.once(time.time())
 
     async def once(self, now: float) -> None:
-        for worker in self.pool.by_load():
-            free = worker.free()
-            if free.sequences <= 0:
+        for name, endpoint in self.scheduler.endpoints.items():
+            room = self.pool.placement(name, endpoint.spec.affinity_load_bound)
+            if room is None:
                 continue
-            selection = self.scheduler.next_batch(worker.endpoint, free, now, worker.capacity)
+            offered = {slot.worker_id: slot.sequences for slot in room.slots}
+            selection = self.scheduler.place(name, room, now)
+            # Taken before any await: the pool may change while batches go out.
+            batches = [(self.pool.workers[slot.worker_id], slot.requests)
+                       for slot in room.placed()]
             await self.admission.drop_expired(selection.expired, now)
-            if selection.requests:
-                await self._send(worker, selection.requests, now)
-                self.metrics.child(self.metrics.batch_fill, worker.endpoint).observe(
-                    len(selection.requests) / free.sequences)
+            fill = self.metrics.child(self.metrics.batch_fill, name)
+            for worker, requests in batches:
+                await self._send(worker, requests, now)
+                fill.observe(len(requests) / offered[worker.worker_id])
 
     async def _send(self, worker: Worker, requests: list[Request], now: float) -> None:
         items = []

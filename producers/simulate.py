@@ -22,7 +22,8 @@ from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
 from dispatcher.core.fairness import RequestRecord, service_over_time
 from dispatcher.core.scheduler import POLICIES
-from dispatcher.core.sim import SimResult, scheduling_only, simulate
+from dispatcher.core.admission import scheduling_only
+from dispatcher.core.sim import SimResult, simulate
 from producers.loadgen import TraceError, noisy_neighbour, read_trace
 
 SCENARIOS = {"noisy-neighbour": noisy_neighbour}

@@ -19,7 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from broker_config.config import Limits
+import msgspec
+
+from broker_config.config import Config, Limits, Tier, UnlistedTenants
 from dispatcher.core.types import ADMITTED, Decision, Outcome
 
 # Slack when comparing times, so a request exactly on its emission time passes despite
@@ -195,3 +197,17 @@ def throttle(expected_wait_s: float, now: float, latency_target_s: float,
     return Decision(Outcome.OVERLOADED,
                     f"expected wait {expected_wait_s:.1f}s{waited} exceeds {target}",
                     expected_wait_s - budget)
+
+
+def scheduling_only(config: Config) -> Config:
+    """`config` with admission out of the way, to study dispatch order alone.
+
+    No rate limits, quotas or queue caps and no latency target (a request's own
+    deadline still applies); every tenant is admitted into one tier with weight 1.
+    Endpoints (profile, cost mode, quantum, caps, newcomer reserve) stay as they are.
+    """
+    endpoints = {name: msgspec.structs.replace(spec, latency_target_s=math.inf)
+                 for name, spec in config.endpoints.items()}
+    return msgspec.structs.replace(
+        config, endpoints=endpoints, tiers=[Tier(name="all")], tenants={},
+        unlisted_tenants=UnlistedTenants(policy="admit", tier="all", weight=1.0))

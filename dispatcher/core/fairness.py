@@ -71,6 +71,8 @@ class RequestRecord:
     output_tokens: int
     outcome: str
     endpoint: str = ""
+    cached_tokens: int = 0  # input tokens found in the replica's prefix cache
+    worker: str = ""  # the replica that ran it
 
     @property
     def served(self) -> bool:

@@ -21,7 +21,7 @@ from typing import Literal
 
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
-from costmodel.units import NO_CAPACITY, Capacity, Usage
+from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import (
     Check,
     LimiterStore,
@@ -33,6 +33,7 @@ from dispatcher.core.admission import (
 )
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
+from dispatcher.core.placement import BLOCKED, HELD, PLACED, Placement
 from dispatcher.core.queues import arrival_order, priority_order
 from dispatcher.core.tiers import selector_for
 from dispatcher.core.types import Decision, Outcome, Request, Selection
@@ -155,25 +156,30 @@ class Scheduler:
 
     def next_batch(self, endpoint_name: str, free: Capacity, now: float,
                    total: Capacity | None = None) -> Selection:
-        """Fill `free` with the next requests, in tier -> DRR -> priority order.
+        """Fill one worker's `free` room with the next requests (`place` on a single
+        worker). `total` is the worker's whole capacity (default: the endpoint's batch
+        setting)."""
+        total = total or self.endpoints[endpoint_name].default_total
+        return self.place(endpoint_name, Placement.single(free, total), now)
 
-        `total` is the worker's whole capacity (default: the endpoint's batch setting);
-        it sizes the newcomer reserve and recognises a request larger than a whole batch,
-        which is sent alone once the worker is idle rather than starved.
+    def place(self, endpoint_name: str, room: Placement, now: float) -> Selection:
+        """Place the next requests, in tier -> DRR -> priority order, on the workers of
+        `room`, until none has room; `room` records which went where.
+
+        Each worker's whole capacity sizes its newcomer reserve and recognises a request
+        larger than a whole batch, which is sent alone once a worker is idle rather than
+        starved.
         """
         endpoint = self.endpoints[endpoint_name]
-        total = total or endpoint.default_total
         selector = endpoint.selector
         endpoint.clock = now
-        reserve = endpoint.reserve(total)
+        room.set_reserves(endpoint.reserve)
         batch = Selection()
-        # The room left, unpacked: this loop is the dispatcher's hot path.
-        seqs, tokens, units = free.sequences, free.tokens, free.model_units
         set_aside = 0
         # A flow held back by the reserve (at or above its share) can fall below its
         # share when another flow starts a request: it gets another look.
         held_by_reserve = recheck = False
-        while seqs > 0:
+        while room.has_room():
             flow = selector.select()
             if flow is None:
                 # Only the reserve holds work back and no newcomer is likely: lift it.
@@ -182,7 +188,8 @@ class Scheduler:
                 if not (recheck or lift):
                     break
                 if lift:
-                    reserve, set_aside = NO_CAPACITY, 0
+                    room.lift_reserves()
+                    set_aside = 0
                 selector.restore_set_aside()
                 held_by_reserve = recheck = False
                 continue
@@ -193,27 +200,15 @@ class Scheduler:
                 self._forget_queued(endpoint, flow, request)
                 batch.expired.append(request)
                 continue
-            need_tokens = request.input_tokens + request.max_tokens
-            need_units = request.model_units
             below_share = (flow.running * endpoint.present_weight
                            < flow.weight * max(endpoint.running, 1))
-            fits = need_tokens <= tokens and need_units <= units
-            if fits and not below_share and not (
-                    seqs > reserve.sequences and need_tokens <= tokens - reserve.tokens
-                    and need_units <= units - reserve.model_units):
-                fits = False
-                held_by_reserve = True
-            if fits:
-                seqs -= 1
-                tokens -= need_tokens
-                units -= need_units
-            elif not total.fits(Capacity(1, need_tokens, need_units)):
-                if batch.requests or free != total:
-                    break  # hold the worker until it is idle for an oversized head
-                seqs = 0  # larger than a whole batch: it goes alone
-            elif selector.blocks_on_misfit:
-                break
-            else:
+            outcome = room.place(request, respect_reserve=not below_share)
+            if outcome == BLOCKED:
+                break  # hold the workers until one is idle for an oversized head
+            if outcome != PLACED:
+                held_by_reserve = held_by_reserve or outcome == HELD
+                if selector.blocks_on_misfit:
+                    break
                 selector.set_aside(flow)
                 set_aside += 1
                 if set_aside >= MAX_SET_ASIDE:

@@ -9,13 +9,17 @@ give the same result. The loop mirrors what the network dispatcher does with wor
 - an arrival goes through `Scheduler.admit` with an in-process limiter store; a
   rejection is recorded with its outcome;
 - the replicas are the workers of a `WorkerPool`, whose ledger holds what was sent to
-  each and not finished; they are offered work in the pool's order (`by_load`: least
-  model-unit load first, replicas without a free sequence skipped), as the dispatcher
-  offers it to its workers;
-- a replica that is not in the middle of a step asks `next_batch` for its free
-  capacity (`Worker.free()`): sequences = max_sequences - requests sent and not
-  finished, tokens = KV-cache tokens minus input + max_tokens of those requests (the
-  dispatcher's own reservation, which bounds the engine's real use, so the engine's own
+  each and not finished; as in the dispatcher, one pass per endpoint places the next
+  requests in fair order on its replicas (`WorkerPool.placement`, `Scheduler.place`);
+- a replica that is not in the middle of a step offers its free capacity
+  (`Worker.free()`); one mid-step offers none, so work binds to a replica at the
+  latest moment, when it can start it, unless `early_binding` is set: then every
+  replica offers its room at every instant and work sent mid-step waits for its next
+  step, as a real worker's engine does (the dispatcher sends whenever its ledger has
+  room). Routing needs early binding: with late binding under load only the replica
+  whose step just ended is offered, so a session could never wait for its own. Sizes:
+  sequences = max_sequences - requests sent and not finished, tokens = KV-cache
+  tokens minus input + max_tokens of those requests (the dispatcher's own reservation, which bounds the engine's real use, so the engine's own
   queue never holds work the dispatcher could still reorder), model units = the
   endpoint's batch model units minus their estimates; `total` is its whole capacity;
 - the batch goes into the replica's `BatchingEngineModel`, which then runs one step;
@@ -23,9 +27,13 @@ give the same result. The loop mirrors what the network dispatcher does with wor
   step ends; a finished request leaves the pool's ledger and is settled with
   `Scheduler.complete` and its real usage.
 
-Each endpoint has its own `replicas` engines, all with the same `EngineParams`, and the
-scheduler's throttle is told the endpoint's capacity (replicas x the profile's
-`capacity_mu_per_s`). The scheduler sees only `max_tokens` (the trace's, else the
+Each endpoint has its own `replicas` engines, all with the same `EngineParams` (or one
+per entry of `fleet`), and the scheduler's throttle is told the endpoint's capacity
+(replicas x the profile's `capacity_mu_per_s`). Each replica has a prefix cache
+(`costmodel.prefix_cache`): a request's cached leading blocks (the trace's shared
+prefix and its session's earlier turns, `TraceRecord.context_blocks`) skip prefill.
+Requests route on their session, else their shared prefix (`affinity`), as the
+dispatcher routes on a session or a prompt's leading block. The scheduler sees only `max_tokens` (the trace's, else the
 endpoint's cap); the engine generates `min(output_tokens, max_tokens)` tokens. A
 request whose input plus max_tokens can never fit a replica's KV cache is rejected as
 `invalid`, like a prompt longer than the model's context.
@@ -48,10 +56,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from broker_config.config import Config, Tier, UnlistedTenants
+from broker_config.config import Config
 from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
+from costmodel.prefix_cache import BLOCK_TOKENS, PrefixCache
 from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore
 from dispatcher.core.endpoint import sequences_outside_reserve
@@ -61,6 +68,7 @@ from dispatcher.core.fairness import (
     RequestRecord,
     summarize,
 )
+from dispatcher.core.placement import affinity_key
 from dispatcher.core.scheduler import Policy, Scheduler
 from dispatcher.core.trace import TraceRecord
 from dispatcher.core.types import Outcome, Request
@@ -109,9 +117,12 @@ class _Entry:
 
     request: Request
     output_tokens: int  # what the engine will generate
+    record: TraceRecord
     outcome: Outcome = Outcome.ADMITTED
     first_token: float | None = None
     finished: float | None = None
+    cached_tokens: int = 0  # input tokens its replica's prefix cache held
+    worker: str = ""  # the replica it ran on
 
 
 @dataclass(slots=True, eq=False)
@@ -128,6 +139,7 @@ class _Client:
 class _Replica:
     worker: Worker  # its entry in the pool: capacity, and what was sent and not finished
     engine: BatchingEngineModel
+    cache: PrefixCache
     step: StepResult | None = None  # the step under way, applied when it ends
 
 
@@ -136,11 +148,17 @@ class Simulation:
 
     def __init__(self, trace: Sequence[TraceRecord], config: Config,
                  engine: EngineParams | None = None, *, replicas: int = 1,
-                 policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = ()) -> None:
+                 policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = (),
+                 fleet: Sequence[EngineParams] = (), affinity: bool = True,
+                 early_binding: bool = False) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas!r}")
         self.config = config
         self.params = engine or EngineParams()
+        # Each endpoint's replicas: `fleet` if given, else `replicas` of `engine`.
+        self.fleet = list(fleet) or [self.params] * replicas
+        self.affinity = affinity
+        self.early_binding = early_binding
         self.scheduler = Scheduler(config, policy=policy)
         self._reports_tokens = any(e.selector.charges_output_as_generated
                                    for e in self.scheduler.endpoints.values())
@@ -151,40 +169,41 @@ class Simulation:
         # In creation order: the order of their step ends at one instant.
         self.replicas: list[_Replica] = []
         for name, spec in config.endpoints.items():
-            total = Capacity(self.params.max_sequences, self.params.kv_cache_tokens,
-                             spec.batch.model_units)
-            for i in range(replicas):
+            for i, params in enumerate(self.fleet):
+                total = Capacity(params.max_sequences, params.kv_cache_tokens,
+                                 spec.batch.model_units)
                 worker = self.pool.add(f"{name}-{i}", name, total, 0.0)
-                self.replicas.append(_Replica(worker, BatchingEngineModel(self.params)))
+                self.replicas.append(_Replica(worker, BatchingEngineModel(params), PrefixCache(
+                    max(1, params.kv_cache_tokens // BLOCK_TOKENS))))
             profile = self.scheduler.registry.profile(name)
-            self.scheduler.set_capacity(name, replicas * profile.capacity_mu_per_s)
+            self.scheduler.set_capacity(name, len(self.fleet) * profile.capacity_mu_per_s)
         self._replica_of = {r.worker.worker_id: r for r in self.replicas}
         self.entries = [self._entry(i, record) for i, record in enumerate(trace)]
         self._events: list[tuple[float, int, int]] = [
             (e.request.arrival, _ARRIVAL, i) for i, e in enumerate(self.entries)]
         self._clients: list[_Client] = []
         for spec in closed_loop:
-            self._add_client(spec, replicas)
+            self._add_client(spec)
         heapq.heapify(self._events)
         self.now = 0.0
         # Sequence-slot seconds run, and those left empty while queued work would fit.
         self.slot_s = self.idle_slot_s = 0.0
 
-    def _add_client(self, spec: ClosedLoop, replicas: int) -> None:
+    def _add_client(self, spec: ClosedLoop) -> None:
         first = len(self.entries)
         self.entries += [self._entry(first + i, record) for i, record in enumerate(spec.records)]
         endpoint = (spec.records[0].endpoint if spec.records else None) or self.default_endpoint
         if endpoint not in self.config.endpoints:
             raise ValueError(f"closed-loop client on unknown endpoint {endpoint!r}")
         waiting = list(range(len(self.entries) - 1, first - 1, -1))
-        slots = replicas * self._slots_outside_reserve(endpoint)
+        slots = sum(self._slots_outside_reserve(endpoint, params) for params in self.fleet)
         self._clients.append(_Client(endpoint, spec.start_s, slots, waiting))
         self._events.append((spec.start_s, _WAKE, 0))  # in case nothing else happens then
 
-    def _slots_outside_reserve(self, endpoint: str) -> int:
+    def _slots_outside_reserve(self, endpoint: str, params: EngineParams) -> int:
         """Sequence slots of one replica of `endpoint` outside the newcomer reserve."""
         return max(1, sequences_outside_reserve(
-            self.params.max_sequences, self.scheduler.endpoints[endpoint].reserve_fraction))
+            params.max_sequences, self.scheduler.endpoints[endpoint].reserve_fraction))
 
     def _top_up(self) -> None:
         """Each closed-loop client fills the free slots outside the reserve."""
@@ -210,7 +229,13 @@ class Simulation:
                           record.input_tokens, max_tokens, priority=record.priority,
                           deadline=record.deadline_s, session=record.session,
                           payload=index)
-        return _Entry(request, min(record.output_tokens, max_tokens))
+        if self.affinity and spec is not None:
+            # The trace has no text: a shared prefix of a block or more stands for the
+            # prompt's leading block.
+            request.affinity = affinity_key(record.session, "") or (
+                f"p:{record.prefix_id}" if record.prefix_id is not None
+                and record.prefix_tokens >= spec.affinity_block_tokens else None)
+        return _Entry(request, min(record.output_tokens, max_tokens), record)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -227,12 +252,9 @@ class Simulation:
             for request in self.scheduler.expire(self.now):
                 self._expired(request)
             self._top_up()
-            # Over every endpoint at once, like the dispatcher's pass: endpoints share no
-            # queue, so the order between them changes nothing.
-            for worker in self.pool.by_load():
-                replica = self._replica_of[worker.worker_id]
-                if replica.step is None:
-                    self._dispatch(replica)
+            # Endpoint by endpoint, like the dispatcher's pass: they share no queue.
+            for name in self.scheduler.endpoints:
+                self._dispatch(name)
             for index, replica in enumerate(self.replicas):
                 if replica.step is None:
                     self._start_step(index, replica)
@@ -246,8 +268,8 @@ class Simulation:
 
     def _arrive(self, entry: _Entry) -> None:
         request = entry.request
-        if request.endpoint in self.config.endpoints and \
-                request.input_tokens + request.max_tokens > self.params.kv_cache_tokens:
+        if request.endpoint in self.config.endpoints and request.input_tokens + \
+                request.max_tokens > max(params.kv_cache_tokens for params in self.fleet):
             entry.outcome = Outcome.INVALID
         else:
             entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
@@ -255,19 +277,31 @@ class Simulation:
     def _expired(self, request: Request) -> None:
         self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
 
-    def _dispatch(self, replica: _Replica) -> None:
-        worker = replica.worker
-        selection = self.scheduler.next_batch(worker.endpoint, worker.free(), self.now,
-                                              worker.capacity)
+    def _dispatch(self, endpoint: str) -> None:
+        """Work for the endpoint's replicas not in the middle of a step."""
+        room = self.pool.placement(
+            endpoint, self.scheduler.endpoints[endpoint].spec.affinity_load_bound,
+            can_take=None if self.early_binding
+            else lambda worker: self._replica_of[worker.worker_id].step is None)
+        if room is None:
+            return
+        selection = self.scheduler.place(endpoint, room, self.now)
         for request in selection.expired:
             self._expired(request)
-        for request in selection.requests:
-            # The engine runs in dispatch order, except that requests of tenants below
-            # their fair share go first (as the worker asks vLLM to).
-            replica.engine.add(request.payload, request.input_tokens,
-                               self.entries[request.payload].output_tokens,
-                               priority=int(request.expedited))
-            self.pool.assign(worker, request, self.now)
+        for slot in room.placed():
+            replica = self._replica_of[slot.worker_id]
+            for request in slot.requests:
+                entry = self.entries[request.payload]
+                cacheable, computed = entry.record.context_blocks(BLOCK_TOKENS)
+                entry.cached_tokens = replica.cache.match(cacheable) * BLOCK_TOKENS
+                replica.cache.insert(computed)
+                entry.worker = slot.worker_id
+                # The engine runs in dispatch order, except that requests of tenants below
+                # their fair share go first (as the worker asks vLLM to).
+                replica.engine.add(request.payload, request.input_tokens, entry.output_tokens,
+                                   priority=int(request.expedited),
+                                   cached_tokens=entry.cached_tokens)
+                self.pool.assign(replica.worker, request, self.now)
 
     def _start_step(self, index: int, replica: _Replica) -> None:
         if replica.engine.idle:
@@ -317,22 +351,28 @@ class Simulation:
             dispatched=request.dispatched_at, first_token=entry.first_token,
             finished=entry.finished, input_tokens=request.input_tokens,
             output_tokens=entry.output_tokens, outcome=entry.outcome.value,
-            endpoint=request.endpoint)
+            endpoint=request.endpoint, cached_tokens=entry.cached_tokens, worker=entry.worker)
 
 
 def simulate(trace: Sequence[TraceRecord], config: Config,
              engine: EngineParams | None = None, *, replicas: int = 1,
              policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = (),
-             metrics: MetricOptions = DEFAULT_METRICS) -> SimResult:
+             metrics: MetricOptions = DEFAULT_METRICS, fleet: Sequence[EngineParams] = (),
+             affinity: bool = True, early_binding: bool = False) -> SimResult:
     """Run `trace` (and the `closed_loop` clients) through the scheduler and `replicas`
-    engines per endpoint."""
+    engines per endpoint (or the `fleet`'s); `affinity` False routes every request to
+    the least loaded replica; `early_binding`: see the module docstring."""
     simulation = Simulation(trace, config, engine, replicas=replicas, policy=policy,
-                            closed_loop=closed_loop)
+                            closed_loop=closed_loop, fleet=fleet, affinity=affinity,
+                            early_binding=early_binding)
     records = simulation.run()
     summary = summarize(records, metrics, tenant_weights(simulation.scheduler, records))
     summary["simulation"] = {
         "policy": policy,
-        "replicas": replicas,
+        "replicas": len(simulation.fleet),
+        "affinity": affinity,
+        "cached_token_ratio": sum(r.cached_tokens for r in records) / max(
+            1, sum(r.input_tokens for r in records if r.dispatched is not None)),
         "requests": len(records),
         "makespan_s": max((r.finished for r in records if r.finished is not None),
                           default=0.0),
@@ -350,17 +390,3 @@ def tenant_weights(scheduler: Scheduler, records: Sequence[RequestRecord]) -> Ma
         if policy is not None:
             weights[tenant] = policy.weight
     return weights
-
-
-def scheduling_only(config: Config) -> Config:
-    """`config` with admission out of the way, to study dispatch order alone.
-
-    No rate limits, quotas or queue caps and no latency target (a request's own
-    deadline still applies); every tenant is admitted into one tier with weight 1.
-    Endpoints (profile, cost mode, quantum, caps, newcomer reserve) stay as they are.
-    """
-    endpoints = {name: msgspec.structs.replace(spec, latency_target_s=math.inf)
-                 for name, spec in config.endpoints.items()}
-    return msgspec.structs.replace(
-        config, endpoints=endpoints, tiers=[Tier(name="all")], tenants={},
-        unlisted_tenants=UnlistedTenants(policy="admit", tier="all", weight=1.0))

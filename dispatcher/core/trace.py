@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -25,9 +26,27 @@ class TraceRecord:
     session: str | None = None
     max_tokens: int | None = None
     endpoint: str | None = None
+    # The prompt's cacheable parts, for the simulator's prefix cache: its first
+    # `prefix_tokens` are a prompt shared across sessions (`prefix_id`, a system
+    # prompt), the next `history_tokens` its session's context before this turn.
+    prefix_id: str | None = None
+    prefix_tokens: int = 0
+    history_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_trace_record(self)
+
+    def context_blocks(self, block_tokens: int) -> tuple[list[Hashable], list[Hashable]]:
+        """The prompt's cacheable KV blocks (those a replica that served the shared
+        prefix or this session's earlier turns may hold), and every block this request
+        leaves behind (prompt and answer: the next turn's context)."""
+        shared = [("prefix", self.prefix_id, i) for i in range(
+            self.prefix_tokens // block_tokens)] if self.prefix_id is not None else []
+        if self.session is None:
+            return shared, shared
+        after = self.input_tokens - self.prefix_tokens + self.output_tokens
+        context = [("session", self.session, i) for i in range(after // block_tokens)]
+        return shared + context[:self.history_tokens // block_tokens], shared + context
 
 
 class TraceRecordError(ValueError):
@@ -49,5 +68,11 @@ def check_trace_record(record: TraceRecord) -> None:
         value = getattr(record, column)
         if value is not None and value < 1:
             raise TraceRecordError(column, f"must be >= 1, got {value!r}")
+    for column in ("prefix_tokens", "history_tokens"):
+        if getattr(record, column) < 0:
+            raise TraceRecordError(column, f"must be >= 0, got {getattr(record, column)!r}")
+    if record.prefix_tokens + record.history_tokens > record.input_tokens:
+        raise TraceRecordError("history_tokens", "prefix_tokens + history_tokens must not "
+                               "exceed input_tokens")
     if record.deadline_s is not None and not math.isfinite(record.deadline_s):
         raise TraceRecordError("deadline_s", f"must be finite, got {record.deadline_s!r}")

@@ -66,6 +66,9 @@ class Request:
     priority: int = 0
     deadline: float | None = None
     session: str | None = None
+    # Routing key: the worker that served it before may still cache its prefix
+    # (`placement.affinity_key`); None routes to the least loaded worker.
+    affinity: str | None = None
     other_units: float = 0.0
     payload: Any = None
     # Filled in by the scheduler on admission and dispatch.

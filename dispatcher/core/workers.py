@@ -7,8 +7,9 @@ Per worker, a ledger of what was sent to it and has not completed (`assigned`), 
 capacity is never double-booked between heartbeats, and its totals in sequences, KV
 tokens and model units. Decisions:
 
-- **choice**: `by_load` lists the healthy workers with a free sequence, least model-unit
-  load first; the dispatch loop fills them in that order;
+- **choice**: `placement` is the room of one dispatch pass over an endpoint's healthy
+  workers, with their consistent-hash ring (`dispatcher/core/placement.py` picks the
+  worker of each request);
 - **liveness**: a worker silent for `timeout_s` (`silent`) or restarted (a heartbeat
   with a new `started_at`) loses its work; so does a worker whose last heartbeat says it
   drained (unhealthy, nothing in flight, no capacity);
@@ -32,10 +33,11 @@ caller to requeue in the scheduler, adopted keys for it to admit again.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from costmodel.units import NO_CAPACITY, Capacity
+from dispatcher.core.placement import DEFAULT_LOAD_BOUND, Placement, Ring
 from dispatcher.core.types import Request
 
 Key = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
@@ -149,6 +151,8 @@ class WorkerPool:
         # Which worker last reported running a key: for requests it runs that the
         # dispatcher did not send (after a dispatcher restart).
         self._reported_by: dict[Key, str] = {}
+        # Per endpoint, the consistent-hash ring over its healthy workers.
+        self._rings: dict[str, Ring] = {}
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(self.workers.values())
@@ -327,12 +331,26 @@ class WorkerPool:
 
     # -- choice -------------------------------------------------------------------------
 
-    def by_load(self, endpoint: str | None = None) -> list[Worker]:
-        """Healthy workers with a free sequence, least model-unit load first."""
-        return sorted((w for w in self.workers.values() if w.healthy
-                       and (endpoint is None or w.endpoint == endpoint)
-                       and len(w.assigned) < w.capacity.sequences),
-                      key=lambda w: w.load)
+    def placement(self, endpoint: str, load_bound: float = DEFAULT_LOAD_BOUND,
+                  can_take: Callable[[Worker], bool] | None = None) -> Placement | None:
+        """A dispatch pass's room over the endpoint's healthy workers (those `can_take`
+        refuses, and full ones, count in the fleet's load with no room); None when no
+        worker has a free sequence."""
+        fleet = [w for w in self.workers.values() if w.healthy and w.endpoint == endpoint]
+        offers = [(w, w.free() if can_take is None or can_take(w) else NO_CAPACITY)
+                  for w in fleet]
+        if not any(free.sequences > 0 for _, free in offers):
+            return None
+        return Placement.of_fleet(
+            ((w.worker_id, free, w.capacity, w.assigned_units) for w, free in offers),
+            self._ring(endpoint, fleet), load_bound)
+
+    def _ring(self, endpoint: str, fleet: list[Worker]) -> Ring:
+        members = frozenset(w.worker_id for w in fleet)
+        ring = self._rings.get(endpoint)
+        if ring is None or ring.members != members:
+            ring = self._rings[endpoint] = Ring(members)
+        return ring
 
     def healthy_count(self, endpoint: str) -> int:
         return sum(1 for w in self.workers.values() if w.endpoint == endpoint and w.healthy)
