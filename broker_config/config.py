@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from broker_config.subjects import TOKEN_PATTERN, Subjects
+from costmodel.capacity import ScalingPolicy
 from costmodel.units import UNLIMITED_MODEL_UNITS, ModelProfile
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -90,6 +91,8 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True):
     # within affinity_load_bound x its share of the endpoint's load.
     affinity_block_tokens: PositiveInt = 128
     affinity_load_bound: Annotated[float, msgspec.Meta(gt=1)] = 1.25
+    # Autoscaling of its workers on model-unit utilisation (costmodel/capacity.py).
+    autoscale: ScalingPolicy | None = None
 
 
 class Tier(msgspec.Struct, forbid_unknown_fields=True):

@@ -21,6 +21,7 @@ Internal subjects (may change; only fairq's own services use them) live under
     <prefix>.int.hb.<endpoint>.<worker>     worker -> dispatcher: heartbeats
     <prefix>.int.done.<endpoint>.<worker>   worker -> dispatcher: completions
     <prefix>.int.evict.<endpoint>.<worker>  dispatcher -> worker: it failed its probes
+    <prefix>.int.scale.<endpoint>           dispatcher -> supervisor: desired replicas
 """
 
 from __future__ import annotations
@@ -211,6 +212,10 @@ class Subjects:
     def completions(self, endpoint: str) -> str:
         """Filter for every completion of an endpoint's workers."""
         return self._every("done", endpoint)
+
+    def scale(self, endpoint: str) -> str:
+        """Autoscaling decisions for an endpoint's workers."""
+        return f"{self.prefix}.int.scale.{check_token(endpoint, 'endpoint')}"
 
     def batches(self, endpoint: str) -> str:
         """Filter for every batch sent to an endpoint's workers (for observers)."""

@@ -292,6 +292,21 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     # Output tokens each `in_flight` request has generated so far, in the same order
     # (tenants are charged for output as it is served); empty if the worker does not say.
     output_tokens: list[int] = []
+    # Model units per second it completes (its calibration profile's): its size when
+    # work is spread over unequal workers; 0 if unknown.
+    capacity_mu_per_s: float = 0.0
+
+
+class ScaleEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """The dispatcher's autoscaling decision for one endpoint (costmodel/capacity.py), for
+    whatever starts and stops its workers (`fairq up --autoscale`)."""
+
+    endpoint: str
+    desired: int
+    serving: int  # healthy workers now
+    demand_mu_per_s: float
+    utilisation: float | None  # demand over the serving workers' capacity; None if none
+    sent_at: float
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -381,6 +396,7 @@ BATCH = Codec(Batch)
 ABORT = Codec(Abort)
 EVICT = Codec(Evict)
 HEARTBEAT = Codec(Heartbeat)
+SCALE_EVENT = Codec(ScaleEvent)
 COMPLETIONS = Codec(Completions)
 STORED_RESULT = Codec(StoredResult)
 

@@ -1,70 +1,139 @@
-"""Autoscaling on model-unit utilisation.
+"""Autoscaling on model-unit utilisation: how many replicas an endpoint should run.
 
-utilisation = demand / (replicas * capacity per replica), both in model units per second.
-Outside the band [scale_in_below, scale_out_above] the fleet is resized so that
-utilisation lands on `target_utilisation`; inside the band it is left alone, so a
-demand that hovers near a threshold does not flap the replica count.
+Pure and clock-free (every call takes `now`); the dispatcher and the simulator feed the
+same `Autoscaler` and act on its decisions in their own way.
+
+- **Demand** (model units per second): the arrival rate of model units over the last
+  `rate_window_s` (every arrival, admitted or not: offered load), plus the queued
+  backlog worked off within `drain_s`.
+- **Capacity**: replicas x the profile's `capacity_mu_per_s`; **utilisation** = demand
+  over the capacity of the replicas serving now (infinite with none and demand waiting).
+- **Desired replicas**: enough that demand runs at `target_utilisation`. Scaling up
+  takes the cold start into account: for `cold_start_s` the new replicas do not serve,
+  so the backlog grows by the demand the serving ones cannot take, and that backlog
+  must drain too. Clamped to [min_replicas, max_replicas].
+- **Stabilisation**: up at once (the next decision), down only to the highest
+  recommendation of the last `scale_down_after_s`, so a lull shorter than that quiet
+  window never gives replicas back (Kubernetes' HPA stabilisation window, one-sided).
+- **Scale to zero** (min_replicas = 0): an endpoint without demand for the quiet window
+  goes to zero; the first request after that is backlog, so the next decision asks for
+  a replica.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
+
+import msgspec
 
 # Guards ceil() against float noise: 2.0000000000000004 replicas means 2.
 _CEIL_SLACK = 1e-9
 
 
-@dataclass(frozen=True, slots=True)
-class ScalingPolicy:
-    target_utilisation: float = 0.7
-    scale_out_above: float = 0.85
-    scale_in_below: float = 0.4
+class ScalingPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One endpoint's autoscaling settings (`[endpoints.<name>.autoscale]`)."""
+
     min_replicas: int = 1
-    max_replicas: int = 64
+    max_replicas: int = 16
+    target_utilisation: float = 0.8
+    # Replicas are given back only after demand stayed lower this long.
+    scale_down_after_s: float = 300.0
+    # From the decision to start a replica to it serving.
+    cold_start_s: float = 60.0
+    # Demand: the arrival rate over this window, plus the backlog drained within drain_s.
+    rate_window_s: float = 60.0
+    drain_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.scale_in_below < self.target_utilisation < self.scale_out_above:
-            raise ValueError(
-                "scaling policy needs 0 <= scale_in_below < target_utilisation < "
-                f"scale_out_above, got {self.scale_in_below!r}, "
-                f"{self.target_utilisation!r}, {self.scale_out_above!r}")
-        if not math.isfinite(self.scale_out_above):
-            raise ValueError(f"scale_out_above must be finite, got {self.scale_out_above!r}")
         if self.min_replicas < 0:
             raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas!r}")
         if self.max_replicas < max(self.min_replicas, 1):
             raise ValueError(f"max_replicas must be >= max(min_replicas, 1), got "
                              f"{self.max_replicas!r} with min_replicas {self.min_replicas!r}")
+        if not 0 < self.target_utilisation <= 1:
+            raise ValueError(f"target_utilisation must be in (0, 1], got "
+                             f"{self.target_utilisation!r}")
+        for name in ("scale_down_after_s", "cold_start_s"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
+        for name in ("rate_window_s", "drain_s"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
 
 
-def utilisation(replicas: int, demand_mu_per_s: float,
-                capacity_mu_per_s_per_replica: float) -> float:
+@dataclass(frozen=True, slots=True)
+class ScaleDecision:
+    desired: int
+    demand_mu_per_s: float
+    utilisation: float
+
+
+def utilisation(replicas: int, demand_mu_per_s: float, mu_per_s_per_replica: float) -> float:
     """Demand over fleet capacity; infinite when demand meets a fleet of zero replicas."""
-    _check_inputs(replicas, demand_mu_per_s, capacity_mu_per_s_per_replica)
     if replicas == 0:
         return math.inf if demand_mu_per_s > 0 else 0.0
-    return demand_mu_per_s / (replicas * capacity_mu_per_s_per_replica)
+    return demand_mu_per_s / (replicas * mu_per_s_per_replica)
 
 
-def desired_replicas(policy: ScalingPolicy, replicas: int, demand_mu_per_s: float,
-                     capacity_mu_per_s_per_replica: float) -> int:
-    """The replica count to run next, always within [min_replicas, max_replicas]."""
-    load = utilisation(replicas, demand_mu_per_s, capacity_mu_per_s_per_replica)
-    if policy.scale_in_below <= load <= policy.scale_out_above:
-        wanted = replicas
-    else:
-        wanted = math.ceil(
-            demand_mu_per_s / (capacity_mu_per_s_per_replica * policy.target_utilisation)
-            - _CEIL_SLACK)
-    return min(max(wanted, policy.min_replicas), policy.max_replicas)
+class Autoscaler:
+    """One endpoint's autoscaler: `arrived` for every request, `decide` periodically."""
 
+    def __init__(self, policy: ScalingPolicy, mu_per_s_per_replica: float) -> None:
+        if not (mu_per_s_per_replica > 0 and math.isfinite(mu_per_s_per_replica)):
+            raise ValueError(f"mu_per_s_per_replica must be finite and > 0, got "
+                             f"{mu_per_s_per_replica!r}")
+        self.policy = policy
+        self.mu_per_s_per_replica = mu_per_s_per_replica
+        self._arrivals: deque[tuple[float, float]] = deque()
+        self._arrived_mu = 0.0  # the sum over `_arrivals`
+        self._first: tuple[float, float] | None = None  # the first arrival: time, units
+        # (time, recommendation), recommendations never rising toward the right: the
+        # window's highest is always first.
+        self._recommended: deque[tuple[float, int]] = deque()
 
-def _check_inputs(replicas: int, demand: float, capacity: float) -> None:
-    if replicas < 0:
-        raise ValueError(f"replicas must be >= 0, got {replicas!r}")
-    if not (demand >= 0 and math.isfinite(demand)):
-        raise ValueError(f"demand_mu_per_s must be finite and >= 0, got {demand!r}")
-    if not (capacity > 0 and math.isfinite(capacity)):
-        raise ValueError(f"capacity_mu_per_s_per_replica must be finite and > 0, "
-                         f"got {capacity!r}")
+    def arrived(self, model_units: float, now: float) -> None:
+        if self._first is None:
+            self._first = (now, model_units)
+        self._arrivals.append((now, model_units))
+        self._arrived_mu += model_units
+
+    def arrival_rate(self, now: float) -> float:
+        """Model units per second arrived over the last `rate_window_s`. Until a whole
+        window has passed since the first arrival, what arrived after it over the time
+        since: a fleet that starts under load sees the load at once, without the
+        overshoot of counting the first arrival over almost no time."""
+        horizon = now - self.policy.rate_window_s
+        while self._arrivals and self._arrivals[0][0] <= horizon:
+            self._arrived_mu -= self._arrivals.popleft()[1]
+        if not self._arrivals:
+            self._arrived_mu = 0.0  # no float residue once the window is empty
+        if self._first is not None and self._first[0] > horizon:
+            elapsed = now - self._first[0]
+            return (self._arrived_mu - self._first[1]) / elapsed if elapsed > 0 else 0.0
+        return max(self._arrived_mu, 0.0) / self.policy.rate_window_s
+
+    def decide(self, now: float, serving: int, backlog_mu: float) -> ScaleDecision:
+        """The replica count to run: `serving` replicas serve now, `backlog_mu` model
+        units wait for one."""
+        policy = self.policy
+        rate = self.arrival_rate(now)
+        demand = rate + max(backlog_mu, 0.0) / policy.drain_s
+        serving_mu = serving * self.mu_per_s_per_replica
+        # What piles up while new replicas start, beyond what the serving ones take.
+        backlog_at_start = max(backlog_mu, 0.0) + max(
+            0.0, rate - serving_mu * policy.target_utilisation) * policy.cold_start_s
+        needed = rate + backlog_at_start / policy.drain_s if demand > serving_mu * \
+            policy.target_utilisation else demand
+        raw = math.ceil(needed / (self.mu_per_s_per_replica * policy.target_utilisation)
+                        - _CEIL_SLACK)
+        raw = min(max(raw, policy.min_replicas), policy.max_replicas)
+        recommended = self._recommended
+        while recommended and recommended[0][0] <= now - policy.scale_down_after_s:
+            recommended.popleft()
+        while recommended and recommended[-1][1] <= raw:
+            recommended.pop()
+        recommended.append((now, raw))
+        return ScaleDecision(recommended[0][1], demand,
+                             utilisation(serving, demand, self.mu_per_s_per_replica))

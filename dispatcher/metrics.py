@@ -59,6 +59,17 @@ class DispatcherMetrics:
             "fairq_failed_by_eviction",
             "Requests of an evicted worker ended with a retryable error (they had streamed)",
             ["endpoint"], registry=r)
+        self.desired_replicas = Gauge("fairq_desired_replicas",
+                                      "Workers the autoscaler wants for the endpoint",
+                                      ["endpoint"], registry=r)
+        self.serving_replicas = Gauge("fairq_serving_replicas", "Healthy workers",
+                                      ["endpoint"], registry=r)
+        self.demand = Gauge("fairq_model_unit_demand",
+                            "Model units per second arriving, plus the backlog to drain",
+                            ["endpoint"], registry=r)
+        self.utilisation = Gauge("fairq_model_unit_utilisation",
+                                 "Demand over the serving workers' model units per second "
+                                 "(+Inf with none serving)", ["endpoint"], registry=r)
         # Children of the per-request metrics, which are never cleared: `labels()` hashes
         # and takes a lock on every call, a cost on the request path.
         self._children: dict[tuple[object, tuple[str, ...]], object] = {}

@@ -82,7 +82,8 @@ class WorkerReports:
         async with self._lock:
             lost = self.pool.heartbeat(beat.worker_id, beat.endpoint, beat.started_at,
                                        beat.capacity, in_flight, beat.healthy, time.time(),
-                                       sum(count for _, count in generated))
+                                       sum(count for _, count in generated),
+                                       beat.capacity_mu_per_s)
             if lost:
                 log.warning("worker %s no longer has %d requests; taking them back",
                             beat.worker_id, len(lost.requests) + len(lost.adopted))
@@ -146,12 +147,16 @@ class WorkerReports:
                 await self.admission.admit(held, time.time())
 
     def _update_capacity(self, endpoint: str) -> None:
-        """The throttle's view of the endpoint's throughput: healthy workers x profile."""
+        """The throttle's view of the endpoint's throughput: healthy workers x profile,
+        and with none, the cold start an autoscaled endpoint's first worker needs."""
         if endpoint not in self.scheduler.endpoints:
             return
         profile = self.scheduler.endpoints[endpoint].profile
-        self.scheduler.set_capacity(endpoint,
-                                    self.pool.healthy_count(endpoint) * profile.capacity_mu_per_s)
+        healthy = self.pool.healthy_count(endpoint)
+        autoscale = self.config.endpoints[endpoint].autoscale
+        self.scheduler.set_capacity(
+            endpoint, healthy * profile.capacity_mu_per_s,
+            startup_wait_s=autoscale.cold_start_s if autoscale and not healthy else 0.0)
 
     async def on_completions(self, msg: Msg) -> None:
         async with self._lock:

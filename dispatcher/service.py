@@ -10,6 +10,7 @@ One request's path through the parts:
     core.Scheduler           queues; tier -> DRR -> priority per batch
     dispatch.Dispatch        fill each worker's free capacity (core.WorkerPool) and send
     reports.WorkerReports    heartbeats (liveness, lost work) and completions (ack)
+    autoscale.Autoscaling    desired workers per autoscaled endpoint: gauges, scale events
     api.Api                  status, cancel, depth
     results.Results          final events: stored, published
 
@@ -50,6 +51,7 @@ from broker_config.streams import ConsumerLimits, provision
 from broker_config.subjects import ApiKind
 from dispatcher.admit import Admission
 from dispatcher.api import Api
+from dispatcher.autoscale import Autoscaling
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.workers import WorkerPool
 from dispatcher.dispatch import Dispatch
@@ -124,6 +126,8 @@ class Dispatcher:
         self.dispatch = Dispatch(self.nc, self.subjects, self.scheduler, self.pool,
                                  self.admission, self.metrics, self._top_up)
         self.probes = Probes(self.nc, self.subjects, self.pool, self.options, self.metrics)
+        self.autoscaling = Autoscaling(self.nc, self.config, self.subjects, self.scheduler,
+                                       self.pool, self.metrics)
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
                                      self.held, self.admission, self.limiter, self.metrics,
                                      self.dispatch.wake, self.probes)
@@ -225,6 +229,7 @@ class Dispatcher:
             for worker, lost in await self.probes.tick(now):
                 await self.reports.evicted(worker, lost)
             self.admission.forget_old_cancels(now)
+            await self.autoscaling.tick(now)
             if now - last_extension > self.options.ack_wait_s / 3:
                 last_extension = now
                 await self.held.in_progress()

@@ -16,6 +16,11 @@ was running. A worker process the dispatcher holds unhealthy (silent, e.g. stopp
 SIGSTOP; evicted by its health probes and not exiting; its engine failed) is killed, once
 it has run `REPLACE_GRACE_S`, so that it is restarted the same way.
 
+Autoscaling (`--autoscale`, `producers.scaling`): each endpoint starts with its policy's
+`min_replicas` workers, and the dispatcher's scale events start more (lowest free
+numbers) or drain the highest-numbered ones; endpoints without their own
+`[endpoints.<name>.autoscale]` table get `LOCAL_SCALING` up to `--max-workers`.
+
 Stop order: the workers first (SIGTERM, all at once: each finishes its running requests
 within `[workers] drain_timeout_s`, and the still-running dispatcher acks them; SIGKILL
 5 s past that); then the dispatcher drains (hands back what it still holds); then the
@@ -35,6 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -47,10 +53,12 @@ from broker_config.config import (
     load_config,
 )
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
+from costmodel.capacity import ScalingPolicy
 from dispatcher.core.workers import WorkerPool
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import limiter_from_url
 from dispatcher.service import Dispatcher
+from producers.scaling import ScaleFollower, with_autoscaling
 from producers.supervisor import (
     Backoff,
     Child,
@@ -71,6 +79,10 @@ _POLL_S = 0.1
 # (a new run is unhealthy in the pool until its first heartbeat).
 REPLACE_GRACE_S = 15.0
 REPLACE_CHECK_S = 1.0
+# `--autoscale` for endpoints without their own policy: local processes start in a few
+# seconds, and a demo should see a lull give workers back within a minute.
+LOCAL_SCALING = ScalingPolicy(min_replicas=1, max_replicas=4, cold_start_s=5.0,
+                              scale_down_after_s=60.0, rate_window_s=10.0, drain_s=10.0)
 
 
 class StartError(RuntimeError):
@@ -118,6 +130,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-port", type=int, default=9464,
                         help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free "
                              "one if that is taken)")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="start and stop worker processes as the dispatcher's autoscaler "
+                             "decides; endpoints without their own [endpoints.<name>.autoscale] "
+                             "get 1 to --max-workers workers, a 5 s cold start and a 60 s "
+                             "quiet window")
+    parser.add_argument("--max-workers", type=int, default=4,
+                        help="with --autoscale: the default most workers per endpoint")
     parser.add_argument("--log-dir", type=Path,
                         help="workers' output, one <worker id>.log each (default: a new "
                              "temporary directory, printed as LOG_DIR and kept)")
@@ -125,14 +144,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    if args.workers < 1:
-        return _fail("--workers must be at least 1", 2)
+    if args.workers < 1 or args.max_workers < 1:
+        return _fail("--workers and --max-workers must be at least 1", 2)
     if not args.time_scale >= 0:
         return _fail(f"--time-scale must be >= 0, got {args.time_scale}", 2)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    if args.autoscale:
+        config = with_autoscaling(config, msgspec.structs.replace(
+            LOCAL_SCALING, max_replicas=args.max_workers))
     try:
         return asyncio.run(_up(args, config))
     except (EmbeddedServerError, SupervisorError, StartError) as exc:
@@ -181,9 +203,13 @@ async def _up(args: argparse.Namespace, config: Config) -> int:
         launcher = WorkerLauncher(
             server.url, args.config.resolve(), args.time_scale, log_dir,
             stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S)
-        for endpoint in config.endpoints:
-            for n in range(1, args.workers + 1):
+        for endpoint, spec in config.endpoints.items():
+            count = spec.autoscale.min_replicas if args.autoscale else args.workers
+            for n in range(1, count + 1):
                 await supervisor.add(launcher.child(endpoint, n))
+        if args.autoscale:
+            await stack.enter_async_context(
+                ScaleFollower(nc, config, supervisor, launcher.child, _say))
         await _until_serving(nc, config, supervisor, stop, log_dir)
         if not stop.is_set():
             print(f"NATS_URL={server.url}", flush=True)

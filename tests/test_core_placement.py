@@ -181,6 +181,14 @@ def test_the_pools_placement_counts_busy_workers_in_the_fleet_and_rebuilds_its_r
     assert pool.placement("ep", can_take=lambda w: False) is None
 
 
+def test_sizes_are_model_units_per_second_when_every_worker_says_else_sequences() -> None:
+    small, big = Capacity(8, 1000, 1e9), Capacity(32, 1000, 1e9)
+    by_speed = Placement.of_fleet([("a", small, small, 0.0, 3.0), ("b", big, big, 0.0, 1.0)])
+    assert [s.size for s in by_speed.slots] == [3.0, 1.0]
+    unknown = Placement.of_fleet([("a", small, small, 0.0, 3.0), ("b", big, big, 0.0, 0.0)])
+    assert [s.size for s in unknown.slots] == [8, 32]
+
+
 def test_a_load_bound_of_one_or_less_is_refused() -> None:
     with pytest.raises(ValueError, match="load_bound"):
         Placement(fleet(1), load_bound=1.0)

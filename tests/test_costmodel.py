@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.calibrate import Fit, Sample, fit_profile, grid
-from costmodel.capacity import ScalingPolicy, desired_replicas, utilisation
+from costmodel.capacity import Autoscaler, ScalingPolicy
 from costmodel.estimate import Ema, OutputEstimator
 from costmodel.units import ModelProfile, dump_profile, load_profile
 
@@ -241,83 +241,121 @@ def test_grid_rejects_bad_lengths(inputs: list, outputs: list, images: tuple,
 
 # -- autoscaling -----------------------------------------------------------------------
 
-POLICY = ScalingPolicy(target_utilisation=0.7, scale_out_above=0.85, scale_in_below=0.4,
-                       min_replicas=1, max_replicas=10)
+# 10 model units per second per replica, at most 80% of it; demand smoothed over 10 s.
+POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, target_utilisation=0.8,
+                       scale_down_after_s=60.0, cold_start_s=0.0, rate_window_s=10.0,
+                       drain_s=10.0)
 
 
-@pytest.mark.parametrize(("replicas", "demand", "expected"), [
-    (4, 4 * 10 * 0.6, 4),    # utilisation 0.6: inside the band
-    (4, 4 * 10 * 0.85, 4),   # on the scale-out threshold: still inside
-    (4, 4 * 10 * 0.4, 4),    # on the scale-in threshold: still inside
-    (4, 4 * 10 * 0.9, 6),    # 36 MU/s at 70 % of 10 per replica needs ceil(5.14) = 6
-    (4, 4 * 10 * 0.2, 2),    # 8 MU/s needs ceil(1.14) = 2
-    (2, 14.0, 2),            # exactly the target: no float-noise extra replica
-    (5, 35.0 * 1.3, 7),      # 45.5 / 7 = 6.5 -> 7
+def steady(scaler: Autoscaler, mu_per_s: float, start: float, end: float) -> None:
+    """Arrivals of `mu_per_s` model units per second, one per second."""
+    for t in range(int(start), int(end)):
+        scaler.arrived(mu_per_s, float(t))
+
+
+def test_demand_at_the_target_needs_exactly_that_many_replicas() -> None:
+    scaler = Autoscaler(POLICY, 10.0)
+    steady(scaler, 24.0, 0, 11)  # 24 MU/s at 8 per replica: 3, not 4 (no float noise)
+    decision = scaler.decide(10.5, serving=3, backlog_mu=0.0)
+    assert decision.desired == 3 and decision.demand_mu_per_s == pytest.approx(24.0)
+    assert decision.utilisation == pytest.approx(0.8)
+
+
+def test_a_backlog_counts_as_demand_to_drain_within_drain_s() -> None:
+    scaler = Autoscaler(POLICY, 10.0)
+    # No arrivals in the window, 160 model units queued: 16 MU/s for 10 s, 2 replicas.
+    assert scaler.decide(100.0, serving=1, backlog_mu=160.0).desired == 2
+
+
+def test_scaling_up_is_immediate_and_down_waits_for_the_quiet_window() -> None:
+    scaler = Autoscaler(POLICY, 10.0)
+    desired = {}
+    for t in range(240):
+        # 40 MU/s (5 replicas) for 20 s, then 8 MU/s (1), a burst of 80 MU/s from 200 s.
+        scaler.arrived(40.0 if t < 20 else 80.0 if t >= 200 else 8.0, float(t))
+        desired[t] = scaler.decide(t + 0.5, serving=1, backlog_mu=0.0).desired
+    # Up as soon as the load shows (the rate since the first arrival, until a whole
+    # window has passed): 40 MU/s seen as 27 after 1.5 s, 34 after 3.5 s.
+    assert desired[0] == 1 and desired[1] == 4 and desired[3] == 5
+    # The rate falls below 5 replicas' worth after 20.5 s and to 1 replica's at 28.5 s;
+    # the count follows each step one quiet window (60 s) later.
+    assert all(desired[t] == 5 for t in range(3, 81))
+    assert desired[81] == 4 and all(desired[t] == 1 for t in range(88, 200))
+    assert desired[200] == 2 and desired[208] == 10  # max_replicas
+
+
+def test_a_cold_start_asks_for_more_to_work_off_what_piles_up_meanwhile() -> None:
+    warm = Autoscaler(POLICY, 10.0)
+    cold = Autoscaler(ScalingPolicy(min_replicas=1, max_replicas=10, target_utilisation=0.8,
+                                    cold_start_s=30.0, rate_window_s=10.0, drain_s=10.0), 10.0)
+    for scaler in (warm, cold):
+        steady(scaler, 24.0, 0, 11)
+    assert warm.decide(10.5, serving=1, backlog_mu=0.0).desired == 3
+    # 16 MU/s more than one replica takes at its target, for 30 s: 480 MU to drain in
+    # 10 s on top of 24 MU/s: 72 MU/s, 9 replicas.
+    assert cold.decide(10.5, serving=1, backlog_mu=0.0).desired == 9
+    # With the serving fleet already large enough, the cold start adds nothing.
+    fresh = Autoscaler(cold.policy, 10.0)
+    steady(fresh, 24.0, 0, 11)
+    assert fresh.decide(10.5, serving=3, backlog_mu=0.0).desired == 3
+
+
+def test_an_idle_endpoint_goes_to_zero_and_its_first_request_brings_one_back() -> None:
+    policy = ScalingPolicy(min_replicas=0, max_replicas=4, scale_down_after_s=60.0,
+                           cold_start_s=60.0, rate_window_s=10.0, drain_s=10.0)
+    scaler = Autoscaler(policy, 10.0)
+    steady(scaler, 5.0, 0, 10)
+    assert scaler.decide(9.5, serving=1, backlog_mu=0.0).desired == 1
+    assert scaler.decide(40.0, serving=1, backlog_mu=0.0).desired == 1  # quiet, not long
+    decision = scaler.decide(70.0, serving=1, backlog_mu=0.0)
+    assert decision.desired == 0 and decision.demand_mu_per_s == 0.0
+    assert scaler.decide(80.0, serving=0, backlog_mu=0.0).utilisation == 0.0
+    scaler.arrived(3.0, 100.0)
+    decision = scaler.decide(100.5, serving=0, backlog_mu=3.0)
+    assert decision.desired >= 1 and decision.utilisation == math.inf
+
+
+def test_the_desired_count_stays_within_min_and_max() -> None:
+    scaler = Autoscaler(ScalingPolicy(min_replicas=2, max_replicas=3), 10.0)
+    assert scaler.decide(0.0, serving=2, backlog_mu=0.0).desired == 2
+    assert scaler.decide(1.0, serving=2, backlog_mu=1e9).desired == 3
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"min_replicas": -1}, "min_replicas"),
+    ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+    ({"min_replicas": 0, "max_replicas": 0}, "max_replicas"),
+    ({"target_utilisation": 0.0}, "target_utilisation"),
+    ({"target_utilisation": 1.5}, "target_utilisation"),
+    ({"cold_start_s": -1.0}, "cold_start_s"),
+    ({"scale_down_after_s": math.inf}, "scale_down_after_s"),
+    ({"rate_window_s": 0.0}, "rate_window_s"),
+    ({"drain_s": math.nan}, "drain_s"),
 ])
-def test_desired_replicas_hysteresis(replicas: int, demand: float, expected: int) -> None:
-    assert desired_replicas(POLICY, replicas, demand, 10.0) == expected
-
-
-def test_desired_replicas_ignores_float_noise_at_the_target() -> None:
-    # 10.5 / (3.0 * 0.7) is 5.000000000000001 in floats: five replicas, not six.
-    assert desired_replicas(POLICY, 2, 10.5, 3.0) == 5
-
-
-def test_desired_replicas_clamps_to_min_and_max() -> None:
-    assert desired_replicas(POLICY, 4, 0.0, 10.0) == 1
-    assert desired_replicas(POLICY, 4, 1000.0, 10.0) == 10
-    # A fleet already outside the bounds is brought back inside, even in the band.
-    assert desired_replicas(POLICY, 12, 12 * 10 * 0.6, 10.0) == 10
-
-
-def test_desired_replicas_from_zero() -> None:
-    policy = ScalingPolicy(min_replicas=0, max_replicas=8)
-    assert desired_replicas(policy, 0, 0.0, 10.0) == 0
-    assert desired_replicas(policy, 0, 1.0, 10.0) == 1
-    assert desired_replicas(policy, 3, 0.0, 10.0) == 0
-    assert utilisation(0, 1.0, 10.0) == math.inf
-
-
-@pytest.mark.parametrize("kwargs", [
-    {"target_utilisation": 0.9},                    # above scale_out_above
-    {"scale_in_below": 0.8},                        # above the target
-    {"scale_in_below": -0.1},
-    {"scale_out_above": math.inf},
-    {"target_utilisation": math.nan},
-    {"min_replicas": -1},
-    {"min_replicas": 5, "max_replicas": 4},
-    {"min_replicas": 0, "max_replicas": 0},
-])
-def test_scaling_policy_rejects_bad_settings(kwargs: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
-        ScalingPolicy(**kwargs)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(("replicas", "demand", "capacity", "match"), [
-    (-1, 1.0, 1.0, "replicas"),
-    (1, -1.0, 1.0, "demand"),
-    (1, math.nan, 1.0, "demand"),
-    (1, 1.0, 0.0, "capacity"),
-    (1, 1.0, math.inf, "capacity"),
-])
-def test_desired_replicas_rejects_bad_inputs(replicas: int, demand: float, capacity: float,
-                                             match: str) -> None:
+def test_a_bad_policy_is_refused(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        desired_replicas(POLICY, replicas, demand, capacity)
+        ScalingPolicy(**fields)
+    with pytest.raises(ValueError, match="mu_per_s_per_replica"):
+        Autoscaler(ScalingPolicy(), 0.0)
 
 
-@given(replicas=st.integers(0, 20), demand=st.floats(0.0, 1e4), capacity=st.floats(0.1, 1e3))
-def test_desired_replicas_properties(replicas: int, demand: float, capacity: float) -> None:
-    wanted = desired_replicas(POLICY, replicas, demand, capacity)
-    assert POLICY.min_replicas <= wanted <= POLICY.max_replicas
-    load = utilisation(replicas, demand, capacity)
-    if POLICY.scale_in_below <= load <= POLICY.scale_out_above:
-        assert wanted == min(max(replicas, POLICY.min_replicas), POLICY.max_replicas)
-    elif POLICY.min_replicas < wanted < POLICY.max_replicas:
-        # Not clamped: the smallest fleet that runs at or below the target utilisation.
-        assert utilisation(wanted, demand, capacity) <= POLICY.target_utilisation + 1e-9
-        assert utilisation(wanted - 1, demand, capacity) > POLICY.target_utilisation
-        assert (wanted > replicas) == (load > POLICY.scale_out_above)
+@settings(max_examples=100, deadline=None)
+@given(rates=st.lists(st.floats(0, 200), min_size=1, max_size=40),
+       backlogs=st.lists(st.floats(0, 5_000), min_size=1, max_size=40))
+def test_decisions_stay_in_bounds_and_never_drop_within_the_quiet_window(
+        rates: list[float], backlogs: list[float]) -> None:
+    scaler = Autoscaler(POLICY, 10.0)
+    history: list[tuple[float, int]] = []
+    for t, (rate, backlog) in enumerate(zip(rates, backlogs)):
+        scaler.arrived(rate, float(t))
+        desired = scaler.decide(t + 0.5, serving=history[-1][1] if history else 1,
+                                backlog_mu=backlog).desired
+        assert POLICY.min_replicas <= desired <= POLICY.max_replicas
+        # Never below what was desired within the last quiet window.
+        recent = [n for at, n in history if at > t + 0.5 - POLICY.scale_down_after_s]
+        assert desired >= max(recent, default=0) or desired == POLICY.max_replicas
+        history.append((t + 0.5, desired))
+
 
 
 # -- profiles --------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from collections import Counter
 
 import pytest
 
-from bench import affinity
 from bench.affinity_workload import ChatWorkload, chat_turns
 from broker_config.config import EXAMPLE_CONFIG, load_config
 from costmodel.engine_model import BatchingEngineModel, EngineParams
@@ -84,10 +83,3 @@ def test_affinity_keeps_conversations_where_their_context_is_cached() -> None:
         assert {r.worker for r in run.records} == {f"chat-{i}" for i in range(4)}
     assert on_home[True] >= 0.85 and on_home[False] <= 0.6, on_home
     assert cached[True] >= 1.5 * cached[False], cached
-
-
-def test_the_affinity_benchmark_smoke_run_reports_both_routings(tmp_path, capsys) -> None:
-    assert affinity.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "| affinity |" in out and "| least-loaded |" in out
-    assert (tmp_path / "smoke.json").exists()

@@ -303,3 +303,84 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         for pid in still_running(started):  # never leave a stray process behind
             os.kill(pid, signal.SIGKILL)
         await asyncio.wait_for(reader, STOP_S)
+
+
+AUTOSCALED = """
+[endpoints.chat.autoscale]
+min_replicas = 1
+max_replicas = 3
+cold_start_s = 1.0
+scale_down_after_s = 6.0
+rate_window_s = 3.0
+drain_s = 2.0
+"""
+SCALE_S = 30.0  # a decision within a tick, a worker interpreter, its first heartbeat
+
+
+async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after(
+        nats_binary: Path, tmp_path: Path) -> None:
+    """A burst on chat: workers go up, then, after the quiet window, back down to one;
+    every request of the burst ends with exactly one final event, `done`."""
+    config = tmp_path / "autoscaled.toml"
+    config.write_text((ROOT / "configs" / "example.toml").read_text() + AUTOSCALED)
+    up = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producers.cli", "up", "--port", "0", "--autoscale",
+        "--config", str(config), "--time-scale", "0.2", "--metrics-port", "0",
+        "--log-dir", str(tmp_path / "logs"), cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output = Output(up.stdout)
+    reader = asyncio.create_task(output.pump())
+    started: dict[int, list[str]] = {}
+    try:
+        url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
+        assert (await output.expect("fairq is up:", START_S)) == (
+            "fairq is up: 2 simulated workers on chat, embed; Ctrl-C stops")
+        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+        try:
+            finals: dict[str, list[dict]] = {}
+            inbox = nc.new_inbox()
+
+            async def on_event(msg) -> None:
+                event = json.loads(msg.data)
+                if event["type"] in ("done", "error"):
+                    finals.setdefault(event["id"], []).append(event)
+
+            await nc.subscribe(inbox + ".*", cb=on_event)
+            js = nc.jetstream()
+            ids = [f"burst-{i}" for i in range(300)]
+            for rid in ids:
+                await js.publish("fq.req.chat.acme",
+                                 json.dumps({"prompt": "hi", "max_tokens": 200}).encode(),
+                                 headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{inbox}.{rid}"})
+            await output.expect("fairq: scaled chat up: started chat-w2", SCALE_S)
+            started |= children_of(up.pid)
+            deadline = time.monotonic() + 120
+            while len(finals) < len(ids):
+                assert time.monotonic() < deadline, f"{len(finals)} of {len(ids)} finished"
+                await asyncio.sleep(0.2)
+            await output.expect("fairq: scaled chat down: draining chat-w", SCALE_S)
+            await asyncio.sleep(1.0)  # a repeated final event would have come by now
+            assert sorted(finals) == sorted(ids)
+            assert all(len(events) == 1 and events[0]["type"] == "done"
+                       for events in finals.values()), finals
+        finally:
+            await nc.close()
+        up.send_signal(signal.SIGINT)
+        await output.expect("fairq: stopped", STOP_S)
+        async with asyncio.timeout(STOP_S):
+            assert await up.wait() == 0
+        ups = [line for line in output.lines if "scaled chat up" in line]
+        downs = [line for line in output.lines if "scaled chat down" in line]
+        assert len(downs) == len(ups) >= 1, output.lines  # back to the one it started with
+    finally:
+        if up.returncode is None:
+            started |= children_of(up.pid)
+            up.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(up.wait(), STOP_S)
+            except TimeoutError:
+                up.kill()
+                await asyncio.wait_for(up.wait(), STOP_S)
+        for pid in still_running(started):
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.wait_for(reader, STOP_S)

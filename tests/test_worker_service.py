@@ -70,7 +70,7 @@ ENDPOINT, WORKER, TENANT = "chat", "w1", "acme"
 # A decode step takes 1.25 ms: short requests finish in tens of ms, long ones outlast a test.
 SCALE = 0.05
 LONG = 10_000  # max_tokens of a request that is interrupted long before it ends
-PROFILE = ModelProfile(name="test", alpha=0.001, beta=0.01, gamma=0.5)
+PROFILE = ModelProfile(name="test", alpha=0.001, beta=0.01, gamma=0.5, capacity_mu_per_s=3.5)
 PARAMS = EngineParams()
 WAIT_S = 10.0
 ENGINE_CAPACITY = Capacity(sequences=PARAMS.max_sequences, tokens=PARAMS.kv_cache_tokens,
@@ -412,6 +412,8 @@ async def test_first_heartbeat_is_sent_on_start(
     assert first[0].seq == 0 and first[0].healthy and first[0].in_flight == []
     assert first[0].capacity == CAPACITY
     assert first[0].started_at == service.started_at <= first[0].sent_at
+    # Its routing size: the model units per second of its profile.
+    assert first[0].capacity_mu_per_s == PROFILE.capacity_mu_per_s
 
 
 async def test_heartbeats_report_capacity_load_and_in_flight_ids(

@@ -483,7 +483,9 @@ class WorkerService:
         return Heartbeat(worker_id=self.worker_id, endpoint=self.endpoint, capacity=capacity,
                          used=used, in_flight=[r.key for r in running], healthy=healthy,
                          started_at=self.started_at, sent_at=time.time(), seq=seq,
-                         output_tokens=[r.output_tokens for r in running])
+                         output_tokens=[r.output_tokens for r in running],
+                         capacity_mu_per_s=(self._profile.capacity_mu_per_s
+                                            if self._profile is not None else 0.0))
 
     def _engine_capacity(self, healthy: bool) -> tuple[Capacity, bool]:
         try:

@@ -48,6 +48,8 @@ class EndpointQueues:
         self.default_total = Capacity(spec.batch.sequences, spec.batch.tokens,
                                       spec.batch.model_units)
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
+        self.startup_wait_s = 0.0  # scaled to zero: the first replica's cold start
+        self.admitted_mu = 0.0  # model units of every request queued so far (demand)
         self.running = 0
         # Flows with queued or running work, and the sum of their weights (overall and
         # per tier rank, for the throttle's fair-share estimate); those with work queued.
@@ -88,12 +90,13 @@ class EndpointQueues:
                 or now - self._presence_changed_at <= self.newcomer_window_s)
 
     def expected_wait(self, flow: TenantFlow | None, weight: float, tier_rank: int) -> float:
-        """The tenant's queued model units over its weighted share of capacity."""
+        """The tenant's queued model units over its weighted share of capacity, after the
+        cold start of a first replica if none serves."""
         if flow is None or not len(flow.queue) or self.capacity_mu_per_s <= 0:
-            return 0.0
+            return self.startup_wait_s
         competing = sum(self.present_weight_by_rank[:tier_rank + 1])
         share = self.capacity_mu_per_s * weight / max(competing, weight)
-        return flow.queue.queued_model_units / share
+        return self.startup_wait_s + flow.queue.queued_model_units / share
 
     def waiting_that_fits(self, free: Capacity) -> int:
         """How many of `free`'s sequence slots queued work could fill now, whatever the

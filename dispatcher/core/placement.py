@@ -19,8 +19,8 @@ reserve unless its tenant is below its share):
 - **no key**, or no worker within the bound: the least utilised worker (model units in
   flight over its size), the one with more free sequences on a tie.
 
-A worker's size is its advertised model-unit capacity when every worker of the fleet
-advertises one, else its sequences (model units then bind nowhere).
+A worker's size is the model units per second it completes, from its calibration
+profile, when every worker of the fleet says so, else its sequences.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import bisect
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from costmodel.units import CHARS_PER_TOKEN, NO_CAPACITY, UNLIMITED_MODEL_UNITS, Capacity
+from costmodel.units import CHARS_PER_TOKEN, NO_CAPACITY, Capacity
 from dispatcher.core.types import Request
 
 # What `Placement.place` says of a request.
@@ -127,16 +127,17 @@ class Placement:
         return cls([Slot("", free, total)])
 
     @classmethod
-    def of_fleet(cls, workers: Iterable[tuple[str, Capacity, Capacity, float]],
+    def of_fleet(cls, workers: Iterable[tuple[str, Capacity, Capacity, float, float]],
                  ring: Ring | None = None,
                  load_bound: float = DEFAULT_LOAD_BOUND) -> Placement:
-        """A pass over (worker id, free, total, model units in flight) of every healthy
-        worker of one endpoint, full ones included (they count in the fleet's load)."""
+        """A pass over (worker id, free, total, model units in flight, model units per
+        second) of every healthy worker of one endpoint, full ones included (they count
+        in the fleet's load)."""
         workers = list(workers)
-        by_units = all(total.model_units < UNLIMITED_MODEL_UNITS for _, _, total, _ in workers)
+        by_speed = all(mu_per_s > 0 for *_, mu_per_s in workers)
         return cls([Slot(worker_id, free, total, load,
-                         total.model_units if by_units else max(total.sequences, 1))
-                    for worker_id, free, total, load in workers], ring, load_bound)
+                         mu_per_s if by_speed else max(total.sequences, 1))
+                    for worker_id, free, total, load, mu_per_s in workers], ring, load_bound)
 
     def set_reserves(self, reserve_of: Callable[[Capacity], Capacity]) -> None:
         for slot in self.slots:

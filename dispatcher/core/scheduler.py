@@ -141,6 +141,7 @@ class Scheduler:
         endpoint = self.endpoints[request.endpoint]
         flow = self._flow(endpoint, request.tenant)
         self._estimate(endpoint, request)
+        endpoint.admitted_mu += request.model_units
         endpoint.clock = now
         endpoint.mark_present(flow)
         flow.queue.push(request)
@@ -337,9 +338,11 @@ class Scheduler:
                                      0.0 if oldest is None else max(0.0, now - oldest)))
         return rows
 
-    def set_capacity(self, endpoint: str, mu_per_s: float) -> None:
-        """Model units per second the endpoint's workers complete (for the throttle)."""
-        self.endpoints[endpoint].capacity_mu_per_s = mu_per_s
+    def set_capacity(self, endpoint: str, mu_per_s: float, startup_wait_s: float = 0.0) -> None:
+        """Model units per second the endpoint's workers complete, and how long a request
+        waits for the first of them to start (scaled to zero), for the throttle."""
+        queues = self.endpoints[endpoint]
+        queues.capacity_mu_per_s, queues.startup_wait_s = mu_per_s, startup_wait_s
 
     def flow(self, endpoint: str, tenant: str) -> TenantFlow | None:
         return self.endpoints[endpoint].flows.get(tenant)

@@ -3,61 +3,51 @@
 Pure (no I/O, no wall clock, no randomness): the same trace, config and engine always
 give the same result. The loop mirrors what the network dispatcher does with workers:
 
-- events are trace arrivals and engine step completions, taken in time order (at equal
-  times: step completions, then arrivals, each in their own order), all events of one
-  instant before any dispatch;
+- events are trace arrivals, engine step ends, replicas becoming ready and autoscaler
+  ticks, in time order (at equal times: step ends, arrivals, then the rest), all events
+  of one instant before any dispatch;
 - an arrival goes through `Scheduler.admit` with an in-process limiter store; a
   rejection is recorded with its outcome;
 - the replicas are the workers of a `WorkerPool`, whose ledger holds what was sent to
-  each and not finished; as in the dispatcher, one pass per endpoint places the next
-  requests in fair order on its replicas (`WorkerPool.placement`, `Scheduler.place`);
-- a replica that is not in the middle of a step offers its free capacity
-  (`Worker.free()`); one mid-step offers none, so work binds to a replica at the
-  latest moment, when it can start it, unless `early_binding` is set: then every
-  replica offers its room at every instant and work sent mid-step waits for its next
-  step, as a real worker's engine does (the dispatcher sends whenever its ledger has
-  room). Routing needs early binding: with late binding under load only the replica
-  whose step just ended is offered, so a session could never wait for its own. Sizes:
-  sequences = max_sequences - requests sent and not finished, tokens = KV-cache
-  tokens minus input + max_tokens of those requests (the dispatcher's own reservation, which bounds the engine's real use, so the engine's own
-  queue never holds work the dispatcher could still reorder), model units = the
-  endpoint's batch model units minus their estimates; `total` is its whole capacity;
+  each and not finished (`Worker.free()`: sequences, KV tokens as input + max_tokens,
+  model units); as in the dispatcher, one pass per endpoint places the next requests
+  in fair order on its replicas (`WorkerPool.placement`, `Scheduler.place`);
+- a replica mid-step offers no room, so work binds to a replica at the latest moment,
+  unless `early_binding` is set: then every replica offers its room at every instant
+  and work sent mid-step waits for its next step, as a real worker's engine does.
+  Routing needs early binding: with late binding under load only the replica whose
+  step just ended is offered, so a session could never wait for its own;
 - the batch goes into the replica's `BatchingEngineModel`, which then runs one step;
   the step's tokens (`Scheduler.progress`), first tokens and finishes happen when the
-  step ends; a finished request leaves the pool's ledger and is settled with
+  step ends; a finished request leaves the ledger and is settled with
   `Scheduler.complete` and its real usage.
 
-Each endpoint has its own `replicas` engines, all with the same `EngineParams` (or one
-per entry of `fleet`), and the scheduler's throttle is told the endpoint's capacity
-(replicas x the profile's `capacity_mu_per_s`). Each replica has a prefix cache
-(`costmodel.prefix_cache`): a request's cached leading blocks (the trace's shared
-prefix and its session's earlier turns, `TraceRecord.context_blocks`) skip prefill.
-Requests route on their session, else their shared prefix (`affinity`), as the
-dispatcher routes on a session or a prompt's leading block. The scheduler sees only `max_tokens` (the trace's, else the
-endpoint's cap); the engine generates `min(output_tokens, max_tokens)` tokens. A
-request whose input plus max_tokens can never fit a replica's KV cache is rejected as
-`invalid`, like a prompt longer than the model's context.
+Each endpoint has `replicas` engines of one `EngineParams` (or one per entry of `fleet`);
+the throttle is told their capacity (the profile's `capacity_mu_per_s` each). With
+`autoscale` (`sim_fleet.FleetScaling`) the count follows the autoscaler, new replicas
+serving after the cold start; the summary's `gpu_seconds` is what they cost. Each
+replica has a prefix cache (`costmodel.prefix_cache`): a request's cached leading
+blocks (`TraceRecord.context_blocks`) skip prefill; requests route on their session,
+else their shared prefix (`affinity`). The scheduler sees only `max_tokens`; the
+engine generates `min(output_tokens, max_tokens)` tokens. A request that can never fit
+a replica's KV cache is rejected as `invalid`.
 
-Besides the trace's open-loop arrivals, a `ClosedLoop` client sends a request whenever
-a sequence slot outside the newcomer reserve is free, after an instant's events and
-before its dispatch.
-
-The summary's `simulation` block has `idle_while_waiting`: the share of sequence-slot
-time, over every engine step, left empty while a queued request would have fit
-(`EndpointQueues.waiting_that_fits`), what the newcomer reserve or FIFO's head-of-line
-blocking cost.
+`ClosedLoop` clients (`sim_clients`) add well-behaved load. The summary's
+`idle_while_waiting` is the share of sequence-slot time left empty while a queued
+request would have fit (what the newcomer reserve or FIFO's head-of-line blocking cost).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from broker_config.config import Config
-from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
+from costmodel.capacity import ScalingPolicy
+from costmodel.engine_model import BatchingEngineModel, EngineParams
 from costmodel.prefix_cache import BLOCK_TOKENS, PrefixCache
 from costmodel.units import Capacity, Usage
 from dispatcher.core.admission import MemoryLimiterStore
@@ -70,35 +60,18 @@ from dispatcher.core.fairness import (
 )
 from dispatcher.core.placement import affinity_key
 from dispatcher.core.scheduler import Policy, Scheduler
+from dispatcher.core.sim_clients import Client, ClosedLoop
+from dispatcher.core.sim_fleet import FleetScaling, Replica
 from dispatcher.core.trace import TraceRecord
 from dispatcher.core.types import Outcome, Request
-from dispatcher.core.workers import Worker, WorkerPool
+from dispatcher.core.workers import WorkerPool
 
 # Event kinds, in the order they are handled at one instant.
 _STEP_END = 0
 _ARRIVAL = 1
 _WAKE = 2  # nothing to handle: a closed-loop client starts
-
-
-@dataclass(slots=True, frozen=True)
-class ClosedLoop:
-    """A well-behaved client that keeps its endpoint busy without ever building a backlog.
-
-    From `start_s` on, whenever the endpoint's requests in flight (every tenant's,
-    running or queued) leave a sequence slot free outside the newcomer reserve, the next
-    of `records` arrives, so the engine is as full as the reserve allows. The records'
-    own arrival times are ignored. Clients on one endpoint fill it in the order they are
-    listed.
-    """
-
-    records: Sequence[TraceRecord]
-    start_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.start_s) and self.start_s >= 0):
-            raise ValueError(f"start_s must be finite and >= 0, got {self.start_s!r}")
-        if len({r.endpoint for r in self.records}) > 1:
-            raise ValueError("a closed-loop client sends to one endpoint")
+_READY = 3  # a replica's cold start is over
+_SCALE = 4  # the autoscaler decides
 
 
 @dataclass(slots=True)
@@ -125,24 +98,6 @@ class _Entry:
     worker: str = ""  # the replica it ran on
 
 
-@dataclass(slots=True, eq=False)
-class _Client:
-    """A `ClosedLoop` client while it runs."""
-
-    endpoint: str
-    start_s: float
-    slots: int  # the endpoint's sequence slots outside the newcomer reserve
-    waiting: list[int]  # indexes of its entries not yet sent, the next one last
-
-
-@dataclass(slots=True, eq=False)
-class _Replica:
-    worker: Worker  # its entry in the pool: capacity, and what was sent and not finished
-    engine: BatchingEngineModel
-    cache: PrefixCache
-    step: StepResult | None = None  # the step under way, applied when it ends
-
-
 class Simulation:
     """One run; `simulate` is the usual entry point."""
 
@@ -150,16 +105,23 @@ class Simulation:
                  engine: EngineParams | None = None, *, replicas: int = 1,
                  policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = (),
                  fleet: Sequence[EngineParams] = (), affinity: bool = True,
-                 early_binding: bool = False) -> None:
-        if replicas < 1:
+                 early_binding: bool = False, autoscale: ScalingPolicy | None = None,
+                 scale_tick_s: float = 1.0) -> None:
+        if replicas < 1 and autoscale is None:
             raise ValueError(f"replicas must be >= 1, got {replicas!r}")
+        if autoscale is not None and fleet:
+            raise ValueError("an autoscaled fleet is `replicas` of one engine, not `fleet`")
         self.config = config
         self.params = engine or EngineParams()
-        # Each endpoint's replicas: `fleet` if given, else `replicas` of `engine`.
+        # Each endpoint's replicas at the start: `fleet` if given, else `replicas` of
+        # `engine`; the autoscaler starts more of `engine` and retires them.
         self.fleet = list(fleet) or [self.params] * replicas
         self.affinity = affinity
         self.early_binding = early_binding
         self.scheduler = Scheduler(config, policy=policy)
+        self.scaling = None if autoscale is None else FleetScaling(autoscale, {
+            name: self.scheduler.registry.profile(name).capacity_mu_per_s
+            for name in config.endpoints}, scale_tick_s)
         self._reports_tokens = any(e.selector.charges_output_as_generated
                                    for e in self.scheduler.endpoints.values())
         self.store = MemoryLimiterStore()
@@ -167,21 +129,18 @@ class Simulation:
         # Replicas never go silent: the simulator drives no heartbeats.
         self.pool = WorkerPool(timeout_s=math.inf)
         # In creation order: the order of their step ends at one instant.
-        self.replicas: list[_Replica] = []
-        for name, spec in config.endpoints.items():
-            for i, params in enumerate(self.fleet):
-                total = Capacity(params.max_sequences, params.kv_cache_tokens,
-                                 spec.batch.model_units)
-                worker = self.pool.add(f"{name}-{i}", name, total, 0.0)
-                self.replicas.append(_Replica(worker, BatchingEngineModel(params), PrefixCache(
-                    max(1, params.kv_cache_tokens // BLOCK_TOKENS))))
-            profile = self.scheduler.registry.profile(name)
-            self.scheduler.set_capacity(name, len(self.fleet) * profile.capacity_mu_per_s)
-        self._replica_of = {r.worker.worker_id: r for r in self.replicas}
+        self.replicas: list[Replica] = []
+        self._replica_of: dict[str, Replica] = {}
+        for name in config.endpoints:
+            for params in self.fleet:
+                self._add_replica(name, params, 0.0)
+            self._update_capacity(name)
         self.entries = [self._entry(i, record) for i, record in enumerate(trace)]
         self._events: list[tuple[float, int, int]] = [
             (e.request.arrival, _ARRIVAL, i) for i, e in enumerate(self.entries)]
-        self._clients: list[_Client] = []
+        if autoscale is not None:
+            self._events.append((0.0, _SCALE, 0))
+        self._clients: list[Client] = []
         for spec in closed_loop:
             self._add_client(spec)
         heapq.heapify(self._events)
@@ -197,7 +156,7 @@ class Simulation:
             raise ValueError(f"closed-loop client on unknown endpoint {endpoint!r}")
         waiting = list(range(len(self.entries) - 1, first - 1, -1))
         slots = sum(self._slots_outside_reserve(endpoint, params) for params in self.fleet)
-        self._clients.append(_Client(endpoint, spec.start_s, slots, waiting))
+        self._clients.append(Client(endpoint, spec.start_s, slots, waiting))
         self._events.append((spec.start_s, _WAKE, 0))  # in case nothing else happens then
 
     def _slots_outside_reserve(self, endpoint: str, params: EngineParams) -> int:
@@ -237,6 +196,54 @@ class Simulation:
                 and record.prefix_tokens >= spec.affinity_block_tokens else None)
         return _Entry(request, min(record.output_tokens, max_tokens), record)
 
+    def _add_replica(self, endpoint: str, params: EngineParams, now: float,
+                     ready: bool = True) -> Replica:
+        total = Capacity(params.max_sequences, params.kv_cache_tokens,
+                         self.config.endpoints[endpoint].batch.model_units)
+        number = sum(1 for r in self.replicas if r.worker.endpoint == endpoint)
+        worker = self.pool.add(f"{endpoint}-{number}", endpoint, total, now)
+        worker.healthy = ready
+        replica = Replica(worker, BatchingEngineModel(params), PrefixCache(
+            max(1, params.kv_cache_tokens // BLOCK_TOKENS)), now, ready)
+        self.replicas.append(replica)
+        self._replica_of[worker.worker_id] = replica
+        return replica
+
+    def _update_capacity(self, endpoint: str) -> None:
+        """The throttle's view: the serving replicas' model units per second, and the
+        cold start a request waits for when none serves."""
+        serving = sum(1 for r in self.replicas
+                      if r.worker.endpoint == endpoint and r.ready and r.alive)
+        cold_start = self.scaling.policy.cold_start_s if self.scaling else 0.0
+        self.scheduler.set_capacity(
+            endpoint, serving * self.scheduler.registry.profile(endpoint).capacity_mu_per_s,
+            startup_wait_s=0.0 if serving else cold_start)
+
+    def _scale(self) -> None:
+        scaling = self.scaling
+        assert scaling is not None
+        for name, queues in self.scheduler.endpoints.items():
+            alive = [r for r in self.replicas if r.worker.endpoint == name and r.alive]
+            backlog = sum(flow.queue.queued_model_units for flow in queues.flows.values())
+            resize = scaling.decide(name, alive, backlog, self.now)
+            for _ in range(resize.start):
+                replica = self._add_replica(name, self.params, self.now, ready=False)
+                heapq.heappush(self._events, (self.now + scaling.policy.cold_start_s, _READY,
+                                              len(self.replicas) - 1))
+            for replica in resize.stop:
+                replica.draining, replica.worker.healthy = True, False
+                if not replica.ready or replica.idle:
+                    replica.retire(self.now)
+            self._update_capacity(name)
+        busy = self.scheduler.queued_count() or any(not r.idle for r in self.replicas)
+        if self._events or busy:
+            heapq.heappush(self._events, (self.now + scaling.tick_s, _SCALE, 0))
+
+    def _ready(self, replica: Replica) -> None:
+        if replica.retired_at is None:
+            replica.ready = replica.worker.healthy = True
+            self._update_capacity(replica.worker.endpoint)
+
     # -- the loop ---------------------------------------------------------------------
 
     def run(self) -> list[RequestRecord]:
@@ -249,6 +256,10 @@ class Simulation:
                     self._end_step(self.replicas[index])
                 elif kind == _ARRIVAL:
                     self._arrive(self.entries[index])
+                elif kind == _READY:
+                    self._ready(self.replicas[index])
+                elif kind == _SCALE:
+                    self._scale()
             for request in self.scheduler.expire(self.now):
                 self._expired(request)
             self._top_up()
@@ -273,6 +284,8 @@ class Simulation:
             entry.outcome = Outcome.INVALID
         else:
             entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
+        if self.scaling is not None and entry.outcome is Outcome.ADMITTED:
+            self.scaling.arrived(request.endpoint, request.model_units, self.now)
 
     def _expired(self, request: Request) -> None:
         self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED
@@ -303,7 +316,7 @@ class Simulation:
                                    cached_tokens=entry.cached_tokens)
                 self.pool.assign(replica.worker, request, self.now)
 
-    def _start_step(self, index: int, replica: _Replica) -> None:
+    def _start_step(self, index: int, replica: Replica) -> None:
         if replica.engine.idle:
             return
         replica.step = step = replica.engine.step()
@@ -313,7 +326,7 @@ class Simulation:
         self.idle_slot_s += step.duration_s * self.scheduler.endpoints[
             worker.endpoint].waiting_that_fits(worker.free())
 
-    def _end_step(self, replica: _Replica) -> None:
+    def _end_step(self, replica: Replica) -> None:
         step = replica.step
         assert step is not None
         replica.step = None
@@ -332,6 +345,8 @@ class Simulation:
                                                 self._usage(entry), self.now)
             if completed is not None and completed.refund is not None:
                 self.store.refund(completed.refund)
+        if replica.draining and replica.retired_at is None and replica.idle:
+            replica.retire(self.now)
 
     def _usage(self, entry: _Entry) -> Usage:
         """What the request consumed, as a worker reports it: its other units (images)
@@ -358,15 +373,21 @@ def simulate(trace: Sequence[TraceRecord], config: Config,
              engine: EngineParams | None = None, *, replicas: int = 1,
              policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = (),
              metrics: MetricOptions = DEFAULT_METRICS, fleet: Sequence[EngineParams] = (),
-             affinity: bool = True, early_binding: bool = False) -> SimResult:
+             affinity: bool = True, early_binding: bool = False,
+             autoscale: ScalingPolicy | None = None) -> SimResult:
     """Run `trace` (and the `closed_loop` clients) through the scheduler and `replicas`
     engines per endpoint (or the `fleet`'s); `affinity` False routes every request to
-    the least loaded replica; `early_binding`: see the module docstring."""
+    the least loaded replica; `early_binding`: see the module docstring; `autoscale`
+    resizes each endpoint's fleet from `replicas` on (summary: `gpu_seconds`)."""
     simulation = Simulation(trace, config, engine, replicas=replicas, policy=policy,
                             closed_loop=closed_loop, fleet=fleet, affinity=affinity,
-                            early_binding=early_binding)
+                            early_binding=early_binding, autoscale=autoscale)
     records = simulation.run()
-    summary = summarize(records, metrics, tenant_weights(simulation.scheduler, records))
+    registry = simulation.scheduler.registry
+    # Each known tenant's configured weight, for the weighted fairness figures.
+    weights = {tenant: policy.weight for tenant in {r.tenant for r in records}
+               if (policy := registry.tenant(tenant)) is not None}
+    summary = summarize(records, metrics, weights)
     summary["simulation"] = {
         "policy": policy,
         "replicas": len(simulation.fleet),
@@ -377,16 +398,9 @@ def simulate(trace: Sequence[TraceRecord], config: Config,
         "makespan_s": max((r.finished for r in records if r.finished is not None),
                           default=0.0),
         "engine_steps": sum(r.engine.steps for r in simulation.replicas),
+        "gpu_seconds": sum(r.gpu_seconds(simulation.now) for r in simulation.replicas),
+        # (time, endpoint, replicas desired) at every change.
+        "scaling": simulation.scaling.decisions if simulation.scaling else [],
         "idle_while_waiting": simulation.idle_slot_s / max(simulation.slot_s, 1e-12),
     }
     return SimResult(records, summary)
-
-
-def tenant_weights(scheduler: Scheduler, records: Sequence[RequestRecord]) -> Mapping[str, float]:
-    """Each known tenant's configured weight (for the weighted fairness index)."""
-    weights = {}
-    for tenant in {r.tenant for r in records}:
-        policy = scheduler.registry.tenant(tenant)
-        if policy is not None:
-            weights[tenant] = policy.weight
-    return weights

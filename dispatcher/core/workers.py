@@ -96,6 +96,8 @@ class Worker:
     evicted: bool = False
     # Output tokens of its in-flight requests at its last heartbeat: more is progress.
     reported_output: int = 0
+    # Model units per second it completes, as it says (0: unknown): its routing size.
+    mu_per_s: float = 0.0
 
     def used(self) -> Capacity:
         return Capacity(len(self.assigned), self.assigned_tokens, self.assigned_units)
@@ -171,7 +173,7 @@ class WorkerPool:
 
     def heartbeat(self, worker_id: str, endpoint: str, started_at: float, capacity: Capacity,
                   in_flight: Collection[Key], healthy: bool, now: float,
-                  output_tokens: int = 0) -> Lost:
+                  output_tokens: int = 0, mu_per_s: float = 0.0) -> Lost:
         """Take a heartbeat; returns the work the worker no longer has (it restarted,
         drained away, or a request never reached it). `output_tokens`: what its in-flight
         requests have generated so far; more than last time is progress (a long answer
@@ -198,6 +200,7 @@ class WorkerPool:
             worker.progress_at = now
         worker.reported_output = output_tokens
         worker.capacity, worker.last_seen, worker.healthy = capacity, now, healthy
+        worker.mu_per_s = mu_per_s
         worker.reported = frozenset(in_flight)
         for key in worker.reported:
             self._reported_by[key] = worker_id
@@ -342,8 +345,8 @@ class WorkerPool:
         if not any(free.sequences > 0 for _, free in offers):
             return None
         return Placement.of_fleet(
-            ((w.worker_id, free, w.capacity, w.assigned_units) for w, free in offers),
-            self._ring(endpoint, fleet), load_bound)
+            ((w.worker_id, free, w.capacity, w.assigned_units, w.mu_per_s)
+             for w, free in offers), self._ring(endpoint, fleet), load_bound)
 
     def _ring(self, endpoint: str, fleet: list[Worker]) -> Ring:
         members = frozenset(w.worker_id for w in fleet)

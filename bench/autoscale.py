@@ -1,0 +1,216 @@
+"""Autoscaling on model-unit utilisation, in the simulator, on the Azure conversation trace.
+
+    python -m bench.autoscale [--trace CSV] [--seed 1] [--cold-start 60] [--quiet 300]
+                              [--out-dir bench/results/autoscale] [--smoke]
+
+Two fleets, each run three ways:
+
+- **one endpoint**: the trace's full hour (its own tenants, no synthetic flood);
+- **eight endpoints**: each gets the trace from a different offset (wrapping around the
+  hour), thinned or repeated to a different scale (0.25x to 3x), with idle periods
+  (every third 10-minute block of endpoints 2, 5 and 8 has no traffic at all).
+
+Ways: **autoscaled** (`costmodel.capacity.Autoscaler`, min 0 replicas for the eight
+endpoints and 1 for the single one, max 16, target utilisation 0.8, --cold-start s
+before a new replica serves, replicas given back after --quiet s of lower demand);
+**static for peak** (per endpoint, the replicas its busiest minute needs at the target
+utilisation, all hour); and the **oracle**, computed rather than run: every minute
+exactly the replicas that minute's demand needs at the target utilisation, with no
+cold start (reported also at 100% utilisation). Demand is the model units (the
+example profile's) of the requests arriving in the minute.
+
+Reported: GPU-seconds (replica lifetimes, cold starts included) and SLO attainment,
+the share of requests whose time to first token is at most 2 s. Goal: >= 99%
+attainment with GPU-seconds <= 1.25x the oracle's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import math
+import platform
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench.traces import add_trace_argument, azure_trace
+from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, load_config
+from costmodel.capacity import ScalingPolicy
+from costmodel.engine_model import load_engine_params
+from dispatcher.core.admission import scheduling_only
+from dispatcher.core.sim import simulate
+from dispatcher.core.trace import TraceRecord
+from producers.loadgen import TraceError, assign_azure_trace
+
+SLO_TTFT_S = 2.0
+MINUTE_S = 60.0
+HOUR_S = 3600.0
+# Endpoint k of eight: traffic scale and whether it has idle blocks.
+SCALES = (1.0, 0.5, 2.0, 0.25, 1.5, 3.0, 0.75, 1.0)
+IDLE_ENDPOINTS = (1, 4, 7)  # 0-based: endpoints 2, 5 and 8
+IDLE_BLOCK_S = 600.0
+
+
+def fleet_config(base: Config, endpoints: Sequence[str]) -> Config:
+    """`base` with its first endpoint's settings under each name of `endpoints`."""
+    spec = next(iter(base.endpoints.values()))
+    return scheduling_only(msgspec.structs.replace(
+        base, endpoints={name: spec for name in endpoints}))
+
+
+def shifted(rows: Sequence[TraceRecord], endpoint: str, offset_s: float, scale: float,
+            idle: bool, rng: random.Random) -> list[TraceRecord]:
+    """The trace for one endpoint: starting `offset_s` into the hour (wrapping), each row
+    kept floor(scale) times plus once more with probability scale - floor(scale), none in
+    every third 10-minute block if `idle`."""
+    records = []
+    for row in rows:
+        at = (row.arrival_s + offset_s) % HOUR_S
+        if idle and int(at // IDLE_BLOCK_S) % 3 == 2:
+            continue
+        copies = int(scale) + (rng.random() < scale - int(scale))
+        records += [dataclasses.replace(row, arrival_s=at, endpoint=endpoint)] * copies
+    return sorted(records, key=lambda r: r.arrival_s)
+
+
+def calibrated(config: Config, rows: Sequence[TraceRecord]) -> Config:
+    """`config` with each profile's `capacity_mu_per_s` measured on this traffic: what one
+    replica completes kept full of 2,000 of its requests (the example profile's own
+    figure comes from a different mix; `fairq calibrate` does the same on a real
+    engine)."""
+    engine = load_engine_params(EXAMPLE_ENGINE)
+    name = next(iter(config.endpoints))
+    key = config.endpoints[name].profile
+    profile = config.profiles[key]
+    sample = [dataclasses.replace(r, arrival_s=0.0, endpoint=name) for r in rows[:2_000]]
+    run = simulate(sample, scheduling_only(msgspec.structs.replace(
+        config, endpoints={name: config.endpoints[name]})), engine)
+    assert all(r.finished is not None for r in run.records)
+    served = sum(profile.model_units(r.input_tokens, r.output_tokens) for r in run.records)
+    measured = msgspec.structs.replace(
+        profile, capacity_mu_per_s=served / run.summary["simulation"]["makespan_s"])
+    return msgspec.structs.replace(config, profiles={**config.profiles, key: measured})
+
+
+def needed_per_minute(records: Sequence[TraceRecord], config: Config,
+                      utilisation: float) -> dict[str, list[int]]:
+    """Per endpoint, per minute of the hour: replicas that minute's demand needs."""
+    demand: dict[str, list[float]] = {name: [0.0] * int(HOUR_S // MINUTE_S)
+                                      for name in config.endpoints}
+    for r in records:
+        profile = config.profiles[config.endpoints[r.endpoint].profile]
+        minute = min(int(r.arrival_s // MINUTE_S), len(demand[r.endpoint]) - 1)
+        demand[r.endpoint][minute] += profile.model_units(r.input_tokens, r.output_tokens)
+    needed = {}
+    for name, minutes in demand.items():
+        rate = config.profiles[config.endpoints[name].profile].capacity_mu_per_s
+        needed[name] = [math.ceil(mu / MINUTE_S / (rate * utilisation) - 1e-9)
+                        for mu in minutes]
+    return needed
+
+
+def run_fleet(records: list[TraceRecord], config: Config, policy: ScalingPolicy,
+              target: float) -> dict[str, Any]:
+    engine = load_engine_params(EXAMPLE_ENGINE)
+    needed = needed_per_minute(records, config, target)
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    scaled = simulate(records, config, engine, replicas=max(policy.min_replicas, 1),
+                      autoscale=policy)
+    results["autoscaled"] = figures(scaled.records, scaled.summary["simulation"]["gpu_seconds"])
+    results["autoscaled"]["replica_changes"] = len(scaled.summary["simulation"]["scaling"])
+    # Static for peak: each endpoint its busiest minute's replicas, as separate runs.
+    static_gpu_s, static_records = 0.0, []
+    for name in config.endpoints:
+        own = [r for r in records if r.endpoint == name]
+        peak = max(1, max(needed[name]))
+        only = msgspec.structs.replace(config, endpoints={name: config.endpoints[name]})
+        run = simulate(own, only, engine, replicas=peak)
+        static_gpu_s += run.summary["simulation"]["gpu_seconds"]
+        static_records += run.records
+    results["static for peak"] = figures(static_records, static_gpu_s)
+    results["oracle"] = {"gpu_seconds": sum(sum(n) for n in needed.values()) * MINUTE_S}
+    results["oracle at 100%"] = {"gpu_seconds": sum(sum(n) for n in needed_per_minute(
+        records, config, 1.0).values()) * MINUTE_S}
+    results["seconds"] = time.perf_counter() - started
+    return results
+
+
+def figures(records: Sequence, gpu_seconds: float) -> dict[str, float]:
+    served = [r for r in records if r.first_token is not None]
+    within = sum(1 for r in served if r.first_token - r.arrival <= SLO_TTFT_S)
+    return {"requests": len(records), "served": len(served), "gpu_seconds": gpu_seconds,
+            "slo_attainment": within / max(len(records), 1)}
+
+
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [f"`python -m bench.autoscale --seed {args.seed} --cold-start {args.cold_start} "
+             f"--quiet {args.quiet}`{' --smoke' if args.smoke else ''}, {platform.node()} "
+             f"({platform.machine()}), {dt.date.today().isoformat()}", "",
+             "| fleet | way | GPU-seconds | x oracle | SLO attainment (TTFT <= 2 s) |",
+             "| --- | --- | --- | --- | --- |"]
+    for fleet, ways in results.items():
+        oracle = ways["oracle"]["gpu_seconds"]
+        for way in ("autoscaled", "static for peak", "oracle", "oracle at 100%"):
+            row = ways[way]
+            attainment = f"{row['slo_attainment']:.2%}" if "slo_attainment" in row else "-"
+            lines.append(f"| {fleet} | {way} | {row['gpu_seconds']:,.0f} "
+                         f"| {row['gpu_seconds'] / oracle:.2f} | {attainment} |")
+        saving = 1 - ways["autoscaled"]["gpu_seconds"] / ways["static for peak"]["gpu_seconds"]
+        lines.append(f"| {fleet} | autoscaled against static for peak | | "
+                     f"{saving:.0%} fewer GPU-seconds | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_trace_argument(parser)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--cold-start", type=float, default=60.0)
+    parser.add_argument("--quiet", type=float, default=300.0)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/autoscale"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="the first 10 minutes of the trace, for CI")
+    args = parser.parse_args(argv)
+    try:
+        rows = assign_azure_trace(azure_trace(args.trace), args.seed, noisy_share=0.0)
+    except TraceError as exc:
+        print(f"autoscale: {exc}", file=sys.stderr)
+        return 2
+    if args.smoke:
+        rows = [r for r in rows if r.arrival_s < 600.0]
+    base = calibrated(load_config(EXAMPLE_CONFIG), rows)
+    rng = random.Random(f"{args.seed}:fleet")
+    names = [f"ep{k + 1}" for k in range(len(SCALES))]
+    fleets = {
+        "one endpoint": ([dataclasses.replace(r, endpoint="ep1") for r in rows],
+                         fleet_config(base, names[:1]), 1),
+        "eight endpoints": (sorted((r for k, name in enumerate(names) for r in shifted(
+            rows, name, k * HOUR_S / len(names), SCALES[k], k in IDLE_ENDPOINTS, rng)),
+            key=lambda r: r.arrival_s), fleet_config(base, names), 0),
+    }
+    results = {}
+    for fleet, (records, config, min_replicas) in fleets.items():
+        policy = ScalingPolicy(min_replicas=min_replicas, max_replicas=16,
+                               target_utilisation=0.8, cold_start_s=args.cold_start,
+                               scale_down_after_s=args.quiet)
+        results[fleet] = run_fleet(records, config, policy, policy.target_utilisation)
+        print(f"{fleet}: {len(records):,} requests ({results[fleet]['seconds']:.0f} s)",
+              file=sys.stderr)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / ("smoke.json" if args.smoke else "autoscale.json")).write_text(
+        json.dumps(results, indent=2) + "\n")
+    print(report(results, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
