@@ -141,6 +141,9 @@ def run_fleet(records: list[TraceRecord], config: Config, policy: ScalingPolicy,
     results["oracle at 100%"] = {"gpu_seconds": sum(sum(n) for n in needed_per_minute(
         records, config, 1.0).values()) * MINUTE_S}
     results["seconds"] = time.perf_counter() - started
+    results["capacity_mu_per_s"] = {
+        name: config.profiles[spec.profile].capacity_mu_per_s
+        for name, spec in config.endpoints.items()}
     return results
 
 
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", type=float, default=300.0)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/autoscale"))
     parser.add_argument("--smoke", action="store_true",
-                        help="the first 10 minutes of the trace, for CI")
+                        help="the first 5 minutes of the trace, for CI")
     args = parser.parse_args(argv)
     try:
         rows = assign_azure_trace(azure_trace(args.trace), args.seed, noisy_share=0.0)
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autoscale: {exc}", file=sys.stderr)
         return 2
     if args.smoke:
-        rows = [r for r in rows if r.arrival_s < 600.0]
+        rows = [r for r in rows if r.arrival_s < 300.0]
     base = calibrated(load_config(EXAMPLE_CONFIG), rows)
     rng = random.Random(f"{args.seed}:fleet")
     names = [f"ep{k + 1}" for k in range(len(SCALES))]

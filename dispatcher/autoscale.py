@@ -50,8 +50,7 @@ class Autoscaling:
             scaler.arrived(queues.admitted_mu - self._counted_mu[name], now)
             self._counted_mu[name] = queues.admitted_mu
             serving = self.pool.healthy_count(name)
-            backlog = sum(flow.queue.queued_model_units for flow in queues.flows.values())
-            decision = scaler.decide(now, serving, backlog)
+            decision = scaler.decide(now, serving, queues.queued_model_units())
             for gauge, value in ((self.metrics.desired_replicas, decision.desired),
                                  (self.metrics.serving_replicas, serving),
                                  (self.metrics.demand, decision.demand_mu_per_s),

@@ -4,13 +4,14 @@ loses requests fails here; the figures themselves are docs/benchmarks.md's."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench import chaos, scenario_noisy, scenario_rate, scenario_trace, sim_azure
+from bench import autoscale, chaos, scenario_noisy, scenario_rate, scenario_trace, sim_azure
 from bench.traces import AZURE_TRACE_ENV, azure_trace
 from producers.loadgen import TraceError
 
@@ -128,3 +129,19 @@ def test_the_trace_scenario_replays_the_flood_of_the_azure_trace(azure_trace_pat
     # The quick slice straddles the flood's start (600 s): the noisy tenant and the trace's own.
     assert scenario_trace.NOISY in tenants and len(tenants) > 10
     assert trace == scenario_trace.trace_slice(settings, azure_trace_path)  # seeded
+
+
+def test_the_autoscaling_benchmark_runs_on_the_first_minutes_of_the_trace(
+        azure_trace_path: Path, tmp_path: Path, capsys) -> None:
+    assert autoscale.main(["--smoke", "--trace", str(azure_trace_path),
+                           "--out-dir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "smoke.json").read_text())
+    for fleet in ("one endpoint", "eight endpoints"):
+        ways = results[fleet]
+        for way in ("autoscaled", "static for peak"):
+            assert ways[way]["served"] == ways[way]["requests"] > 0, (fleet, way)
+            assert 0 < ways[way]["slo_attainment"] <= 1
+        # Exactly the replicas each minute needs costs less than holding the peak's.
+        assert 0 < ways["oracle at 100%"]["gpu_seconds"] <= ways["oracle"]["gpu_seconds"] \
+            <= ways["static for peak"]["gpu_seconds"]
+    assert "| eight endpoints | autoscaled |" in capsys.readouterr().out

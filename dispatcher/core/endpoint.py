@@ -98,6 +98,10 @@ class EndpointQueues:
         share = self.capacity_mu_per_s * weight / max(competing, weight)
         return self.startup_wait_s + flow.queue.queued_model_units / share
 
+    def queued_model_units(self) -> float:
+        """The backlog: model units of every request queued here."""
+        return sum(flow.queue.queued_model_units for flow in self.flows.values())
+
     def waiting_that_fits(self, free: Capacity) -> int:
         """How many of `free`'s sequence slots queued work could fill now, whatever the
         reserve: flows whose next request fits the room, at most the free slots."""

@@ -210,30 +210,26 @@ class Simulation:
         return replica
 
     def _update_capacity(self, endpoint: str) -> None:
-        """The throttle's view: the serving replicas' model units per second, and the
-        cold start a request waits for when none serves."""
+        """For the throttle: serving replicas x the profile, or a cold start."""
         serving = sum(1 for r in self.replicas
                       if r.worker.endpoint == endpoint and r.ready and r.alive)
-        cold_start = self.scaling.policy.cold_start_s if self.scaling else 0.0
         self.scheduler.set_capacity(
             endpoint, serving * self.scheduler.registry.profile(endpoint).capacity_mu_per_s,
-            startup_wait_s=0.0 if serving else cold_start)
+            startup_wait_s=self.scaling.policy.cold_start_s if self.scaling and not serving
+            else 0.0)
 
     def _scale(self) -> None:
         scaling = self.scaling
         assert scaling is not None
         for name, queues in self.scheduler.endpoints.items():
             alive = [r for r in self.replicas if r.worker.endpoint == name and r.alive]
-            backlog = sum(flow.queue.queued_model_units for flow in queues.flows.values())
-            resize = scaling.decide(name, alive, backlog, self.now)
+            resize = scaling.decide(name, alive, queues.queued_model_units(), self.now)
             for _ in range(resize.start):
                 replica = self._add_replica(name, self.params, self.now, ready=False)
                 heapq.heappush(self._events, (self.now + scaling.policy.cold_start_s, _READY,
                                               len(self.replicas) - 1))
             for replica in resize.stop:
-                replica.draining, replica.worker.healthy = True, False
-                if not replica.ready or replica.idle:
-                    replica.retire(self.now)
+                replica.drain(self.now)
             self._update_capacity(name)
         busy = self.scheduler.queued_count() or any(not r.idle for r in self.replicas)
         if self._events or busy:
@@ -345,8 +341,7 @@ class Simulation:
                                                 self._usage(entry), self.now)
             if completed is not None and completed.refund is not None:
                 self.store.refund(completed.refund)
-        if replica.draining and replica.retired_at is None and replica.idle:
-            replica.retire(self.now)
+        replica.retire_if_drained(self.now)
 
     def _usage(self, entry: _Entry) -> Usage:
         """What the request consumed, as a worker reports it: its other units (images)
@@ -385,8 +380,8 @@ def simulate(trace: Sequence[TraceRecord], config: Config,
     records = simulation.run()
     registry = simulation.scheduler.registry
     # Each known tenant's configured weight, for the weighted fairness figures.
-    weights = {tenant: policy.weight for tenant in {r.tenant for r in records}
-               if (policy := registry.tenant(tenant)) is not None}
+    weights = {tenant: known.weight for tenant in {r.tenant for r in records}
+               if (known := registry.tenant(tenant)) is not None}
     summary = summarize(records, metrics, weights)
     summary["simulation"] = {
         "policy": policy,
@@ -399,7 +394,6 @@ def simulate(trace: Sequence[TraceRecord], config: Config,
                           default=0.0),
         "engine_steps": sum(r.engine.steps for r in simulation.replicas),
         "gpu_seconds": sum(r.gpu_seconds(simulation.now) for r in simulation.replicas),
-        # (time, endpoint, replicas desired) at every change.
         "scaling": simulation.scaling.decisions if simulation.scaling else [],
         "idle_while_waiting": simulation.idle_slot_s / max(simulation.slot_s, 1e-12),
     }

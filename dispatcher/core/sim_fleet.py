@@ -35,6 +35,17 @@ class Replica:
     def idle(self) -> bool:
         return self.engine.idle and not self.worker.assigned
 
+    def drain(self, now: float) -> None:
+        """No new work; retired at once if still starting or idle, else once idle."""
+        self.draining, self.worker.healthy = True, False
+        if not self.ready:
+            self.retire(now)
+        self.retire_if_drained(now)
+
+    def retire_if_drained(self, now: float) -> None:
+        if self.draining and self.retired_at is None and self.idle:
+            self.retire(now)
+
     def retire(self, now: float) -> None:
         self.retired_at = now
         self.worker.healthy = False
