@@ -12,18 +12,16 @@ value, so a typo in production config is found from the message alone.
 from __future__ import annotations
 
 import math
-import re
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
+from broker_config.config_errors import describe_validation_error
 from broker_config.subjects import TOKEN_PATTERN, Subjects
 from costmodel.capacity import ScalingPolicy
-from costmodel.units import UNLIMITED_MODEL_UNITS, ModelProfile
+from costmodel.units import UNLIMITED_MODEL_UNITS, ModelProfile, load_profile
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
@@ -74,8 +72,11 @@ class BatchCapacity(msgspec.Struct, forbid_unknown_fields=True):
     model_units: Positive = UNLIMITED_MODEL_UNITS
 
 
-class Endpoint(msgspec.Struct, forbid_unknown_fields=True):
+class Endpoint(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     profile: str = "default"
+    # A profile TOML as `fairq calibrate --out` writes it, relative to the config file;
+    # instead of `profile` (dispatcher and workers read the same file).
+    profile_file: str | None = None
     cost: CostMode = "request"
     quantum: Positive = 1.0
     latency_target_s: Positive = 30.0
@@ -296,10 +297,12 @@ def load_config(path: str | Path = EXAMPLE_CONFIG) -> Config:
         raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from exc
-    return parse_config(raw, source=str(path))
+    return parse_config(raw, source=str(path), base_dir=path.parent)
 
 
-def parse_config(raw: bytes | str, source: str = "<config>") -> Config:
+def parse_config(raw: bytes | str, source: str = "<config>",
+                 base_dir: Path | None = None) -> Config:
+    """`base_dir`: where relative `profile_file`s are (default: the working directory)."""
     try:
         document = msgspec.toml.decode(raw)
     except msgspec.DecodeError as exc:
@@ -307,69 +310,37 @@ def parse_config(raw: bytes | str, source: str = "<config>") -> Config:
     try:
         config = msgspec.convert(document, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_describe_validation_error(source, document, exc)) from exc
+        raise ConfigError(describe_validation_error(source, document, exc, Config)) from exc
     except ValueError as exc:  # raised by __post_init__ checks, e.g. in ModelProfile
         raise ConfigError(f"{source}: {exc}") from exc
+    config = _with_profile_files(config, source, base_dir or Path.cwd())
     _check_references(config, source)
     return config
 
 
-def _describe_validation_error(source: str, document: Any, exc: Exception) -> str:
-    """Turn msgspec's `... - at `$.a[...].b`` into the field's real path and value."""
-    message = str(exc)
-    match = re.search(r" - at `\$(.*)`$", message)
-    if not match:
-        return f"{source}: {message}"
-    reason = message[: match.start()]
-    value: Any = document
-    hint: Any = Config
-    names: list[str] = []
-    for key, index, any_key in re.findall(r"\.([A-Za-z0-9_-]+)|\[(\d+)\]|\[(\.\.\.)\]",
-                                          match.group(1)):
-        hint = _unwrap(hint)
-        if key:
-            names.append(key)
-            hint = typing.get_type_hints(hint).get(key, Any) if _is_struct(hint) else Any
-            value = value.get(key) if isinstance(value, dict) else None
-        elif index:
-            names[-1] += f"[{index}]"
-            hint = typing.get_args(hint)[0] if typing.get_args(hint) else Any
-            value = value[int(index)] if isinstance(value, list) else None
-        else:  # a dict entry: msgspec does not say which key, so find the failing one
-            hint = typing.get_args(hint)[1] if typing.get_args(hint) else Any
-            bad_key = _first_invalid_key(value, hint)
-            names.append(bad_key or "?")
-            value = value.get(bad_key) if isinstance(value, dict) else None
-        if value is None:
-            break
-    shown = "" if value is None or isinstance(value, dict) else f" (value: {value!r})"
-    return f"{source}: field `{'.'.join(names)}`: {reason}{shown}"
-
-
-def _unwrap(hint: Any) -> Any:
-    """Annotated[X, ...] -> X, X | None -> X."""
-    while True:
-        if typing.get_origin(hint) is typing.Annotated:
-            hint = typing.get_args(hint)[0]
-        elif typing.get_origin(hint) in (typing.Union, types.UnionType):
-            hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        else:
-            return hint
-
-
-def _is_struct(hint: Any) -> bool:
-    return isinstance(hint, type) and issubclass(hint, msgspec.Struct)
-
-
-def _first_invalid_key(mapping: Any, value_type: Any) -> str | None:
-    if not isinstance(mapping, dict):
-        return None
-    for key, item in mapping.items():
+def _with_profile_files(config: Config, source: str, base_dir: Path) -> Config:
+    """Each endpoint's `profile_file` read and registered under the profile's own name,
+    which the endpoint then uses."""
+    profiles, endpoints = dict(config.profiles), dict(config.endpoints)
+    for name, spec in config.endpoints.items():
+        if spec.profile_file is None:
+            continue
+        field = f"endpoints.{name}.profile_file"
+        if spec.profile != "default":
+            raise ConfigError(f"{source}: field `{field}`: set `profile` or `profile_file`, "
+                              f"not both (value: {spec.profile_file!r})")
         try:
-            msgspec.convert(item, type=value_type)
-        except (msgspec.ValidationError, ValueError):
-            return str(key)
-    return None
+            profile = load_profile(base_dir / spec.profile_file)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: field `{field}`: {exc}") from exc
+        if profiles.get(profile.name, profile) != profile:
+            raise ConfigError(f"{source}: field `{field}`: its profile {profile.name!r} "
+                              "differs from the one of that name already defined")
+        profiles[profile.name] = profile
+        # Self-contained from here: written back out (bench/stack.py), it needs no file.
+        endpoints[name] = msgspec.structs.replace(spec, profile=profile.name,
+                                                  profile_file=None)
+    return msgspec.structs.replace(config, profiles=profiles, endpoints=endpoints)
 
 
 def _check_references(config: Config, source: str) -> None:

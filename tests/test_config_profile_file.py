@@ -1,0 +1,71 @@
+"""`profile_file`: an endpoint's cost profile read from the file `fairq calibrate --out`
+wrote, by the dispatcher and the workers alike, with no copying by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from broker_config.config import EXAMPLE_CONFIG, ConfigError, Registry, load_config
+from costmodel.units import ModelProfile, dump_profile
+from workers.__main__ import _from_fairq_config
+
+CALIBRATED = ModelProfile(name="my-gpu", alpha=0.0002, beta=0.03, gamma=0.0,
+                          capacity_mu_per_s=42.0)
+
+
+def config_with(tmp_path: Path, chat_lines: str) -> Path:
+    """The example config with `chat_lines` added to [endpoints.chat]."""
+    text = EXAMPLE_CONFIG.read_text().replace(
+        "[endpoints.chat]\n", f"[endpoints.chat]\n{chat_lines}\n", 1)
+    path = tmp_path / "fairq.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_dispatcher_and_the_workers_read_the_calibrated_profile_file(tmp_path) -> None:
+    (tmp_path / "profiles").mkdir()
+    dump_profile(CALIBRATED, tmp_path / "profiles" / "my-gpu.toml")
+    text = config_with(tmp_path, "").read_text().replace(
+        'profile = "llama-7b-sim"', 'profile_file = "profiles/my-gpu.toml"', 1)
+    path = tmp_path / "fairq.toml"
+    path.write_text(text)
+    config = load_config(path)  # relative to the config file, not the working directory
+    assert config.endpoints["chat"].profile == "my-gpu"
+    assert Registry(config).profile("chat") == CALIBRATED
+    _, worker_profile, _ = _from_fairq_config(path, "chat")
+    assert worker_profile == CALIBRATED
+    # The loaded config stands on its own (bench/stack.py writes it out elsewhere): the
+    # profile is one of its profiles, and no file is named any more.
+    assert config.endpoints["chat"].profile_file is None
+    assert b"profile_file" not in msgspec.toml.encode(config.endpoints)
+
+
+def test_a_profile_file_and_a_profile_name_together_are_refused(tmp_path) -> None:
+    dump_profile(CALIBRATED, tmp_path / "my-gpu.toml")
+    with pytest.raises(ConfigError, match="endpoints.chat.profile_file.*not both"):
+        load_config(config_with(tmp_path, 'profile_file = "my-gpu.toml"'))
+
+
+def test_a_missing_or_bad_profile_file_is_a_config_error_naming_it(tmp_path) -> None:
+    text = config_with(tmp_path, "").read_text().replace(
+        'profile = "llama-7b-sim"', 'profile_file = "absent.toml"', 1)
+    path = tmp_path / "fairq.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="endpoints.chat.profile_file.*absent.toml"):
+        load_config(path)
+    (tmp_path / "absent.toml").write_text("alpha = -1\n")
+    with pytest.raises(ConfigError, match="alpha must be finite and >= 0"):
+        load_config(path)
+
+
+def test_a_profile_file_may_not_redefine_a_named_profile_differently(tmp_path) -> None:
+    dump_profile(ModelProfile(name="llama-7b-sim", alpha=9.0), tmp_path / "clash.toml")
+    text = config_with(tmp_path, "").read_text().replace(
+        'profile = "llama-7b-sim"', 'profile_file = "clash.toml"', 1)
+    path = tmp_path / "fairq.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="differs from the one of that name"):
+        load_config(path)
