@@ -89,7 +89,9 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     newcomer_window_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     # Routing (dispatcher/core/placement.py): a request's session, else its prompt's
     # first block of this many tokens, keeps it on one worker while that worker stays
-    # within affinity_load_bound x its share of the endpoint's load.
+    # within affinity_load_bound x its share of the endpoint's load; `affinity = false`
+    # sends every request to the least utilised worker.
+    affinity: bool = True
     affinity_block_tokens: PositiveInt = 128
     affinity_load_bound: Annotated[float, msgspec.Meta(gt=1)] = 1.25
     # Autoscaling of its workers on model-unit utilisation (costmodel/capacity.py).

@@ -4,7 +4,7 @@ Pure and clock-free (every call takes `now`); the dispatcher and the simulator f
 same `Autoscaler` and act on its decisions in their own way.
 
 - **Demand** (model units per second): the arrival rate of model units over the last
-  `rate_window_s` (every arrival, admitted or not: offered load), plus the queued
+  `rate_window_s` (every valid request, admitted or not: offered load), plus the queued
   backlog worked off within `drain_s`.
 - **Capacity**: replicas x the profile's `capacity_mu_per_s`; **utilisation** = demand
   over the capacity of the replicas serving now (infinite with none and demand waiting).

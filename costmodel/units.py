@@ -99,13 +99,15 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a request really consumed, as the worker measured it.
 
     The `usage` of a done event (wire contract) and what the scheduler corrects its
-    charge with. `other_units` (images and the like) is absent on the wire when zero.
+    charge with. `other_units` (images and the like) and `cached_input_tokens` (input
+    tokens the engine's prefix cache held) are absent on the wire when zero.
     """
 
     input_tokens: int
     output_tokens: int
     model_units: float
     other_units: float = 0.0
+    cached_input_tokens: int = 0
 
 
 def read_toml(path: str | Path, type_: type[T]) -> T:

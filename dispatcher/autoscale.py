@@ -1,8 +1,8 @@
 """The dispatcher's autoscaling decisions, for the endpoints whose config asks for them.
 
 Every maintenance tick, per autoscaled endpoint, the core's `Autoscaler` is fed the
-model units queued since the last tick (the scheduler's running total: offered load that
-passed admission) and decides from the healthy workers and the queued backlog. The
+model units offered since the last tick (the scheduler's running total of valid
+requests, admitted or turned away) and decides from the healthy workers and the queued backlog. The
 decision is exported as gauges (`fairq_desired_replicas`, `fairq_serving_replicas`,
 `fairq_model_unit_demand`, `fairq_model_unit_utilisation`: what a KEDA or HPA scaler
 reads) and published as a `ScaleEvent` on `<prefix>.int.scale.<endpoint>` whenever the
@@ -47,8 +47,8 @@ class Autoscaling:
     async def tick(self, now: float) -> None:
         for name, scaler in self.scalers.items():
             queues = self.scheduler.endpoints[name]
-            scaler.arrived(queues.admitted_mu - self._counted_mu[name], now)
-            self._counted_mu[name] = queues.admitted_mu
+            scaler.arrived(queues.offered_mu - self._counted_mu[name], now)
+            self._counted_mu[name] = queues.offered_mu
             serving = self.pool.healthy_count(name)
             decision = scaler.decide(now, serving, queues.queued_model_units())
             for gauge, value in ((self.metrics.desired_replicas, decision.desired),

@@ -55,7 +55,8 @@ class Dispatch:
 
     async def once(self, now: float) -> None:
         for name, endpoint in self.scheduler.endpoints.items():
-            room = self.pool.placement(name, endpoint.spec.affinity_load_bound)
+            room = self.pool.placement(name, endpoint.spec.affinity_load_bound,
+                                       affinity=endpoint.spec.affinity)
             if room is None:
                 continue
             offered = {slot.worker_id: slot.sequences for slot in room.slots}

@@ -59,6 +59,12 @@ class DispatcherMetrics:
             "fairq_failed_by_eviction",
             "Requests of an evicted worker ended with a retryable error (they had streamed)",
             ["endpoint"], registry=r)
+        self.input_tokens = Counter("fairq_input_tokens", "Prompt tokens of finished requests",
+                                    ["endpoint"], registry=r)
+        self.cached_input_tokens = Counter(
+            "fairq_cached_input_tokens",
+            "Prompt tokens of finished requests found in the engine's prefix cache",
+            ["endpoint"], registry=r)
         self.desired_replicas = Gauge("fairq_desired_replicas",
                                       "Workers the autoscaler wants for the endpoint",
                                       ["endpoint"], registry=r)
@@ -77,7 +83,8 @@ class DispatcherMetrics:
             for outcome in Outcome:
                 self.child(self.admissions, endpoint, outcome.value)
             for counter in (self.probes, self.probe_failures, self.evictions,
-                            self.replacements, self.redispatched, self.failed_by_eviction):
+                            self.replacements, self.redispatched, self.failed_by_eviction,
+                            self.input_tokens, self.cached_input_tokens):
                 self.child(counter, endpoint)
 
     def child(self, metric: Counter | Histogram, *labels: str):

@@ -209,6 +209,9 @@ class WorkerReports:
                 log.warning("quota refund lost: %s", exc)
 
     def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
+        self.metrics.child(self.metrics.input_tokens, endpoint).inc(done.usage.input_tokens)
+        self.metrics.child(self.metrics.cached_input_tokens, endpoint).inc(
+            done.usage.cached_input_tokens)
         self.metrics.child(self.metrics.ttft, endpoint).observe(
             max(0.0, done.first_token_at - received_at))
         decoding = done.finished_at - done.first_token_at

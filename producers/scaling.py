@@ -1,7 +1,8 @@
 """`fairq up --autoscale`: worker processes started and stopped as the dispatcher's
 autoscaling decisions say (`ScaleEvent`s on `<prefix>.int.scale.<endpoint>`).
 
-Scaling up starts workers under the lowest free numbers (`<endpoint>-w<n>`); scaling
+Scaling up starts workers under the lowest numbers neither running nor still draining
+(`<endpoint>-w<n>`: two processes must never share a worker id); scaling
 down stops the highest-numbered ones with SIGTERM, each in the background: a worker
 drains (it stops taking work, its running requests finish and are acked) before it
 exits, so nothing is lost, and the dispatcher, told by its last heartbeat, sends it
@@ -11,9 +12,10 @@ nothing more. A malformed event is logged and ignored.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -45,7 +47,9 @@ class ScaleFollower:
         self.child = child  # the worker process `<endpoint>-w<n>`
         self.say = say
         self._subscriptions: list[Subscription] = []
-        self._stopping: set[asyncio.Task[int | None]] = set()
+        # Workers draining, by name: their numbers stay taken until they have exited (a
+        # new process under the same worker id would share its work subject).
+        self._stopping: dict[str, asyncio.Task[int | None]] = {}
 
     async def __aenter__(self) -> ScaleFollower:
         for name, spec in self.config.endpoints.items():
@@ -59,13 +63,12 @@ class ScaleFollower:
         for subscription in self._subscriptions:
             await subscription.unsubscribe()
         if self._stopping:
-            await asyncio.gather(*self._stopping, return_exceptions=True)
+            await asyncio.gather(*self._stopping.values(), return_exceptions=True)
 
-    def numbers(self, endpoint: str) -> list[int]:
-        """The numbers of the endpoint's supervised workers, ascending."""
+    def numbers(self, endpoint: str, names: Iterable[str]) -> list[int]:
+        """The numbers of the endpoint's workers among `names`, ascending."""
         pattern = re.compile(rf"{re.escape(endpoint)}-w(\d+)")
-        return sorted(int(m.group(1)) for name in self.supervisor.children
-                      if (m := pattern.fullmatch(name)))
+        return sorted(int(m.group(1)) for name in names if (m := pattern.fullmatch(name)))
 
     async def _on_event(self, msg: Msg) -> None:
         try:
@@ -79,9 +82,11 @@ class ScaleFollower:
         await self.apply(event.endpoint, event.desired)
 
     async def apply(self, endpoint: str, desired: int) -> None:
-        running = self.numbers(endpoint)
+        running = self.numbers(
+            endpoint, (name for name in self.supervisor.children if name not in self._stopping))
         if desired > len(running):
-            free = (n for n in range(1, desired + len(running) + 1) if n not in running)
+            taken = set(running) | set(self.numbers(endpoint, self._stopping))
+            free = (n for n in itertools.count(1) if n not in taken)
             for n in [next(free) for _ in range(desired - len(running))]:
                 child = await self.supervisor.add(self.child(endpoint, n))
                 self.say(f"scaled {endpoint} up: started {child.name} "
@@ -90,5 +95,5 @@ class ScaleFollower:
             name = f"{endpoint}-w{n}"
             self.say(f"scaled {endpoint} down: draining {name} ({desired} wanted)")
             task = asyncio.create_task(self.supervisor.stop(name), name=f"stop {name}")
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+            self._stopping[name] = task
+            task.add_done_callback(lambda _, name=name: self._stopping.pop(name, None))

@@ -178,6 +178,7 @@ def test_the_pools_placement_counts_busy_workers_in_the_fleet_and_rebuilds_its_r
     assert room.slots[1].sequences == 0 and room.ring.members == {"a", "b"}
     pool.get("b").healthy = False
     assert pool.placement("ep").ring.members == {"a"}
+    assert pool.placement("ep", affinity=False).ring is None  # least utilised only
     assert pool.placement("ep", can_take=lambda w: False) is None
 
 
@@ -187,6 +188,9 @@ def test_sizes_are_model_units_per_second_when_every_worker_says_else_sequences(
     assert [s.size for s in by_speed.slots] == [3.0, 1.0]
     unknown = Placement.of_fleet([("a", small, small, 0.0, 3.0), ("b", big, big, 0.0, 0.0)])
     assert [s.size for s in unknown.slots] == [8, 32]
+    # One profile for all (the usual case): speeds say nothing of size.
+    same = Placement.of_fleet([("a", small, small, 0.0, 3.0), ("b", big, big, 0.0, 3.0)])
+    assert [s.size for s in same.slots] == [8, 32]
 
 
 def test_a_load_bound_of_one_or_less_is_refused() -> None:

@@ -3,6 +3,7 @@ given back after the quiet window, and an endpoint scaled to zero comes back."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from broker_config.config import EXAMPLE_CONFIG, load_config
@@ -14,7 +15,6 @@ from dispatcher.core.trace import TraceRecord
 
 CONFIG = scheduling_only(load_config(EXAMPLE_CONFIG))
 ENDPOINT = next(iter(CONFIG.endpoints))
-MU_PER_S = CONFIG.profiles[CONFIG.endpoints[ENDPOINT].profile].capacity_mu_per_s
 
 
 def requests(start: float, end: float, per_s: float, tenant: str = "t") -> list[TraceRecord]:
@@ -68,3 +68,21 @@ def test_an_autoscaled_fleet_is_one_engine_kind() -> None:
         Simulation([], CONFIG, fleet=[EngineParams()], autoscale=scaling())
     with pytest.raises(ValueError, match="tick_s"):
         Simulation([], CONFIG, autoscale=scaling(), scale_tick_s=0.0)
+
+
+def test_demand_turned_away_during_a_cold_start_still_brings_a_worker_back() -> None:
+    """Scaled to zero with a cold start (60 s) longer than the latency target (30 s):
+    admission rejects what arrives as `overloaded`, honestly; that offered load is
+    what starts a replica, and what arrives once it serves is admitted."""
+    spec = CONFIG.endpoints[ENDPOINT]
+    strict = msgspec.structs.replace(CONFIG, endpoints={
+        **CONFIG.endpoints, ENDPOINT: msgspec.structs.replace(spec, latency_target_s=30.0)})
+    trace = requests(0, 10, 1) + requests(400, 520, 1)
+    simulation = Simulation(trace, strict, replicas=1,
+                            autoscale=scaling(min_replicas=0, cold_start_s=60.0))
+    records = simulation.run()
+    late = [r for r in records if r.arrival >= 400]
+    assert any(r.outcome == "overloaded" for r in late)
+    assert all(r.finished is not None for r in late if r.arrival >= 400 + 60 + 5)
+    chat = [r for r in simulation.replicas if r.worker.endpoint == ENDPOINT]
+    assert chat[-1].started_at >= 400

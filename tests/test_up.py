@@ -21,6 +21,8 @@ import pytest
 from nats.aio.subscription import Subscription
 
 from bench.procstat import children_of, processes, worker_pid
+from broker_config.config import load_config
+from producers.scaling import ScaleFollower
 from producers.supervisor import Backoff, Child, Supervisor, SupervisorError
 
 pytestmark = pytest.mark.integration
@@ -384,3 +386,27 @@ async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after
         for pid in still_running(started):
             os.kill(pid, signal.SIGKILL)
         await asyncio.wait_for(reader, STOP_S)
+
+
+# Says "ready"; on SIGTERM takes a second to drain, then exits 0.
+SLOW_DRAIN = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)")
+
+
+async def test_scaling_never_reuses_the_id_of_a_worker_still_draining(tmp_path: Path) -> None:
+    said: list[str] = []
+    async with Supervisor(on_event=said.append) as supervisor:
+        follower = ScaleFollower(None, load_config(), supervisor,  # type: ignore[arg-type]
+                                 lambda ep, n: python_child(f"{ep}-w{n}", SLOW_DRAIN, tmp_path),
+                                 said.append)
+        await follower.apply("chat", 2)
+        assert sorted(supervisor.children) == ["chat-w1", "chat-w2"]
+        await follower.apply("chat", 1)  # chat-w2 drains, for about a second
+        await follower.apply("chat", 2)  # demand is back before it has exited
+        assert sorted(supervisor.children) == ["chat-w1", "chat-w3"]
+        await follower.__aexit__(None, None, None)  # waits for the drain to end
+        await follower.apply("chat", 3)  # chat-w2 has exited: its id is free again
+        assert sorted(supervisor.children) == ["chat-w1", "chat-w2", "chat-w3"]
+    assert any("scaled chat down: draining chat-w2" in line for line in said), said

@@ -23,6 +23,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
 
+from bench import affinity_vllm
 from broker_config.config import DispatcherOptions, WorkerOptions, parse_config
 from broker_config.subjects import Subjects
 from dispatcher.metrics import DispatcherMetrics
@@ -351,3 +352,16 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
     assert len(running) >= 20 and running.count(3) >= len(running) / 3, running
     assert count(metrics.probes) >= 10, count(metrics.probes)
     assert count(metrics.probe_failures) == 0 and count(metrics.evictions) == 0
+
+
+async def test_session_affinity_finds_more_of_the_prompts_cached_than_least_loaded(
+        nats_url: str, model_dir: Path) -> None:  # noqa: F811
+    """`bench.affinity_vllm` at a small size: two vLLM engines with prefix caching, six
+    conversations of three turns, routed by session and then to the least loaded
+    worker. Turns of a conversation that stay on one engine find their history in its
+    cache."""
+    results = await affinity_vllm.compare(nats_url, model_dir, sessions=6, turns=3)
+    routed, spread = results["affinity"], results["least-loaded"]
+    assert routed["requests"] == spread["requests"] == 18
+    assert len(routed["requests_per_worker"]) == 2  # both engines served
+    assert routed["cached_token_ratio"] > spread["cached_token_ratio"], results

@@ -219,6 +219,20 @@ async def test_concurrent_requests_stream_with_the_engines_usage(
         assert final.ttft_s is not None and 0 < final.ttft_s < WAIT_S
 
 
+async def test_a_repeated_prompt_prefix_is_reported_as_cached_input(engine: VLLMEngine) -> None:
+    """vLLM's prefix cache (on by default here): a second request sharing a long prefix
+    with the first reports the shared whole blocks as cached; the first reports none."""
+    shared = "".join(f"def helper_{i}(x):\n    return x + {i}\n" for i in range(40))
+    first = (await collect(engine, EngineRequest(
+        id="prefix-1", max_tokens=4, prompt=shared + "# first")))[-1]
+    second = (await collect(engine, EngineRequest(
+        id="prefix-2", max_tokens=4, prompt=shared + "# second question")))[-1]
+    assert first.input_tokens > 200 and first.cached_input_tokens == 0
+    # Whole 16-token blocks of the shared prefix, never the whole prompt.
+    assert first.input_tokens // 2 < second.cached_input_tokens < second.input_tokens
+    assert second.cached_input_tokens % 16 == 0
+
+
 async def test_count_tokens_uses_the_models_tokenizer(engine: VLLMEngine, tokenizer: Any) -> None:
     prompt = "import os\nprint(os.getcwd())"
     request = EngineRequest(id="count", max_tokens=1, prompt=prompt)

@@ -47,6 +47,8 @@ class Delta:
     finished: bool = False
     input_tokens: int = 0
     output_tokens: int = 0
+    # Of `input_tokens`, those the engine found in its prefix cache (final delta only).
+    cached_input_tokens: int = 0
     # Seconds from the engine accepting the request to its first token (final delta only).
     ttft_s: float | None = None
     finish_reason: str | None = None

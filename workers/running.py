@@ -53,6 +53,7 @@ class Running:
     seq: int = 0
     parts: list[str] = field(default_factory=list)
     output_tokens: int = 0
+    cached_input_tokens: int = 0  # of input_tokens, those in the engine's prefix cache
     first_token_at: float | None = None  # unix time of the first token event
 
 async def engine_request(engine_id: str, item: BatchItem) -> EngineRequest:
@@ -86,6 +87,7 @@ def conclude(running: Running, final: Delta | None) -> Ending:
         # The engine's own count is the usage, also for an aborted request.
         running.input_tokens = final.input_tokens
         running.output_tokens = final.output_tokens
+        running.cached_input_tokens = final.cached_input_tokens
         if final.finish_reason != "abort":
             return Ending(None)
     if running.stop is not None:

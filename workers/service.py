@@ -398,13 +398,14 @@ class WorkerService:
 
     async def _finish(self, running: Running, ending: Ending) -> None:
         item = running.item
-        cost = (self._model_units(item, running.input_tokens, running.output_tokens)
-                if running.in_engine else 0.0)
+        cost = (self._model_units(item, running.input_tokens, running.output_tokens,
+                                  running.cached_input_tokens) if running.in_engine else 0.0)
         images = len(item.request.images)
         # Only when there are some: msgspec omits a default by identity, not by value,
         # and the contract's usage has no `other_units` otherwise.
-        usage = (Usage(running.input_tokens, running.output_tokens, cost, float(images))
-                 if images else Usage(running.input_tokens, running.output_tokens, cost))
+        usage = Usage(running.input_tokens, running.output_tokens, cost,
+                      **({"other_units": float(images)} if images else {}),
+                      cached_input_tokens=running.cached_input_tokens)
         event = final_event(running, ending, usage)
         stored, result = await self._results.store(running.key, item, event)
         if result is not None:
@@ -430,11 +431,13 @@ class WorkerService:
         await self._publish_internal(self.subjects.completion(self.endpoint, self.worker_id),
                                      Completions(items))
 
-    def _model_units(self, item: BatchItem, input_tokens: int, output_tokens: int) -> float:
+    def _model_units(self, item: BatchItem, input_tokens: int, output_tokens: int,
+                     cached_input_tokens: int = 0) -> float:
         if self._profile is None:
             return 0.0
         return self._profile.model_units(input_tokens, output_tokens,
-                                         other=len(item.request.images))
+                                         other=len(item.request.images),
+                                         cached_input_tokens=cached_input_tokens)
 
     # -- publishing ---------------------------------------------------------------------
 

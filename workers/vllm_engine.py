@@ -54,6 +54,8 @@ class VLLMEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     enforce_eager: bool = True  # CUDA graphs / torch.compile cost startup time and memory
     # Generate exactly max_tokens, as calibration and load tests need.
     ignore_eos: bool = False
+    # Reuse the KV cache of prompt prefixes computed before (what affinity routing buys).
+    enable_prefix_caching: bool = True
     seed: int = 0
     # Reported capacity in model units.
     model_units: Annotated[float, msgspec.Meta(gt=0)] = UNLIMITED_MODEL_UNITS
@@ -257,6 +259,9 @@ class _Usage:
             finished=True,
             input_tokens=self.input_tokens,
             output_tokens=self.output_tokens,
+            # What vLLM's prefix cache held of the prompt (absent: prefix caching off).
+            cached_input_tokens=(getattr(out, "num_cached_tokens", None) or 0)
+            if out is not None else 0,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.accepted,
             finish_reason=reason,
         )
@@ -301,6 +306,7 @@ def _start(config: VLLMEngineConfig) -> AsyncLLM:
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_memory_bytes=config.kv_cache_bytes,
         enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
         seed=config.seed,
         scheduling_policy="priority",
         # Keeps per-request stats (num_generation_tokens) that usage is checked against.

@@ -49,7 +49,8 @@ class EndpointQueues:
                                       spec.batch.model_units)
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
         self.startup_wait_s = 0.0  # scaled to zero: the first replica's cold start
-        self.admitted_mu = 0.0  # model units of every request queued so far (demand)
+        # Model units of every valid request offered so far, admitted or not (demand).
+        self.offered_mu = 0.0
         self.running = 0
         # Flows with queued or running work, and the sum of their weights (overall and
         # per tier rank, for the throttle's fair-share estimate); those with work queued.

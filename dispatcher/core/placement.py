@@ -20,7 +20,7 @@ reserve unless its tenant is below its share):
   flight over its size), the one with more free sequences on a tie.
 
 A worker's size is the model units per second it completes, from its calibration
-profile, when every worker of the fleet says so, else its sequences.
+profile, when every worker of the fleet says so and they differ, else its sequences.
 """
 
 from __future__ import annotations
@@ -134,7 +134,10 @@ class Placement:
         second) of every healthy worker of one endpoint, full ones included (they count
         in the fleet's load)."""
         workers = list(workers)
-        by_speed = all(mu_per_s > 0 for *_, mu_per_s in workers)
+        speeds = {mu_per_s for *_, mu_per_s in workers}
+        # Equal speeds say nothing of size (workers of an endpoint share its profile
+        # unless calibrated one by one): then their sequences do.
+        by_speed = len(speeds) > 1 and min(speeds) > 0
         return cls([Slot(worker_id, free, total, load,
                          mu_per_s if by_speed else max(total.sequences, 1))
                     for worker_id, free, total, load, mu_per_s in workers], ring, load_bound)

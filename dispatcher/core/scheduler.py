@@ -6,7 +6,7 @@ simulator drive the same object:
     result = scheduler.check(request, now)        # validation + throttle, or checks
     decision = store.apply(result, now)            # rate limits and quota (any store)
     scheduler.enqueue(request, now)                # if admitted
-    batch = scheduler.next_batch(endpoint, free, now, total)
+    batch = scheduler.place(endpoint, room, now)   # room: core.placement.Placement
     scheduler.complete(tenant, request_id, usage, now)
 
 `Scheduler.admit` does the first three with a synchronous store.
@@ -42,8 +42,8 @@ Policy = Literal["fairq", "fifo", "vtc"]
 POLICIES: tuple[Policy, ...] = ("fairq", "fifo", "vtc")
 RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
 
-# Flows set aside in one batch before giving up on filling it: bounds the work of one
-# `next_batch` when many heads are too large for the room left.
+# Flows set aside per worker in one pass before giving up on filling it: bounds the work
+# of one `place` when many heads are too large for the room left.
 MAX_SET_ASIDE = 64
 
 
@@ -112,6 +112,9 @@ class Scheduler:
         if request.deadline is not None and request.deadline <= now:
             return Decision(Outcome.DEADLINE_EXCEEDED, "the deadline has already passed")
         request.max_tokens = min(request.max_tokens, endpoint.spec.max_tokens_cap)
+        # Offered load, even if turned away below (it scales an idle endpoint back up).
+        self._estimate(endpoint, request)
+        endpoint.offered_mu += request.model_units
         limits = policy.limits_for(request.endpoint)
         flow = endpoint.flows.get(request.tenant)
         queued = (len(flow.queue) if flow is not None else 0) + waiting_elsewhere
@@ -141,7 +144,6 @@ class Scheduler:
         endpoint = self.endpoints[request.endpoint]
         flow = self._flow(endpoint, request.tenant)
         self._estimate(endpoint, request)
-        endpoint.admitted_mu += request.model_units
         endpoint.clock = now
         endpoint.mark_present(flow)
         flow.queue.push(request)
@@ -176,7 +178,7 @@ class Scheduler:
         endpoint.clock = now
         room.set_reserves(endpoint.reserve)
         batch = Selection()
-        set_aside = 0
+        set_aside, set_aside_limit = 0, MAX_SET_ASIDE * len(room.slots)
         # A flow held back by the reserve (at or above its share) can fall below its
         # share when another flow starts a request: it gets another look.
         held_by_reserve = recheck = False
@@ -212,7 +214,7 @@ class Scheduler:
                     break
                 selector.set_aside(flow)
                 set_aside += 1
-                if set_aside >= MAX_SET_ASIDE:
+                if set_aside >= set_aside_limit:
                     break
                 continue
             flow.queue.pop()

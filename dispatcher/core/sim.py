@@ -155,7 +155,8 @@ class Simulation:
         if endpoint not in self.config.endpoints:
             raise ValueError(f"closed-loop client on unknown endpoint {endpoint!r}")
         waiting = list(range(len(self.entries) - 1, first - 1, -1))
-        slots = sum(self._slots_outside_reserve(endpoint, params) for params in self.fleet)
+        slots = sum(self._slots_outside_reserve(endpoint, params)
+                    for params in self.fleet or [self.params])
         self._clients.append(Client(endpoint, spec.start_s, slots, waiting))
         self._events.append((spec.start_s, _WAKE, 0))  # in case nothing else happens then
 
@@ -223,7 +224,7 @@ class Simulation:
         assert scaling is not None
         for name, queues in self.scheduler.endpoints.items():
             alive = [r for r in self.replicas if r.worker.endpoint == name and r.alive]
-            resize = scaling.decide(name, alive, queues.queued_model_units(), self.now)
+            resize = scaling.decide(name, alive, queues, self.now)
             for _ in range(resize.start):
                 replica = self._add_replica(name, self.params, self.now, ready=False)
                 heapq.heappush(self._events, (self.now + scaling.policy.cold_start_s, _READY,
@@ -276,12 +277,10 @@ class Simulation:
     def _arrive(self, entry: _Entry) -> None:
         request = entry.request
         if request.endpoint in self.config.endpoints and request.input_tokens + \
-                request.max_tokens > max(params.kv_cache_tokens for params in self.fleet):
+                request.max_tokens > max(p.kv_cache_tokens for p in self.fleet or [self.params]):
             entry.outcome = Outcome.INVALID
         else:
             entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
-        if self.scaling is not None and entry.outcome is Outcome.ADMITTED:
-            self.scaling.arrived(request.endpoint, request.model_units, self.now)
 
     def _expired(self, request: Request) -> None:
         self.entries[request.payload].outcome = Outcome.DEADLINE_EXCEEDED

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from costmodel.capacity import Autoscaler, ScaleDecision, ScalingPolicy
 from costmodel.engine_model import BatchingEngineModel, StepResult
 from costmodel.prefix_cache import PrefixCache
+from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.workers import Worker
 
 
@@ -76,15 +77,17 @@ class FleetScaling:
         # (time, endpoint, desired) at every change of an endpoint's count.
         self.decisions: list[tuple[float, str, int]] = []
         self._last: dict[str, int] = {}
+        self._counted_mu: dict[str, float] = {}
 
-    def arrived(self, endpoint: str, model_units: float, now: float) -> None:
-        self.scalers[endpoint].arrived(model_units, now)
-
-    def decide(self, endpoint: str, replicas: list[Replica], backlog_mu: float,
+    def decide(self, endpoint: str, replicas: list[Replica], queues: EndpointQueues,
                now: float) -> Resize:
-        """`replicas`: the endpoint's alive ones (serving or starting)."""
+        """`replicas`: the endpoint's alive ones (serving or starting). As the dispatcher
+        does, the autoscaler is fed the model units offered since the last decision."""
+        scaler = self.scalers[endpoint]
+        scaler.arrived(queues.offered_mu - self._counted_mu.get(endpoint, 0.0), now)
+        self._counted_mu[endpoint] = queues.offered_mu
         serving = [r for r in replicas if r.ready]
-        decision = self.scalers[endpoint].decide(now, len(serving), backlog_mu)
+        decision = scaler.decide(now, len(serving), queues.queued_model_units())
         if self._last.get(endpoint) != decision.desired:
             self._last[endpoint] = decision.desired
             self.decisions.append((now, endpoint, decision.desired))

@@ -335,10 +335,11 @@ class WorkerPool:
     # -- choice -------------------------------------------------------------------------
 
     def placement(self, endpoint: str, load_bound: float = DEFAULT_LOAD_BOUND,
-                  can_take: Callable[[Worker], bool] | None = None) -> Placement | None:
+                  can_take: Callable[[Worker], bool] | None = None,
+                  affinity: bool = True) -> Placement | None:
         """A dispatch pass's room over the endpoint's healthy workers (those `can_take`
         refuses, and full ones, count in the fleet's load with no room); None when no
-        worker has a free sequence."""
+        worker has a free sequence. Without `affinity`, no ring: least utilised only."""
         fleet = [w for w in self.workers.values() if w.healthy and w.endpoint == endpoint]
         offers = [(w, w.free() if can_take is None or can_take(w) else NO_CAPACITY)
                   for w in fleet]
@@ -346,7 +347,8 @@ class WorkerPool:
             return None
         return Placement.of_fleet(
             ((w.worker_id, free, w.capacity, w.assigned_units, w.mu_per_s)
-             for w, free in offers), self._ring(endpoint, fleet), load_bound)
+             for w, free in offers), self._ring(endpoint, fleet) if affinity else None,
+            load_bound)
 
     def _ring(self, endpoint: str, fleet: list[Worker]) -> Ring:
         members = frozenset(w.worker_id for w in fleet)
