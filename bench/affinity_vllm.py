@@ -6,8 +6,9 @@ prefix caching, the dispatcher, and multi-turn chats.
 Two vLLM workers (the tiny local model, `workers.tiny_model`; prefix caching on) serve
 one endpoint through an embedded nats-server and the real dispatcher. Conversations
 share one of two system prompts and grow turn by turn (each turn sends the whole
-conversation so far: system prompt, earlier messages and answers, a new message); every
-conversation's turn k is sent at once, then turn k + 1 once all are answered. The same
+conversation so far: system prompt, earlier messages and answers, a new message); the
+conversations run side by side, each turn sent a random 0-1 s after the previous one
+was answered (seeded), so no two runs place them in lockstep. The same
 chats run twice, with `affinity` on and off (least utilised worker), each under a prefix
 of its own so neither run finds the other's cache. Reported per run: the share of
 prompt tokens vLLM found cached (`usage.cached_input_tokens`, from its
@@ -25,6 +26,7 @@ import datetime as dt
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -69,9 +71,10 @@ tier = "standard"
 """
 OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=30.0, grace_s=5.0,
                             probe_stall_s=3600.0, probe_idle_s=3600.0)
-SYSTEM_PROMPTS = [
-    "You are a careful assistant for a team of {role} engineers. " * 12
-    for role in ("storage", "network")]
+# Short beside the conversations they start: what a worker that served a
+# conversation holds, and another does not, is its history.
+SYSTEM_PROMPTS = [f"You are a careful assistant for a team of {role} engineers. " * 2
+                  for role in ("storage", "network")]
 ANSWER_TOKENS = 16
 REPLY_S = 120.0
 SUBJECTS = parse_config(CONFIG).subjects
@@ -135,22 +138,25 @@ async def chats(nc: NATS, run: str, sessions: int, turns: int) -> dict[str, Any]
         workers.update((item.id, batch.worker_id) for item in batch.items)
 
     watch = await nc.subscribe(SUBJECTS.batches("chat"), cb=on_batch)
-    history = {s: f"# {run}\n{SYSTEM_PROMPTS[s % 2]}\n" for s in range(sessions)}
+    rng = random.Random(f"{sessions}:{turns}")  # the same pauses for every routing
+    pauses = [[rng.uniform(0.0, 1.0) for _ in range(turns)] for _ in range(sessions)]
     done: list[dict[str, Any]] = []
-    started = time.monotonic()
-    for turn in range(turns):
-        ids = {s: f"{run}-{s}-{turn}-{uuid.uuid4().hex[:6]}" for s in range(sessions)}
-        for s in range(sessions):
-            history[s] += f"User: question {turn} about part {s}: " + "details " * 20 + "\n"
-        finals = await asyncio.gather(*(
-            ask(nc, f"team{s % 3}", ids[s], {"prompt": history[s], "session": f"{run}-{s}",
-                                             "max_tokens": ANSWER_TOKENS})
-            for s in range(sessions)))
-        for s, event in enumerate(finals):
+
+    async def conversation(s: int) -> None:
+        history = f"# {run}\n{SYSTEM_PROMPTS[s % 2]}\n"
+        for turn in range(turns):
+            await asyncio.sleep(pauses[s][turn])  # the user reads, then writes
+            history += f"User: question {turn} about part {s}: " + "details " * 60 + "\n"
+            rid = f"{run}-{s}-{turn}-{uuid.uuid4().hex[:6]}"
+            event = await ask(nc, f"team{s % 3}", rid, {
+                "prompt": history, "session": f"{run}-{s}", "max_tokens": ANSWER_TOKENS})
             if event["type"] != "done":
                 raise RuntimeError(f"turn {turn} of conversation {s} failed: {event}")
-            history[s] += f"Assistant: {event['text']}\n"
-            done.append(event | {"worker": workers.get(ids[s])})
+            history += f"Assistant: {event['text']}\n"
+            done.append(event | {"worker": workers.get(rid)})
+
+    started = time.monotonic()
+    await asyncio.gather(*(conversation(s) for s in range(sessions)))
     elapsed = time.monotonic() - started
     await watch.unsubscribe()
     prompt = sum(e["usage"]["input_tokens"] for e in done)
