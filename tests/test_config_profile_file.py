@@ -25,13 +25,18 @@ def config_with(tmp_path: Path, chat_lines: str) -> Path:
     return path
 
 
+def config_naming(tmp_path: Path, profile_file: str) -> Path:
+    """The example config with chat's `profile` replaced by `profile_file`."""
+    path = config_with(tmp_path, "")
+    path.write_text(path.read_text().replace(
+        'profile = "llama-7b-sim"', f'profile_file = "{profile_file}"', 1))
+    return path
+
+
 def test_the_dispatcher_and_the_workers_read_the_calibrated_profile_file(tmp_path) -> None:
     (tmp_path / "profiles").mkdir()
     dump_profile(CALIBRATED, tmp_path / "profiles" / "my-gpu.toml")
-    text = config_with(tmp_path, "").read_text().replace(
-        'profile = "llama-7b-sim"', 'profile_file = "profiles/my-gpu.toml"', 1)
-    path = tmp_path / "fairq.toml"
-    path.write_text(text)
+    path = config_naming(tmp_path, "profiles/my-gpu.toml")
     config = load_config(path)  # relative to the config file, not the working directory
     assert config.endpoints["chat"].profile == "my-gpu"
     assert Registry(config).profile("chat") == CALIBRATED
@@ -50,10 +55,7 @@ def test_a_profile_file_and_a_profile_name_together_are_refused(tmp_path) -> Non
 
 
 def test_a_missing_or_bad_profile_file_is_a_config_error_naming_it(tmp_path) -> None:
-    text = config_with(tmp_path, "").read_text().replace(
-        'profile = "llama-7b-sim"', 'profile_file = "absent.toml"', 1)
-    path = tmp_path / "fairq.toml"
-    path.write_text(text)
+    path = config_naming(tmp_path, "absent.toml")
     with pytest.raises(ConfigError, match="endpoints.chat.profile_file.*absent.toml"):
         load_config(path)
     (tmp_path / "absent.toml").write_text("alpha = -1\n")
@@ -63,9 +65,6 @@ def test_a_missing_or_bad_profile_file_is_a_config_error_naming_it(tmp_path) -> 
 
 def test_a_profile_file_may_not_redefine_a_named_profile_differently(tmp_path) -> None:
     dump_profile(ModelProfile(name="llama-7b-sim", alpha=9.0), tmp_path / "clash.toml")
-    text = config_with(tmp_path, "").read_text().replace(
-        'profile = "llama-7b-sim"', 'profile_file = "clash.toml"', 1)
-    path = tmp_path / "fairq.toml"
-    path.write_text(text)
+    path = config_naming(tmp_path, "clash.toml")
     with pytest.raises(ConfigError, match="differs from the one of that name"):
         load_config(path)

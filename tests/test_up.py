@@ -221,6 +221,23 @@ def http_status(url: str) -> int:
         return exc.code
 
 
+async def leave_nothing_running(up: asyncio.subprocess.Process,
+                                started: dict[int, list[str]], reader: asyncio.Task) -> None:
+    """After a `fairq up` test: a run that failed midway is stopped as Ctrl-C would, then
+    harder; no process it started is left behind."""
+    if up.returncode is None:
+        started |= children_of(up.pid)
+        up.send_signal(signal.SIGINT)
+        try:
+            await asyncio.wait_for(up.wait(), STOP_S)
+        except TimeoutError:
+            up.kill()
+            await asyncio.wait_for(up.wait(), STOP_S)
+    for pid in still_running(started):
+        os.kill(pid, signal.SIGKILL)
+    await asyncio.wait_for(reader, STOP_S)
+
+
 async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         nats_binary: Path, tmp_path: Path) -> None:
     up = await asyncio.create_subprocess_exec(
@@ -294,17 +311,7 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         left = still_running(started)
         assert not left, {pid: started[pid] for pid in left}
     finally:
-        if up.returncode is None:  # failed midway: stop it as Ctrl-C would, then harder
-            started |= children_of(up.pid)
-            up.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(up.wait(), STOP_S)
-            except TimeoutError:
-                up.kill()
-                await asyncio.wait_for(up.wait(), STOP_S)
-        for pid in still_running(started):  # never leave a stray process behind
-            os.kill(pid, signal.SIGKILL)
-        await asyncio.wait_for(reader, STOP_S)
+        await leave_nothing_running(up, started, reader)
 
 
 AUTOSCALED = """
@@ -375,17 +382,7 @@ async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after
         downs = [line for line in output.lines if "scaled chat down" in line]
         assert len(downs) == len(ups) >= 1, output.lines  # back to the one it started with
     finally:
-        if up.returncode is None:
-            started |= children_of(up.pid)
-            up.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(up.wait(), STOP_S)
-            except TimeoutError:
-                up.kill()
-                await asyncio.wait_for(up.wait(), STOP_S)
-        for pid in still_running(started):
-            os.kill(pid, signal.SIGKILL)
-        await asyncio.wait_for(reader, STOP_S)
+        await leave_nothing_running(up, started, reader)
 
 
 # Says "ready"; on SIGTERM takes a second to drain, then exits 0.
