@@ -174,6 +174,8 @@ async def test_cancel_aborts_a_running_request_inside_vllm(
                     for o in vllm_outputs[Subjects.result_key("acme", rid)])
     assert 3 <= generated < 1_000, "the request ran on instead of being aborted"
     assert engine.llm.get_num_unfinished_requests() == 0
+    # The client hears of the end before the dispatcher has the worker's completion.
+    await wait_for_state(client, "acme", rid, "failed", timeout=API_S)
     stored = await api(client, "fq.api.status.acme", {"id": rid}, API_S)
     assert stored["state"] == "failed" and stored["result"]["code"] == "cancelled"
 
