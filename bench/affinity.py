@@ -57,7 +57,7 @@ def figures(records: list[RequestRecord], summary: dict[str, Any]) -> dict[str, 
 
 
 def run(workload: ChatWorkload, replicas: int, seed: int) -> dict[str, dict[str, float]]:
-    trace = [turn.record for turn in chat_turns(workload, seed)]
+    trace = chat_turns(workload, seed)
     config = scheduling_only(load_config(EXAMPLE_CONFIG))
     engine = load_engine_params(EXAMPLE_ENGINE)
     results = {}

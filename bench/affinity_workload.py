@@ -38,17 +38,7 @@ class ChatWorkload:
                 raise ValueError("token ranges must satisfy 1 <= low <= high")
 
 
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One request of the workload, with the parts a real client would send as text."""
-
-    record: TraceRecord
-    system_prompt: int  # which of the workload's system prompts
-    turn: int  # 0-based within its session
-    message_tokens: int  # the new user message
-
-
-def chat_turns(workload: ChatWorkload, seed: int) -> list[Turn]:
+def chat_turns(workload: ChatWorkload, seed: int) -> list[TraceRecord]:
     """Every turn of every session, in arrival order."""
     rng = random.Random(seed)
     turns = []
@@ -58,17 +48,16 @@ def chat_turns(workload: ChatWorkload, seed: int) -> list[Turn]:
         system = rng.randrange(workload.system_prompts)
         at = rng.uniform(0, workload.duration_s)
         history = 0
-        for k in range(workload.turns):
+        for _ in range(workload.turns):
             message = rng.randint(*workload.message_tokens)
             answer = rng.randint(*workload.answer_tokens)
-            record = TraceRecord(
+            turns.append(TraceRecord(
                 tenant=tenant, arrival_s=at,
                 input_tokens=workload.system_tokens + history + message,
                 output_tokens=answer, max_tokens=answer, session=session,
                 prefix_id=f"system-{system}", prefix_tokens=workload.system_tokens,
-                history_tokens=history)
-            turns.append(Turn(record, system, k, message))
+                history_tokens=history))
             history += message + answer
             at += rng.expovariate(1 / workload.think_s) if workload.think_s else 0.0
-    turns.sort(key=lambda t: t.record.arrival_s)
+    turns.sort(key=lambda t: t.arrival_s)
     return turns

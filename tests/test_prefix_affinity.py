@@ -70,7 +70,7 @@ def test_affinity_keeps_conversations_where_their_context_is_cached() -> None:
     of a conversation's turns run on one replica."""
     workload = ChatWorkload(sessions=200, turns=8, duration_s=200.0, system_tokens=500,
                             message_tokens=(100, 400), answer_tokens=(100, 400))
-    trace = [turn.record for turn in chat_turns(workload, seed=1)]
+    trace = chat_turns(workload, seed=1)
     config = scheduling_only(load_config(EXAMPLE_CONFIG))
     on_home, cached = {}, {}
     for routed in (True, False):
