@@ -25,7 +25,8 @@ dispatched - submitted and TTFT = first token - submitted, both from the client'
 A third kind of tenant, `WellBehaved`, runs closed loop: it sends its next request
 whenever this replay's requests in flight (its own and every streamed one) leave one of
 its `slots` free, so it keeps the engine as busy as it may without ever building a
-backlog. It submits without `Fq-Reply` and learns that a request ended by watching the
+backlog. Free slots are filled at once (the publishes in flight together), as the
+simulator's `ClosedLoop` fills them. It submits without `Fq-Reply` and learns that a request ended by watching the
 results bucket (one message per request, not its token stream).
 
 The replay ends when every streamed request has its final event and the requests stream
@@ -359,15 +360,22 @@ async def _closed_loop(client: Client, endpoint: str, settings: BrokerSettings,
     running: dict[str, Measured] = {}
     sent = asyncio.Event()
 
+    async def submit(m: Measured, key: str) -> None:
+        if await _submit(client, endpoint, m, start_wall) is None:
+            del running[key]
+            in_flight.end()
+
     async def send() -> None:
-        for m in mine:
-            await in_flight.below(slots)
-            in_flight.start()
-            key = settings.subjects.result_key(tenant, m.id)
-            running[key] = m
-            if await _submit(client, endpoint, m, start_wall) is None:
-                del running[key]
-                in_flight.end()
+        # Every free slot is filled at once, each publish awaiting its own ack: one at a
+        # time, the first fill would take about 60 ms here and leave slots free that the
+        # definition (and the simulator's ClosedLoop) keeps busy.
+        async with asyncio.TaskGroup() as publishes:
+            for m in mine:
+                await in_flight.below(slots)
+                in_flight.start()
+                key = settings.subjects.result_key(tenant, m.id)
+                running[key] = m
+                publishes.create_task(submit(m, key))
         sent.set()
 
     async def receive() -> None:
