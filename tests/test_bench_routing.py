@@ -16,12 +16,12 @@ def test_the_affinity_benchmark_reports_both_routings(tmp_path, capsys) -> None:
     assert runs["affinity"]["max_over_mean_load"] <= 1.25
 
 
-def test_work_without_keys_spreads_in_proportion_to_each_replicas_capacity(tmp_path) -> None:
+def test_work_spreads_in_proportion_to_each_replicas_capacity_with_or_without_keys(
+        tmp_path) -> None:
+    """Without keys by least-utilised routing; with keys because the ring gives each
+    replica keys in proportion to its size (the run is seeded: no noise between runs)."""
     assert spread.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "smoke.json").read_text())
-    for figures in runs["no key"].values():
-        assert abs(figures["served_share"] / figures["capacity_share"] - 1) <= 0.10, runs
-    # With keys, a replica's share of keys is even and the load bound lets the small
-    # ones carry up to 1.25x their share.
-    for figures in runs["conversations"].values():
-        assert figures["served_share"] <= 1.25 * figures["capacity_share"], runs
+    for run in ("no key", "conversations"):
+        for figures in runs[run].values():
+            assert abs(figures["served_share"] / figures["capacity_share"] - 1) <= 0.10, runs

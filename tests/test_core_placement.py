@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,6 +80,36 @@ def test_keys_spread_evenly_over_the_ring() -> None:
     for i in range(4000):
         counts[next(ring.walk(f"k{i}"))] += 1
     assert all(600 <= count <= 1400 for count in counts.values()), counts
+
+
+def test_keys_spread_in_proportion_to_the_members_weights() -> None:
+    ring = Ring({"a": 64, "b": 64, "c": 128})
+    counts = {m: 0 for m in "abc"}
+    for i in range(8000):
+        counts[next(ring.walk(f"k{i}"))] += 1
+    assert 3200 <= counts["c"] <= 4800, counts  # half the keys, +-20%
+    assert all(1400 <= counts[m] <= 2600 for m in "ab"), counts
+
+
+@SETTINGS
+@given(weights=st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4),
+                               st.sampled_from([1.0, 2.0, 4.0]), min_size=1, max_size=6),
+       newcomer=st.text("xyz", min_size=1, max_size=3), scale=st.sampled_from([1.0, 2.0, 8.0]))
+def test_a_weighted_worker_joining_takes_keys_only_for_itself(
+        weights: dict[str, float], newcomer: str, scale: float) -> None:
+    """As long as it is no smaller than the smallest member (else every other member's
+    points are counted afresh)."""
+    before = Ring(weights)
+    after = Ring({**weights, newcomer: scale * min(weights.values())})
+    for key in KEYS:
+        first_before, first_after = next(before.walk(key)), next(after.walk(key))
+        assert first_after in (first_before, newcomer)
+
+
+def test_ring_weights_must_be_positive_and_finite() -> None:
+    for weight in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="ring weights"):
+            Ring({"a": 1.0, "b": weight})
 
 
 # -- affinity keys -------------------------------------------------------------------------

@@ -10,12 +10,14 @@ reserve unless its tenant is below its share):
 
 - **affinity**: a request with an affinity key (its `session`, else a hash of its
   prompt's leading block; `affinity_key`) walks the endpoint's consistent-hash `Ring`
+  (points in proportion to each worker's size, so keys are shared out as capacity is)
   from the key's point and takes the first worker within the load bound: a worker's
   model-unit load, before this request, below `load_bound` x its share of the fleet's
   size x the fleet's load including this request. So a worker ends at most one request
   above c x its share (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded
   Loads", 2018); a key stays on its worker while that has room and spills along the
-  ring when it does not; a worker joining or leaving moves only the keys it takes or held.
+  ring when it does not; a worker joining or leaving moves only the keys it takes or held
+  (unless it changes the fleet's smallest size: see `Ring`).
 - **no key**, or no worker within the bound: the least utilised worker (model units in
   flight over its size), the one with more free sequences on a tie.
 
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from costmodel.units import CHARS_PER_TOKEN, NO_CAPACITY, Capacity
 from dispatcher.core.types import Request
@@ -42,6 +45,8 @@ DEFAULT_LOAD_BOUND = 1.25
 DEFAULT_AFFINITY_BLOCK_TOKENS = 128
 # Points per worker on the ring: enough that keys spread evenly over a few workers.
 VNODES = 64
+# A worker far larger than the smallest gets at most this many times its points.
+MAX_VNODES_FACTOR = 16.0
 
 
 def stable_hash(text: str) -> int:
@@ -63,12 +68,26 @@ def affinity_key(session: str | None, leading_text: str,
 
 
 class Ring:
-    """A consistent-hash ring over worker ids, `VNODES` points each."""
+    """A consistent-hash ring over worker ids, weighted by size: the smallest members get
+    `VNODES` points each, a larger one as many more as it is larger (at most
+    `MAX_VNODES_FACTOR` times), so keys land on members in proportion to their size.
 
-    def __init__(self, members: Iterable[str], vnodes: int = VNODES) -> None:
-        self.members = frozenset(members)
-        points = sorted((stable_hash(f"{member}#{i}"), member)
-                        for member in self.members for i in range(vnodes))
+    A member's points are `<id>#<n>` for its first n, so a member joining or leaving
+    moves only its own keys, as long as it does not change the smallest size (every
+    other member's count of points is relative to it)."""
+
+    def __init__(self, members: Iterable[str] | Mapping[str, float],
+                 vnodes: int = VNODES) -> None:
+        weights = (dict(members) if isinstance(members, Mapping)
+                   else dict.fromkeys(members, 1.0))
+        if not all(0 < weight < math.inf for weight in weights.values()):
+            raise ValueError(f"ring weights must be finite and > 0, got {weights!r}")
+        smallest = min(weights.values(), default=1.0)
+        self.weights = weights
+        self.members = frozenset(weights)
+        points = sorted(
+            (stable_hash(f"{member}#{i}"), member) for member, weight in weights.items()
+            for i in range(round(vnodes * min(weight / smallest, MAX_VNODES_FACTOR))))
         self._hashes = [h for h, _ in points]
         self._owners = [m for _, m in points]
 
@@ -86,6 +105,18 @@ class Ring:
                 yield owner
                 if len(seen) == len(self.members):
                     return
+
+
+def fleet_sizes(workers: Iterable[tuple[str, Capacity, float]]) -> dict[str, float]:
+    """Each of (worker id, total capacity, model units per second)'s size: its speed when
+    the fleet's speeds differ (and all are known), else its sequences. Equal speeds say
+    nothing of size: workers of an endpoint share its profile unless calibrated one by
+    one."""
+    workers = list(workers)
+    speeds = {mu_per_s for *_, mu_per_s in workers}
+    by_speed = len(speeds) > 1 and min(speeds) > 0
+    return {worker_id: mu_per_s if by_speed else max(total.sequences, 1)
+            for worker_id, total, mu_per_s in workers}
 
 
 class Slot:
@@ -134,13 +165,10 @@ class Placement:
         second) of every healthy worker of one endpoint, full ones included (they count
         in the fleet's load)."""
         workers = list(workers)
-        speeds = {mu_per_s for *_, mu_per_s in workers}
-        # Equal speeds say nothing of size (workers of an endpoint share its profile
-        # unless calibrated one by one): then their sequences do.
-        by_speed = len(speeds) > 1 and min(speeds) > 0
-        return cls([Slot(worker_id, free, total, load,
-                         mu_per_s if by_speed else max(total.sequences, 1))
-                    for worker_id, free, total, load, mu_per_s in workers], ring, load_bound)
+        sizes = fleet_sizes((worker_id, total, mu_per_s)
+                            for worker_id, _, total, _, mu_per_s in workers)
+        return cls([Slot(worker_id, free, total, load, sizes[worker_id])
+                    for worker_id, free, total, load, _ in workers], ring, load_bound)
 
     def set_reserves(self, reserve_of: Callable[[Capacity], Capacity]) -> None:
         for slot in self.slots:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from costmodel.units import NO_CAPACITY, Capacity
-from dispatcher.core.placement import DEFAULT_LOAD_BOUND, Placement, Ring
+from dispatcher.core.placement import DEFAULT_LOAD_BOUND, Placement, Ring, fleet_sizes
 from dispatcher.core.types import Request
 
 Key = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
@@ -351,10 +351,10 @@ class WorkerPool:
             load_bound)
 
     def _ring(self, endpoint: str, fleet: list[Worker]) -> Ring:
-        members = frozenset(w.worker_id for w in fleet)
+        sizes = fleet_sizes((w.worker_id, w.capacity, w.mu_per_s) for w in fleet)
         ring = self._rings.get(endpoint)
-        if ring is None or ring.members != members:
-            ring = self._rings[endpoint] = Ring(members)
+        if ring is None or ring.weights != sizes:
+            ring = self._rings[endpoint] = Ring(sizes)
         return ring
 
     def healthy_count(self, endpoint: str) -> int:
