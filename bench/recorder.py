@@ -6,7 +6,8 @@ Each arrival is one JetStream publish to `fq.req.<endpoint>.<tenant>` through th
 arrival>`, body with `prompt`, `max_tokens` and `input_tokens`), at `offset_s` after the
 start, by one connection for the streamed tenants and another for the collected ones.
 Every tenant publishes independently, at most `PUBLISH_IN_FLIGHT` unacknowledged at a
-time, so one tenant's burst never delays another's submits in the recorder. Two ways to observe a request, chosen per tenant:
+time (the well-behaved one below: at most its slots), so one tenant's burst never delays
+another's submits in the recorder. Two ways to observe a request, chosen per tenant:
 
 - streamed: with an `Fq-Reply` inbox; the first event and the final event are timed
   when they arrive here (the client's view);
@@ -361,8 +362,9 @@ async def _closed_loop(client: Client, endpoint: str, settings: BrokerSettings,
     sent = asyncio.Event()
 
     async def submit(m: Measured, key: str) -> None:
-        if await _submit(client, endpoint, m, start_wall) is None:
-            del running[key]
+        # A refused publish may still have been stored (a timeout): if its result came
+        # first, it has ended already.
+        if await _submit(client, endpoint, m, start_wall) is None and running.pop(key, None):
             in_flight.end()
 
     async def send() -> None:

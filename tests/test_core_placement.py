@@ -18,6 +18,7 @@ from dispatcher.core.placement import (
     Ring,
     Slot,
     affinity_key,
+    fleet_sizes,
 )
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
@@ -215,14 +216,29 @@ def test_the_pools_placement_counts_busy_workers_in_the_fleet_and_rebuilds_its_r
 
 
 def test_sizes_are_model_units_per_second_when_every_worker_says_else_sequences() -> None:
-    small, big = Capacity(8, 1000, 1e9), Capacity(32, 1000, 1e9)
-    by_speed = Placement.of_fleet([("a", small, small, 0.0, 3.0), ("b", big, big, 0.0, 1.0)])
-    assert [s.size for s in by_speed.slots] == [3.0, 1.0]
-    unknown = Placement.of_fleet([("a", small, small, 0.0, 3.0), ("b", big, big, 0.0, 0.0)])
-    assert [s.size for s in unknown.slots] == [8, 32]
+    assert fleet_sizes([("a", 8, 3.0), ("b", 32, 1.0)]) == {"a": 3.0, "b": 1.0}
+    assert fleet_sizes([("a", 8, 3.0), ("b", 32, 0.0)]) == {"a": 8, "b": 32}
+    # A speed that is no speed (a broken or hostile heartbeat) is not believed.
+    for bad in (math.inf, math.nan, -1.0):
+        assert fleet_sizes([("a", 8, 3.0), ("b", 32, bad)]) == {"a": 8, "b": 32}
     # One profile for all (the usual case): speeds say nothing of size.
-    same = Placement.of_fleet([("a", small, small, 0.0, 3.0), ("b", big, big, 0.0, 3.0)])
-    assert [s.size for s in same.slots] == [8, 32]
+    assert fleet_sizes([("a", 8, 3.0), ("b", 32, 3.0)]) == {"a": 8, "b": 32}
+    assert fleet_sizes([("a", 0, 0.0)]) == {"a": 1}
+
+
+def test_a_draining_worker_keeps_its_size_and_every_key_stays_put() -> None:
+    """Draining, a worker offers only what it uses; its points on the ring must not
+    shrink with that, or the other workers' keys would move among them."""
+    pool = WorkerPool(timeout_s=5.0)
+    for worker_id, sequences in (("a", 8), ("b", 8), ("c", 16)):
+        pool.heartbeat(worker_id, "ep", 1.0, Capacity(sequences, 1000, 10.0), (), True, 0.0)
+    before = pool.placement("ep").ring
+    for used in (5, 3, 1):
+        pool.heartbeat("a", "ep", 1.0, Capacity(used, 1000, 10.0), (), True, 1.0)
+        assert pool.placement("ep").ring is before
+    # A restart is a new run: its size is what it offers now.
+    pool.heartbeat("a", "ep", 2.0, Capacity(16, 1000, 10.0), (), True, 2.0)
+    assert pool.placement("ep").ring.weights == {"a": 16, "b": 8, "c": 16}
 
 
 def test_a_load_bound_of_one_or_less_is_refused() -> None:

@@ -21,8 +21,9 @@ reserve unless its tenant is below its share):
 - **no key**, or no worker within the bound: the least utilised worker (model units in
   flight over its size), the one with more free sequences on a tie.
 
-A worker's size is the model units per second it completes, from its calibration
-profile, when every worker of the fleet says so and they differ, else its sequences.
+A worker's size (`fleet_sizes`) is the model units per second it completes, from its
+calibration profile, when every worker of the fleet says so and they differ, else its
+sequences (the most its current run has offered: `WorkerPool` keeps that).
 """
 
 from __future__ import annotations
@@ -107,16 +108,16 @@ class Ring:
                     return
 
 
-def fleet_sizes(workers: Iterable[tuple[str, Capacity, float]]) -> dict[str, float]:
-    """Each of (worker id, total capacity, model units per second)'s size: its speed when
-    the fleet's speeds differ (and all are known), else its sequences. Equal speeds say
-    nothing of size: workers of an endpoint share its profile unless calibrated one by
-    one."""
+def fleet_sizes(workers: Iterable[tuple[str, int, float]]) -> dict[str, float]:
+    """Each of (worker id, sequences, model units per second)'s size: its speed when the
+    fleet's speeds differ and all are known (finite, > 0), else its sequences. Equal
+    speeds say nothing of size: workers of an endpoint share its profile unless
+    calibrated one by one."""
     workers = list(workers)
     speeds = {mu_per_s for *_, mu_per_s in workers}
-    by_speed = len(speeds) > 1 and min(speeds) > 0
-    return {worker_id: mu_per_s if by_speed else max(total.sequences, 1)
-            for worker_id, total, mu_per_s in workers}
+    by_speed = len(speeds) > 1 and all(0 < speed < math.inf for speed in speeds)
+    return {worker_id: mu_per_s if by_speed else max(sequences, 1)
+            for worker_id, sequences, mu_per_s in workers}
 
 
 class Slot:
@@ -158,17 +159,14 @@ class Placement:
         return cls([Slot("", free, total)])
 
     @classmethod
-    def of_fleet(cls, workers: Iterable[tuple[str, Capacity, Capacity, float, float]],
-                 ring: Ring | None = None,
+    def of_fleet(cls, workers: Iterable[tuple[str, Capacity, Capacity, float]],
+                 sizes: Mapping[str, float], ring: Ring | None = None,
                  load_bound: float = DEFAULT_LOAD_BOUND) -> Placement:
-        """A pass over (worker id, free, total, model units in flight, model units per
-        second) of every healthy worker of one endpoint, full ones included (they count
-        in the fleet's load)."""
-        workers = list(workers)
-        sizes = fleet_sizes((worker_id, total, mu_per_s)
-                            for worker_id, _, total, _, mu_per_s in workers)
+        """A pass over (worker id, free, total, model units in flight) of every healthy
+        worker of one endpoint, full ones included (they count in the fleet's load),
+        with their `sizes` (`fleet_sizes`)."""
         return cls([Slot(worker_id, free, total, load, sizes[worker_id])
-                    for worker_id, free, total, load, _ in workers], ring, load_bound)
+                    for worker_id, free, total, load in workers], ring, load_bound)
 
     def set_reserves(self, reserve_of: Callable[[Capacity], Capacity]) -> None:
         for slot in self.slots:

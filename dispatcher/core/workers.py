@@ -98,6 +98,10 @@ class Worker:
     reported_output: int = 0
     # Model units per second it completes, as it says (0: unknown): its routing size.
     mu_per_s: float = 0.0
+    # The most sequences this run has offered: its size when sizes are counted in
+    # sequences. A draining worker offers only what it uses; its size, and so its
+    # points on the ring, must not shrink with it (that would move other workers' keys).
+    sequences: int = 0
 
     def used(self) -> Capacity:
         return Capacity(len(self.assigned), self.assigned_tokens, self.assigned_units)
@@ -167,7 +171,8 @@ class WorkerPool:
     def add(self, worker_id: str, endpoint: str, capacity: Capacity, now: float,
             started_at: float = 0.0) -> Worker:
         """A worker the caller knows without heartbeats (the simulator's replicas)."""
-        worker = Worker(worker_id, endpoint, started_at, capacity, now, progress_at=now)
+        worker = Worker(worker_id, endpoint, started_at, capacity, now, progress_at=now,
+                        sequences=capacity.sequences)
         self.workers[worker_id] = worker
         return worker
 
@@ -191,7 +196,7 @@ class WorkerPool:
             lost.add(worker._lose_all(sent_before=started_at))
             worker.endpoint, worker.started_at = endpoint, started_at
             worker.evicted, worker.probe_id, worker.probe_failures = False, None, 0
-            worker.progress_at = now
+            worker.progress_at, worker.sequences = now, 0
         elif worker.evicted:
             worker.last_seen = now  # out of rotation until it restarts
             return lost
@@ -200,6 +205,7 @@ class WorkerPool:
             worker.progress_at = now
         worker.reported_output = output_tokens
         worker.capacity, worker.last_seen, worker.healthy = capacity, now, healthy
+        worker.sequences = max(worker.sequences, capacity.sequences)
         worker.mu_per_s = mu_per_s
         worker.reported = frozenset(in_flight)
         for key in worker.reported:
@@ -345,13 +351,12 @@ class WorkerPool:
                   for w in fleet]
         if not any(free.sequences > 0 for _, free in offers):
             return None
+        sizes = fleet_sizes((w.worker_id, w.sequences, w.mu_per_s) for w in fleet)
         return Placement.of_fleet(
-            ((w.worker_id, free, w.capacity, w.assigned_units, w.mu_per_s)
-             for w, free in offers), self._ring(endpoint, fleet) if affinity else None,
-            load_bound)
+            ((w.worker_id, free, w.capacity, w.assigned_units) for w, free in offers), sizes,
+            self._ring(endpoint, sizes) if affinity else None, load_bound)
 
-    def _ring(self, endpoint: str, fleet: list[Worker]) -> Ring:
-        sizes = fleet_sizes((w.worker_id, w.capacity, w.mu_per_s) for w in fleet)
+    def _ring(self, endpoint: str, sizes: dict[str, float]) -> Ring:
         ring = self._rings.get(endpoint)
         if ring is None or ring.weights != sizes:
             ring = self._rings[endpoint] = Ring(sizes)
