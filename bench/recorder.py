@@ -27,8 +27,9 @@ A third kind of tenant, `WellBehaved`, runs closed loop: it sends its next reque
 whenever this replay's requests in flight (its own and every streamed one) leave one of
 its `slots` free, so it keeps the engine as busy as it may without ever building a
 backlog. Free slots are filled at once (the publishes in flight together), as the
-simulator's `ClosedLoop` fills them. It submits without `Fq-Reply` and learns that a request ended by watching the
-results bucket (one message per request, not its token stream).
+simulator's `ClosedLoop` fills them. It submits without `Fq-Reply` and learns that a
+request ended by watching the results bucket (one message per request, not its token
+stream).
 
 The replay ends when every streamed request has its final event and the requests stream
 is empty (every message acked: every request finished), bounded by `timeout_s`; requests
