@@ -18,9 +18,10 @@ tokens and model units. Decisions:
   core NATS is at most once;
 - **probes**: heartbeats only say the worker's event loop runs, not that its engine
   does. A worker that holds work and neither completed anything nor generated a token
-  for a while, or sat idle for longer, is sent a black-box probe (`probes_due`); a probe unanswered in time, or
-  answered with an error, is a failure, and `evict_after` failures in a row evict the
-  worker: out of rotation with its work, its reports ignored until it restarts.
+  for a while, or sat idle for longer, is sent a black-box probe (`probes_due`); a
+  probe unanswered in time, or answered with an error, is a failure, and `evict_after`
+  failures in a row evict the worker: out of rotation with its work, its reports
+  ignored until it restarts.
 
 Requests a worker runs that the dispatcher did not send it (found in its heartbeat after
 a dispatcher restart) are *adopted*: the pool tracks them by key, without capacity (the
