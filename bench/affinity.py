@@ -15,15 +15,14 @@ output throughput, and the busiest replica's share of the work against the mean.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from bench.affinity_workload import ChatWorkload, chat_turns
+from bench.machine import ran_on, table
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
 from costmodel.engine_model import load_engine_params
 from dispatcher.core.fairness import RequestRecord
@@ -71,20 +70,18 @@ def run(workload: ChatWorkload, replicas: int, seed: int) -> dict[str, dict[str,
 def report(results: dict[str, dict[str, float]], args: argparse.Namespace,
            workload: ChatWorkload) -> str:
     a, b = results["affinity"], results["least-loaded"]
+    command = (f"python -m bench.affinity --replicas {args.replicas} --sessions "
+               f"{args.sessions} --turns {args.turns} --session-rate {args.session_rate} "
+               f"--seed {args.seed}")
+    rows = [[name, f"{r['cached_token_ratio']:.1%}", f"{r['ttft_p50_s']:.2f} s",
+             f"{r['ttft_p95_s']:.2f} s", f"{r['output_tokens_per_s']:,.0f}",
+             f"{r['max_over_mean_load']:.2f}"] for name, r in results.items()]
     lines = [
-        f"`python -m bench.affinity --replicas {args.replicas} --sessions {args.sessions} "
-        f"--turns {args.turns} --session-rate {args.session_rate} --seed {args.seed}`, {platform.node()} "
-        f"({platform.machine()}), {dt.date.today().isoformat()}; {a['requests']:,} "
-        f"requests, system prompt {workload.system_tokens} tokens, "
-        f"{workload.system_prompts} of them.", "",
-        "| routing | cached prompt tokens | p50 TTFT | p95 TTFT | output tok/s "
-        "| busiest replica / mean |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"{ran_on(command)}; {a['requests']:,} requests, system prompt "
+        f"{workload.system_tokens} tokens, {workload.system_prompts} of them.", "",
+        *table(["routing", "cached prompt tokens", "p50 TTFT", "p95 TTFT", "output tok/s",
+                "busiest replica / mean"], rows),
     ]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['cached_token_ratio']:.1%} | {r['ttft_p50_s']:.2f} s "
-                     f"| {r['ttft_p95_s']:.2f} s | {r['output_tokens_per_s']:,.0f} "
-                     f"| {r['max_over_mean_load']:.2f} |")
     lines += ["", f"Affinity / least-loaded: cached ratio "
               f"{a['cached_token_ratio'] / max(b['cached_token_ratio'], 1e-12):.2f}x, p95 TTFT "
               f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x, throughput "

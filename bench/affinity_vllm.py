@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -41,6 +39,7 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 
+from bench.machine import ran_on, table
 from broker_config import wire
 from broker_config.config import Config, DispatcherOptions, WorkerOptions, parse_config
 from broker_config.server import EmbeddedNatsServer
@@ -187,16 +186,15 @@ async def compare(nats_url: str, model: Path, sessions: int, turns: int) -> dict
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
-    lines = [f"`python -m bench.affinity_vllm --sessions {args.sessions} --turns "
-             f"{args.turns}`, {platform.node()} ({platform.machine()}), "
-             f"{dt.date.today().isoformat()}", "",
-             "| routing | requests | cached prompt tokens | p50 TTFT | p95 TTFT "
-             "| output tok/s | busiest worker / mean |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['requests']} | {r['cached_token_ratio']:.1%} "
-                     f"| {r['ttft_p50_s']:.2f} s | {r['ttft_p95_s']:.2f} s "
-                     f"| {r['output_tokens_per_s']:.1f} | {r['max_over_mean_requests']:.2f} |")
-    return "\n".join(lines)
+    rows = [[name, str(r["requests"]), f"{r['cached_token_ratio']:.1%}",
+             f"{r['ttft_p50_s']:.2f} s", f"{r['ttft_p95_s']:.2f} s",
+             f"{r['output_tokens_per_s']:.1f}", f"{r['max_over_mean_requests']:.2f}"]
+            for name, r in results.items()]
+    return "\n".join([
+        ran_on(f"python -m bench.affinity_vllm --sessions {args.sessions} "
+               f"--turns {args.turns}"), "",
+        *table(["routing", "requests", "cached prompt tokens", "p50 TTFT", "p95 TTFT",
+                "output tok/s", "busiest worker / mean"], rows)])
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import math
-import platform
 import random
 import sys
 import time
@@ -41,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from bench.machine import ran_on, table
 from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, load_config
 from costmodel.capacity import ScalingPolicy
@@ -155,22 +154,21 @@ def figures(records: Sequence, gpu_seconds: float) -> dict[str, float]:
 
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [f"`python -m bench.autoscale --seed {args.seed} --cold-start {args.cold_start} "
-             f"--quiet {args.quiet}`{' --smoke' if args.smoke else ''}, {platform.node()} "
-             f"({platform.machine()}), {dt.date.today().isoformat()}", "",
-             "| fleet | way | GPU-seconds | x oracle | SLO attainment (TTFT <= 2 s) |",
-             "| --- | --- | --- | --- | --- |"]
+    rows = []
     for fleet, ways in results.items():
         oracle = ways["oracle"]["gpu_seconds"]
         for way in ("autoscaled", "static for peak", "oracle", "oracle at 100%"):
             row = ways[way]
             attainment = f"{row['slo_attainment']:.2%}" if "slo_attainment" in row else "-"
-            lines.append(f"| {fleet} | {way} | {row['gpu_seconds']:,.0f} "
-                         f"| {row['gpu_seconds'] / oracle:.2f} | {attainment} |")
+            rows.append([fleet, way, f"{row['gpu_seconds']:,.0f}",
+                         f"{row['gpu_seconds'] / oracle:.2f}", attainment])
         saving = 1 - ways["autoscaled"]["gpu_seconds"] / ways["static for peak"]["gpu_seconds"]
-        lines.append(f"| {fleet} | autoscaled against static for peak | | "
-                     f"{saving:.0%} fewer GPU-seconds | |")
-    return "\n".join(lines)
+        rows.append([fleet, "autoscaled against static for peak", "",
+                     f"{saving:.0%} fewer GPU-seconds", ""])
+    command = (f"python -m bench.autoscale --seed {args.seed} --cold-start {args.cold_start} "
+               f"--quiet {args.quiet}{' --smoke' if args.smoke else ''}")
+    return "\n".join([ran_on(command), "", *table(
+        ["fleet", "way", "GPU-seconds", "x oracle", "SLO attainment (TTFT <= 2 s)"], rows)])
 
 
 def main(argv: list[str] | None = None) -> int:

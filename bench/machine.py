@@ -57,6 +57,12 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def ran_on(command: str) -> str:
+    """The line above a benchmark's table: the command, this host and today's date."""
+    return (f"`{command}`, {platform.node()} ({platform.machine()}), "
+            f"{datetime.date.today().isoformat()}")
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table, one line per row."""
     lines = [header, ["---"] * len(header), *rows]

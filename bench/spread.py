@@ -5,8 +5,8 @@
 
 Replicas: two of configs/engine.toml (a 7B-class model on one GPU) and one with twice
 its sequences, KV cache, prefill budget and prefill speed, and a full batch's decode
-step as fast (the same model on a GPU twice the size). Traffic: steady Poisson arrivals, prompts of 100-2,000 tokens and
-answers of 50-500 (uniform), at --load times the fleet's throughput on that mix, in
+step as fast (the same model on a GPU twice the size). Traffic: steady Poisson
+arrivals, prompts of 100-2,000 tokens and answers of 50-500 (uniform), at --load times the fleet's throughput on that mix, in
 two runs: requests without an affinity key (least utilised routing), and requests of
 400 conversations (affinity with bounded load). The fleet's throughput is measured
 first, by keeping one base replica full of the same mix. Reported per replica: its share of the
@@ -17,13 +17,12 @@ within +-10% (relative) of its share of capacity.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import random
 import sys
 from pathlib import Path
 
+from bench.machine import ran_on, table
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
 from dispatcher.core.admission import scheduling_only
@@ -91,17 +90,15 @@ def shares(requests: int, load: float, seed: int, keyed: bool) -> dict[str, dict
 
 
 def report(runs: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> str:
-    lines = [f"`python -m bench.spread --requests {args.requests} --load {args.load} "
-             f"--seed {args.seed}`, {platform.node()} ({platform.machine()}), "
-             f"{dt.date.today().isoformat()}", "",
-             "| requests | replica | share of capacity | share of model units served "
-             "| relative error |", "| --- | --- | --- | --- | --- |"]
-    for name, replicas in runs.items():
-        for replica, figures in replicas.items():
-            error = figures["served_share"] / figures["capacity_share"] - 1
-            lines.append(f"| {name} | {replica} | {figures['capacity_share']:.1%} "
-                         f"| {figures['served_share']:.1%} | {error:+.1%} |")
-    return "\n".join(lines)
+    rows = [[name, replica, f"{figures['capacity_share']:.1%}",
+             f"{figures['served_share']:.1%}",
+             f"{figures['served_share'] / figures['capacity_share'] - 1:+.1%}"]
+            for name, replicas in runs.items() for replica, figures in replicas.items()]
+    return "\n".join([
+        ran_on(f"python -m bench.spread --requests {args.requests} --load {args.load} "
+               f"--seed {args.seed}"), "",
+        *table(["requests", "replica", "share of capacity", "share of model units served",
+                "relative error"], rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
