@@ -315,8 +315,11 @@ def failures(figures: dict[str, Any], saturated: bool) -> list[str]:
               if figures[name]]
     if figures["healthy_evictions"] or (saturated and figures["evictions"]):
         failed.append("evictions")
+    # A healthy worker thought lost: its requests ran again, or ended with `internal`.
     if saturated and figures["redispatched"]:
-        failed.append("redispatched")  # a healthy worker was thought lost
+        failed.append("redispatched")
+    if saturated and figures["outcomes"].get(wire.ErrorCode.INTERNAL.value):
+        failed.append("internal")
     return failed
 
 

@@ -194,9 +194,10 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     probe_idle_s: PositiveSeconds = 30.0
     probe_timeout_s: PositiveSeconds = 3.0
     probe_failures: PositiveInt = 2
-    # An evicted worker's requests that streamed no token yet run elsewhere; the others
-    # end with `internal` and this retry hint (a stream cannot take text back).
-    evicted_retry_after_s: Seconds = 1.0
+    # A lost worker's (evicted, silent, restarted) requests that streamed no token yet run
+    # elsewhere; the others end with `internal` and this retry hint (a stream cannot take
+    # text back).
+    lost_worker_retry_after_s: Seconds = 1.0
     # After a (re)start, wait this long for heartbeats before dispatching, so requests
     # still running on workers are recognised instead of run twice.
     settle_s: Seconds = 1.5

@@ -27,6 +27,8 @@ class Held:
     # When it was published (its place in line and queue wait count from there).
     received_at: float
     worker: str | None = None  # the worker running it
+    # An adopted request's worker reported output: it cannot run again from scratch.
+    streamed: bool = False
 
     @property
     def key(self) -> Key:

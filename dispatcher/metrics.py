@@ -52,12 +52,13 @@ class DispatcherMetrics:
             "fairq_worker_replacements",
             "New processes of known workers (a restart after a crash, an eviction or a stop)",
             ["endpoint"], registry=r)
-        self.redispatched = Counter("fairq_redispatched",
-                                    "Requests of an evicted worker run again elsewhere",
-                                    ["endpoint"], registry=r)
-        self.failed_by_eviction = Counter(
-            "fairq_failed_by_eviction",
-            "Requests of an evicted worker ended with a retryable error (they had streamed)",
+        self.redispatched = Counter(
+            "fairq_redispatched",
+            "Requests of a lost worker (evicted, silent, restarted) run again elsewhere",
+            ["endpoint"], registry=r)
+        self.failed_by_lost_worker = Counter(
+            "fairq_failed_by_lost_worker",
+            "Requests of a lost worker ended with a retryable error (they had streamed)",
             ["endpoint"], registry=r)
         self.input_tokens = Counter("fairq_input_tokens", "Prompt tokens of finished requests",
                                     ["endpoint"], registry=r)
@@ -83,7 +84,7 @@ class DispatcherMetrics:
             for outcome in Outcome:
                 self.child(self.admissions, endpoint, outcome.value)
             for counter in (self.probes, self.probe_failures, self.evictions,
-                            self.replacements, self.redispatched, self.failed_by_eviction,
+                            self.replacements, self.redispatched, self.failed_by_lost_worker,
                             self.input_tokens, self.cached_input_tokens):
                 self.child(counter, endpoint)
 

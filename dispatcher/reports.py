@@ -1,18 +1,19 @@
 """Worker reports in: heartbeats and completions, and what follows from their absence.
 
 - A heartbeat updates the worker in the pool; whatever the pool decides the worker no
-  longer has (it restarted, drained away, or a batch never reached it) goes back into
-  the scheduler's queues, keeping its place by arrival; adopted requests it lost are
-  admitted again.
+  longer has (it restarted, drained away, or a batch never reached it) is *taken back*.
 - A completion releases the request from its worker, settles it in the scheduler (the
   tenant's DRR charge corrected with the real usage, unused quota refunded) and acks its
   JetStream message, or naks it when the worker could not store the final event.
 - `take_back_silent` (from the maintenance tick): workers silent for the pool's timeout
-  leave rotation, and their work is taken back the same way.
+  leave rotation, and their work is taken back.
 - `evicted`: a worker that failed its health probes (`dispatcher.probes`) leaves
-  rotation too. Its requests that streamed no token yet (as far as its heartbeats said)
-  run again elsewhere; the others end here with `internal` and a retry hint, since a
-  stream cannot take back text a client has seen.
+  rotation too, and its work is taken back.
+
+Taking work back is the same whichever way a worker was lost: a request that streamed
+no token yet (as far as the worker's heartbeats said) runs again elsewhere, keeping its
+place by arrival (an adopted one is admitted again); one that streamed ends here with
+`internal` and a retry hint, since a stream cannot take back text a client has seen.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dispatcher.admit import Admission
 from dispatcher.core.scheduler import Completed, Scheduler
 from dispatcher.core.types import Request
 from dispatcher.core.workers import Lost, Worker, WorkerPool
-from dispatcher.held import HeldRequests
+from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.probes import Probes
 from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
@@ -90,6 +91,10 @@ class WorkerReports:
                 await self._take_back(lost)
             # After the take-back: what went back to a queue is no longer charged here.
             self.scheduler.progress(generated)
+            for key, count in generated:
+                # The scheduler does not track adopted requests' output: marked here.
+                if count and (held := self.held.adopted.get(key)) is not None:
+                    held.streamed = True
         worker = self.pool.get(beat.worker_id)
         self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
             worker.load)
@@ -104,20 +109,33 @@ class WorkerReports:
             self._update_capacity(worker.endpoint)
 
     async def evicted(self, worker: Worker, lost: Lost) -> None:
-        """Take back an evicted worker's work: run what streamed nothing yet elsewhere,
-        end the rest with a retryable error."""
-        now = time.time()
-        streamed = [r for r in lost.requests if r.output_charged > 0]
-        lost.requests = [r for r in lost.requests if r.output_charged == 0]
         await self._take_back(lost)
-        self.metrics.child(self.metrics.redispatched, worker.endpoint).inc(
-            len(lost.requests) + len(lost.adopted))
-        for request in streamed:
-            await self._fail_streamed(request, now)
         self._update_capacity(worker.endpoint)
         self.wake.set()
 
-    async def _fail_streamed(self, request: Request, now: float) -> None:
+    async def _take_back(self, lost: Lost) -> None:
+        """Work a worker no longer has: what streamed nothing yet runs again elsewhere,
+        the rest ends with a retryable error."""
+        now = time.time()
+        for request in lost.requests:
+            if request.output_charged > 0:
+                await self._end_streamed(request, now)
+            elif self.scheduler.requeue(request.tenant, request.id) is not None:
+                request.payload.worker = None
+                self.metrics.child(self.metrics.redispatched, request.endpoint).inc()
+        for key in lost.adopted:
+            held = self.held.adopted.pop(key, None)
+            if held is None:
+                continue
+            if held.streamed:
+                await self._fail(held, now)
+            else:
+                held.worker = None
+                self.metrics.child(self.metrics.redispatched, held.submission.endpoint).inc()
+                await self.admission.admit(held, now)
+
+    async def _end_streamed(self, request: Request, now: float) -> None:
+        """Settle a streamed request of a lost worker at what it generated, and fail it."""
         profile = self.scheduler.endpoints[request.endpoint].profile
         usage = Usage(request.input_tokens, request.output_charged,
                       profile.model_units(request.input_tokens, request.output_charged,
@@ -126,25 +144,20 @@ class WorkerReports:
         if completed is not None:
             await self._refund(completed)
         held = self.held.admitted.pop((request.tenant, request.id), None)
-        if held is None:
-            return
-        self.metrics.child(self.metrics.failed_by_eviction, request.endpoint).inc()
-        event = wire.ErrorEvent(
-            request.id, wire.ErrorCode.INTERNAL,
-            "its worker stopped answering health probes after it had started streaming",
-            self.config.dispatcher.evicted_retry_after_s)
-        await self.admission.results.finish(held.msg, held.submission, event, now)
+        if held is not None:
+            await self._fail(held, now)
 
-    async def _take_back(self, lost: Lost) -> None:
-        """Run lost work again elsewhere."""
-        for request in lost.requests:
-            if self.scheduler.requeue(request.tenant, request.id) is not None:
-                request.payload.worker = None
-        for key in lost.adopted:
-            held = self.held.adopted.pop(key, None)
-            if held is not None:
-                held.worker = None
-                await self.admission.admit(held, time.time())
+    async def _fail(self, held: Held, now: float) -> None:
+        """End a streamed request with `internal` and a retry hint (the result a worker
+        stored first, if any, stands and is what the client is sent)."""
+        self.metrics.child(self.metrics.failed_by_lost_worker,
+                           held.submission.endpoint).inc()
+        event = wire.ErrorEvent(
+            held.submission.id, wire.ErrorCode.INTERNAL,
+            "the worker running it was lost (evicted, silent or restarted) after it had "
+            "streamed output; resubmit it with a new id",
+            self.config.dispatcher.lost_worker_retry_after_s)
+        await self.admission.results.finish(held.msg, held.submission, event, now)
 
     def _update_capacity(self, endpoint: str) -> None:
         """The throttle's view of the endpoint's throughput: healthy workers x profile,

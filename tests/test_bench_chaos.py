@@ -4,6 +4,7 @@ itself, against real processes, is tests/test_bench_smoke.py::test_chaos_smoke."
 
 from __future__ import annotations
 
+from bench.chaos import failures
 from bench.chaos_watch import Fault, Watch, _Dispatch, verdict
 from broker_config import wire
 from broker_config.subjects import Subjects
@@ -69,3 +70,17 @@ def test_fault_figures_time_detection_redispatch_and_replacement() -> None:
     assert row["redispatched_s"] == 7.0 and row["replacement_serving_s"] == 9.5
     # w1's eviction was its hang; w3 had no fault: a healthy worker evicted.
     assert figures["healthy_evictions"] == 1 and figures["healthy_evicted"] == ["w3"]
+
+
+def test_a_saturated_run_fails_on_any_sign_of_a_healthy_worker_thought_lost() -> None:
+    clean = {"lost": 0, "two_different_results": 0, "ran_twice_to_completion": 0,
+             "healthy_evictions": 0, "evictions": 0, "redispatched": 0,
+             "outcomes": {"done": 10}}
+    assert failures(clean, saturated=True) == []
+    # Ended with `internal`: what a lost worker's streamed requests get.
+    ended = clean | {"outcomes": {"done": 9, "internal": 1}}
+    assert failures(ended, saturated=True) == ["internal"]
+    assert failures(ended, saturated=False) == []  # expected where faults are injected
+    assert failures(clean | {"redispatched": 2}, saturated=True) == ["redispatched"]
+    assert failures(clean | {"evictions": 1}, saturated=True) == ["evictions"]
+    assert failures(clean | {"lost": 1}, saturated=False) == ["lost"]

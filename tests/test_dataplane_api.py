@@ -258,7 +258,7 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
             assert values[("fairq_admissions_total",
                            (("endpoint", "chat"), ("outcome", "rate_limited")))] == 0
             for counter in ("fairq_probes_total", "fairq_worker_evictions_total",
-                            "fairq_redispatched_total"):
+                            "fairq_redispatched_total", "fairq_failed_by_lost_worker_total"):
                 assert values[(counter, (("endpoint", "chat"),))] == 0  # exported at zero
             stack.engines[0].faults.hang = False
 

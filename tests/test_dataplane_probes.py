@@ -121,9 +121,9 @@ async def test_a_request_that_streamed_before_its_worker_hung_ends_with_a_retrya
 
         (end,) = await eventually(ended, timeout=WAIT_S, what="the request's final event")
         assert (end["type"], end["code"]) == ("error", "internal")
-        assert end["retry_after_s"] == PROBING.evicted_retry_after_s
+        assert end["retry_after_s"] == PROBING.lost_worker_retry_after_s
         assert stack.dispatcher.pool.get("chat-w1").evicted
-        assert counter(stack, stack.metrics.failed_by_eviction) == 1
+        assert counter(stack, stack.metrics.failed_by_lost_worker) == 1
         assert scheduler.running_request("acme", "long") is None
         assert scheduler.queued_count("chat") == 0  # ended, not run again
         stack.engines[0].faults.hang = False
