@@ -19,9 +19,11 @@ place by arrival (an adopted one is admitted again); one that streamed ends here
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from broker_config import wire
@@ -157,7 +159,14 @@ class WorkerReports:
             "the worker running it was lost (evicted, silent or restarted) after it had "
             "streamed output; resubmit it with a new id",
             self.config.dispatcher.lost_worker_retry_after_s)
-        await self.admission.results.finish(held.msg, held.submission, event, now)
+        try:
+            await self.admission.results.finish(held.msg, held.submission, event, now)
+        except nats.errors.Error as exc:
+            # Not stored, so not ended: redelivered, it runs again (a second stream).
+            log.error("could not end request %s of %s: %r; handing it back",
+                      held.submission.id, held.submission.tenant, exc)
+            with contextlib.suppress(nats.errors.Error):  # else after the ack wait
+                await held.msg.nak()
 
     def _update_capacity(self, endpoint: str) -> None:
         """The throttle's view of the endpoint's throughput: healthy workers x profile,

@@ -3,11 +3,21 @@ test_core_workers)."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 from nats.aio.msg import Msg
 
-from broker_config.config import BrokerSettings, DispatcherOptions
+from broker_config.config import BrokerSettings, DispatcherOptions, load_config
+from broker_config.kv_writer import PutError
+from broker_config.wire import Encoding, SubmitRequest, Submission
+from costmodel.units import NO_CAPACITY
+from dispatcher.core.workers import Lost, Worker
+from dispatcher.held import Held, HeldRequests
+from dispatcher.metrics import DispatcherMetrics
 from dispatcher.park import HDR_PARKED_AT, HDR_PARKED_ID, restore, stored_at
+from dispatcher.reports import WorkerReports
 
 SUBJECTS = BrokerSettings().subjects
 
@@ -39,3 +49,41 @@ def test_only_a_parked_copy_keeps_the_original_store_time_and_id():
     assert stored_at(parked, SUBJECTS) == 1700000000.0
     assert restore(parked).headers == {"Nats-Msg-Id": "r1",
                                        HDR_PARKED_AT: "1700000000000000000"}
+
+
+class HandedBack:
+    """A held message that records how it was settled."""
+
+    def __init__(self) -> None:
+        self.settled: list[str] = []
+
+    async def nak(self) -> None:
+        self.settled.append("nak")
+
+    async def term(self) -> None:
+        self.settled.append("term")
+
+
+class RefusingResults:
+    """The results bucket while the broker is unreachable."""
+
+    async def finish(self, msg, submission, event, now) -> None:
+        raise PutError("results: no responders")
+
+
+async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_dropped():
+    config = load_config()
+    metrics = DispatcherMetrics(list(config.endpoints))
+    held = HeldRequests()
+    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), None,
+                            Encoding.JSON)
+    msg = HandedBack()
+    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1", streamed=True)
+    reports = WorkerReports(config, SUBJECTS, SimpleNamespace(endpoints={}), None, held,
+                            SimpleNamespace(results=RefusingResults()), None, metrics,
+                            asyncio.Event(), None)
+    worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
+    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    # Naked: redelivered at once, it runs again rather than vanish.
+    assert msg.settled == ["nak"]
+    assert held.get(("acme", "r1")) is None
