@@ -311,15 +311,12 @@ async def _stored(nc, keys: list[Key]) -> dict[Key, wire.StoredResult]:
 
 def failures(figures: dict[str, Any], saturated: bool) -> list[str]:
     """The goals that failed: delivery always; no eviction at all when saturated."""
-    failed = [name for name in ("lost", "two_different_results", "ran_twice_to_completion")
-              if figures[name]]
+    failed = [name for name in ("lost", "two_different_results", "ran_twice_to_completion",
+                                "internal_elsewhere") if figures[name]]
     if figures["healthy_evictions"] or (saturated and figures["evictions"]):
         failed.append("evictions")
-    # A healthy worker thought lost: its requests ran again, or ended with `internal`.
     if saturated and figures["redispatched"]:
-        failed.append("redispatched")
-    if saturated and figures["outcomes"].get(wire.ErrorCode.INTERNAL.value):
-        failed.append("internal")
+        failed.append("redispatched")  # a healthy worker was thought lost
     return failed
 
 

@@ -28,6 +28,10 @@ from dispatcher.core.workers import Key
 _TOKEN_PREFIX = b'{"type":"token"'
 
 
+# Faults that make the dispatcher take a worker's work back (a slowed worker keeps it).
+LOSES_THE_WORKER = frozenset({"kill", "stop", "hang"})
+
+
 @dataclass(slots=True)
 class Fault:
     """One injected fault: `kind` on the worker process `worker_id` (pid, run) at `at`."""
@@ -181,6 +185,13 @@ def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
     outcomes: Counter[str] = Counter()
     for key in submitted:
         outcomes[_outcome(_final(watch, stored, key))] += 1
+    # `internal` ends a request whose worker was lost after it streamed: only requests
+    # sent to a worker that was killed, stopped or hung may end so.
+    lost_workers = {f.worker_id for f in faults if f.kind in LOSES_THE_WORKER}
+    internal_elsewhere = [
+        k for k in submitted
+        if _outcome(_final(watch, stored, k)) == wire.ErrorCode.INTERNAL.value
+        and not any(d.worker_id in lost_workers for d in watch.dispatches.get(k, ()))]
     totals = sorted(e.timings.total_s for key in submitted
                     for e in [_final(watch, stored, key)] if isinstance(e, wire.DoneEvent))
     answers = sorted(watch.probe_answer_s)
@@ -196,6 +207,8 @@ def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
         "ran_twice_to_completion": len(ran_twice),
         "ran_twice_ids": [list(k) for k in ran_twice[:20]],
         "outcomes": dict(outcomes),
+        "internal_elsewhere": len(internal_elsewhere),
+        "internal_elsewhere_ids": [list(k) for k in internal_elsewhere[:20]],
         "done_total_s": {f"p{q}": _quantile(totals, q / 100) for q in (50, 95, 99)},
         "redispatched": sum(1 for k in submitted if len(watch.dispatches.get(k, ())) > 1),
         "worker_fullness_mean": (sum(watch.fullness) / len(watch.fullness)

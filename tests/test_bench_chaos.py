@@ -72,15 +72,33 @@ def test_fault_figures_time_detection_redispatch_and_replacement() -> None:
     assert figures["healthy_evictions"] == 1 and figures["healthy_evicted"] == ["w3"]
 
 
+def test_only_requests_sent_to_a_lost_worker_may_end_with_internal() -> None:
+    watch = Watch(None, Subjects(), "chat", "_INBOX.x")
+    on_hung, on_slowed, on_healthy = ("A", "on-hung"), ("A", "on-slowed"), ("A", "on-ok")
+    watch.dispatches[on_hung].append(_Dispatch(5.0, "w1"))
+    watch.dispatches[on_slowed].append(_Dispatch(5.0, "w2"))
+    watch.dispatches[on_healthy].append(_Dispatch(5.0, "w3"))
+    ended = {key: stored(wire.ErrorEvent(id=key[1], code=wire.ErrorCode.INTERNAL,
+                                         message="lost", retry_after_s=1.0))
+             for key in (on_hung, on_slowed, on_healthy)}
+    faults = [Fault("hang", "w1", 1, 100.0, 10.0, {on_hung}),
+              Fault("slow", "w2", 2, 200.0, 10.0, {on_slowed})]
+    figures = verdict(watch, faults, list(ended), ended)
+    # A slowed worker keeps its work, so its requests have no reason to end so either.
+    assert figures["internal_elsewhere"] == 2
+    assert sorted(figures["internal_elsewhere_ids"]) == [list(on_healthy), list(on_slowed)]
+    assert "internal_elsewhere" in failures(figures, saturated=False)
+
+
 def test_a_saturated_run_fails_on_any_sign_of_a_healthy_worker_thought_lost() -> None:
     clean = {"lost": 0, "two_different_results": 0, "ran_twice_to_completion": 0,
-             "healthy_evictions": 0, "evictions": 0, "redispatched": 0,
-             "outcomes": {"done": 10}}
+             "internal_elsewhere": 0, "healthy_evictions": 0, "evictions": 0,
+             "redispatched": 0}
     assert failures(clean, saturated=True) == []
-    # Ended with `internal`: what a lost worker's streamed requests get.
-    ended = clean | {"outcomes": {"done": 9, "internal": 1}}
-    assert failures(ended, saturated=True) == ["internal"]
-    assert failures(ended, saturated=False) == []  # expected where faults are injected
     assert failures(clean | {"redispatched": 2}, saturated=True) == ["redispatched"]
+    assert failures(clean | {"redispatched": 2}, saturated=False) == []  # faults do that
     assert failures(clean | {"evictions": 1}, saturated=True) == ["evictions"]
+    assert failures(clean | {"evictions": 1}, saturated=False) == []  # a hang's
+    assert failures(clean | {"internal_elsewhere": 1}, saturated=False) == [
+        "internal_elsewhere"]
     assert failures(clean | {"lost": 1}, saturated=False) == ["lost"]

@@ -53,10 +53,12 @@ async def test_chaos_smoke(nats_binary: Path, tmp_path: Path) -> None:
     assert summary["failed"] == [], summary["failed"]
     assert figures["submitted"] == chaos.SMOKE.requests
     assert figures["unreadable_messages"] == 0
-    # Every request ends done, or (streamed on the hung worker) with the retryable error.
+    # Every request ends done, or (it streamed on a lost worker: `failed` checks that it
+    # was sent to one) with the retryable error.
     assert set(figures["outcomes"]) <= {"done", "internal"}
-    assert figures["outcomes"].get("done", 0) >= 0.9 * chaos.SMOKE.requests
     faults = {f["kind"]: f for f in figures["faults"]}
+    assert figures["outcomes"].get("internal", 0) <= sum(
+        faults[kind]["held"] for kind in ("kill", "stop", "hang"))
     assert set(faults) == set(chaos.FAULTS)
     for kind in ("kill", "stop", "hang"):
         fault = faults[kind]
