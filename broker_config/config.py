@@ -185,7 +185,7 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # JetStream redelivers what is not acked within this; held messages are marked in
     # progress every third of it.
     ack_wait_s: PositiveSeconds = 60.0
-    # A worker silent this long is out of rotation and its requests are requeued.
+    # A worker silent this long is out of rotation and its work is taken back.
     worker_timeout_s: PositiveSeconds = 5.0
     # Health probes (one token through the worker's engine) go to a worker holding work
     # with no completion or new token for probe_stall_s, or idle for probe_idle_s; one

@@ -37,12 +37,12 @@ from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.park import stored_at
 from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
-from dispatcher.results import Results
+from dispatcher.results import BROKER_ERRORS, Results
 
 log = logging.getLogger("fairq.dispatcher")
 
-# A failed results lookup hands its batch back this soon (not after the whole ack wait).
-LOOKUP_RETRY_S = 1.0
+# What the broker failed to look up or to end comes back this soon (not after the ack wait).
+HAND_BACK_S = 1.0
 # A request cancelled while still in the stream is refused at admission for this long
 # (its stored `cancelled` event covers it after that, and across restarts).
 CANCEL_MEMORY_S = 300.0
@@ -88,7 +88,7 @@ class Admission:
             log.error("results lookup failed (%s); %d requests handed back", exc, len(parsed))
             for msg, _ in parsed:
                 with contextlib.suppress(nats.errors.Error):
-                    await msg.nak(delay=LOOKUP_RETRY_S)
+                    await msg.nak(delay=HAND_BACK_S)
             return
         for msg, submission in parsed:
             await _guarded(self._take(msg, submission,
@@ -140,7 +140,7 @@ class Admission:
                 result = await self.limiter.apply(result, now)
             except LimiterUnavailable as exc:
                 log.error("rate limiter unavailable: %s", exc)
-                await self.results.finish(held.msg, sub, wire.ErrorEvent(
+                await self.end(held, wire.ErrorEvent(
                     sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0), now)
                 self.metrics.child(self.metrics.admissions, sub.endpoint, "internal").inc()
                 return
@@ -197,8 +197,22 @@ class Admission:
 
     async def reject(self, held: Held, decision: Decision, now: float) -> None:
         """End a held request with `decision`'s error (it was never sent to a worker)."""
-        await self.results.finish(held.msg, held.submission,
-                                  to_error_event(held.submission.id, decision), now)
+        await self.end(held, to_error_event(held.submission.id, decision), now)
+
+    async def end(self, held: Held, event: wire.FinalEvent,
+                  now: float) -> wire.FinalEvent | None:
+        """End a held request with `event`: the result that stands, or None if the broker
+        could not store it; then the message is handed back (naked), so the request comes
+        back rather than vanish."""
+        try:
+            return await self.results.finish(held.msg, held.submission, event, now)
+        except BROKER_ERRORS as exc:
+            log.error("could not end request %s of %s: %r; handing it back",
+                      held.submission.id, held.submission.tenant, exc)
+            # Delayed: a results bucket that keeps failing must not spin redeliveries.
+            with contextlib.suppress(nats.errors.Error):  # else after the ack wait
+                await held.msg.nak(delay=HAND_BACK_S)
+            return None
 
     async def drop_expired(self, requests: Iterable[Request], now: float) -> None:
         """Queued requests whose deadline passed before they were dispatched."""

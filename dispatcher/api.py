@@ -20,14 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from broker_config import wire
 from broker_config.config import Config
-from broker_config.direct_get import DirectBatchGet, DirectGetError, StoredMessage
+from broker_config.direct_get import DirectBatchGet, StoredMessage
 from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, Subjects
 from dispatcher.admit import CANCELLED, Admission
 from dispatcher.convert import to_error_event
@@ -35,7 +34,7 @@ from dispatcher.core.scheduler import DepthRow, Scheduler
 from dispatcher.core.workers import Key
 from dispatcher.held import HeldRequests
 from dispatcher.park import restored_headers
-from dispatcher.results import Results
+from dispatcher.results import BROKER_ERRORS, Results
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -43,7 +42,6 @@ log = logging.getLogger("fairq.dispatcher")
 SCAN_BATCH = 256
 # A status or cancel whose broker lookup failed (a timeout on a starved machine) is
 # answered `internal` with this retry hint.
-LOOKUP_ERRORS = (DirectGetError, nats.errors.Error, TimeoutError)
 LOOKUP_RETRY_AFTER_S = 0.5
 
 
@@ -82,7 +80,7 @@ class Api:
             return
         try:
             reply = await self.status((tenant, query.id))
-        except LOOKUP_ERRORS as exc:
+        except BROKER_ERRORS as exc:
             reply = _unavailable(query.id, exc)
         await _respond(msg, reply)
 
@@ -115,7 +113,7 @@ class Api:
             return
         try:
             reply = wire.CancelReply(query.id, await self.cancel((tenant, query.id)))
-        except LOOKUP_ERRORS as exc:
+        except BROKER_ERRORS as exc:
             reply = _unavailable(query.id, exc)
         await _respond(msg, reply)
 

@@ -54,11 +54,11 @@ class DispatcherMetrics:
             ["endpoint"], registry=r)
         self.redispatched = Counter(
             "fairq_redispatched",
-            "Requests of a lost worker (evicted, silent, restarted) run again elsewhere",
+            "Requests a lost worker had not streamed from, run again elsewhere",
             ["endpoint"], registry=r)
         self.failed_by_lost_worker = Counter(
             "fairq_failed_by_lost_worker",
-            "Requests of a lost worker ended with a retryable error (they had streamed)",
+            "Requests a lost worker had streamed from, ended with a retryable error",
             ["endpoint"], registry=r)
         self.input_tokens = Counter("fairq_input_tokens", "Prompt tokens of finished requests",
                                     ["endpoint"], registry=r)

@@ -19,11 +19,9 @@ place by arrival (an adopted one is admitted again); one that streamed ends here
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
-import nats.errors
 from nats.aio.msg import Msg
 
 from broker_config import wire
@@ -87,16 +85,19 @@ class WorkerReports:
                                        beat.capacity, in_flight, beat.healthy, time.time(),
                                        sum(count for _, count in generated),
                                        beat.capacity_mu_per_s)
+            streamed = []
             if lost:
                 log.warning("worker %s no longer has %d requests; taking them back",
                             beat.worker_id, len(lost.requests) + len(lost.adopted))
-                await self._take_back(lost)
+                streamed = await self._take_back(lost)
             # After the take-back: what went back to a queue is no longer charged here.
             self.scheduler.progress(generated)
             for key, count in generated:
                 # The scheduler does not track adopted requests' output: marked here.
                 if count and (held := self.held.adopted.get(key)) is not None:
                     held.streamed = True
+        # Outside the lock: one slow store must not hold up every worker's heartbeats.
+        await self._fail_all(streamed)
         worker = self.pool.get(beat.worker_id)
         self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
             worker.load)
@@ -107,21 +108,23 @@ class WorkerReports:
         for worker, lost in self.pool.silent(now):
             log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
                         now - worker.last_seen)
-            await self._take_back(lost)
+            await self._fail_all(await self._take_back(lost))
             self._update_capacity(worker.endpoint)
 
     async def evicted(self, worker: Worker, lost: Lost) -> None:
-        await self._take_back(lost)
+        await self._fail_all(await self._take_back(lost))
         self._update_capacity(worker.endpoint)
         self.wake.set()
 
-    async def _take_back(self, lost: Lost) -> None:
-        """Work a worker no longer has: what streamed nothing yet runs again elsewhere,
-        the rest ends with a retryable error."""
+    async def _take_back(self, lost: Lost) -> list[Held]:
+        """Work a worker no longer has: what streamed nothing yet runs again elsewhere;
+        the rest is settled here and returned, for `_fail_all` to end."""
         now = time.time()
+        streamed = []
         for request in lost.requests:
             if request.output_charged > 0:
-                await self._end_streamed(request, now)
+                if (held := await self._settle_streamed(request, now)) is not None:
+                    streamed.append(held)
             elif self.scheduler.requeue(request.tenant, request.id) is not None:
                 request.payload.worker = None
                 self.metrics.child(self.metrics.redispatched, request.endpoint).inc()
@@ -130,14 +133,16 @@ class WorkerReports:
             if held is None:
                 continue
             if held.streamed:
-                await self._fail(held, now)
+                streamed.append(held)
             else:
                 held.worker = None
                 self.metrics.child(self.metrics.redispatched, held.submission.endpoint).inc()
                 await self.admission.admit(held, now)
+        return streamed
 
-    async def _end_streamed(self, request: Request, now: float) -> None:
-        """Settle a streamed request of a lost worker at what it generated, and fail it."""
+    async def _settle_streamed(self, request: Request, now: float) -> Held | None:
+        """Settle a streamed request of a lost worker at what it generated; its held
+        message, to end."""
         profile = self.scheduler.endpoints[request.endpoint].profile
         usage = Usage(request.input_tokens, request.output_charged,
                       profile.model_units(request.input_tokens, request.output_charged,
@@ -145,28 +150,24 @@ class WorkerReports:
         completed = self.scheduler.complete(request.tenant, request.id, usage, now)
         if completed is not None:
             await self._refund(completed)
-        held = self.held.admitted.pop((request.tenant, request.id), None)
-        if held is not None:
-            await self._fail(held, now)
+        return self.held.admitted.pop((request.tenant, request.id), None)
+
+    async def _fail_all(self, streamed: list[Held]) -> None:
+        """End streamed requests with `internal` and a retry hint, their stores at once.
+        A result a worker stored first stands and is what the client is sent; one the
+        broker cannot store is handed back (it runs again: a second stream)."""
+        now = time.time()
+        await asyncio.gather(*(self._fail(held, now) for held in streamed))
 
     async def _fail(self, held: Held, now: float) -> None:
-        """End a streamed request with `internal` and a retry hint (the result a worker
-        stored first, if any, stands and is what the client is sent)."""
-        self.metrics.child(self.metrics.failed_by_lost_worker,
-                           held.submission.endpoint).inc()
         event = wire.ErrorEvent(
             held.submission.id, wire.ErrorCode.INTERNAL,
-            "the worker running it was lost (evicted, silent or restarted) after it had "
-            "streamed output; resubmit it with a new id",
+            "the worker running it was lost (evicted, silent, restarted, or it dropped "
+            "the request) after the request had streamed output; resubmit it with a new id",
             self.config.dispatcher.lost_worker_retry_after_s)
-        try:
-            await self.admission.results.finish(held.msg, held.submission, event, now)
-        except nats.errors.Error as exc:
-            # Not stored, so not ended: redelivered, it runs again (a second stream).
-            log.error("could not end request %s of %s: %r; handing it back",
-                      held.submission.id, held.submission.tenant, exc)
-            with contextlib.suppress(nats.errors.Error):  # else after the ack wait
-                await held.msg.nak()
+        if await self.admission.end(held, event, now) == event:
+            self.metrics.child(self.metrics.failed_by_lost_worker,
+                               held.submission.endpoint).inc()
 
     def _update_capacity(self, endpoint: str) -> None:
         """The throttle's view of the endpoint's throughput: healthy workers x profile,

@@ -17,17 +17,20 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError
 
 from broker_config import jetstream, wire
-from broker_config.direct_get import DirectBatchGet
+from broker_config.direct_get import DirectBatchGet, DirectGetError
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from dispatcher.core.workers import Key
 
 STORE_ATTEMPTS = 3  # create-only puts of one result, when its key looks empty but is not
+# What a broker that is unreachable or slow raises from the calls below.
+BROKER_ERRORS = (DirectGetError, nats.errors.Error, TimeoutError)
 
 
 class Results:
@@ -95,9 +98,11 @@ class Results:
                               headers={HDR_CONTENT_TYPE: wire.Encoding.JSON.content_type})
 
     async def finish(self, msg: Msg, submission: wire.Submission, event: wire.FinalEvent,
-                     now: float) -> None:
+                     now: float) -> wire.FinalEvent:
         """End a request here, without a worker: store, tell the client, drop the message.
-        If it has a result already (a worker stored one meanwhile), the client gets that."""
+        If it has a result already (a worker stored one meanwhile), the client gets that.
+        The result that stands. Raises one of BROKER_ERRORS."""
         event = await self.store(submission.tenant, submission.endpoint, event, now)
         await self.publish(submission.reply, submission.encoding, event)
         await msg.term()
+        return event

@@ -42,7 +42,6 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -225,22 +224,18 @@ class Dispatcher:
         while True:
             await asyncio.sleep(self.options.tick_s)
             now = self._ticked_at = time.time()
-            try:
-                await self.admission.drop_expired(self.scheduler.expire(now), now)
-                await self.reports.take_back_silent(now)
-                for worker, lost in await self.probes.tick(now):
-                    await self.reports.evicted(worker, lost)
-                self.admission.forget_old_cancels(now)
-                await self.autoscaling.tick(now)
-                if now - last_extension > self.options.ack_wait_s / 3:
-                    last_extension = now
-                    await self.held.in_progress()
-                if now - last_export >= DEPTH_EXPORT_S:
-                    last_export = now
-                    self._export_depth(now)
-            except nats.errors.Error:
-                # The broker answering late or not at all must not stop the dispatcher.
-                log.exception("maintenance tick failed; the next one goes on")
+            await self.admission.drop_expired(self.scheduler.expire(now), now)
+            await self.reports.take_back_silent(now)
+            for worker, lost in await self.probes.tick(now):
+                await self.reports.evicted(worker, lost)
+            self.admission.forget_old_cancels(now)
+            await self.autoscaling.tick(now)
+            if now - last_extension > self.options.ack_wait_s / 3:
+                last_extension = now
+                await self.held.in_progress()
+            if now - last_export >= DEPTH_EXPORT_S:
+                last_export = now
+                self._export_depth(now)
             self.dispatch.wake.set()
 
     def _export_depth(self, now: float) -> None:

@@ -11,10 +11,11 @@ end of its log, since restarting would not cure a bad argument or config.
 Supervision (`producers.supervisor`): a worker that exits without being asked to is
 restarted under the same worker id after 0.5 s, doubling per further crash up to 30 s,
 back to 0.5 s after a run of 10 s; every exit and restart is printed. The dispatcher
-sees the new `started_at` in the new process's heartbeats and requeues what the dead one
-was running. A worker process the dispatcher holds unhealthy (silent, e.g. stopped with
-SIGSTOP; evicted by its health probes and not exiting; its engine failed) is killed, once
-it has run `REPLACE_GRACE_S`, so that it is restarted the same way.
+sees the new `started_at` in the new process's heartbeats and takes back what the dead
+one was running (docs/protocol.md: what a client sees). A worker process the dispatcher
+holds unhealthy (silent, e.g. stopped with SIGSTOP; evicted by its health probes and not
+exiting; its engine failed) is killed, once it has run `REPLACE_GRACE_S`, so that it is
+restarted the same way.
 
 Autoscaling (`--autoscale`, `producers.scaling`): each endpoint starts with its policy's
 `min_replicas` workers, and the dispatcher's scale events start more (lowest free

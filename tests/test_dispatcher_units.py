@@ -10,9 +10,11 @@ import pytest
 from nats.aio.msg import Msg
 
 from broker_config.config import BrokerSettings, DispatcherOptions, load_config
+from broker_config.direct_get import DirectGetError
 from broker_config.kv_writer import PutError
 from broker_config.wire import Encoding, SubmitRequest, Submission
 from costmodel.units import NO_CAPACITY
+from dispatcher.admit import HAND_BACK_S, Admission
 from dispatcher.core.workers import Lost, Worker
 from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
@@ -55,23 +57,30 @@ class HandedBack:
     """A held message that records how it was settled."""
 
     def __init__(self) -> None:
-        self.settled: list[str] = []
+        self.settled: list[tuple[str, float | None]] = []
 
-    async def nak(self) -> None:
-        self.settled.append("nak")
+    async def nak(self, delay: float | None = None) -> None:
+        self.settled.append(("nak", delay))
 
     async def term(self) -> None:
-        self.settled.append("term")
+        self.settled.append(("term", None))
 
 
 class RefusingResults:
-    """The results bucket while the broker is unreachable."""
+    """The results bucket while the broker is unreachable (a put), or while reading the
+    result that stands fails (a create that found a value)."""
 
-    async def finish(self, msg, submission, event, now) -> None:
-        raise PutError("results: no responders")
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def finish(self, msg, submission, event, now):
+        raise self.error
 
 
-async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_dropped():
+@pytest.mark.parametrize("error", [PutError("results: no responders"),
+                                   DirectGetError("batch direct get: timeout")])
+async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_dropped(
+        error: Exception):
     config = load_config()
     metrics = DispatcherMetrics(list(config.endpoints))
     held = HeldRequests()
@@ -79,11 +88,14 @@ async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_
                             Encoding.JSON)
     msg = HandedBack()
     held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1", streamed=True)
+    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
+                          RefusingResults(error), metrics, dict)
     reports = WorkerReports(config, SUBJECTS, SimpleNamespace(endpoints={}), None, held,
-                            SimpleNamespace(results=RefusingResults()), None, metrics,
-                            asyncio.Event(), None)
+                            admission, None, metrics, asyncio.Event(), None)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
     await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
-    # Naked: redelivered at once, it runs again rather than vanish.
-    assert msg.settled == ["nak"]
+    # Naked, a little later than at once: redelivered, it runs again rather than vanish,
+    # and a results bucket that keeps failing does not spin redeliveries.
+    assert msg.settled == [("nak", HAND_BACK_S)]
     assert held.get(("acme", "r1")) is None
+    assert metrics.child(metrics.failed_by_lost_worker, "chat")._value.get() == 0

@@ -92,15 +92,15 @@ class WorkerService:
        apply meanwhile;
     3. abandon the rest: cancel them and abort them in the engine WITHOUT storing or
        publishing a final event and without a Completion, so the dispatcher never acks
-       them and they are redelivered elsewhere (the client may have seen some of their
-       token events; the run that finishes them streams from seq 0 again). Requests
-       already storing their final event are not abandoned: they finish (bounded by the
-       store retries);
+       them: it runs those that streamed nothing yet elsewhere and ends the others with
+       a retryable `internal` error (a client has seen their text). Requests already
+       storing their final event are not abandoned: they finish (bounded by the store
+       retries);
     4. unsubscribe from aborts, stop heartbeats, send a final heartbeat with
        `healthy=False`, no capacity, nothing in flight, and flush the connection.
 
     The dispatcher treats every request it sent to this worker that has no Completion
-    when that final heartbeat arrives (or when heartbeats stop) as lost, and requeues it.
+    when that final heartbeat arrives (or when heartbeats stop) as lost, and takes it back.
     """
 
     def __init__(self, nc: Client, engine: Engine, *, endpoint: str, worker_id: str,

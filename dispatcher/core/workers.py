@@ -27,8 +27,8 @@ Requests a worker runs that the dispatcher did not send it (found in its heartbe
 a dispatcher restart) are *adopted*: the pool tracks them by key, without capacity (the
 worker's heartbeat counts them), until they complete or the worker loses them.
 
-Every decision that takes work away from a worker returns it as `Lost`: requests for the
-caller to requeue in the scheduler, adopted keys for it to admit again.
+Every decision that takes work away from a worker returns it as `Lost`, for the caller
+to take back (`dispatcher/reports.py`: requeued if it streamed nothing yet, else ended).
 """
 
 from __future__ import annotations
