@@ -26,6 +26,7 @@ from broker_config.config import (
     parse_config,
 )
 from broker_config.subjects import Subjects, shard_of
+from broker_config.wire import STORED_RESULT, ErrorCode, ErrorEvent
 from costmodel.engine_model import load_engine_params
 from dispatcher.service import Dispatcher
 from workers.service import WorkerService
@@ -184,34 +185,58 @@ async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path)
             dispatcher.kill()
 
 
-async def test_requests_of_a_worker_that_drained_away_are_requeued_at_once(nats_url):
+# A prompt of 32,000 tokens takes 4 s to prefill: its request streams nothing before then.
+UNSTREAMED = b'{"prompt":"long","max_tokens":2000,"input_tokens":32000}'
+STREAMING = b'{"prompt":"long","max_tokens":2000}'
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["unstreamed", "streamed"])
+async def test_requests_of_a_worker_that_drained_away_are_taken_back_at_once(nats_url,
+                                                                             streamed):
     """A worker whose drain abandoned requests says so in its last heartbeat (unhealthy,
-    nothing in flight): they are queued again at once, not after worker_timeout_s."""
+    nothing in flight): they are taken back at once, not after worker_timeout_s. Those
+    that streamed nothing yet are queued again; those that streamed end with `internal`."""
     subjects = Subjects()
     options = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=30.0, grace_s=30.0)
     nc = await nats.connect(nats_url)
+    ids = [f"d{i}" for i in range(3)]
     try:
         config = msgspec.structs.replace(parse_config(CONFIG), dispatcher=options)
         async with Dispatcher(nc, config) as dispatcher:
+            scheduler = dispatcher.scheduler
             results = await nc.jetstream().key_value(subjects.results_bucket)
             engine = SimEngine(load_engine_params(EXAMPLE_ENGINE), time_scale=1.0)
             settings = WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=0.1)
             async with engine, WorkerService(nc, engine, endpoint="chat", worker_id="w1",
                                              subjects=subjects, results=results,
                                              settings=settings):
-                for i in range(3):
+                for rid in ids:
                     await nc.jetstream().publish(
-                        "fq.req.chat.acme", b'{"prompt":"long","max_tokens":2000}',
-                        headers={"Nats-Msg-Id": f"d{i}"})
+                        "fq.req.chat.acme", STREAMING if streamed else UNSTREAMED,
+                        headers={"Nats-Msg-Id": rid})
+
+                def started(rid: str) -> bool:
+                    request = scheduler.running_request("acme", rid)
+                    # Streamed: a heartbeat reported its output.
+                    return request is not None and (request.output_charged > 0) == streamed
+
                 deadline = time.monotonic() + 10
-                while dispatcher.scheduler.state("acme", "d2") != ("running", None):
+                while not all(started(rid) for rid in ids):
                     assert time.monotonic() < deadline, "the requests never started"
                     await asyncio.sleep(0.05)
             left = time.monotonic()  # the worker drained away, abandoning all three
-            while any(dispatcher.scheduler.state("acme", f"d{i}")[0] != "queued"
-                      for i in range(3)):
-                assert time.monotonic() - left < 5.0, "not requeued within 5 s"
+            expected = None if streamed else "queued"
+            while any((scheduler.state("acme", rid) or (None,))[0] != expected
+                      for rid in ids):
+                assert time.monotonic() - left < 5.0, "not taken back within 5 s"
                 await asyncio.sleep(0.05)
+            if streamed:
+                for rid in ids:
+                    entry = await results.get(subjects.result_key("acme", rid))
+                    event = STORED_RESULT.decode(entry.value).event
+                    assert isinstance(event, ErrorEvent), event
+                    assert event.code is ErrorCode.INTERNAL
+                    assert event.retry_after_s == options.lost_worker_retry_after_s
             stopping = time.monotonic()
         # Nothing runs any more, so the drain does not wait out its 30 s grace.
         assert time.monotonic() - stopping < 5.0
