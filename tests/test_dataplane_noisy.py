@@ -7,10 +7,13 @@ every sequence slot outside the newcomer reserve busy and never building a backl
 (`bench.recorder.WellBehaved`). What a full continuous batch costs the small tenants by
 itself belongs to sharing the engine; the flood's backlog must add no more than 20%.
 
-The bound holds on the small tenants' p95 time to first token pooled over five seeds
-(about 600 requests per kind of run), a ratio with no absolute slack. Both kinds of run
+The bound holds on the small tenants' p95 time to first token pooled over ten seeds
+(about 1,200 requests per kind of run), a ratio with no absolute slack. Both kinds of run
 share one startup cost: at t=0 A's first requests take every slot outside the reserve
-at once, and the small tenants' first requests wait for the first of them to end.
+at once, and the small tenants' first requests wait for the first of them to end. Those
+few requests per seed make most of the p95, and their waits turn on milliseconds of wall
+time (the flood's 1,000 publishes share the two cores with the dispatcher): over five
+seeds the ratio ranged from 1.02x to 1.22x between runs, so ten seeds are pooled.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ pytestmark = pytest.mark.integration
 # ingesting the flood (about 0.1 s here) then weighs 5x, not the 10x of the benchmark.
 SETTINGS = Settings(noisy_requests=1_000, small_rate=1.0, duration_s=30.0, workers=1,
                     time_scale=0.2, timeout_s=120.0)
-SEEDS = (1, 2, 3, 4, 5)
+SEEDS = tuple(range(1, 11))
 BESIDE = Run("beside", "fairq", "well-behaved")
 FLOOD = Run("fairq", "fairq", "flood")
 NAIVE = Run("naive", "naive", "flood")
@@ -47,6 +50,7 @@ def small_ttfts(result: Replay) -> list[float]:
     return sorted(r.first_token - r.arrival for r in records)
 
 
+@pytest.mark.timeout(900)  # twenty runs of the stack, about 25 s each
 async def test_a_flood_costs_the_small_tenants_no_more_than_an_equally_busy_engine(
         nats_binary: Path, tmp_path: Path) -> None:
     ttfts: dict[str, list[float]] = {BESIDE.name: [], FLOOD.name: []}
