@@ -92,8 +92,9 @@ class WorkerReports:
                 streamed = await self._take_back(lost)
             # After the take-back: what went back to a queue is no longer charged here.
             self.scheduler.progress(generated)
-            for key, count in generated:
-                # The scheduler does not track adopted requests' output: marked here.
+            # The scheduler does not track adopted requests' output: marked here. Only
+            # after a dispatcher restart are there any, so most heartbeats skip the loop.
+            for key, count in generated if self.held.adopted else ():
                 if count and (held := self.held.adopted.get(key)) is not None:
                     held.streamed = True
         # Outside the lock: one slow store must not hold up every worker's heartbeats.
