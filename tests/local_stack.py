@@ -106,5 +106,9 @@ class LocalStack:
                     settings=self.config.workers))
                 self.workers.append(worker)
 
+    def counted(self, metric, endpoint: str = "chat") -> float:
+        """A counter of the dispatcher's metrics, for one endpoint."""
+        return self.metrics.child(metric, endpoint)._value.get()
+
     async def __aexit__(self, *exc_info: object) -> None:
         await self._stack.aclose()

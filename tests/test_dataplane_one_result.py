@@ -158,10 +158,6 @@ async def stop_on_receipt(client: nats.NATS, worker_id: str, pid: int, request_i
     return sent
 
 
-def counter(stack: LocalStack, metric) -> float:
-    return stack.metrics.child(metric, "chat")._value.get()
-
-
 async def test_an_unstreamed_request_of_a_paused_worker_runs_again_and_keeps_one_result(
         nats_url):
     key = ("acme", REQUEST_ID)
@@ -188,7 +184,7 @@ async def test_an_unstreamed_request_of_a_paused_worker_runs_again_and_keeps_one
                     and second.in_flight
 
             await eventually(running_again, timeout=WAIT_S, what="the request running again")
-            assert counter(stack, stack.metrics.redispatched) == 1
+            assert stack.counted(stack.metrics.redispatched) == 1
             os.kill(first_pid, signal.SIGCONT)
 
             async def both_ended():
@@ -205,7 +201,7 @@ async def test_an_unstreamed_request_of_a_paused_worker_runs_again_and_keeps_one
     assert isinstance(stored, DoneEvent) and stored.usage.output_tokens == TOKENS
     # Both runs answered the reply subject with the one result: identical events.
     assert seen.finals(REQUEST_ID) == [stored, stored]
-    assert counter(stack, stack.metrics.failed_by_lost_worker) == 0
+    assert stack.counted(stack.metrics.failed_by_lost_worker) == 0
 
 
 async def test_a_streamed_request_of_a_paused_worker_ends_with_a_retryable_error(nats_url):
@@ -245,8 +241,8 @@ async def test_a_streamed_request_of_a_paused_worker_ends_with_a_retryable_error
     assert stored == end
     # The resumed run published the stored result, not its own: identical events.
     assert seen.finals(REQUEST_ID) == [end, end]
-    assert counter(stack, stack.metrics.failed_by_lost_worker) == 1
-    assert counter(stack, stack.metrics.redispatched) == 0
+    assert stack.counted(stack.metrics.failed_by_lost_worker) == 1
+    assert stack.counted(stack.metrics.redispatched) == 0
 
 
 async def test_a_restarted_worker_s_streamed_request_fails_and_its_unstreamed_one_runs_again(
@@ -287,9 +283,9 @@ async def test_a_restarted_worker_s_streamed_request_fails_and_its_unstreamed_on
     assert stored == {REQUEST_ID: streamed_end, waiting: waiting_end}
     # One run completed it: the new process's (the old one died during its prefill).
     assert [c.worker_id for c in seen.completions if c.id == waiting] == ["chat-first"]
-    assert counter(stack, stack.metrics.failed_by_lost_worker) == 1
-    assert counter(stack, stack.metrics.redispatched) == 1
-    assert counter(stack, stack.metrics.replacements) == 1
+    assert stack.counted(stack.metrics.failed_by_lost_worker) == 1
+    assert stack.counted(stack.metrics.redispatched) == 1
+    assert stack.counted(stack.metrics.replacements) == 1
 
 
 async def test_the_dispatcher_never_overwrites_a_stored_result(nats_url):

@@ -62,10 +62,6 @@ async def collect(client, inbox: str) -> list[dict]:
     return events
 
 
-def counter(stack: LocalStack, metric) -> float:
-    return stack.metrics.child(metric, "chat")._value.get()
-
-
 async def test_a_hung_engine_is_found_by_probes_and_its_work_runs_elsewhere(nats_url, client):
     inbox = client.new_inbox()
     events = await collect(client, inbox)
@@ -88,10 +84,10 @@ async def test_a_hung_engine_is_found_by_probes_and_its_work_runs_elsewhere(nats
         assert not stack.workers[0].live() and not stack.workers[0].ready()
         assert stack.workers[1].live() and stack.workers[1].ready()
         assert pool.get("chat-w2").healthy and not pool.get("chat-w2").evicted
-        assert counter(stack, stack.metrics.evictions) == 1
-        redispatched = counter(stack, stack.metrics.redispatched)
+        assert stack.counted(stack.metrics.evictions) == 1
+        redispatched = stack.counted(stack.metrics.redispatched)
         assert redispatched >= 1  # what the hung worker held ran on the other
-        assert counter(stack, stack.metrics.probe_failures) >= 2
+        assert stack.counted(stack.metrics.probe_failures) >= 2
         hung.faults.hang = False
     # Exactly one final event each, all done: none had streamed on the hung engine.
     for rid, ends in finals(events).items():
@@ -123,7 +119,7 @@ async def test_a_request_that_streamed_before_its_worker_hung_ends_with_a_retrya
         assert (end["type"], end["code"]) == ("error", "internal")
         assert end["retry_after_s"] == PROBING.lost_worker_retry_after_s
         assert stack.dispatcher.pool.get("chat-w1").evicted
-        assert counter(stack, stack.metrics.failed_by_lost_worker) == 1
+        assert stack.counted(stack.metrics.failed_by_lost_worker) == 1
         assert scheduler.running_request("acme", "long") is None
         assert scheduler.queued_count("chat") == 0  # ended, not run again
         stack.engines[0].faults.hang = False
