@@ -20,7 +20,7 @@ import msgspec
 
 from broker_config.config_errors import describe_validation_error
 from broker_config.subjects import TOKEN_PATTERN, Subjects
-from costmodel.capacity import ScalingPolicy
+from costmodel.capacity import DriftPolicy, ScalingPolicy
 from costmodel.units import UNLIMITED_MODEL_UNITS, ModelProfile, load_profile
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -207,6 +207,9 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     tick_s: PositiveSeconds = 0.25
     # The broker runs with per-tenant users: `Fq-Reply` must lie in the tenant's inbox.
     tenant_inboxes: bool = False
+    # When a profile's capacity counts as off from what the workers really do
+    # (`fairq_model_unit_drift`, and a warning in the log).
+    drift: DriftPolicy = msgspec.field(default_factory=DriftPolicy)
 
     def __post_init__(self) -> None:
         if not 2 <= self.tenant_window <= self.max_ack_pending:

@@ -137,3 +137,95 @@ class Autoscaler:
         recommended.append((now, raw))
         return ScaleDecision(recommended[0][1], demand,
                              utilisation(serving, demand, self.mu_per_s_per_replica))
+
+
+class DriftPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """When a profile's capacity counts as off (`[dispatcher.drift]`)."""
+
+    # Observed over predicted outside [low, high] ...
+    low: float = 0.8
+    high: float = 1.25
+    # ... for this long, counted from the first reading out of the band, gives a warning.
+    warn_after_s: float = 60.0
+    # A reading covers the last window_s, and needs min_full_s of it with work queued.
+    window_s: float = 60.0
+    min_full_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low <= 1 <= self.high < math.inf:
+            raise ValueError(f"drift band must satisfy 0 < low <= 1 <= high, got "
+                             f"[{self.low!r}, {self.high!r}]")
+        if not (self.warn_after_s >= 0 and math.isfinite(self.warn_after_s)):
+            raise ValueError(f"warn_after_s must be finite and >= 0, got {self.warn_after_s!r}")
+        if not 0 < self.min_full_s <= self.window_s < math.inf:
+            raise ValueError(f"need 0 < min_full_s <= window_s, got {self.min_full_s!r} "
+                             f"and {self.window_s!r}")
+
+
+class DriftMeter:
+    """How far an endpoint's profile is from what its replicas really do: observed over
+    predicted model-unit throughput.
+
+    Predicted: the serving replicas' `capacity_mu_per_s` (their profile's). Observed:
+    model units of the requests that completed, priced from their real usage.
+    Only intervals in which the endpoint had work waiting that no replica had room for,
+    at both ends, count: then its replicas run at their advertised limits, the condition
+    under which `fairq calibrate` measures capacity, so the reading does not fall with
+    the load. A lighter load says
+    nothing about capacity and gives no reading (None), and no warning until a reading
+    says the profile is still off.
+
+    Because a profile's coefficients price the model units, a wrong alpha or beta moves
+    the reading as much as a wrong capacity does; so does a traffic mix unlike the one
+    the profile was measured on.
+    """
+
+    def __init__(self, policy: DriftPolicy) -> None:
+        self.policy = policy
+        # (end, seconds, completed model units, predicted model units) per full interval,
+        # and their sums over the window.
+        self._intervals: deque[tuple[float, float, float, float]] = deque()
+        self._full_s = self._completed = self._predicted = 0.0
+        self._last: tuple[float, float, bool] | None = None  # time, completed total, full
+        self._out_since: float | None = None
+        self._warned = False
+        self.ratio: float | None = None
+
+    def observe(self, now: float, completed_mu: float, serving_mu_per_s: float,
+                full: bool) -> None:
+        """One look at the endpoint: `completed_mu` is the running total of completed
+        model units, `serving_mu_per_s` the healthy replicas' capacity, `full` whether
+        work waits that none of them has room for."""
+        last, self._last = self._last, (now, completed_mu, full)
+        if last is not None and last[2] and full and serving_mu_per_s > 0 and now > last[0]:
+            seconds = now - last[0]
+            interval = (now, seconds, completed_mu - last[1], seconds * serving_mu_per_s)
+            self._intervals.append(interval)
+            self._add(interval, 1)
+        while self._intervals and self._intervals[0][0] <= now - self.policy.window_s:
+            self._add(self._intervals.popleft(), -1)
+        if not self._intervals:
+            self._full_s = self._completed = self._predicted = 0.0  # no float residue
+        if self._full_s < self.policy.min_full_s or self._predicted <= 0:
+            self.ratio = None
+            return
+        self.ratio = self._completed / self._predicted
+        if self.policy.low <= self.ratio <= self.policy.high:
+            self._out_since, self._warned = None, False
+        elif self._out_since is None:
+            self._out_since = now
+
+    def _add(self, interval: tuple[float, float, float, float], sign: int) -> None:
+        self._full_s += sign * interval[1]
+        self._completed += sign * interval[2]
+        self._predicted += sign * interval[3]
+
+    def warning_due(self, now: float) -> bool:
+        """True once per excursion: the reading has been out of the band for
+        `warn_after_s`. It is due again only after a reading back inside."""
+        if self._warned or self._out_since is None or self.ratio is None:
+            return False
+        if now - self._out_since < self.policy.warn_after_s:
+            return False
+        self._warned = True
+        return True

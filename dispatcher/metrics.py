@@ -77,6 +77,11 @@ class DispatcherMetrics:
         self.utilisation = Gauge("fairq_model_unit_utilisation",
                                  "Demand over the serving workers' model units per second "
                                  "(+Inf with none serving)", ["endpoint"], registry=r)
+        self.drift = Gauge("fairq_model_unit_drift",
+                           "Model units completed per second while work waited that no "
+                           "worker had room for, over the serving workers' "
+                           "capacity_mu_per_s (NaN without a reading)", ["endpoint"],
+                           registry=r)
         # Children of the per-request metrics, which are never cleared: `labels()` hashes
         # and takes a lock on every call, a cost on the request path.
         self._children: dict[tuple[object, tuple[str, ...]], object] = {}

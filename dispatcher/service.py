@@ -11,12 +11,13 @@ One request's path through the parts:
     dispatch.Dispatch        fill each worker's free capacity (core.WorkerPool) and send
     reports.WorkerReports    heartbeats (liveness, lost work) and completions (ack)
     autoscale.Autoscaling    desired workers per autoscaled endpoint: gauges, scale events
+    drift.DriftWatch         is each endpoint's profile still right: a gauge, a warning
     api.Api                  status, cancel, depth
     results.Results          final events: stored, published
 
 The maintenance tick (this module) drops queued requests past their deadline, takes
-back the work of silent workers, extends the ack wait of held messages and exports the
-queue-depth gauges.
+back the work of silent workers, feeds autoscaling and the drift watch, extends the ack
+wait of held messages and exports the queue-depth gauges.
 
 States: STARTING (subscribing) -> SETTLING (for `settle_s` after start, waiting for
 heartbeats so requests still running on workers are adopted, not run twice) -> RUNNING ->
@@ -52,6 +53,7 @@ from broker_config.subjects import ApiKind
 from dispatcher.admit import Admission
 from dispatcher.api import Api
 from dispatcher.autoscale import Autoscaling
+from dispatcher.drift import DriftWatch
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.workers import WorkerPool
 from dispatcher.dispatch import Dispatch
@@ -128,6 +130,7 @@ class Dispatcher:
         self.probes = Probes(self.nc, self.subjects, self.pool, self.options, self.metrics)
         self.autoscaling = Autoscaling(self.nc, self.config, self.subjects, self.scheduler,
                                        self.pool, self.metrics)
+        self.drift = DriftWatch(self.options, self.scheduler, self.pool, self.metrics)
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
                                      self.held, self.admission, self.limiter, self.metrics,
                                      self.dispatch.wake, self.probes)
@@ -230,6 +233,7 @@ class Dispatcher:
                 await self.reports.evicted(worker, lost)
             self.admission.forget_old_cancels(now)
             await self.autoscaling.tick(now)
+            self.drift.tick(now)
             if now - last_extension > self.options.ack_wait_s / 3:
                 last_extension = now
                 await self.held.in_progress()

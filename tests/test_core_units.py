@@ -131,6 +131,7 @@ def test_service_table_errors_name_the_field(table, field, value):
     ("[dispatcher]\nfrobnicate = 1", "frobnicate"),
     ("[workers]\nheartbeat = 1", "heartbeat"),
     ("[broker]\nprefx = 'x'", "prefx"),
+    ("[dispatcher.drift]\nlo = 0.5", "lo"),
 ])
 def test_service_tables_refuse_unknown_fields(table, match):
     with pytest.raises(ConfigError, match=match):
@@ -140,6 +141,7 @@ def test_service_tables_refuse_unknown_fields(table, match):
 @pytest.mark.parametrize("table, match", [
     ("[dispatcher]\ntenant_window = 2000\nmax_ack_pending = 1000", "tenant_window"),
     ("[broker]\nmax_age_s = 1\nduplicate_window_s = 5", "duplicate_window_s"),
+    ("[dispatcher.drift]\nlow = 1.5", "dispatcher.drift.*band"),
 ])
 def test_cross_field_checks_of_service_tables_are_config_errors(table, match):
     with pytest.raises(ConfigError, match=f"bad.toml: .*{match}"):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.calibrate import Fit, Sample, fit_profile, grid
-from costmodel.capacity import Autoscaler, ScalingPolicy
+from costmodel.capacity import Autoscaler, DriftMeter, DriftPolicy, ScalingPolicy
 from costmodel.estimate import Ema, OutputEstimator
 from costmodel.units import ModelProfile, dump_profile, load_profile
 
@@ -362,6 +362,75 @@ def test_decisions_stay_in_bounds_and_the_rates_replicas_stay_through_the_quiet_
         assert without >= max(recent, default=0)
         history.append((t + 0.5, without))
 
+
+# -- drift -------------------------------------------------------------------------------
+
+DRIFT = DriftPolicy(window_s=60.0, min_full_s=20.0, warn_after_s=60.0)
+
+
+def feed(meter: DriftMeter, start: float, end: float, mu_per_s: float, *,
+         serving_mu_per_s: float = 10.0, full: bool = True, completed: float = 0.0) -> float:
+    """Ticks every second from `start` to `end` with `mu_per_s` completed; the total."""
+    for now in range(int(start), int(end) + 1):
+        meter.observe(float(now), completed, serving_mu_per_s, full)
+        completed += mu_per_s
+    return completed
+
+
+def test_drift_is_completed_over_predicted_while_full() -> None:
+    meter = DriftMeter(DRIFT)
+    feed(meter, 0, 30, 5.0)  # two workers of 5 MU/s predicted 10, doing 5
+    assert meter.ratio == pytest.approx(0.5)
+
+
+def test_drift_has_no_reading_below_min_full_s_or_while_not_full() -> None:
+    meter = DriftMeter(DRIFT)
+    total = feed(meter, 0, 15, 5.0)
+    assert meter.ratio is None  # 15 s full: too little
+    total = feed(meter, 16, 200, 1.0, full=False, completed=total)
+    assert meter.ratio is None  # a light load says nothing about capacity
+    feed(meter, 201, 230, 12.0, completed=total)
+    assert meter.ratio == pytest.approx(1.2)  # only the full seconds count
+
+
+def test_drift_reading_covers_only_the_window() -> None:
+    meter = DriftMeter(DRIFT)
+    total = feed(meter, 0, 100, 20.0)
+    assert meter.ratio == pytest.approx(2.0)
+    feed(meter, 101, 200, 10.0, completed=total)
+    assert meter.ratio == pytest.approx(1.0)
+
+
+def test_drift_warns_once_per_excursion_after_warn_after_s() -> None:
+    meter = DriftMeter(DRIFT)
+    total = feed(meter, 0, 20, 5.0)
+    assert meter.ratio == pytest.approx(0.5)  # out of the band from t = 20
+    assert not meter.warning_due(79.0)
+    total = feed(meter, 21, 80, 5.0, completed=total)
+    assert meter.warning_due(80.0)
+    assert not meter.warning_due(81.0)  # once
+    total = feed(meter, 81, 200, 10.0, completed=total)  # back in the band
+    assert meter.ratio == pytest.approx(1.0) and not meter.warning_due(200.0)
+    total = feed(meter, 201, 400, 15.0, completed=total)  # out again: a new excursion
+    assert meter.ratio == pytest.approx(1.5) and meter.warning_due(400.0)
+
+
+def test_drift_does_not_warn_without_a_reading_that_is_still_off() -> None:
+    meter = DriftMeter(DRIFT)
+    total = feed(meter, 0, 30, 5.0)
+    total = feed(meter, 31, 200, 5.0, full=False, completed=total)  # the load went away
+    assert meter.ratio is None and not meter.warning_due(200.0)
+    feed(meter, 201, 230, 5.0, completed=total)  # full again, still off
+    assert meter.warning_due(230.0)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"low": 0.0}, "band"), ({"low": 1.1}, "band"), ({"high": 0.9}, "band"),
+    ({"min_full_s": 0.0}, "min_full_s"), ({"min_full_s": 90.0}, "min_full_s"),
+    ({"warn_after_s": -1.0}, "warn_after_s")])
+def test_a_bad_drift_policy_is_refused(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DriftPolicy(**fields)
 
 
 # -- profiles --------------------------------------------------------------------------

@@ -51,6 +51,9 @@ class EndpointQueues:
         self.startup_wait_s = 0.0  # scaled to zero: the first replica's cold start
         # Model units of every valid request offered so far, admitted or not (demand).
         self.offered_mu = 0.0
+        # Model units of every completed request, priced by the profile from its real
+        # usage (what the replicas really got through: the drift reading).
+        self.completed_mu = 0.0
         self.running = 0
         # Flows with queued or running work, and the sum of their weights (overall and
         # per tier rank, for the throttle's fair-share estimate); those with work queued.

@@ -238,6 +238,9 @@ class Scheduler:
         request, flow = entry
         endpoint = self.endpoints[request.endpoint]
         endpoint.clock = now
+        endpoint.completed_mu += endpoint.profile.model_units(
+            usage.input_tokens, usage.output_tokens, usage.other_units,
+            usage.cached_input_tokens)
         correction = endpoint.cost(usage.input_tokens, usage.output_tokens,
                                    usage.other_units) - request.charged_cost
         flow.deficit -= correction
