@@ -1,10 +1,11 @@
 """Session affinity against least-loaded routing on real vLLM: two CPU engines with
 prefix caching, the dispatcher, and multi-turn chats.
 
-    python -m bench.affinity_vllm [--sessions 12] [--turns 5] [--out-dir bench/results/affinity]
+    python -m bench.affinity_vllm [--sessions 12] [--turns 5] [--workers 2]
+                                  [--kv-cache-mib 64] [--out-dir bench/results/affinity]
 
-Two vLLM workers (the tiny local model, `workers.tiny_model`; prefix caching on) serve
-one endpoint through an embedded nats-server and the real dispatcher. Conversations
+Two vLLM workers (--workers; the tiny local model, `workers.tiny_model`; prefix caching
+on) serve one endpoint through an embedded nats-server and the real dispatcher. Conversations
 share one of two system prompts and grow turn by turn (each turn sends the whole
 conversation so far: system prompt, earlier messages and answers, a new message); the
 conversations run side by side, each turn sent a random 0-1 s after the previous one
@@ -13,8 +14,13 @@ chats run twice, with `affinity` on and off (least utilised worker), each under 
 of its own so neither run finds the other's cache. Reported per run: the share of
 prompt tokens vLLM found cached (`usage.cached_input_tokens`, from its
 `num_cached_tokens`), p50/p95 time to first token, output tokens per second, and each
-worker's share of the requests. The two engines share 2 CPU cores here, so time to first
+worker's share of the requests. The engines share 2 CPU cores here, so time to first
 token mostly measures their contention.
+
+On two workers the 2x cached-token goal of issue 11 is out of reach by construction:
+least-loaded routing sends a turn to the worker of the conversation's previous turn
+about half the time, and there it finds everything affinity would (docs/benchmarks.md
+works the expected ratio out: 1.35x for this workload).
 """
 
 from __future__ import annotations
@@ -75,13 +81,17 @@ OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=30.0, gr
 SYSTEM_PROMPTS = [f"You are a careful assistant for a team of {role} engineers. " * 2
                   for role in ("storage", "network")]
 ANSWER_TOKENS = 16
+KV_CACHE_MIB = 64
 REPLY_S = 120.0
 SUBJECTS = parse_config(CONFIG).subjects
 
 
-def engine_config(model: Path) -> VLLMEngineConfig:
-    return VLLMEngineConfig(model=str(model), max_num_seqs=4, max_model_len=4096,
-                            kv_cache_bytes=64 << 20, ignore_eos=True)
+def engine_config(model: Path, kv_cache_mib: int) -> VLLMEngineConfig:
+    # vLLM refuses a cache smaller than one sequence of max_model_len; the tiny model's
+    # cache holds 1,024 tokens per MiB.
+    return VLLMEngineConfig(model=str(model), max_num_seqs=4,
+                            max_model_len=min(4096, kv_cache_mib * 1024),
+                            kv_cache_bytes=kv_cache_mib << 20, ignore_eos=True)
 
 
 @contextlib.asynccontextmanager
@@ -173,11 +183,12 @@ async def chats(nc: NATS, run: str, sessions: int, turns: int) -> dict[str, Any]
     }
 
 
-async def compare(nats_url: str, model: Path, sessions: int, turns: int) -> dict[str, Any]:
-    """Both routings on the same two engines, affinity first."""
+async def compare(nats_url: str, model: Path, sessions: int, turns: int,
+                  kv_cache_mib: int = KV_CACHE_MIB, workers: int = 2) -> dict[str, Any]:
+    """Both routings on the same engines, affinity first."""
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(VLLMEngine(engine_config(model)))
-                   for _ in range(2)]
+        engines = [await stack.enter_async_context(VLLMEngine(engine_config(model, kv_cache_mib)))
+                   for _ in range(workers)]
         results = {}
         for name, affinity in (("affinity", True), ("least-loaded", False)):
             async with serving(nats_url, engines, affinity) as nc:
@@ -192,7 +203,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
             for name, r in results.items()]
     return "\n".join([
         ran_on(f"python -m bench.affinity_vllm --sessions {args.sessions} "
-               f"--turns {args.turns}"), "",
+               f"--turns {args.turns} --workers {args.workers} "
+               f"--kv-cache-mib {args.kv_cache_mib}"), "",
         *table(["routing", "requests", "cached prompt tokens", "p50 TTFT", "p95 TTFT",
                 "output tok/s", "busiest worker / mean"], rows)])
 
@@ -201,20 +213,25 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fairq-affinity-") as scratch:
         model = build_tiny_model(Path(scratch) / "model")
         async with EmbeddedNatsServer() as server:
-            return await compare(server.url, model, args.sessions, args.turns)
+            return await compare(server.url, model, args.sessions, args.turns,
+                                 args.kv_cache_mib, args.workers)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
+                        help="each engine's KV cache (smaller: cache pressure)")
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/affinity"))
     args = parser.parse_args(argv)
     # A local model: nothing is fetched, and vLLM reports nothing home.
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
         os.environ.setdefault(name, "1")
-    if args.sessions < 1 or args.turns < 1:
-        print("affinity_vllm: --sessions and --turns must be >= 1", file=sys.stderr)
+    if min(args.sessions, args.turns, args.workers, args.kv_cache_mib) < 1:
+        print("affinity_vllm: --sessions, --turns, --workers and --kv-cache-mib must be "
+              ">= 1", file=sys.stderr)
         return 2
     results = asyncio.run(_main(args))
     args.out_dir.mkdir(parents=True, exist_ok=True)
