@@ -187,7 +187,9 @@ class DriftMeter:
         self._intervals: deque[tuple[float, float, float, float]] = deque()
         self._full_s = self._completed = self._predicted = 0.0
         self._last: tuple[float, float, bool] | None = None  # time, completed total, full
-        self._out_since: float | None = None
+        # Since when every reading has been out of the band (None: the last one was in
+        # it, or there is no reading).
+        self.out_since: float | None = None
         self._warned = False
         self.ratio: float | None = None
 
@@ -195,7 +197,10 @@ class DriftMeter:
                 full: bool) -> None:
         """One look at the endpoint: `completed_mu` is the running total of completed
         model units, `serving_mu_per_s` the healthy replicas' capacity, `full` whether
-        work waits that none of them has room for."""
+        work waits that none of them has room for. A look with a non-finite figure is
+        skipped."""
+        if not all(map(math.isfinite, (now, completed_mu, serving_mu_per_s))):
+            return
         last, self._last = self._last, (now, completed_mu, full)
         if last is not None and last[2] and full and serving_mu_per_s > 0 and now > last[0]:
             seconds = now - last[0]
@@ -207,13 +212,14 @@ class DriftMeter:
         if not self._intervals:
             self._full_s = self._completed = self._predicted = 0.0  # no float residue
         if self._full_s < self.policy.min_full_s or self._predicted <= 0:
-            self.ratio = None
+            # No reading: an excursion is counted again from the next one out of band.
+            self.ratio = self.out_since = None
             return
         self.ratio = self._completed / self._predicted
         if self.policy.low <= self.ratio <= self.policy.high:
-            self._out_since, self._warned = None, False
-        elif self._out_since is None:
-            self._out_since = now
+            self.out_since, self._warned = None, False
+        elif self.out_since is None:
+            self.out_since = now
 
     def _add(self, interval: tuple[float, float, float, float], sign: int) -> None:
         self._full_s += sign * interval[1]
@@ -221,11 +227,11 @@ class DriftMeter:
         self._predicted += sign * interval[3]
 
     def warning_due(self, now: float) -> bool:
-        """True once per excursion: the reading has been out of the band for
+        """True once per excursion: every reading has been out of the band for
         `warn_after_s`. It is due again only after a reading back inside."""
-        if self._warned or self._out_since is None or self.ratio is None:
+        if self._warned or self.out_since is None:
             return False
-        if now - self._out_since < self.policy.warn_after_s:
+        if now - self.out_since < self.policy.warn_after_s:
             return False
         self._warned = True
         return True

@@ -109,6 +109,13 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
     other_units: float = 0.0
     cached_input_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        # A NaN or negative count from a faulty worker would corrupt every running sum
+        # it enters (deficits, served cost, the drift reading) for good.
+        if not (min(self.input_tokens, self.output_tokens, self.cached_input_tokens) >= 0
+                and 0 <= self.model_units < math.inf and 0 <= self.other_units < math.inf):
+            raise ValueError(f"usage counts must be finite and >= 0, got {self!r}")
+
 
 def read_toml(path: str | Path, type_: type[T]) -> T:
     """Decode a TOML file into `type_`; every failure is a ValueError naming the file."""

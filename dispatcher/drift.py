@@ -10,11 +10,14 @@ warning says so and how to measure a new one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import time
 
 from broker_config.config import DispatcherOptions
 from costmodel.capacity import DriftMeter
+from costmodel.units import ModelProfile
 from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.workers import Worker, WorkerPool
@@ -25,40 +28,67 @@ log = logging.getLogger(__name__)
 
 class DriftWatch:
     def __init__(self, options: DispatcherOptions, scheduler: Scheduler, pool: WorkerPool,
-                 metrics: DispatcherMetrics) -> None:
+                 metrics: DispatcherMetrics, dispatch_due: asyncio.Event) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.metrics = metrics
+        # Set while a dispatch pass is due: the workers' room is about to change.
+        self.dispatch_due = dispatch_due
         self.meters = {name: DriftMeter(options.drift) for name in scheduler.endpoints}
 
     def tick(self, now: float) -> None:
+        """One look at every endpoint at `now` (the scheduler's clock, wall time); the
+        meters count on a monotonic clock, which a clock step does not move."""
+        if self.dispatch_due.is_set():
+            # A completion has just freed room that the pass will fill: an endpoint at
+            # its limits would look otherwise. The next look covers this one's time.
+            return
         serving: dict[str, list[Worker]] = {name: [] for name in self.meters}
         for worker in self.pool:
             if worker.healthy and worker.endpoint in serving:
                 serving[worker.endpoint].append(worker)
+        looked_at = time.monotonic()
         for name, meter in self.meters.items():
             queues = self.scheduler.endpoints[name]
-            profile = queues.profile
             workers = serving[name]
-            meter.observe(now, queues.completed_mu,
-                          sum(w.mu_per_s or profile.capacity_mu_per_s for w in workers),
-                          full=self._full(queues, workers))
+            predicted = sum(advertised_mu_per_s(w, queues.profile) for w in workers)
+            meter.observe(looked_at, queues.completed_mu, predicted,
+                          full=at_limits(queues, workers, now))
             self.metrics.drift.labels(name).set(math.nan if meter.ratio is None
                                                 else meter.ratio)
-            if meter.warning_due(now):
+            if meter.warning_due(looked_at):
                 policy = meter.policy
                 log.warning(
-                    "endpoint %s: its workers complete %.2fx the model units per second "
-                    "their profile %r predicts (capacity_mu_per_s %.4g per worker) while "
-                    "full, outside [%.2f, %.2f] for %.0f s; routing, the early rejection "
-                    "and autoscaling count with the wrong capacity: measure a profile on "
-                    "this traffic (`fairq calibrate --out FILE`, then `profile_file = "
-                    "FILE`)", name, meter.ratio, profile.name, profile.capacity_mu_per_s,
-                    policy.low, policy.high, policy.warn_after_s)
+                    "endpoint %s: its %d workers complete %.2fx the model units per second "
+                    "they advertise (%.4g in all, from profile %r) while full, outside "
+                    "[%.2f, %.2f] for %.0f s; routing, the early rejection and autoscaling "
+                    "count with the wrong capacity: measure a profile on this traffic "
+                    "(`fairq calibrate --out FILE`), point the endpoint's `profile_file` at "
+                    "it and restart its workers, which advertise their profile's capacity",
+                    name, len(workers), meter.ratio, predicted, queues.profile.name,
+                    policy.low, policy.high, looked_at - meter.out_since)
 
-    @staticmethod
-    def _full(queues: EndpointQueues, workers: list[Worker]) -> bool:
-        """Work waits and no serving worker has room for any of it: the workers run at
-        their limits. (Work also waits while the newcomer reserve keeps room free.)"""
-        return bool(queues.backlogged_flows and workers) and not any(
-            queues.waiting_that_fits(worker.free()) for worker in workers)
+
+def at_limits(queues: EndpointQueues, workers: list[Worker], now: float) -> bool:
+    """Work waits and no serving worker has room for any of it (outside the
+    newcomer reserve while it is held): the workers run at their limits. Not while
+    one offers less than its size (it drains, or its engine shrank)."""
+    if not (queues.backlogged_flows and workers):
+        return False
+    if any(worker.capacity.sequences < worker.sequences for worker in workers):
+        return False
+    hold_reserve = queues.reserve_can_matter(now)
+    for worker in workers:
+        room = worker.free()
+        if hold_reserve:
+            room = room.minus(queues.reserve(worker.capacity))
+        if queues.waiting_that_fits(room):
+            return False
+    return True
+
+
+def advertised_mu_per_s(worker: Worker, profile: ModelProfile) -> float:
+    """What a worker says it completes, else (unknown or nonsense) its profile's."""
+    if 0 < worker.mu_per_s < math.inf:
+        return worker.mu_per_s
+    return profile.capacity_mu_per_s

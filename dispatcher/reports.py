@@ -204,6 +204,8 @@ class WorkerReports:
             held = self.held.admitted.pop(key, None)
         else:
             held = self.held.adopted.pop(key, None)
+            if held is not None and done.endpoint in self.scheduler.endpoints:
+                self.scheduler.count_completed(done.endpoint, done.usage)
         if held is not None:
             if done.stored:
                 await held.msg.ack()

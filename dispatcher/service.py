@@ -130,7 +130,8 @@ class Dispatcher:
         self.probes = Probes(self.nc, self.subjects, self.pool, self.options, self.metrics)
         self.autoscaling = Autoscaling(self.nc, self.config, self.subjects, self.scheduler,
                                        self.pool, self.metrics)
-        self.drift = DriftWatch(self.options, self.scheduler, self.pool, self.metrics)
+        self.drift = DriftWatch(self.options, self.scheduler, self.pool, self.metrics,
+                                self.dispatch.wake)
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
                                      self.held, self.admission, self.limiter, self.metrics,
                                      self.dispatch.wake, self.probes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from costmodel.calibrate import Fit, Sample, fit_profile, grid
 from costmodel.capacity import Autoscaler, DriftMeter, DriftPolicy, ScalingPolicy
 from costmodel.estimate import Ema, OutputEstimator
-from costmodel.units import ModelProfile, dump_profile, load_profile
+from costmodel.units import ModelProfile, Usage, dump_profile, load_profile
 
 # -- Ema and OutputEstimator -----------------------------------------------------------
 
@@ -415,13 +416,26 @@ def test_drift_warns_once_per_excursion_after_warn_after_s() -> None:
     assert meter.ratio == pytest.approx(1.5) and meter.warning_due(400.0)
 
 
-def test_drift_does_not_warn_without_a_reading_that_is_still_off() -> None:
+def test_drift_warns_only_after_warn_after_s_of_readings_out_of_band() -> None:
+    meter = DriftMeter(DRIFT)
+    total = feed(meter, 0, 50, 5.0)  # out of the band from t = 20
+    total = feed(meter, 51, 200, 5.0, full=False, completed=total)  # the load went away
+    assert meter.ratio is None and not meter.warning_due(200.0)
+    # Full again, still off: readings from t = 221 on, and a minute of them is needed;
+    # the excursion before the gap does not count.
+    total = feed(meter, 201, 280, 5.0, completed=total)
+    assert meter.ratio == pytest.approx(0.5) and not meter.warning_due(280.0)
+    feed(meter, 281, 281, 5.0, completed=total)
+    assert meter.warning_due(281.0)
+
+
+def test_drift_skips_a_look_with_a_non_finite_figure() -> None:
     meter = DriftMeter(DRIFT)
     total = feed(meter, 0, 30, 5.0)
-    total = feed(meter, 31, 200, 5.0, full=False, completed=total)  # the load went away
-    assert meter.ratio is None and not meter.warning_due(200.0)
-    feed(meter, 201, 230, 5.0, completed=total)  # full again, still off
-    assert meter.warning_due(230.0)
+    meter.observe(31.0, math.nan, 10.0, True)
+    meter.observe(31.0, total, math.inf, True)
+    feed(meter, 31, 40, 5.0, completed=total)
+    assert meter.ratio == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -472,3 +486,15 @@ def test_model_units_with_cached_input_discount() -> None:
     # More cached tokens than input tokens: all input is cached, no more.
     assert profile.model_units(100, 0, cached_input_tokens=500) == 25
     assert profile.model_units(100, 0, cached_input_tokens=-5) == 100
+
+
+@pytest.mark.parametrize("fields", [
+    {"model_units": math.nan}, {"model_units": math.inf}, {"other_units": math.nan},
+    {"other_units": -1.0}, {"input_tokens": -1}, {"cached_input_tokens": -5}])
+def test_usage_refuses_counts_that_would_corrupt_running_sums(fields: dict) -> None:
+    values = {"input_tokens": 10, "output_tokens": 5, "model_units": 1.0} | fields
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        Usage(**values)
+    # On the wire too: a worker's usage decodes to an error, never into the sums.
+    with pytest.raises(msgspec.ValidationError, match="finite and >= 0"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(values), type=Usage)

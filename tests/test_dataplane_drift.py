@@ -40,7 +40,6 @@ profile = "{name}"
 cost = "model_units"
 latency_target_s = 3600.0
 max_tokens_cap = 64
-newcomer_reserve = 0.0
 """ for name, capacity in PREDICTED.items())
     return parse_config(profiles + """
 [[tiers]]

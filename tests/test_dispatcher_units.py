@@ -4,6 +4,7 @@ test_core_workers)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -13,13 +14,16 @@ from broker_config.config import BrokerSettings, DispatcherOptions, load_config
 from broker_config.direct_get import DirectGetError
 from broker_config.kv_writer import PutError
 from broker_config.wire import Encoding, SubmitRequest, Submission
-from costmodel.units import NO_CAPACITY
+from costmodel.units import NO_CAPACITY, Capacity
 from dispatcher.admit import HAND_BACK_S, Admission
-from dispatcher.core.workers import Lost, Worker
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.workers import Lost, Worker, WorkerPool
+from dispatcher.drift import advertised_mu_per_s, at_limits
 from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.park import HDR_PARKED_AT, HDR_PARKED_ID, restore, stored_at
 from dispatcher.reports import WorkerReports
+from tests.core_support import make_config, req
 
 SUBJECTS = BrokerSettings().subjects
 
@@ -99,3 +103,37 @@ async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_
     assert msg.settled == [("nak", HAND_BACK_S)]
     assert held.get(("acme", "r1")) is None
     assert metrics.child(metrics.failed_by_lost_worker, "chat")._value.get() == 0
+
+
+def test_an_endpoint_is_at_its_limits_only_without_room_outside_a_held_reserve():
+    """The drift reading counts only while the workers run at their limits: work waits
+    that no worker has room for, the newcomer reserve's room not counted while it may be
+    needed, and no worker draining."""
+    scheduler = Scheduler(make_config(reserve=0.5, sequences=2))
+    pool = WorkerPool(timeout_s=math.inf)
+    worker = pool.add("w1", "ep", Capacity(2, 10**9, 1e12), 0.0)
+    queues = scheduler.endpoints["ep"]
+    assert not at_limits(queues, [worker], 0.0)  # nothing waits
+    for n in range(3):
+        scheduler.enqueue(req("a", n), 0.0)
+    assert not at_limits(queues, [], 0.0)  # no worker serves
+    assert not at_limits(queues, [worker], 10.0)  # one slot free outside the reserve
+    pool.assign(worker, req("a", "r1"), 10.0)
+    # Only the reserved slot is free, and a newcomer may come within the window ...
+    assert queues.reserve_can_matter(10.0) and at_limits(queues, [worker], 10.0)
+    # ... after which the reserve is lent out: there is room.
+    assert not queues.reserve_can_matter(100.0) and not at_limits(queues, [worker], 100.0)
+    pool.assign(worker, req("a", "r2"), 100.0)
+    assert at_limits(queues, [worker], 100.0)
+    worker.capacity = Capacity(1, 10**9, 1e12)  # it drains: offers less than its size
+    assert not at_limits(queues, [worker], 100.0)
+
+
+def test_a_worker_without_a_sensible_capacity_counts_at_its_profiles():
+    profile = load_config().profiles["llama-7b-sim"]
+    worker = Worker("w1", "chat", 0.0, Capacity(1, 1, 1.0), 0.0)
+    for said, counted in ((12.5, 12.5), (0.0, profile.capacity_mu_per_s),
+                          (math.nan, profile.capacity_mu_per_s),
+                          (math.inf, profile.capacity_mu_per_s)):
+        worker.mu_per_s = said
+        assert advertised_mu_per_s(worker, profile) == counted
