@@ -146,4 +146,10 @@ def test_the_autoscaling_benchmark_runs_on_the_first_minutes_of_the_trace(
         # Exactly the replicas each minute needs costs less than holding the peak's.
         assert 0 < ways["oracle at 100%"]["gpu_seconds"] <= ways["oracle"]["gpu_seconds"] \
             <= ways["static for peak"]["gpu_seconds"]
-    assert "| eight endpoints | autoscaled |" in capsys.readouterr().out
+    # Measured over the hour after the run-up, per endpoint too.
+    scaled = results["eight endpoints"]["autoscaled"]
+    assert sum(e["requests"] for e in scaled["endpoints"].values()) == scaled["requests"]
+    assert sum(e["gpu_seconds"] for e in scaled["endpoints"].values()) == pytest.approx(
+        scaled["gpu_seconds"])
+    out = capsys.readouterr().out
+    assert "| eight endpoints | autoscaled |" in out and "| ep8 | 1.0x | yes |" in out
