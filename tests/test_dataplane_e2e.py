@@ -240,6 +240,30 @@ async def test_every_error_code_comes_from_its_bad_input(nats_url, client):
         assert (await collect(after))[-1]["type"] == "done"
 
 
+@pytest.mark.parametrize("token", ["*", ">"])
+async def test_a_wildcard_as_the_tenant_token_is_answered_and_leaves_nothing_behind(
+        stack, client, token):
+    """The broker stores a request published on `fq.req.chat.*` (a literal wildcard as
+    the tenant token); it must get its error like any bad input, not be taken for every
+    tenant (a consumer filter, the depth listing) or stay in the stream."""
+    _, sub = await submit(client, "chat", token, {"prompt": "x", "max_tokens": 4})
+    final = (await collect(sub))[-1]
+    assert final["type"] == "error" and final["code"] == "invalid_request", final
+    assert "invalid tenant" in final["message"]
+    _, valid = await submit(client, "chat", "acme", {"prompt": "x", "max_tokens": 4})
+    assert (await collect(valid))[-1]["type"] == "done"
+    js = client.jetstream()
+    deadline = time.monotonic() + 10.0
+    while True:  # the depth API reflects the stream as of its last listing
+        depth = await api(client, "fq.api.depth", {})
+        stored = (await js.stream_info(stack.config.subjects.requests_stream,
+                                       subjects_filter=">")).state
+        if not stored.messages and all(q["tenant"] != token for q in depth["queues"]):
+            break
+        assert time.monotonic() < deadline, (depth, stored.subjects)
+        await asyncio.sleep(0.1)
+
+
 async def test_the_same_id_twice_runs_once(stack, client):
     rid, sub = await submit(client, "chat", "acme", {"prompt": "once", "max_tokens": 6})
     first = await collect(sub)
