@@ -205,7 +205,7 @@ class WorkerReports:
         else:
             held = self.held.adopted.pop(key, None)
             if held is not None and done.endpoint in self.scheduler.endpoints:
-                self.scheduler.count_completed(done.endpoint, done.usage)
+                self.scheduler.endpoints[done.endpoint].count_completed(done.usage)
         if held is not None:
             if done.stored:
                 await held.msg.ack()

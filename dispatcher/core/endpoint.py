@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from broker_config.config import Endpoint
-from costmodel.units import NO_CAPACITY, Capacity, ModelProfile
+from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.tiers import Selector
 from dispatcher.core.types import Request
@@ -80,6 +80,13 @@ class EndpointQueues:
             flow.deficit -= cost
             flow.served_cost += cost
             request.charged_cost += cost
+
+    def count_completed(self, usage: Usage) -> None:
+        """Add a finished request's model units, priced from its real usage (also one
+        adopted after a restart, which the scheduler does not track)."""
+        self.completed_mu += self.profile.model_units(
+            usage.input_tokens, usage.output_tokens, usage.other_units,
+            usage.cached_input_tokens)
 
     def reserve(self, total: Capacity) -> Capacity:
         return newcomer_reserve(total, self.reserve_fraction)

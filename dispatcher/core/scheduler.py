@@ -77,10 +77,8 @@ class Scheduler:
         self._order = priority_order if policy == "fairq" else arrival_order
         self.endpoints = {
             name: EndpointQueues(
-                name, spec, self.registry.profile(name),
-                selector_for(policy, len(config.tiers)),
-                spec.newcomer_reserve if policy == "fairq" else 0.0,
-                len(config.tiers))
+                name, spec, self.registry.profile(name), selector_for(policy, len(config.tiers)),
+                spec.newcomer_reserve if policy == "fairq" else 0.0, len(config.tiers))
             for name, spec in config.endpoints.items()
         }
         self._queued: dict[RequestKey, TenantFlow] = {}
@@ -229,15 +227,6 @@ class Scheduler:
 
     # -- completion, cancellation, expiry -----------------------------------------
 
-    def count_completed(self, endpoint_name: str, usage: Usage) -> None:
-        """Add a finished request's model units, priced from its real usage, to what the
-        endpoint's workers got through; also for one adopted after a restart, which the
-        scheduler does not track."""
-        endpoint = self.endpoints[endpoint_name]
-        endpoint.completed_mu += endpoint.profile.model_units(
-            usage.input_tokens, usage.output_tokens, usage.other_units,
-            usage.cached_input_tokens)
-
     def complete(self, tenant: str, request_id: str, usage: Usage,
                  now: float) -> Completed | None:
         """Settle a finished request: correct its tenant's DRR charge with real usage."""
@@ -247,7 +236,7 @@ class Scheduler:
         request, flow = entry
         endpoint = self.endpoints[request.endpoint]
         endpoint.clock = now
-        self.count_completed(request.endpoint, usage)
+        endpoint.count_completed(usage)
         correction = endpoint.cost(usage.input_tokens, usage.output_tokens,
                                    usage.other_units) - request.charged_cost
         flow.deficit -= correction
