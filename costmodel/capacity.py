@@ -166,14 +166,13 @@ class DriftMeter:
     """How far an endpoint's profile is from what its replicas really do: observed over
     predicted model-unit throughput.
 
-    Predicted: the serving replicas' `capacity_mu_per_s` (their profile's). Observed:
-    model units of the requests that completed, priced from their real usage.
-    Only intervals in which the endpoint had work waiting that no replica had room for,
-    at both ends, count: then its replicas run at their advertised limits, the condition
-    under which `fairq calibrate` measures capacity, so the reading does not fall with
-    the load. A lighter load says
-    nothing about capacity and gives no reading (None), and no warning until a reading
-    says the profile is still off.
+    Predicted: the serving replicas' advertised `capacity_mu_per_s`. Observed: model
+    units of the requests that completed, priced from their real usage. Only intervals
+    in which the endpoint had work waiting that no replica had room for, at both ends,
+    count: then its replicas run at their limits, the condition under which `fairq
+    calibrate` measures capacity, so the reading does not fall with the load. A lighter
+    load says nothing about capacity and gives no reading (None), and no warning until
+    readings say the profile is still off.
 
     Because a profile's coefficients price the model units, a wrong alpha or beta moves
     the reading as much as a wrong capacity does; so does a traffic mix unlike the one

@@ -53,10 +53,10 @@ from broker_config.subjects import ApiKind
 from dispatcher.admit import Admission
 from dispatcher.api import Api
 from dispatcher.autoscale import Autoscaling
-from dispatcher.drift import DriftWatch
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.workers import WorkerPool
 from dispatcher.dispatch import Dispatch
+from dispatcher.drift import DriftWatch
 from dispatcher.held import HeldRequests
 from dispatcher.intake import Intake
 from dispatcher.metrics import DispatcherMetrics
