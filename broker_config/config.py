@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from broker_config.config_errors import describe_validation_error
+from broker_config.limits import InputLimits
 from broker_config.subjects import TOKEN_PATTERN, Subjects
 from costmodel.capacity import DriftPolicy, ScalingPolicy
 from costmodel.units import UNLIMITED_MODEL_UNITS, ModelProfile, load_profile
@@ -210,6 +211,8 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # When a profile's capacity counts as off from what the workers really do
     # (`fairq_model_unit_drift`, and a warning in the log).
     drift: DriftPolicy = msgspec.field(default_factory=DriftPolicy)
+    # What one submitted request may hold; over it: `invalid_request`.
+    input: InputLimits = msgspec.field(default_factory=InputLimits)
 
     def __post_init__(self) -> None:
         if not 2 <= self.tenant_window <= self.max_ack_pending:

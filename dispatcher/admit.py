@@ -79,7 +79,7 @@ class Admission:
             try:
                 parsed.append((msg, wire.parse_submission(
                     msg.subject, msg.data, msg.headers, self.subjects,
-                    tenant_inboxes=self.options.tenant_inboxes)))
+                    tenant_inboxes=self.options.tenant_inboxes, limits=self.options.input)))
             except wire.WireError as error:
                 await _guarded(self._refuse_unparsed(msg, error), msg)
         try:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from broker_config.limits import InputLimits
 from broker_config.subjects import (
     UNSHARDED,
     shard_of,
@@ -313,6 +314,46 @@ def test_parse_submission() -> None:
     assert (sub.endpoint, sub.tenant, sub.id, sub.reply, sub.encoding) == (
         "chat", "acme", "r-1", "_INBOX.ev", Encoding.JSON)
     assert sub.request.prompt == "x"
+
+
+SMALL = InputLimits(max_body_bytes=400, max_prompt_chars=50, max_messages=2, max_images=1,
+                    max_image_chars=20, max_metadata_entries=2, max_metadata_chars=30,
+                    max_session_chars=10)
+
+
+@pytest.mark.parametrize("body, limit", [
+    ({"prompt": "x" * 51}, "max_prompt_chars is 50, the request has 51"),
+    ({"messages": [{"role": "user", "content": "x" * 30}] * 2},
+     "max_prompt_chars is 50, the request has 60"),
+    ({"messages": [{"role": "user", "content": "x"}] * 3}, "max_messages is 2"),
+    ({"prompt": "x", "images": ["a", "b"]}, "max_images is 1, the request has 2"),
+    ({"prompt": "x", "images": ["a" * 21]}, "max_image_chars is 20, the request has 21"),
+    ({"prompt": "x", "metadata": {"a": "1", "b": "2", "c": "3"}}, "max_metadata_entries is 2"),
+    ({"prompt": "x", "metadata": {"k": "v" * 30}}, "max_metadata_chars is 30, the request has 31"),
+    ({"prompt": "x", "session": "s" * 11}, "max_session_chars is 10, the request has 11"),
+], ids=["prompt", "messages-content", "messages", "images", "image", "metadata",
+        "metadata-chars", "session"])
+def test_a_body_over_a_limit_is_invalid_and_says_which(body: dict, limit: str) -> None:
+    headers = {HDR_MSG_ID: "r-1", HDR_REPLY: "_INBOX.ev"}
+    data = json.dumps(body).encode()
+    with pytest.raises(WireError, match=re.escape(limit)) as info:
+        parse_submission("fq.req.chat.acme", data, headers, S, limits=SMALL)
+    error = info.value
+    assert error.code is ErrorCode.INVALID_REQUEST and "[dispatcher.input]" in error.message
+    assert (error.request_id, error.reply) == ("r-1", "_INBOX.ev")  # it is answered
+    # Within the defaults, the same body is fine.
+    assert parse_submission("fq.req.chat.acme", data, headers, S).id == "r-1"
+
+
+def test_a_body_over_max_body_bytes_is_refused_before_it_is_decoded() -> None:
+    headers = {**MSGPACK, HDR_REPLY: "_INBOX.ev"}
+    garbage = b"\xc1" * 401  # not msgpack at all: decoding would fail differently
+    with pytest.raises(WireError, match="max_body_bytes is 400, the request has 401") as info:
+        parse_submission("fq.req.chat.acme", garbage, headers, S, limits=SMALL)
+    assert (info.value.request_id, info.value.reply, info.value.encoding) == (
+        "r-1", "_INBOX.ev", Encoding.MSGPACK)
+    with pytest.raises(WireError, match="max_body_bytes"):
+        parse_submission("fq.req.chat.acme", b"x" * ((1 << 20) + 1), headers, S)
 
 
 def test_parse_submission_errors_carry_safe_context() -> None:

@@ -132,6 +132,7 @@ def test_service_table_errors_name_the_field(table, field, value):
     ("[workers]\nheartbeat = 1", "heartbeat"),
     ("[broker]\nprefx = 'x'", "prefx"),
     ("[dispatcher.drift]\nlo = 0.5", "lo"),
+    ("[dispatcher.input]\nmax_imgs = 3", "max_imgs"),
 ])
 def test_service_tables_refuse_unknown_fields(table, match):
     with pytest.raises(ConfigError, match=match):

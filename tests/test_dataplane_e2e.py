@@ -20,6 +20,7 @@ from broker_config.config import (
     load_config,
     parse_config,
 )
+from broker_config.limits import InputLimits
 from costmodel.engine_model import load_engine_params
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import api
@@ -262,6 +263,22 @@ async def test_a_wildcard_as_the_tenant_token_is_answered_and_leaves_nothing_beh
             break
         assert time.monotonic() < deadline, (depth, stored.subjects)
         await asyncio.sleep(0.1)
+
+
+async def test_a_request_over_an_input_limit_is_answered_and_the_rest_still_run(
+        nats_url, client):
+    limits = InputLimits(max_images=1, max_prompt_chars=100)
+    options = stack_options(dispatcher=msgspec.structs.replace(FAST, input=limits))
+    async with LocalStack(load_config(), options, nats_url=nats_url):
+        for body, limit in (({"prompt": "x", "images": ["aGk=", "aGk="]}, "max_images is 1"),
+                            ({"prompt": "x" * 101}, "max_prompt_chars is 100")):
+            _, sub = await submit(client, "chat", "acme", body)
+            final = (await collect(sub))[-1]
+            assert final["type"] == "error" and final["code"] == "invalid_request", final
+            assert limit in final["message"]
+        _, sub = await submit(client, "chat", "acme", {"prompt": "x" * 100, "images": ["aGk="]})
+        final = (await collect(sub))[-1]
+        assert final["type"] == "done", final
 
 
 async def test_the_same_id_twice_runs_once(stack, client):
