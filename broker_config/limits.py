@@ -1,10 +1,10 @@
 """What one submitted request may hold (`[dispatcher.input]`).
 
-Checked where a stored request is parsed, before anything costly: the body's size before
-it is decoded, then counts and lengths before its tokens are estimated or it is queued.
-A request over a limit ends with `invalid_request`, whose message names the limit, its
-value and what the request had. The defaults leave room for long-context chats; lower
-them for a service whose requests are smaller.
+Checked once, when a request first reaches admission, before its tokens are counted or
+it is queued (the broker's largest message, `[broker] max_msg_size`, bounds what is
+decoded before that). A request over a limit ends with `invalid_request`, whose message
+names the limit, its value and what the request had. The defaults leave room for
+long-context chats; lower them for a service whose requests are smaller.
 """
 
 from __future__ import annotations
@@ -36,16 +36,17 @@ class InputLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     max_session_chars: PositiveInt = 256
 
 
-def over_limits(request: SubmitRequest, limits: InputLimits) -> str | None:
-    """What of a decoded submit body is over a limit, or None."""
-    return next(_violations(request, limits), None)
+def over_limits(request: SubmitRequest, body_bytes: int, limits: InputLimits) -> str | None:
+    """What of a submitted request (decoded from `body_bytes`) is over a limit, or None."""
+    return next(_violations(request, body_bytes, limits), None)
 
 
-def _violations(request: SubmitRequest, limits: InputLimits) -> Iterator[str]:
+def _violations(request: SubmitRequest, body_bytes: int, limits: InputLimits) -> Iterator[str]:
     messages = request.messages or ()
     prompt_chars = (len(request.prompt) if request.prompt is not None
                     else sum(len(m.content) for m in messages))
     for name, had in (
+            ("max_body_bytes", body_bytes),
             ("max_prompt_chars", prompt_chars),
             ("max_messages", len(messages)),
             ("max_images", len(request.images)),

@@ -19,7 +19,6 @@ from typing import Annotated, Generic, Literal, TypeVar
 
 import msgspec
 
-from broker_config.limits import InputLimits, over_limits
 from broker_config.subjects import (
     CONTENT_TYPE_JSON,
     CONTENT_TYPE_MSGPACK,
@@ -483,14 +482,6 @@ def _check_request(request: SubmitRequest, header_id: str | None) -> SubmitReque
     return request
 
 
-DEFAULT_LIMITS = InputLimits()
-
-
-def _over_limit(what: str, request_id: str | None, encoding: Encoding) -> WireError:
-    return WireError(ErrorCode.INVALID_REQUEST, f"over a limit of [dispatcher.input]: {what}",
-                     request_id=request_id, encoding=encoding)
-
-
 @dataclass(frozen=True, slots=True)
 class Submission:
     """A validated submit: where it came from, what it asks, where its events go."""
@@ -504,10 +495,8 @@ class Submission:
 
 
 def parse_submission(subject: str, body: bytes, headers: Mapping[str, str] | None,
-                     subjects: Subjects, *, tenant_inboxes: bool = False,
-                     limits: InputLimits = DEFAULT_LIMITS) -> Submission:
-    """Subject, headers and body of a submitted message, all checked, the body against
-    `limits` (its size before it is decoded).
+                     subjects: Subjects, *, tenant_inboxes: bool = False) -> Submission:
+    """Subject, headers and body of a submitted message, all checked.
 
     `tenant_inboxes`: the broker runs with per-tenant users, so `Fq-Reply` must lie in
     the tenant's own inbox. Raises WireError `invalid_request`; its context fields say
@@ -530,18 +519,10 @@ def parse_submission(subject: str, body: bytes, headers: Mapping[str, str] | Non
         except SubjectError as exc:
             raise WireError(ErrorCode.INVALID_REQUEST, str(exc), request_id=known_id) from exc
     try:
-        if len(body) > limits.max_body_bytes:  # before the work of decoding it
-            error = _over_limit(f"max_body_bytes is {limits.max_body_bytes}, the request "
-                                f"has {len(body)}", known_id, Encoding.JSON)
-            with contextlib.suppress(WireError):  # an unknown one: answered in JSON
-                error.encoding = Encoding.from_content_type(header(headers, HDR_CONTENT_TYPE))
-            raise error
         request = decode_request(body, headers)
-        encoding = Encoding.from_content_type(header(headers, HDR_CONTENT_TYPE))
-        if (violation := over_limits(request, limits)) is not None:
-            raise _over_limit(violation, request.id, encoding)
     except WireError as exc:
         exc.reply = reply
         raise
+    encoding = Encoding.from_content_type(header(headers, HDR_CONTENT_TYPE))
     # decode_request always fills the id; `or ""` only narrows the type.
     return Submission(endpoint, tenant, request.id or "", request, reply, encoding)

@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from broker_config import jetstream, wire
 from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectGetError
+from broker_config.limits import over_limits
 from broker_config.subjects import Subjects
 from dispatcher.convert import to_error_event, to_request
 from dispatcher.core.scheduler import Scheduler
@@ -79,7 +80,7 @@ class Admission:
             try:
                 parsed.append((msg, wire.parse_submission(
                     msg.subject, msg.data, msg.headers, self.subjects,
-                    tenant_inboxes=self.options.tenant_inboxes, limits=self.options.input)))
+                    tenant_inboxes=self.options.tenant_inboxes)))
             except wire.WireError as error:
                 await _guarded(self._refuse_unparsed(msg, error), msg)
         try:
@@ -120,9 +121,27 @@ class Admission:
             self.held.adopted[key] = held
             self.pool.adopt(worker, key)
             return
+        if await self._over_limits(held, len(msg.data), now):
+            return
         # The wait in the stream counts against the latency target on the first delivery
         # only: a redelivery (after a restart) was admitted once and has waited for us.
         await self.admit(held, now, now - held.received_at if deliveries == 1 else 0.0)
+
+    async def _over_limits(self, held: Held, body_bytes: int, now: float) -> bool:
+        """End a request over `[dispatcher.input]` before its tokens are counted. Held,
+        finished and adopted requests never get here: limits lowered across a restart
+        do not end those (a redelivered request whose worker has not reported it yet
+        is judged like a new one)."""
+        sub = held.submission
+        violation = over_limits(sub.request, body_bytes, self.options.input)
+        if violation is None:
+            return False
+        label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
+        self.metrics.child(self.metrics.admissions, label, "invalid_request").inc()
+        await self.end(held, wire.ErrorEvent(sub.id, wire.ErrorCode.INVALID_REQUEST,
+                                             f"over a limit of [dispatcher.input]: {violation}"),
+                       now)
+        return True
 
     async def admit(self, held: Held, now: float, waited_s: float = 0.0) -> None:
         """Admission proper: checks, the limiter store, then the scheduler's queue."""

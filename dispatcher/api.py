@@ -181,10 +181,9 @@ class Api:
 
     def _parse(self, message: StoredMessage) -> wire.Submission | None:
         try:
-            options = self.config.dispatcher
             return wire.parse_submission(message.subject, message.data, message.headers,
-                                         self.subjects, tenant_inboxes=options.tenant_inboxes,
-                                         limits=options.input)
+                                         self.subjects,
+                                         tenant_inboxes=self.config.dispatcher.tenant_inboxes)
         except wire.WireError:
             return None
 

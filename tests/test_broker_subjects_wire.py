@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker_config.limits import InputLimits
+from broker_config.limits import InputLimits, over_limits
 from broker_config.subjects import (
     UNSHARDED,
     shard_of,
@@ -331,29 +331,16 @@ SMALL = InputLimits(max_body_bytes=400, max_prompt_chars=50, max_messages=2, max
     ({"prompt": "x", "metadata": {"a": "1", "b": "2", "c": "3"}}, "max_metadata_entries is 2"),
     ({"prompt": "x", "metadata": {"k": "v" * 30}}, "max_metadata_chars is 30, the request has 31"),
     ({"prompt": "x", "session": "s" * 11}, "max_session_chars is 10, the request has 11"),
+    ({"prompt": "x" * 500}, "max_body_bytes is 400, the request has 5"),  # checked first
 ], ids=["prompt", "messages-content", "messages", "images", "image", "metadata",
-        "metadata-chars", "session"])
-def test_a_body_over_a_limit_is_invalid_and_says_which(body: dict, limit: str) -> None:
-    headers = {HDR_MSG_ID: "r-1", HDR_REPLY: "_INBOX.ev"}
+        "metadata-chars", "session", "body"])
+def test_a_request_over_a_limit_is_named_with_the_limit_and_what_it_had(
+        body: dict, limit: str) -> None:
     data = json.dumps(body).encode()
-    with pytest.raises(WireError, match=re.escape(limit)) as info:
-        parse_submission("fq.req.chat.acme", data, headers, S, limits=SMALL)
-    error = info.value
-    assert error.code is ErrorCode.INVALID_REQUEST and "[dispatcher.input]" in error.message
-    assert (error.request_id, error.reply) == ("r-1", "_INBOX.ev")  # it is answered
-    # Within the defaults, the same body is fine.
-    assert parse_submission("fq.req.chat.acme", data, headers, S).id == "r-1"
-
-
-def test_a_body_over_max_body_bytes_is_refused_before_it_is_decoded() -> None:
-    headers = {**MSGPACK, HDR_REPLY: "_INBOX.ev"}
-    garbage = b"\xc1" * 401  # not msgpack at all: decoding would fail differently
-    with pytest.raises(WireError, match="max_body_bytes is 400, the request has 401") as info:
-        parse_submission("fq.req.chat.acme", garbage, headers, S, limits=SMALL)
-    assert (info.value.request_id, info.value.reply, info.value.encoding) == (
-        "r-1", "_INBOX.ev", Encoding.MSGPACK)
-    with pytest.raises(WireError, match="max_body_bytes"):
-        parse_submission("fq.req.chat.acme", b"x" * ((1 << 20) + 1), headers, S)
+    request = decode_request(data, JSON)
+    assert limit in over_limits(request, len(data), SMALL)
+    # Within the defaults, the same request is fine.
+    assert over_limits(request, len(data), InputLimits()) is None
 
 
 def test_parse_submission_errors_carry_safe_context() -> None:

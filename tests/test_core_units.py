@@ -430,3 +430,12 @@ def test_a_sparse_tenant_repays_its_debt_while_the_ring_turns_without_it():
     # Twenty picks while b was away: ten visits of a and c, five rounds, 50 MU of
     # credit for 40 MU of debt; b is back in the new lane and goes first.
     assert _sparse_tenant_with_debt(picks_while_away=20)[0] == "b"
+
+
+def test_input_limits_come_from_the_dispatcher_input_table():
+    config = parse_config(MINIMAL + "[dispatcher.input]\nmax_images = 2\nmax_body_bytes = 4096")
+    limits = config.dispatcher.input
+    assert (limits.max_images, limits.max_body_bytes) == (2, 4096)
+    assert limits.max_messages == 1024  # the rest keep their defaults
+    with pytest.raises(ConfigError, match="max_images"):
+        parse_config(MINIMAL + "[dispatcher.input]\nmax_images = -1")
