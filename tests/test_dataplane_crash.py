@@ -190,6 +190,18 @@ UNSTREAMED = b'{"prompt":"long","max_tokens":2000,"input_tokens":32000}'
 STREAMING = b'{"prompt":"long","max_tokens":2000}'
 
 
+async def stored(results, key: str, timeout: float = 5.0):
+    """A result the dispatcher stores: the stores of a lost worker's streamed requests run
+    concurrently, after the scheduler has let the requests go."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await results.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            assert time.monotonic() < deadline, f"no result stored under {key}"
+            await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["unstreamed", "streamed"])
 async def test_requests_of_a_worker_that_drained_away_are_taken_back_at_once(nats_url,
                                                                              streamed):
@@ -232,7 +244,7 @@ async def test_requests_of_a_worker_that_drained_away_are_taken_back_at_once(nat
                 await asyncio.sleep(0.05)
             if streamed:
                 for rid in ids:
-                    entry = await results.get(subjects.result_key("acme", rid))
+                    entry = await stored(results, subjects.result_key("acme", rid))
                     event = STORED_RESULT.decode(entry.value).event
                     assert isinstance(event, ErrorEvent), event
                     assert event.code is ErrorCode.INTERNAL
