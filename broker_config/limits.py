@@ -1,8 +1,8 @@
 """What one submitted request may hold (`[dispatcher.input]`).
 
-Checked once, when a request first reaches admission, before its tokens are counted or
-it is queued (the broker's largest message, `[broker] max_msg_size`, bounds what is
-decoded before that). A request over a limit ends with `invalid_request`, whose message
+Checked when admission takes a request on, before its tokens are counted or it is
+queued; requests already held, finished or adopted from a worker are not judged again
+(the broker's largest message, `[broker] max_msg_size`, bounds what is decoded before). A request over a limit ends with `invalid_request`, whose message
 names the limit, its value and what the request had. The defaults leave room for
 long-context chats; lower them for a service whose requests are smaller.
 """
