@@ -148,7 +148,6 @@ async def test_malformed_requests_raise_value_error(engine: SimEngine, req: Engi
 @pytest.mark.parametrize(("req", "match"), [
     (request("r", max_tokens=0), "'r': max_tokens must be >= 1"),
     (request("r", target=0), "'r': output_tokens must be >= 1"),
-    (request("r", input_tokens=0), "'r': input_tokens must be >= 1"),
     (request("r", max_tokens=100, input_tokens=950), "'r'.*never fit the KV cache"),
 ])
 async def test_impossible_requests_raise_value_error(req: EngineRequest, match: str) -> None:
@@ -185,6 +184,13 @@ async def test_streams_tokens_then_one_final_delta_with_usage(engine: SimEngine)
 async def test_given_input_tokens_replace_counting(engine: SimEngine) -> None:
     deltas = await collect(engine, request("r", target=2, prompt="", input_tokens=700))
     assert deltas[-1].input_tokens == 700
+
+
+async def test_a_declared_zero_input_runs_as_one_token(engine: SimEngine) -> None:
+    """The contract allows `input_tokens: 0`; an engine prefills at least one token."""
+    deltas = await collect(engine, request("r", target=2, prompt="", input_tokens=0))
+    check_stream(deltas, 2, "stop")
+    assert deltas[-1].input_tokens == 1
 
 
 async def test_max_tokens_caps_output_with_finish_reason_length(engine: SimEngine) -> None:

@@ -220,7 +220,10 @@ class SimEngine:
             raise ValueError(f"request {request.id!r}: max_tokens must be >= 1, "
                              f"got {request.max_tokens!r}")
         text = _render(request)  # checked even when the input length is given
-        input_tokens = request.input_tokens if request.input_tokens is not None else approx_tokens(text)
+        # A declared 0 is allowed by the contract; an engine still prefills at least one
+        # token (a tokenizer's BOS), so it runs as 1, as an empty prompt does.
+        input_tokens = (approx_tokens(text) if request.input_tokens is None
+                        else max(1, request.input_tokens))
         digest = int.from_bytes(hashlib.blake2b(f"{self._seed}\0{request.id}".encode(),
                                                 digest_size=8).digest())
         wanted = request.target_output_tokens
