@@ -2,23 +2,36 @@
 
 Checked when admission takes a request on, before its tokens are counted or it is
 queued; requests already held, finished or adopted from a worker are not judged again
-(the broker's largest message, `[broker] max_msg_size`, bounds what is decoded before). A request over a limit ends with `invalid_request`, whose message
-names the limit, its value and what the request had. The defaults leave room for
-long-context chats; lower them for a service whose requests are smaller.
+(the broker's largest message, `[broker] max_msg_size`, bounds what is decoded before).
+A request over a limit ends with `invalid_request`, whose message names the limit, its
+value and what the request had. The cheap checks (counts and lengths) come first; only
+then is each image decoded from base64 and its header read, never its pixels. The
+defaults leave room for long-context chats; lower them for a service whose requests are
+smaller.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated
 
 import msgspec
+from PIL import Image, UnidentifiedImageError
 
 if TYPE_CHECKING:
     from broker_config.wire import SubmitRequest
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+# The image formats admitted, by Pillow's names.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
+# Pillow opens no image of more pixels (its decompression-bomb guard), so a larger
+# `max_image_pixels` could not admit more.
+PILLOW_MAX_PIXELS = 2 * Image.MAX_IMAGE_PIXELS
 
 
 class InputLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -28,8 +41,10 @@ class InputLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     max_prompt_chars: PositiveInt = 1 << 20
     max_messages: PositiveInt = 1024
     max_images: NonNegativeInt = 16
-    # Each image as sent (base64 or a URL).
+    # Each image as sent (its base64).
     max_image_chars: PositiveInt = 1 << 20
+    # Width x height of each image, by its header: 2**25 admits 8K UHD (7680x4320).
+    max_image_pixels: Annotated[int, msgspec.Meta(ge=1, le=PILLOW_MAX_PIXELS)] = 1 << 25
     max_metadata_entries: NonNegativeInt = 32
     # Keys and values of all entries together.
     max_metadata_chars: NonNegativeInt = 8192
@@ -37,7 +52,8 @@ class InputLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
 
 def over_limits(request: SubmitRequest, body_bytes: int, limits: InputLimits) -> str | None:
-    """What of a submitted request (decoded from `body_bytes`) is over a limit, or None."""
+    """What of a submitted request (decoded from `body_bytes`) is over a limit, or which
+    image is no PNG, JPEG, GIF or WebP image; None if nothing."""
     return next(_violations(request, body_bytes, limits), None)
 
 
@@ -57,3 +73,34 @@ def _violations(request: SubmitRequest, body_bytes: int, limits: InputLimits) ->
         limit = getattr(limits, name)
         if had > limit:
             yield f"{name} is {limit}, the request has {had}"
+    for index, image in enumerate(request.images):
+        violation = _image_violation(index, image, limits.max_image_pixels)
+        if violation is not None:
+            yield violation
+
+
+def _image_violation(index: int, image: str, max_pixels: int) -> str | None:
+    """What is wrong with one image (`index` counts from 0), from its header only."""
+    try:
+        data = base64.b64decode(image, validate=True)
+    except ValueError as exc:  # binascii.Error, or a str that is not ASCII
+        return f"image {index} is not valid base64: {exc}"
+    try:
+        # Pillow warns of what a header holds (a possible decompression bomb, bad EXIF);
+        # the verdict is returned here, so the warnings would only litter the log.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as opened:
+                width, height = opened.size
+    except Image.DecompressionBombError:
+        return (f"max_image_pixels is {max_pixels}, image {index} has more than "
+                f"{PILLOW_MAX_PIXELS} pixels")
+    except UnidentifiedImageError:
+        return f"image {index} is not a PNG, JPEG, GIF or WebP image"
+    except Exception as exc:  # a hostile header breaks a plugin in ways of its own
+        return (f"image {index} is not a readable PNG, JPEG, GIF or WebP image: "
+                f"{exc or type(exc).__name__}")
+    if width * height > max_pixels:
+        return (f"max_image_pixels is {max_pixels}, image {index} has "
+                f"{width}x{height} = {width * height} pixels")
+    return None

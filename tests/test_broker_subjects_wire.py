@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import random
 import re
+import struct
+import warnings
+import zlib
 
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker_config.limits import InputLimits, over_limits
+from broker_config.limits import PILLOW_MAX_PIXELS, InputLimits, over_limits
 from broker_config.subjects import (
     UNSHARDED,
     shard_of,
@@ -59,6 +64,7 @@ from broker_config.wire import (
     parse_submission,
 )
 from dispatcher.core.types import Outcome
+from tests.wire_support import image_b64
 
 S = Subjects()
 JSON = {HDR_MSG_ID: "r-1"}
@@ -316,6 +322,7 @@ def test_parse_submission() -> None:
     assert sub.request.prompt == "x"
 
 
+PNG = image_b64()
 SMALL = InputLimits(max_body_bytes=400, max_prompt_chars=50, max_messages=2, max_images=1,
                     max_image_chars=20, max_metadata_entries=2, max_metadata_chars=30,
                     max_session_chars=10)
@@ -326,8 +333,8 @@ SMALL = InputLimits(max_body_bytes=400, max_prompt_chars=50, max_messages=2, max
     ({"messages": [{"role": "user", "content": "x" * 30}] * 2},
      "max_prompt_chars is 50, the request has 60"),
     ({"messages": [{"role": "user", "content": "x"}] * 3}, "max_messages is 2"),
-    ({"prompt": "x", "images": ["a", "b"]}, "max_images is 1, the request has 2"),
-    ({"prompt": "x", "images": ["a" * 21]}, "max_image_chars is 20, the request has 21"),
+    ({"prompt": "x", "images": [PNG, PNG]}, "max_images is 1, the request has 2"),
+    ({"prompt": "x", "images": [PNG]}, f"max_image_chars is 20, the request has {len(PNG)}"),
     ({"prompt": "x", "metadata": {"a": "1", "b": "2", "c": "3"}}, "max_metadata_entries is 2"),
     ({"prompt": "x", "metadata": {"k": "v" * 30}}, "max_metadata_chars is 30, the request has 31"),
     ({"prompt": "x", "session": "s" * 11}, "max_session_chars is 10, the request has 11"),
@@ -341,6 +348,73 @@ def test_a_request_over_a_limit_is_named_with_the_limit_and_what_it_had(
     assert limit in over_limits(request, len(data), SMALL)
     # Within the defaults, the same request is fine.
     assert over_limits(request, len(data), InputLimits()) is None
+
+
+def over_image_limits(images: list[str], limits: InputLimits = InputLimits()) -> str | None:
+    data = json.dumps({"prompt": "x", "images": images}).encode()
+    return over_limits(decode_request(data, JSON), len(data), limits)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height, with no pixel data after it."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"")
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP"])
+def test_an_image_is_judged_by_its_pixels(fmt: str) -> None:
+    image = image_b64(fmt, (4, 3))
+    assert over_image_limits([image], InputLimits(max_image_pixels=12)) is None
+    assert over_image_limits([PNG, image], InputLimits(max_image_pixels=11)) == (
+        "max_image_pixels is 11, image 1 has 4x3 = 12 pixels")
+
+
+@pytest.mark.parametrize("image", ["aGk", "not base64!", "é", PNG[:40] + "\n" + PNG[40:]],
+                         ids=["padding", "alphabet", "not-ascii", "newline"])
+def test_an_image_that_is_not_base64_is_refused(image: str) -> None:
+    assert over_image_limits([PNG, image]).startswith("image 1 is not valid base64: ")
+
+
+@pytest.mark.parametrize("data, problem", [
+    (random.Random(15).randbytes(64), "is not a PNG, JPEG, GIF or WebP image"),
+    (b"", "is not a PNG, JPEG, GIF or WebP image"),
+    (base64.b64decode(image_b64("BMP")), "is not a PNG, JPEG, GIF or WebP image"),
+    (base64.b64decode(PNG)[:20], "is not a readable PNG, JPEG, GIF or WebP image: "),
+    # Its IHDR chunk claims 8 bytes, not 13: Pillow raises an error of its own.
+    (png_header(3, 2)[:8] + struct.pack(">I", 8) + png_header(3, 2)[12:],
+     "is not a readable PNG, JPEG, GIF or WebP image: "),
+], ids=["random-bytes", "empty", "bmp", "truncated-png", "short-ihdr"])
+def test_an_image_that_is_not_an_admitted_format_is_refused(data: bytes, problem: str) -> None:
+    assert over_image_limits([b64(data)]).startswith(f"image 0 {problem}")
+
+
+@pytest.mark.parametrize("width, height, named", [
+    (100_000, 100_000, f"more than {PILLOW_MAX_PIXELS} pixels"),  # Pillow refuses to open it
+    (10_000, 10_000, "10000x10000 = 100000000 pixels"),  # Pillow would only warn
+])
+def test_a_decompression_bomb_header_is_refused_without_a_warning(
+        width: int, height: int, named: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        violation = over_image_limits([b64(png_header(width, height))])
+    assert violation == f"max_image_pixels is {1 << 25}, image 0 has {named}"
+
+
+def test_the_default_pixel_limit_admits_an_8k_frame() -> None:
+    assert over_image_limits([b64(png_header(7680, 4320))]) is None
+
+
+def test_counts_and_lengths_are_checked_before_any_image_is_decoded() -> None:
+    data = json.dumps({"prompt": "x", "images": ["not base64!"], "session": "s" * 11}).encode()
+    assert over_limits(decode_request(data, JSON), len(data), SMALL) == (
+        "max_session_chars is 10, the request has 11")
 
 
 def test_parse_submission_errors_carry_safe_context() -> None:

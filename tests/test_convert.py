@@ -10,6 +10,7 @@ from broker_config.subjects import Subjects
 from costmodel.units import Usage
 from dispatcher.convert import to_batch_item, to_error_event, to_request
 from dispatcher.core.types import Decision, Outcome
+from tests.wire_support import image_b64
 
 S = Subjects()
 
@@ -26,7 +27,7 @@ def submission(body: dict, tenant: str = "acme", *, reply: str | None = "_INBOX.
 FULL = {"messages": [{"role": "system", "content": "be brief"},
                      {"role": "user", "content": "hello there"}],
         "max_tokens": 5000, "priority": 7, "deadline": 2e9, "session": "s-1",
-        "images": ["aGVsbG8="], "metadata": {"k": "v"}}
+        "images": [image_b64()], "metadata": {"k": "v"}}
 
 
 @pytest.mark.parametrize("encoding", list(wire.Encoding))

@@ -20,7 +20,7 @@ from broker_config.subjects import Subjects
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
 from tests.local_stack import LocalStack, StackOptions
-from tests.wire_support import api, eventually
+from tests.wire_support import api, eventually, image_b64
 from workers.engine import EngineRequest
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
@@ -286,7 +286,7 @@ async def test_image_model_units_stay_charged_after_completion(nats_url):
         nc = await nats.connect(nats_url)
         inbox = nc.new_inbox()
         replies = await nc.subscribe(inbox)
-        await publish(nc.jetstream(), "acme", "img", reply=inbox, images=["aGVsbG8="] * 2)
+        await publish(nc.jetstream(), "acme", "img", reply=inbox, images=[image_b64()] * 2)
         done = None
         while done is None:
             event = json.loads((await replies.next_msg(timeout=WAIT_S)).data)

@@ -23,7 +23,7 @@ from broker_config.config import (
 from broker_config.limits import InputLimits
 from costmodel.engine_model import load_engine_params
 from tests.local_stack import LocalStack, StackOptions
-from tests.wire_support import api
+from tests.wire_support import api, image_b64
 
 pytestmark = pytest.mark.integration
 
@@ -267,16 +267,19 @@ async def test_a_wildcard_as_the_tenant_token_is_answered_and_leaves_nothing_beh
 
 async def test_a_request_over_an_input_limit_is_answered_and_the_rest_still_run(
         nats_url, client):
-    limits = InputLimits(max_images=1, max_prompt_chars=100)
+    limits = InputLimits(max_images=1, max_prompt_chars=100, max_image_pixels=63)
     options = stack_options(dispatcher=msgspec.structs.replace(FAST, input=limits))
+    image = image_b64()
     async with LocalStack(load_config(), options, nats_url=nats_url):
-        for body, limit in (({"prompt": "x", "images": ["aGk=", "aGk="]}, "max_images is 1"),
-                            ({"prompt": "x" * 101}, "max_prompt_chars is 100")):
+        for body, limit in (({"prompt": "x", "images": [image, image]}, "max_images is 1"),
+                            ({"prompt": "x" * 101}, "max_prompt_chars is 100"),
+                            ({"prompt": "x", "images": [image_b64(size=(8, 8))]},
+                             "max_image_pixels is 63, image 0 has 8x8 = 64 pixels")):
             _, sub = await submit(client, "chat", "acme", body)
             final = (await collect(sub))[-1]
             assert final["type"] == "error" and final["code"] == "invalid_request", final
             assert limit in final["message"]
-        _, sub = await submit(client, "chat", "acme", {"prompt": "x" * 100, "images": ["aGk="]})
+        _, sub = await submit(client, "chat", "acme", {"prompt": "x" * 100, "images": [image]})
         final = (await collect(sub))[-1]
         assert final["type"] == "done", final
 

@@ -1,14 +1,27 @@
-"""Helpers shared by the tests that talk to a live system over NATS."""
+"""Helpers shared by the tests of the wire: what a client sends, and talking to a live
+system over NATS."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from PIL import Image
+
 T = TypeVar("T")
+
+
+def image_b64(fmt: str = "PNG", size: tuple[int, int] = (2, 2)) -> str:
+    """A small real image in a Pillow format, base64 as a request's `images` carry it
+    (the dispatcher refuses what is not a PNG, JPEG, GIF or WebP image)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", size, "teal").save(buffer, fmt)
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 async def api(nc, subject: str, body: dict, timeout: float = 5.0) -> dict:
