@@ -213,6 +213,8 @@ class Admission:
             await self.results.store(tenant, "", event, time.time())
         await self.results.publish(error.reply, error.encoding, event)
         await msg.term()
+        self.metrics.child(self.metrics.invalid_messages,
+                           "sent" if error.reply else "none").inc()
 
     async def reject(self, held: Held, decision: Decision, now: float) -> None:
         """End a held request with `decision`'s error (it was never sent to a worker)."""

@@ -23,6 +23,11 @@ class DispatcherMetrics:
                              ["endpoint", "tier", "tenant"], registry=r)
         self.admissions = Counter("fairq_admissions", "Admission decisions by outcome",
                                   ["endpoint", "outcome"], registry=r)
+        # Messages that break the contract, by whether an error event could be sent: one
+        # with no usable `Fq-Reply` is answered only in the results bucket (status API).
+        self.invalid_messages = Counter("fairq_invalid_messages",
+                                        "Submitted messages that break the wire contract",
+                                        ["reply"], registry=r)
         self.queue_wait = Histogram("fairq_queue_wait_seconds", "Time from intake to dispatch",
                                     ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("fairq_time_to_first_token_seconds",
@@ -85,6 +90,8 @@ class DispatcherMetrics:
         # Children of the per-request metrics, which are never cleared: `labels()` hashes
         # and takes a lock on every call, a cost on the request path.
         self._children: dict[tuple[object, tuple[str, ...]], object] = {}
+        for reply in ("sent", "none"):
+            self.child(self.invalid_messages, reply)
         for endpoint in endpoints:  # export every outcome from the start, also at zero
             for outcome in Outcome:
                 self.child(self.admissions, endpoint, outcome.value)
