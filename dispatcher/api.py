@@ -3,10 +3,8 @@
 Every request between its publish acknowledgement and its final event answers `queued`
 (with its position in its tenant's line) or `running`, and can be cancelled, wherever it
 is: queued in the scheduler, running on a worker, or still waiting in the streams beyond
-its tenant's intake window. The last are found by reading the tenant's messages in the
-parked stream and then the requests stream (batch direct gets, in stream order: a
-tenant's parked requests are older than those still in its shard). Cancelling one of
-those stores its `cancelled` final event first, then deletes its message: intake
+its tenant's intake window. The last are found by reading the tenant's messages
+(dispatcher/lookup.py, which batches a tenant's lookups). Cancelling one of those stores its `cancelled` final event first, then deletes its message: intake
 consults stored results before admitting anything, so the cancel holds even if this
 dispatcher dies in between, and admission refuses a request cancelled while it was
 being admitted.
@@ -14,10 +12,11 @@ being admitted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -27,32 +26,20 @@ from nats.js.errors import NotFoundError
 from broker_config import wire
 from broker_config.config import Config
 from broker_config.direct_get import DirectBatchGet, StoredMessage
-from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, Subjects
+from broker_config.subjects import Subjects
 from dispatcher.admit import CANCELLED, Admission
 from dispatcher.convert import to_error_event
 from dispatcher.core.scheduler import DepthRow, Scheduler
 from dispatcher.core.workers import Key
 from dispatcher.held import HeldRequests
-from dispatcher.park import restored_headers
+from dispatcher.lookup import StreamLookup
 from dispatcher.results import BROKER_ERRORS, Results
 
 log = logging.getLogger("fairq.dispatcher")
 
-# Messages read per round trip when looking for a request in the stream.
-SCAN_BATCH = 256
 # A status or cancel whose broker lookup failed (a timeout on a starved machine) is
 # answered `internal` with this retry hint.
 LOOKUP_RETRY_AFTER_S = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class InStream:
-    """A request found in a stream, not yet taken in by the dispatcher."""
-
-    stream: str
-    seq: int
-    submission: wire.Submission | None  # None: it breaks the contract (intake answers it)
-    waiting_before: int  # the tenant's requests to the same endpoint ahead of it
 
 
 class Api:
@@ -68,9 +55,20 @@ class Api:
         self.admission = admission
         self.results = results
         # Where a tenant's requests not taken in yet are, oldest first.
-        self.streams = ((parked, subjects.parked_tenant_filter),
-                        (stored, subjects.stored_tenant_filter))
+        self.lookup = StreamLookup(((parked, subjects.parked_tenant_filter),
+                                    (stored, subjects.stored_tenant_filter)),
+                                   subjects, held, self._parse)
+        self._cancels: dict[Key, asyncio.Future[bool]] = {}
         self.backlog = backlog
+
+    async def close(self) -> None:
+        """Stop the cancels and the lookups in the streams still running (after the
+        subscriptions ended, before the stream readers close)."""
+        attempts = list(self._cancels.values())
+        for attempt in attempts:
+            attempt.cancel()
+        await asyncio.gather(*attempts, return_exceptions=True)
+        await self.lookup.close()
 
     # -- status ----------------------------------------------------------------------------
 
@@ -95,7 +93,7 @@ class Api:
         if stored is not None:
             finished = "done" if isinstance(stored.event, wire.DoneEvent) else "failed"
             return wire.StatusReply(request_id, finished, result=stored.event)
-        found = await self.find_in_stream(key)
+        found = await self.lookup.find(key)
         if found is None:
             return wire.StatusReply(request_id, "unknown")
         position = found.waiting_before
@@ -118,9 +116,18 @@ class Api:
         await _respond(msg, reply)
 
     async def cancel(self, key: Key) -> bool:
+        """Calls are handled side by side: concurrent cancels of one request share one
+        attempt, so its `cancelled` event is sent once."""
+        attempt = self._cancels.get(key)
+        if attempt is None:
+            attempt = self._cancels[key] = asyncio.ensure_future(self._cancel(key))
+            attempt.add_done_callback(lambda _: self._cancels.pop(key, None))
+        return await asyncio.shield(attempt)
+
+    async def _cancel(self, key: Key) -> bool:
         if await self._cancel_taken(key):
             return True
-        found = await self.find_in_stream(key)
+        found = await self.lookup.find(key)
         if found is None or found.submission is None:
             return False
         now = time.time()
@@ -156,28 +163,6 @@ class Api:
         return True
 
     # -- the stream --------------------------------------------------------------------------
-
-    async def find_in_stream(self, key: Key) -> InStream | None:
-        """The request's message if it is still in a stream, read in stream order."""
-        tenant, request_id = key
-        ahead: dict[str, int] = {}  # endpoint -> the tenant's messages ahead for it
-        for reader, tenant_filter in self.streams:
-            seq = 0
-            while True:
-                messages = await reader.scan(tenant_filter(tenant), seq + 1, SCAN_BATCH)
-                for message in messages:
-                    seq = message.seq
-                    endpoint = message.subject.split(".")[-2]
-                    if self.subjects.is_parked(message.subject):
-                        message = replace(message, headers=restored_headers(message.headers))
-                    if _request_id(message) == request_id:
-                        return InStream(reader.stream, seq, self._parse(message),
-                                        ahead.get(endpoint, 0))
-                    if self.held.get((tenant, _request_id(message) or "")) is None:
-                        ahead[endpoint] = ahead.get(endpoint, 0) + 1
-                if len(messages) < SCAN_BATCH:
-                    break
-        return None
 
     def _parse(self, message: StoredMessage) -> wire.Submission | None:
         try:
@@ -256,15 +241,3 @@ def _unavailable(request_id: str, exc: Exception) -> wire.ErrorEvent:
 async def _respond(msg: Msg, reply: Any) -> None:
     if msg.reply:  # a cancel may be published without waiting for the answer
         await msg.respond(wire.encode(reply))
-
-
-def _request_id(message: StoredMessage) -> str | None:
-    headers = message.headers or {}
-    header_id = wire.header(headers, HDR_MSG_ID)
-    if header_id is not None:
-        return header_id
-    try:  # no header: the id is in the body (rare; the contract asks for the header)
-        encoding = wire.Encoding.from_content_type(wire.header(headers, HDR_CONTENT_TYPE))
-        return wire.SUBMIT_REQUEST.decode(message.data, encoding).id
-    except (ValueError, wire.WireError):
-        return None

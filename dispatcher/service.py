@@ -30,7 +30,8 @@ DRAINING -> STOPPED. Drain order on exit (SIGTERM):
    processed and acked);
 4. stop the dispatch and maintenance tasks;
 5. nak everything still held, so another dispatcher gets it at once;
-6. unsubscribe, close the results reader and writer, flush.
+6. unsubscribe, stop the lookups in the streams, close the results reader and writer,
+   flush.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ from dispatcher.results import Results
 
 log = logging.getLogger("fairq.dispatcher")
 
+# Status and cancel calls handled at once (see `_subscribe`).
+MAX_API_CALLS = 1024
+
 # How often the queue-depth gauges are refreshed (a scan of every queue).
 DEPTH_EXPORT_S = 1.0
 # /healthz fails once the maintenance loop missed this many ticks (plus 5 s).
@@ -100,6 +104,8 @@ class Dispatcher:
         self._ticked_at = time.time()
         self._stack = contextlib.AsyncExitStack()
         self.intake: Intake | None = None
+        self._api_calls: set[asyncio.Task[None]] = set()
+        self._api_slots = asyncio.Semaphore(MAX_API_CALLS)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -137,12 +143,16 @@ class Dispatcher:
                                      self.dispatch.wake, self.probes)
         self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
                        self.admission, results, parked, stored, self._backlog)
+        stack.push_async_callback(self.api.close)  # before the readers close
+        stack.push_async_callback(self._end_api_calls)  # before the API closes
         for endpoint in self.config.endpoints:
             await self._subscribe(self.subjects.heartbeats(endpoint), self.reports.on_heartbeat)
             await self._subscribe(self.subjects.completions(endpoint),
                                   self.reports.on_completions)
-        await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self.api.on_status)
-        await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self.api.on_cancel)
+        await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self.api.on_status,
+                              side_by_side=True)
+        await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self.api.on_cancel,
+                              side_by_side=True)
         await self._subscribe(self.subjects.depth, self.api.on_depth)
         self._settled_at = time.time() + self.options.settle_s
         self.state = State.SETTLING
@@ -165,7 +175,11 @@ class Dispatcher:
                  group.create_task(self._maintenance_loop(), name="maintenance")]
         stack.push_async_callback(self._drain, tasks)
 
-    async def _subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]]) -> None:
+    async def _subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], *,
+                         side_by_side: bool = False) -> None:
+        """nats-py handles a subscription's messages one at a time; `side_by_side` runs
+        each in a task of its own instead (up to MAX_API_CALLS at once), for calls that
+        may wait on the broker: one tenant's slow lookup must hold up no other call."""
         async def guarded(msg: Msg) -> None:
             # Every loop that reads from the network survives a malformed message.
             try:
@@ -173,8 +187,26 @@ class Dispatcher:
             except Exception:
                 log.exception("handling a message on %s failed", msg.subject)
 
-        subscription = await self.nc.subscribe(subject, cb=guarded)
+        async def spawn(msg: Msg) -> None:
+            await self._api_slots.acquire()
+            task = asyncio.create_task(guarded(msg))
+            self._api_calls.add(task)
+            task.add_done_callback(self._api_call_done)
+
+        subscription = await self.nc.subscribe(subject, cb=spawn if side_by_side else guarded)
         self._stack.push_async_callback(subscription.unsubscribe)
+
+    def _api_call_done(self, task: asyncio.Task[None]) -> None:
+        self._api_calls.discard(task)
+        self._api_slots.release()
+
+    async def _end_api_calls(self) -> None:
+        """After unsubscribing: the calls still waiting on a lookup end unanswered (their
+        callers time out and ask again, another dispatcher answers)."""
+        calls = list(self._api_calls)
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
 
     async def _drain(self, tasks: list[asyncio.Task[None]]) -> None:
         """Steps 1-5 of the drain order (step 6 is the exit stack unwinding further)."""

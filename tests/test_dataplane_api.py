@@ -316,13 +316,65 @@ async def test_a_lookup_the_broker_does_not_answer_gets_a_retryable_error_not_si
     from broker_config.direct_get import DirectGetError
 
     async with Dispatcher(client, config_with(HOLD)) as dispatcher:
-        async def broker_times_out(key):
+        async def broker_times_out(tenant, wanted):
             raise DirectGetError("batch direct get on FQ_REQUESTS: TimeoutError()")
 
-        monkeypatch.setattr(dispatcher.api, "find_in_stream", broker_times_out)
+        monkeypatch.setattr(dispatcher.api.lookup, "_scan", broker_times_out)
         for kind in ("status", "cancel"):
             started = time.monotonic()
             reply = await api(client, f"fq.api.{kind}.acme", {"id": "r1"})
             assert time.monotonic() - started < 2.0, kind
             assert (reply["type"], reply["id"], reply["code"]) == ("error", "r1", "internal")
             assert reply["retry_after_s"] == 0.5 and "try again" in reply["message"]
+
+
+async def test_one_tenants_slow_lookups_hold_up_no_other_call(client, monkeypatch):
+    """Status calls run side by side: a tenant whose lookups in the streams are slow (a
+    deep backlog, a flood of ids never sent) delays neither another tenant's calls nor
+    its own beyond one scan, and its concurrent lookups share scans."""
+    async with Dispatcher(client, config_with(HOLD)) as dispatcher:
+        lookup = dispatcher.api.lookup
+        real_scan = lookup._scan
+        scans: list[tuple[str, set[str]]] = []
+
+        async def slow_for_acme(tenant, wanted):
+            scans.append((tenant, set(wanted)))
+            if tenant == "acme":
+                await asyncio.sleep(1.0)
+            return await real_scan(tenant, wanted)
+
+        monkeypatch.setattr(lookup, "_scan", slow_for_acme)
+        flood = [asyncio.create_task(api(client, S.status("acme"), {"id": f"never-{i}"}))
+                 for i in range(40)]
+        await asyncio.sleep(0.2)  # the first scan of acme runs; the rest wait for the next
+        started = time.monotonic()
+        assert await api(client, S.status("globex"), {"id": "g1"}) == \
+            {"id": "g1", "state": "unknown"}
+        assert time.monotonic() - started < 0.9  # not behind acme's scan
+        replies = await asyncio.gather(*flood)
+        assert all(reply["state"] == "unknown" for reply in replies)
+        acme_scans = [wanted for tenant, wanted in scans if tenant == "acme"]
+        # Ids asked for before a scan starts join it; those that come while it runs
+        # share the next: forty calls, at most two scans.
+        assert 1 <= len(acme_scans) <= 2, [len(wanted) for wanted in acme_scans]
+        assert set().union(*acme_scans) == {f"never-{i}" for i in range(40)}
+
+
+async def test_concurrent_cancels_of_one_request_send_one_cancelled_event(client):
+    js = client.jetstream()
+    inbox = client.new_inbox()
+    events = await client.subscribe(inbox)
+    async with Dispatcher(client, config_with(HOLD)):
+        await publish(js, "acme", "c1", reply=inbox)
+
+        async def queued():
+            return (await api(client, S.status("acme"), {"id": "c1"}))["state"] == "queued"
+
+        await eventually(queued, timeout=WAIT_S, what="c1 taken in")
+        replies = await asyncio.gather(*(api(client, S.cancel("acme"), {"id": "c1"})
+                                         for _ in range(8)))
+        assert all(reply == {"id": "c1", "cancelled": True} for reply in replies), replies
+        first = json.loads((await events.next_msg(timeout=5)).data)
+        assert (first["type"], first["code"]) == ("error", "cancelled")
+        with pytest.raises(nats.errors.TimeoutError):
+            await events.next_msg(timeout=1.0)
