@@ -61,6 +61,11 @@ SETTLE_TIMEOUT_S = 30.0
 # The forged reply subjects a leak would reach (bench.hostile_inputs.BAD_REPLIES).
 WATCHED_REPLIES = ("fq.req.chat.globex", "$JS.API.STREAM.DELETE.>", "a.*", "a.>")
 BASELINE_FRACTION = 0.1
+# The flood after the probes: its tenant's backlog waits on an endpoint without workers.
+FLOOD_ENDPOINT = "embed"
+FLOOD_TENANT = "initech"
+VICTIM = "globex"
+VICTIM_REQUESTS = 20
 
 
 def hostile_config() -> Config:
@@ -240,6 +245,56 @@ class Runner:
                           f"{msg.data[:200]!r}")
 
 
+async def flood(nc: nats.NATS, backlog: int, calls: int, concurrency: int) -> dict[str, object]:
+    """A status and cancel flood for ids never sent, from a tenant with `backlog` requests
+    waiting in the streams (on `FLOOD_ENDPOINT`, which no worker serves, so they stay):
+    each such call reads the tenant's whole backlog. Another tenant's requests are timed
+    one after the other before the flood and during it."""
+    js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
+    for n in range(backlog):
+        await js.publish(f"fq.req.{FLOOD_ENDPOINT}.{FLOOD_TENANT}", b'{"prompt":"waits"}',
+                         headers={HDR_MSG_ID: f"backlog-{n}"})
+    slots = asyncio.Semaphore(concurrency)
+    answered: list[float] = []
+
+    async def call(n: int) -> None:
+        kind = ("status", "cancel")[n % 2]
+        async with slots:
+            started = time.monotonic()
+            await nc.request(f"fq.api.{kind}.{FLOOD_TENANT}", b'{"id":"never-sent-%d"}' % n,
+                             timeout=ANSWER_TIMEOUT_S * 10)
+            answered.append(time.monotonic() - started)
+
+    before = await _victim(nc, VICTIM_REQUESTS)
+    started = time.monotonic()
+    calls_done = asyncio.gather(*(call(n) for n in range(calls)))
+    during = await _victim(nc, VICTIM_REQUESTS)
+    await calls_done
+    answered.sort()
+    return {"backlog": backlog, "calls": calls, "concurrency": concurrency,
+            "flood_s": round(time.monotonic() - started, 1),
+            "call_s": {"p50": _quantile(answered, 0.5), "max": round(answered[-1], 3)},
+            "victim_s_before": before, "victim_s_during": during}
+
+
+async def _victim(nc: nats.NATS, count: int) -> dict[str, float | None]:
+    """Median and largest time to `done` of `count` requests of `VICTIM`, one at a time."""
+    js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
+    took = []
+    for _ in range(count):
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        started = time.monotonic()
+        await js.publish(f"fq.req.chat.{VICTIM}", b'{"prompt":"x","max_tokens":1}',
+                         headers={HDR_MSG_ID: f"victim-{time.time_ns()}", HDR_REPLY: inbox})
+        while b'"done"' not in (await sub.next_msg(timeout=ANSWER_TIMEOUT_S)).data:
+            pass
+        took.append(time.monotonic() - started)
+        await sub.unsubscribe()
+    took.sort()
+    return {"p50": _quantile(took, 0.5), "max": round(took[-1], 3)}
+
+
 def rss_mib(pid: int) -> float:
     return memory_kb(pid)["rss_kb"] / 1024
 
@@ -281,7 +336,8 @@ async def settled(stack: Stack, nc: nats.NATS) -> dict[str, object]:
             "depth_api_queues": len(json.loads(depth.data)["queues"])}
 
 
-async def run(inputs: int, seed: int, concurrency: int, log_dir: Path) -> dict[str, object]:
+async def run(inputs: int, seed: int, concurrency: int, log_dir: Path, *,
+              flood_backlog: int = 0, flood_calls: int = 0) -> dict[str, object]:
     probes = generate(inputs, seed)
     spec = StackSpec(mode="fairq", workers=2, time_scale=0.02, config=hostile_config(),
                      dispatcher_args=("--metrics-port", "0"))
@@ -313,6 +369,8 @@ async def run(inputs: int, seed: int, concurrency: int, log_dir: Path) -> dict[s
             after = await settled(stack, nc)
             rss_end = rss_mib(pid)
             counted = metric(url, "fairq_invalid_messages_total", 'reply="none"')
+            flooded = (await flood(nc, flood_backlog, flood_calls, concurrency)
+                       if flood_calls else None)
             stack.check_alive()
         finally:
             await nc.drain()
@@ -331,7 +389,7 @@ async def run(inputs: int, seed: int, concurrency: int, log_dir: Path) -> dict[s
                                "end": round(rss_end, 1),
                                "growth_pct": round(100 * (rss_end / rss_baseline - 1), 1)},
         "dispatcher_crashes": 0,  # a crash raises StackError and ends the run before this
-        **after,
+        **after, "flood": flooded,
     }
 
 
@@ -366,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=64, help="probes in flight")
     parser.add_argument("--max-rss-growth", type=float, default=10.0, metavar="PCT")
+    parser.add_argument("--flood-backlog", type=int, default=5000, metavar="N",
+                        help="after the probes: the flooding tenant's waiting requests")
+    parser.add_argument("--flood-calls", type=int, default=1000, metavar="N",
+                        help="status and cancel calls for unknown ids (0: no flood)")
     parser.add_argument("--out", type=Path, help="result JSON (default: bench/results/hostile)")
     return parser
 
@@ -374,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     facts = machine_facts(command_line("bench.hostile", argv))
     with tempfile.TemporaryDirectory(prefix="fairq-hostile-") as log_dir:
-        result = asyncio.run(run(args.inputs, args.seed, args.concurrency, Path(log_dir)))
+        result = asyncio.run(run(args.inputs, args.seed, args.concurrency, Path(log_dir),
+                                 flood_backlog=args.flood_backlog,
+                                 flood_calls=args.flood_calls))
     problems = failures(result, args.max_rss_growth)
     out = args.out or RESULTS / f"hostile-{args.inputs}-seed{args.seed}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
