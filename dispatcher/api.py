@@ -4,8 +4,9 @@ Every request between its publish acknowledgement and its final event answers `q
 (with its position in its tenant's line) or `running`, and can be cancelled, wherever it
 is: queued in the scheduler, running on a worker, or still waiting in the streams beyond
 its tenant's intake window. The last are found by reading the tenant's messages
-(dispatcher/lookup.py, which batches a tenant's lookups). Cancelling one of those stores its `cancelled` final event first, then deletes its message: intake
-consults stored results before admitting anything, so the cancel holds even if this
+(dispatcher/lookup.py, which batches a tenant's lookups). Cancelling one of those
+stores its `cancelled` final event first, then deletes its message: intake consults
+stored results before admitting anything, so the cancel holds even if this
 dispatcher dies in between, and admission refuses a request cancelled while it was
 being admitted.
 """
@@ -70,6 +71,15 @@ class Api:
         await asyncio.gather(*attempts, return_exceptions=True)
         await self.lookup.close()
 
+    async def refuse(self, msg: Msg, message: str, retry_after_s: float) -> None:
+        """Answer a status or cancel call `rate_limited` without handling it."""
+        try:
+            request_id = wire.STATUS_REQUEST.decode(msg.data or b"{}").id
+        except (ValueError, wire.WireError):
+            request_id = ""
+        await _respond(msg, wire.ErrorEvent(request_id, wire.ErrorCode.RATE_LIMITED, message,
+                                            retry_after_s))
+
     # -- status ----------------------------------------------------------------------------
 
     async def on_status(self, msg: Msg) -> None:
@@ -130,6 +140,10 @@ class Api:
         found = await self.lookup.find(key)
         if found is None or found.submission is None:
             return False
+        # Taken in while the lookup waited: cancel it there (no await from this check
+        # to marking it cancelled, so admission cannot take it in between).
+        if await self._cancel_taken(key):
+            return True
         now = time.time()
         self.admission.cancelled[key] = now
         submission = found.submission

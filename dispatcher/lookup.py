@@ -60,7 +60,8 @@ class StreamLookup:
         self.parse = parse
         self._scans = asyncio.Semaphore(max_scans)
         self._next: dict[str, _Batch] = {}  # tenant -> the ids its next scan looks for
-        self._running: dict[str, asyncio.Task[None]] = {}  # tenant -> its latest scan
+        self._latest: dict[str, asyncio.Task[None]] = {}  # tenant -> its latest scan
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def find(self, key: Key) -> InStream | None:
         """The request's message if it is still in a stream. Raises what the broker
@@ -69,9 +70,10 @@ class StreamLookup:
         batch = self._next.get(tenant)
         if batch is None:
             batch = self._next[tenant] = _Batch()
-            previous = self._running.get(tenant)
+            previous = self._latest.get(tenant)
             task = asyncio.create_task(self._scan_after(previous, tenant, batch))
-            self._running[tenant] = task
+            self._latest[tenant] = task
+            self._tasks.add(task)
             task.add_done_callback(lambda done: self._forget(tenant, done))
         pending = batch.wanted.get(request_id)
         if pending is None:
@@ -80,36 +82,38 @@ class StreamLookup:
 
     async def close(self) -> None:
         """Stop the scans running (before the readers close); their callers' calls end."""
-        running = list(self._running.values())
-        for task in running:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _forget(self, tenant: str, task: asyncio.Task[None]) -> None:
-        if self._running.get(tenant) is task:
-            del self._running[tenant]
+        self._tasks.discard(task)
+        if self._latest.get(tenant) is task:
+            del self._latest[tenant]
 
     async def _scan_after(self, previous: asyncio.Task[None] | None, tenant: str,
                           batch: _Batch) -> None:
         """Scan for `batch` once the tenant's previous scan is over; ids asked for until
         this one starts join it."""
-        if previous is not None:
-            await asyncio.wait([previous])
-        async with self._scans:
-            if self._next.get(tenant) is batch:
-                del self._next[tenant]
-            try:
+        try:
+            if previous is not None:
+                await asyncio.wait([previous])
+            async with self._scans:
+                del self._next[tenant]  # from now on, ids asked for wait for the next scan
                 found = await self._scan(tenant, set(batch.wanted))
-            except asyncio.CancelledError:
-                for pending in batch.wanted.values():
-                    pending.cancel()
-                raise
-            except Exception as exc:
-                for pending in batch.wanted.values():
-                    if not pending.done():
-                        pending.set_exception(exc)
-                        pending.exception()  # retrieved: a caller that gave up logs nothing
-                return
+        except asyncio.CancelledError:
+            if self._next.get(tenant) is batch:  # cancelled before it started
+                del self._next[tenant]
+            for pending in batch.wanted.values():
+                pending.cancel()
+            raise
+        except Exception as exc:
+            for pending in batch.wanted.values():
+                if not pending.done():
+                    pending.set_exception(exc)
+                    pending.exception()  # retrieved: a caller that gave up logs nothing
+            return
         for request_id, pending in batch.wanted.items():
             if not pending.done():
                 pending.set_result(found.get(request_id))

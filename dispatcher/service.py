@@ -30,8 +30,8 @@ DRAINING -> STOPPED. Drain order on exit (SIGTERM):
    processed and acked);
 4. stop the dispatch and maintenance tasks;
 5. nak everything still held, so another dispatcher gets it at once;
-6. unsubscribe, stop the lookups in the streams, close the results reader and writer,
-   flush.
+6. unsubscribe; end the status and cancel calls still waiting on a lookup in the streams
+   (unanswered: their callers ask again); close the results reader and writer, flush.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -68,8 +69,12 @@ from dispatcher.results import Results
 
 log = logging.getLogger("fairq.dispatcher")
 
-# Status and cancel calls handled at once (see `_subscribe`).
+# Status and cancel calls handled at once (see `_subscribe`), in all and per tenant; a
+# tenant's calls beyond its share are answered `rate_limited` at once, so that its flood
+# cannot take the others' room.
 MAX_API_CALLS = 1024
+MAX_API_CALLS_PER_TENANT = 64
+API_RETRY_AFTER_S = 1.0
 
 # How often the queue-depth gauges are refreshed (a scan of every queue).
 DEPTH_EXPORT_S = 1.0
@@ -106,6 +111,7 @@ class Dispatcher:
         self.intake: Intake | None = None
         self._api_calls: set[asyncio.Task[None]] = set()
         self._api_slots = asyncio.Semaphore(MAX_API_CALLS)
+        self._api_calls_of: Counter[str] = Counter()  # tenant -> its calls in flight
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -188,17 +194,31 @@ class Dispatcher:
                 log.exception("handling a message on %s failed", msg.subject)
 
         async def spawn(msg: Msg) -> None:
+            tenant = msg.subject.rsplit(".", 1)[-1]  # checked by the handler
+            if self._api_calls_of[tenant] >= MAX_API_CALLS_PER_TENANT:
+                await guarded_refusal(msg)
+                return
             await self._api_slots.acquire()
+            self._api_calls_of[tenant] += 1
             task = asyncio.create_task(guarded(msg))
             self._api_calls.add(task)
-            task.add_done_callback(self._api_call_done)
+            task.add_done_callback(lambda done: self._api_call_done(done, tenant))
+
+        async def guarded_refusal(msg: Msg) -> None:
+            with contextlib.suppress(nats.errors.Error):
+                await self.api.refuse(msg, f"more than {MAX_API_CALLS_PER_TENANT} status and "
+                                      "cancel calls of this tenant in flight; retry",
+                                      API_RETRY_AFTER_S)
 
         subscription = await self.nc.subscribe(subject, cb=spawn if side_by_side else guarded)
         self._stack.push_async_callback(subscription.unsubscribe)
 
-    def _api_call_done(self, task: asyncio.Task[None]) -> None:
+    def _api_call_done(self, task: asyncio.Task[None], tenant: str) -> None:
         self._api_calls.discard(task)
         self._api_slots.release()
+        self._api_calls_of[tenant] -= 1
+        if not self._api_calls_of[tenant]:
+            del self._api_calls_of[tenant]
 
     async def _end_api_calls(self) -> None:
         """After unsubscribing: the calls still waiting on a lookup end unanswered (their
