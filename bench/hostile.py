@@ -65,7 +65,12 @@ BASELINE_FRACTION = 0.1
 FLOOD_ENDPOINT = "embed"
 FLOOD_TENANT = "initech"
 VICTIM = "globex"
-VICTIM_REQUESTS = 20
+VICTIM_CALLS = 20
+# Above the dispatcher's cap of a tenant's calls in flight (MAX_API_CALLS_PER_TENANT).
+FLOOD_IN_FLIGHT = 256
+# The victim's status calls during the flood: a call that waited behind the flood's
+# lookups would take seconds.
+VICTIM_STATUS_MAX_S = 1.0
 
 
 def hostile_config() -> Config:
@@ -133,11 +138,7 @@ class Runner:
     async def probe(self, probe: Probe) -> None:
         self.report.by_kind[probe.kind] += 1
         msg_id = None
-        pending: asyncio.Future[wire.FinalEvent] | None = None
         for send in probe.sends:
-            if send.after_final and pending is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(pending), ANSWER_TIMEOUT_S)
             await asyncio.sleep(send.pause_s)
             if not send.same_id_as_previous:
                 msg_id = None if send.msg_id is None else f"{send.msg_id}{next(self.numbers)}"
@@ -190,14 +191,7 @@ class Runner:
             msg = await self.nc.request(send.subject, send.body, timeout=PUBLISH_TIMEOUT_S)
         except Exception as exc:
             return f"refused:{type(exc).__name__}", str(exc)
-        answer = json.loads(msg.data)
-        if answer.get("type") == "error":
-            return f"error:{answer['code']}", answer["message"]
-        if "state" in answer:
-            return f"status:{answer['state']}", ""
-        if "cancelled" in answer:
-            return f"cancel:{str(answer['cancelled']).lower()}", ""
-        return "unexpected answer", msg.data.decode(errors="replace")[:300]
+        return _api_outcome(json.loads(msg.data))
 
     async def _over_control_line(self, send: Send, headers: dict[str, str]) -> tuple[str, str]:
         """A subject longer than the server's protocol line: the server closes the
@@ -245,43 +239,45 @@ class Runner:
                           f"{msg.data[:200]!r}")
 
 
-async def flood(nc: nats.NATS, backlog: int, calls: int, concurrency: int) -> dict[str, object]:
-    """A status and cancel flood for ids never sent, from a tenant with `backlog` requests
-    waiting in the streams (on `FLOOD_ENDPOINT`, which no worker serves, so they stay):
-    each such call reads the tenant's whole backlog. Another tenant's requests are timed
-    one after the other before the flood and during it."""
+async def flood(nc: nats.NATS, backlog: int, calls: int) -> dict[str, object]:
+    """A status and cancel flood for ids never sent, `FLOOD_IN_FLIGHT` at a time, from a
+    tenant with `backlog` requests waiting in the streams (on `FLOOD_ENDPOINT`, which no
+    worker serves, so they stay): each lookup reads that backlog. Another tenant's
+    requests and status calls are timed one after the other before the flood and
+    during it."""
     js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
     for n in range(backlog):
         await js.publish(f"fq.req.{FLOOD_ENDPOINT}.{FLOOD_TENANT}", b'{"prompt":"waits"}',
                          headers={HDR_MSG_ID: f"backlog-{n}"})
-    slots = asyncio.Semaphore(concurrency)
-    answered: list[float] = []
+    slots = asyncio.Semaphore(FLOOD_IN_FLIGHT)
+    answers: Counter[str] = Counter()
 
     async def call(n: int) -> None:
         kind = ("status", "cancel")[n % 2]
         async with slots:
-            started = time.monotonic()
-            await nc.request(f"fq.api.{kind}.{FLOOD_TENANT}", b'{"id":"never-sent-%d"}' % n,
-                             timeout=ANSWER_TIMEOUT_S * 10)
-            answered.append(time.monotonic() - started)
+            try:
+                reply = await nc.request(f"fq.api.{kind}.{FLOOD_TENANT}",
+                                         b'{"id":"never-sent-%d"}' % n, timeout=ANSWER_TIMEOUT_S)
+                answers[_api_outcome(json.loads(reply.data))[0]] += 1
+            except nats.errors.TimeoutError:
+                answers["no answer"] += 1
 
-    before = await _victim(nc, VICTIM_REQUESTS)
+    before = await _victim(nc, VICTIM_CALLS)
     started = time.monotonic()
     calls_done = asyncio.gather(*(call(n) for n in range(calls)))
-    during = await _victim(nc, VICTIM_REQUESTS)
+    during = await _victim(nc, VICTIM_CALLS)
     await calls_done
-    answered.sort()
-    return {"backlog": backlog, "calls": calls, "concurrency": concurrency,
-            "flood_s": round(time.monotonic() - started, 1),
-            "call_s": {"p50": _quantile(answered, 0.5), "max": round(answered[-1], 3)},
-            "victim_s_before": before, "victim_s_during": during}
+    return {"backlog": backlog, "calls": calls, "in_flight": FLOOD_IN_FLIGHT,
+            "flood_s": round(time.monotonic() - started, 1), "answers": dict(answers),
+            "victim_before": before, "victim_during": during}
 
 
-async def _victim(nc: nats.NATS, count: int) -> dict[str, float | None]:
-    """Median and largest time to `done` of `count` requests of `VICTIM`, one at a time."""
+async def _victim(nc: nats.NATS, count: int) -> dict[str, dict[str, float | None]]:
+    """Median and largest seconds of `count` requests of `VICTIM` to `done`, and of as
+    many status calls, one after the other."""
     js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
-    took = []
-    for _ in range(count):
+    requests, calls = [], []
+    for n in range(count):
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         started = time.monotonic()
@@ -289,10 +285,29 @@ async def _victim(nc: nats.NATS, count: int) -> dict[str, float | None]:
                          headers={HDR_MSG_ID: f"victim-{time.time_ns()}", HDR_REPLY: inbox})
         while b'"done"' not in (await sub.next_msg(timeout=ANSWER_TIMEOUT_S)).data:
             pass
-        took.append(time.monotonic() - started)
+        requests.append(time.monotonic() - started)
         await sub.unsubscribe()
-    took.sort()
-    return {"p50": _quantile(took, 0.5), "max": round(took[-1], 3)}
+        started = time.monotonic()
+        await nc.request(f"fq.api.status.{VICTIM}", b'{"id":"victim-%d"}' % n,
+                         timeout=ANSWER_TIMEOUT_S)
+        calls.append(time.monotonic() - started)
+    return {"request_s": _spread(requests), "status_s": _spread(calls)}
+
+
+def _spread(seconds: list[float]) -> dict[str, float | None]:
+    ordered = sorted(seconds)
+    return {"p50": _quantile(ordered, 0.5), "max": round(ordered[-1], 4) if ordered else None}
+
+
+def _api_outcome(answer: dict[str, object]) -> tuple[str, str]:
+    """What an API answer says, and its message."""
+    if answer.get("type") == "error":
+        return f"error:{answer['code']}", str(answer["message"])
+    if "state" in answer:
+        return f"status:{answer['state']}", ""
+    if "cancelled" in answer:
+        return f"cancel:{str(answer['cancelled']).lower()}", ""
+    return "unexpected answer", json.dumps(answer)[:300]
 
 
 def rss_mib(pid: int) -> float:
@@ -369,8 +384,7 @@ async def run(inputs: int, seed: int, concurrency: int, log_dir: Path, *,
             after = await settled(stack, nc)
             rss_end = rss_mib(pid)
             counted = metric(url, "fairq_invalid_messages_total", 'reply="none"')
-            flooded = (await flood(nc, flood_backlog, flood_calls, concurrency)
-                       if flood_calls else None)
+            flooded = await flood(nc, flood_backlog, flood_calls) if flood_calls else None
             stack.check_alive()
         finally:
             await nc.drain()
@@ -411,6 +425,14 @@ def failures(result: dict[str, object], max_rss_growth_pct: float) -> list[str]:
                         f"{result['unanswered_counted']:g}")
     if result["requests_left_in_stream"]:
         problems.append(f"{result['requests_left_in_stream']} requests left in the stream")
+    flooded = result.get("flood")
+    if flooded:
+        if flooded["answers"].get("no answer"):
+            problems.append(f"{flooded['answers']['no answer']} flood calls got no answer")
+        slowest = flooded["victim_during"]["status_s"]["max"]
+        if slowest > VICTIM_STATUS_MAX_S:
+            problems.append(f"another tenant's status call took {slowest} s during the flood "
+                            f"(limit {VICTIM_STATUS_MAX_S} s)")
     growth = result["dispatcher_rss_mib"]["growth_pct"]
     if growth > max_rss_growth_pct:
         problems.append(f"dispatcher RSS grew {growth}% (limit {max_rss_growth_pct}%)")

@@ -223,7 +223,7 @@ class SimEngine:
         # A declared 0 is allowed by the contract; an engine still prefills at least one
         # token (a tokenizer's BOS), so it runs as 1, as an empty prompt does.
         input_tokens = (approx_tokens(text) if request.input_tokens is None
-                        else max(1, request.input_tokens))
+                        else request.input_tokens or 1)
         digest = int.from_bytes(hashlib.blake2b(f"{self._seed}\0{request.id}".encode(),
                                                 digest_size=8).digest())
         wanted = request.target_output_tokens
