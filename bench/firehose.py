@@ -15,7 +15,8 @@ records it (`bench.recorder.Measured`, wall seconds since the start): submitted 
 before its publish, acked when its PubAck arrived, first token when its first event
 arrived, finished at its final event, and the done event's timings. Requests without
 `streamed` get no `Fq-Reply` and are only published (a backlog): their outcome is
-`published` once the broker stored them.
+`published` once the broker stored them. `fire_measured` can send given bodies in place
+of some requests' (garbage, for the soak) and lets the caller watch the records live.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 import nats
@@ -49,10 +50,21 @@ async def fire(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
 
     `alive` is called every `WATCH_S` and should raise if the stack has died.
     """
-    measured = to_measure(arrivals)
+    return await fire_measured(url, to_measure(arrivals), endpoint=endpoint,
+                               settings=settings, in_flight=in_flight, timeout_s=timeout_s,
+                               alive=alive)
+
+
+async def fire_measured(url: str, measured: list[Measured], *, endpoint: str,
+                        settings: BrokerSettings, in_flight: int, timeout_s: float,
+                        alive: Callable[[], None] | None = None,
+                        bodies: Mapping[str, bytes] | None = None) -> Replay:
+    """`fire` on records made by `bench.recorder.to_measure`, which are updated as the
+    run goes (a caller may read them meanwhile). `bodies`: request id -> the body sent
+    instead of the well-formed one (a request that breaks the contract)."""
     nc = await nats.connect(url, connect_timeout=5)
     try:
-        run = _Run(nc, measured, endpoint, settings, in_flight)
+        run = _Run(nc, measured, endpoint, settings, in_flight, bodies or {})
         await run.subscribe()
 
         async def fire_all() -> None:
@@ -69,8 +81,9 @@ async def fire(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
 
 class _Run:
     def __init__(self, nc: nats.NATS, measured: list[Measured], endpoint: str,
-                 settings: BrokerSettings, in_flight: int) -> None:
+                 settings: BrokerSettings, in_flight: int, bodies: Mapping[str, bytes]) -> None:
         self.nc = nc
+        self.bodies = bodies
         self.js = nc.jetstream(timeout=PUBACK_TIMEOUT_S)
         self.measured = measured
         self.endpoint = endpoint
@@ -103,8 +116,10 @@ class _Run:
                 group.create_task(self._publish(n, m))
 
     async def _publish(self, n: int, m: Measured) -> None:
-        body = encode(SubmitRequest(id=m.id, prompt=PROMPT, max_tokens=m.max_tokens,
-                                    input_tokens=m.input_tokens))
+        body = self.bodies.get(m.id)
+        if body is None:
+            body = encode(SubmitRequest(id=m.id, prompt=PROMPT, max_tokens=m.max_tokens,
+                                        input_tokens=m.input_tokens))
         headers = {HDR_MSG_ID: m.id}
         if m.streamed:
             headers[HDR_REPLY] = f"{self.inbox}.{n}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import cycle
 from pathlib import Path
 
 
@@ -50,6 +51,37 @@ def grouped_bars(panels: Mapping[str, Mapping[str, Mapping[str, float]]], path: 
         axes.set(title=panel, yscale="log")
         axes.grid(True, axis="y", alpha=0.3)
         axes.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def time_series(panels: Mapping[str, tuple[str, Mapping[str, tuple[Sequence[float],
+                                                                   Sequence[float]]]]],
+                path: Path, *, title: str, xlabel: str,
+                marks: Mapping[str, float] | None = None) -> None:
+    """One panel per entry of `panels` (panel title -> (y label, series -> (x, y))), one
+    above the other on a shared x axis; `marks` (label -> x) are dashed vertical lines on
+    every panel, such as the end of a warm-up. As a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes_list = plt.subplots(len(panels), 1, figsize=(10, 3.5 * len(panels)),
+                                     sharex=True, squeeze=False)
+    for axes, (panel, (ylabel, series)) in zip(axes_list[:, 0], panels.items()):
+        for label, (xs, ys) in series.items():
+            axes.plot(xs, ys, label=label, linewidth=1.2)
+        for (label, x), style in zip((marks or {}).items(), cycle(("--", ":", "-."))):
+            axes.axvline(x, color="dimgrey", linestyle=style, linewidth=1, label=label)
+        axes.set(title=panel, ylabel=ylabel)
+        axes.set_ylim(bottom=0)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    axes_list[-1, 0].set_xlabel(xlabel)
     figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
