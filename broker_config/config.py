@@ -12,7 +12,7 @@ value, so a typo in production config is found from the message alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -266,6 +266,11 @@ class Registry:
         self._tiers = {tier.name: tier for tier in config.tiers}
         self._policies = {name: self._resolve(name, t.tier, t.weight, t.limits)
                           for name, t in config.tenants.items()}
+        unlisted = config.unlisted_tenants
+        # Unlisted tenants differ only by name: resolved once, not kept per name (there
+        # is no bound on the names that reach admission).
+        self._unlisted = (None if unlisted.policy == "reject" else
+                          self._resolve("", unlisted.tier, unlisted.weight, {}))
 
     def profile(self, endpoint: str) -> ModelProfile:
         name = self.config.endpoints[endpoint].profile
@@ -274,16 +279,9 @@ class Registry:
     def tenant(self, name: str) -> TenantPolicy | None:
         """The tenant's policy; None when it is unlisted and unlisted tenants are rejected."""
         policy = self._policies.get(name)
-        if policy is not None:
+        if policy is not None or self._unlisted is None:
             return policy
-        unlisted = self.config.unlisted_tenants
-        if unlisted.policy == "reject":
-            return None
-        policy = self._resolve(name, unlisted.tier, unlisted.weight, {})
-        # Bounded only by how many tenant names reach admission, which the broker's
-        # per-subject stream limits already bound.
-        self._policies[name] = policy
-        return policy
+        return replace(self._unlisted, name=name)
 
     def _resolve(self, name: str, tier_name: str, weight: float | None,
                  own: dict[str, Limits]) -> TenantPolicy:

@@ -66,7 +66,7 @@ class Admission:
         self.metrics = metrics
         self.backlog = backlog
         # (endpoint, tenant) -> [admitted, rejected] since start, for the depth API. Only
-        # tenants the registry knows, so a flood of made-up names cannot grow it.
+        # tenants the registry knows; an unlisted one's go with its flows (`forget_counts`).
         self.counts: dict[tuple[str, str], list[int]] = {}
         # Requests cancelled while in the stream -> when: admission may already be
         # looking at one of them (see `Api.cancel`).
@@ -241,6 +241,12 @@ class Admission:
             held = self.held.admitted.pop((request.tenant, request.id))
             await self.reject(held, Decision(Outcome.DEADLINE_EXCEEDED,
                                              "the deadline passed while queued"), now)
+
+    def forget_counts(self) -> None:
+        """Drop the counts of unlisted tenants whose flows the scheduler has forgotten."""
+        self.counts = {key: counts for key, counts in self.counts.items()
+                       if key[1] in self.config.tenants
+                       or self.scheduler.flow(*key) is not None}
 
     def forget_old_cancels(self, now: float) -> None:
         self.cancelled = {k: at for k, at in self.cancelled.items()

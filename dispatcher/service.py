@@ -78,6 +78,8 @@ API_RETRY_AFTER_S = 1.0
 
 # How often the queue-depth gauges are refreshed (a scan of every queue).
 DEPTH_EXPORT_S = 1.0
+# How often the state of tenants with nothing queued or running is swept.
+FORGET_IDLE_S = 10.0
 # /healthz fails once the maintenance loop missed this many ticks (plus 5 s).
 LIVE_TICKS = 20
 
@@ -276,7 +278,7 @@ class Dispatcher:
         return self.state is State.RUNNING
 
     async def _maintenance_loop(self) -> None:
-        last_extension = last_export = time.time()
+        last_extension = last_export = last_forget = time.time()
         while True:
             await asyncio.sleep(self.options.tick_s)
             now = self._ticked_at = time.time()
@@ -293,7 +295,17 @@ class Dispatcher:
             if now - last_export >= DEPTH_EXPORT_S:
                 last_export = now
                 self._export_depth(now)
+            if now - last_forget >= FORGET_IDLE_S:
+                last_forget = now
+                self._forget_idle(now)
             self.dispatch.wake.set()
+
+    def _forget_idle(self, now: float) -> None:
+        """What is kept per tenant goes once it matters no more (tenants that come once,
+        unlisted ones named per end user, must leave nothing behind)."""
+        for queues in self.scheduler.endpoints.values():
+            queues.forget_idle(now)
+        self.admission.forget_counts()
 
     def _export_depth(self, now: float) -> None:
         self.metrics.queue_depth.clear()

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from broker_config.subjects import Subjects
+from dispatcher.core.endpoint import DEBT_MEMORY_S
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
 from tests.local_stack import LocalStack, StackOptions
@@ -381,3 +382,29 @@ async def test_concurrent_cancels_of_one_request_send_one_cancelled_event(client
         assert (first["type"], first["code"]) == ("error", "cancelled")
         with pytest.raises(nats.errors.TimeoutError):
             await events.next_msg(timeout=1.0)
+
+
+async def test_unlisted_tenants_that_came_once_leave_no_state_behind(nats_url, client):
+    """Tenant names used once (unlisted tenants named per end user, say) must not pile
+    up: once idle and forgotten, neither the scheduler nor the depth API keeps them."""
+    options = StackOptions(workers=1, endpoints=("chat",), time_scale=0.05, dispatcher=FAST)
+    async with LocalStack(load_config(), options, nats_url=nats_url) as stack:
+        js = client.jetstream()
+        inbox = client.new_inbox()
+        events = await client.subscribe(f"{inbox}.>")
+        once = [f"once-{n}" for n in range(10)]
+        for tenant in once:
+            await publish(js, tenant, f"r-{tenant}", reply=f"{inbox}.{tenant}")
+        finals = []
+        while len(finals) < len(once):
+            event = json.loads((await events.next_msg(timeout=WAIT_S)).data)
+            if event["type"] != "token":
+                finals.append(event)
+        assert all(event["type"] == "done" for event in finals), finals
+        depth = await api(client, S.depth, {})
+        assert {row["tenant"] for row in depth["queues"]} >= set(once)
+        dispatcher = stack.dispatcher
+        dispatcher._forget_idle(time.time() + DEBT_MEMORY_S)  # what the sweep does later
+        assert all(dispatcher.scheduler.flow("chat", tenant) is None for tenant in once)
+        depth = await api(client, S.depth, {})
+        assert not {row["tenant"] for row in depth["queues"]} & set(once)

@@ -22,7 +22,7 @@ class TenantFlow:
     """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
 
     __slots__ = ("policy", "weight", "tier_rank", "queue", "quantum", "deficit", "granted",
-                 "in_ring", "lane", "running", "served_cost", "left_at_round")
+                 "in_ring", "lane", "running", "served_cost", "left_at_round", "idle_since")
 
     def __init__(self, policy: TenantPolicy, endpoint_quantum: float,
                  order: OrderKey = priority_order) -> None:
@@ -39,6 +39,7 @@ class TenantFlow:
         self.running = 0
         self.served_cost = 0.0
         self.left_at_round = 0.0  # its ring's round when it last left the ring
+        self.idle_since = 0.0  # when it last had nothing queued or running
 
     @property
     def tenant(self) -> str:
@@ -123,6 +124,11 @@ class DrrRing:
                 self._skip_idle_rounds()
                 misses = 0
         return None
+
+    def repaid(self, flow: TenantFlow) -> bool:
+        """Would an idle `flow` return exactly as a new one would (no debt left after
+        the rounds the ring turned since it left)? Its deficit is never above 0 then."""
+        return flow.deficit + (self.round - flow.left_at_round) * flow.quantum >= 0
 
     def charge(self, flow: TenantFlow, request: Request) -> None:
         """Account for `request`, just popped from the selected flow's queue."""

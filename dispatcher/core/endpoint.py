@@ -13,6 +13,11 @@ from dispatcher.core.drr import TenantFlow
 from dispatcher.core.tiers import Selector
 from dispatcher.core.types import Request
 
+# An idle tenant's DRR debt (or VTC excess) is forgotten after this long: the state of
+# tenants that come once must not stay for ever. A tenant could gain at most one debt's
+# worth (about one request's output) per this long by pausing.
+DEBT_MEMORY_S = 600.0
+
 
 def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
     """The part of a worker's `total` capacity that only tenants below their fair share
@@ -152,6 +157,7 @@ class EndpointQueues:
     def mark_absent_if_idle(self, flow: TenantFlow) -> None:
         """Call after taking work from `flow`."""
         if not len(flow.queue) and not flow.running:
+            flow.idle_since = self.clock
             self._presence_changed_at = self.clock
             self.present_flows -= 1
             self.present_weight -= flow.weight
@@ -159,3 +165,15 @@ class EndpointQueues:
             if not self.present_flows:  # so float error cannot build up over a long life
                 self.present_weight = 0.0
                 self.present_weight_by_rank = [0.0] * len(self.present_weight_by_rank)
+
+    def forget_idle(self, now: float) -> int:
+        """Drop the flows of tenants with nothing queued or running whose state matters
+        no more (the selector says which; a debt matters for `DEBT_MEMORY_S`), so that
+        tenants that come once leave nothing behind. Returns how many were dropped."""
+        idle = [flow for flow in self.flows.values()
+                if not len(flow.queue) and not flow.running and not flow.in_ring]
+        forgive = {flow for flow in idle if now - flow.idle_since >= DEBT_MEMORY_S}
+        gone = self.selector.forget(idle, forgive)
+        for flow in gone:
+            del self.flows[flow.tenant]
+        return len(gone)

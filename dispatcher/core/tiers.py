@@ -49,6 +49,12 @@ class Selector(Protocol):
 
     def restore_set_aside(self) -> None: ...
 
+    def forget(self, idle: list[TenantFlow], forgive: set[TenantFlow]) -> list[TenantFlow]:
+        """Of flows with nothing queued or running and out of the ring, those that may be
+        dropped (a tenant that comes back gets a new flow): the ones whose state would
+        change no decision, and those in `forgive` whatever they owe. The selector's
+        own state for them is dropped."""
+
 
 class TierLadder:
     """One DRR ring per tier, asked in strict tier order."""
@@ -90,6 +96,10 @@ class TierLadder:
         while self._set_aside:
             flow = self._set_aside.pop()
             self.rings[flow.tier_rank].restore(flow)
+
+    def forget(self, idle: list[TenantFlow], forgive: set[TenantFlow]) -> list[TenantFlow]:
+        return [flow for flow in idle
+                if flow in forgive or self.rings[flow.tier_rank].repaid(flow)]
 
 
 class FifoSelector:
@@ -143,6 +153,9 @@ class FifoSelector:
 
     def restore_set_aside(self) -> None:
         return None
+
+    def forget(self, idle: list[TenantFlow], forgive: set[TenantFlow]) -> list[TenantFlow]:
+        return idle  # arrival order keeps nothing per tenant
 
     def _push(self, flow: TenantFlow) -> None:
         arrival, rank = flow.queue.head_rank()

@@ -47,9 +47,7 @@ class VtcSelector:
     def activate(self, flow: TenantFlow) -> None:
         if flow.in_ring:
             return
-        floor = (min(self.counters[f] for f in self._backlogged) if self._backlogged
-                 else self._last_left)
-        self.counters[flow] = max(self.counters.get(flow, 0.0), floor)
+        self.counters[flow] = max(self.counters.get(flow, 0.0), self._floor())
         flow.in_ring = True
         self._backlogged.add(flow)
         self._push(flow)
@@ -99,6 +97,21 @@ class VtcSelector:
             flow = self._set_aside.pop()
             if flow.in_ring:
                 self._push(flow)
+
+    def forget(self, idle: list[TenantFlow], forgive: set[TenantFlow]) -> list[TenantFlow]:
+        # The floor never falls, so a counter at or below it will be lifted to the floor
+        # on return, as a new flow's would: forgetting it changes nothing.
+        floor = self._floor()
+        gone = [flow for flow in idle
+                if flow in forgive or self.counters.get(flow, 0.0) <= floor]
+        for flow in gone:
+            self.counters.pop(flow, None)
+        return gone
+
+    def _floor(self) -> float:
+        """What a flow that becomes backlogged is lifted to."""
+        return (min(self.counters[f] for f in self._backlogged) if self._backlogged
+                else self._last_left)
 
     def _add(self, flow: TenantFlow, tokens: float) -> None:
         self.counters[flow] = self.counters.get(flow, 0.0) + tokens / flow.weight
