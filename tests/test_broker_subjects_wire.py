@@ -585,7 +585,8 @@ def test_internal_messages_round_trip() -> None:
                       usage=DONE.usage, stored=True, finished_at=4.0)
     stored = StoredResult(tenant="acme", endpoint="chat", event=DONE, stored_at=4.0)
     abort = Abort(endpoint="chat", tenant="acme", ids=["r-1"])
-    for message, codec in ((batch, BATCH), (beat, HEARTBEAT), (Completions([done, done]), COMPLETIONS),
+    for message, codec in ((batch, BATCH), (beat, HEARTBEAT),
+                           (Completions([done, done]), COMPLETIONS),
                            (stored, STORED_RESULT), (abort, ABORT)):
         for encoding in Encoding:
             assert codec.decode(encode(message, encoding), encoding) == message
