@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -48,6 +49,25 @@ HAND_BACK_S = 1.0
 # (its stored `cancelled` event covers it after that, and across restarts).
 CANCEL_MEMORY_S = 300.0
 CANCELLED = Decision(Outcome.CANCELLED, "cancelled by the client")
+# An unlisted tenant without a flow keeps its depth-API counts this long after its last
+# decision.
+COUNTS_MEMORY_S = 600.0
+
+
+@dataclass(slots=True)
+class Decisions:
+    """A tenant's admission decisions on one endpoint, for the depth API."""
+
+    admitted: int = 0
+    rejected: int = 0
+    last_at: float = 0.0
+
+    def count(self, admitted: bool, now: float) -> None:
+        if admitted:
+            self.admitted += 1
+        else:
+            self.rejected += 1
+        self.last_at = now
 
 
 class Admission:
@@ -65,9 +85,9 @@ class Admission:
         self.results = results
         self.metrics = metrics
         self.backlog = backlog
-        # (endpoint, tenant) -> [admitted, rejected] since start, for the depth API. Only
-        # tenants the registry knows; an unlisted one's go with its flows (`forget_counts`).
-        self.counts: dict[tuple[str, str], list[int]] = {}
+        # (endpoint, tenant) -> its decisions since start, for the depth API. Only tenants
+        # the registry knows; an unlisted one's are forgotten (`forget_counts`).
+        self.counts: dict[tuple[str, str], Decisions] = {}
         # Requests cancelled while in the stream -> when: admission may already be
         # looking at one of them (see `Api.cancel`).
         self.cancelled: dict[Key, float] = {}
@@ -168,8 +188,8 @@ class Admission:
         endpoint_label = sub.endpoint if spec is not None else "unknown"
         self.metrics.child(self.metrics.admissions, endpoint_label, result.outcome.value).inc()
         if result.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
-            counts = self.counts.setdefault((sub.endpoint, sub.tenant), [0, 0])
-            counts[0 if result.admitted else 1] += 1
+            counts = self.counts.setdefault((sub.endpoint, sub.tenant), Decisions())
+            counts.count(result.admitted, now)
         if not result.admitted:
             await self.reject(held, result, now)
             return
@@ -242,11 +262,14 @@ class Admission:
             await self.reject(held, Decision(Outcome.DEADLINE_EXCEEDED,
                                              "the deadline passed while queued"), now)
 
-    def forget_counts(self) -> None:
-        """Drop the counts of unlisted tenants whose flows the scheduler has forgotten."""
+    def forget_counts(self, now: float) -> None:
+        """Drop the counts of unlisted tenants the scheduler has forgotten (no flow) and
+        that had no decision for `COUNTS_MEMORY_S` (a tenant whose every request is
+        rejected never gets a flow, and stays in view while it keeps trying)."""
         self.counts = {key: counts for key, counts in self.counts.items()
                        if key[1] in self.config.tenants
-                       or self.scheduler.flow(*key) is not None}
+                       or self.scheduler.flow(*key) is not None
+                       or now - counts.last_at < COUNTS_MEMORY_S}
 
     def forget_old_cancels(self, now: float) -> None:
         self.cancelled = {k: at for k, at in self.cancelled.items()

@@ -196,7 +196,9 @@ class Api:
         entries = []
         for key in rows.keys() | counts.keys():
             row = rows.get(key)
-            admitted, rejected = counts.get(key, (0, 0))
+            decisions = counts.get(key)
+            admitted, rejected = (decisions.admitted, decisions.rejected) if decisions \
+                else (0, 0)
             tier = row.tier if row else self.scheduler.registry.tenant(key[1]).tier
             entries.append(wire.DepthEntry(
                 key[0], tier, key[1], row.queued if row else 0, row.running if row else 0,

@@ -305,7 +305,7 @@ class Dispatcher:
         unlisted ones named per end user, must leave nothing behind)."""
         for queues in self.scheduler.endpoints.values():
             queues.forget_idle(now)
-        self.admission.forget_counts()
+        self.admission.forget_counts(now)
 
     def _export_depth(self, now: float) -> None:
         self.metrics.queue_depth.clear()

@@ -19,38 +19,50 @@ from dispatcher.core.scheduler import Scheduler
 from tests.core_support import make_config, req
 
 SLOTS = Capacity(4, 10**9, 1e12)
+# Token-bound too: large heads do not fit and are set aside (or block, under FIFO).
+ROOM = Capacity(4, 300, 1e12)
 TENANTS = {f"t{n}": ("gold" if n % 3 else "silver", 1.0 + n % 2) for n in range(8)}
 
 
 def run(policy: str, cost: str, seed: int, *, forget: bool) -> list[list[str]]:
-    """A seeded random workload (sparse and busy tenants, completions with usage other
-    than estimated, output reported as generated); the batches it dispatches. With
-    `forget`, idle flows are swept after every step, as the dispatcher does now and then,
-    before any debt is old enough to be forgiven."""
+    """A seeded random workload (sparse and busy tenants, deadlines that expire, cancels,
+    requests given back by a failed worker, completions with usage other than
+    estimated, output reported as generated); what each step dispatches and expires.
+    With `forget`, idle flows are swept after every step, as the dispatcher does now and
+    then, before any debt is old enough to be forgiven."""
     rng = random.Random(seed)
     scheduler = Scheduler(make_config(cost=cost, quantum=50.0, tenants=TENANTS),
                           policy=policy)
     store = MemoryLimiterStore()
     running: list[tuple[str, str, int]] = []
-    batches, numbers = [], iter(range(10**6))
+    admitted: list[tuple[str, str]] = []
+    steps, numbers = [], iter(range(10**6))
     for step in range(300):
         now = float(step)
         for _ in range(rng.choice((0, 0, 1, 3))):
             tenant = rng.choice(list(TENANTS))
             request = req(tenant, next(numbers), arrival=now, input_tokens=rng.randint(1, 80),
-                          max_tokens=rng.randint(1, 40))
+                          max_tokens=rng.randint(1, 120),
+                          deadline=now + rng.randint(1, 30) if rng.random() < 0.2 else None)
             assert scheduler.admit(request, now, store).admitted
+            admitted.append((tenant, request.id))
+        if admitted and rng.random() < 0.2:
+            scheduler.cancel(*rng.choice(admitted))
+        if running and rng.random() < 0.1:
+            tenant, request_id, _ = running.pop(rng.randrange(len(running)))
+            scheduler.requeue(tenant, request_id)
         if running and rng.random() < 0.5:
             scheduler.progress([((t, i), rng.randint(0, m)) for t, i, m in running])
         for t, i, m in [running.pop(rng.randrange(len(running)))
                         for _ in range(min(len(running), rng.randint(0, 3)))]:
             scheduler.complete(t, i, Usage(10, rng.randint(1, m), 0.0), now)
-        batch = scheduler.next_batch("ep", SLOTS, now)
-        batches.append([f"{r.tenant}/{r.id}" for r in batch.requests])
+        expired = [f"{r.tenant}/{r.id}" for r in scheduler.expire(now)]
+        batch = scheduler.next_batch("ep", ROOM, now, SLOTS)
+        steps.append(expired + [f"{r.tenant}/{r.id}" for r in batch.requests])
         running += [(r.tenant, r.id, r.max_tokens) for r in batch.requests]
         if forget:
             scheduler.endpoints["ep"].forget_idle(now)
-    return batches
+    return steps
 
 
 @pytest.mark.parametrize("policy", ["fairq", "vtc", "fifo"])

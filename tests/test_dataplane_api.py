@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from broker_config.subjects import Subjects
+from dispatcher.admit import COUNTS_MEMORY_S
 from dispatcher.core.endpoint import DEBT_MEMORY_S
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
@@ -277,9 +278,10 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
         metrics.close()
 
 
-async def test_image_model_units_stay_charged_after_completion(nats_url):
+async def test_image_model_units_stay_charged_after_completion(nats_url, monkeypatch):
     """The DRR charge is corrected with the real usage on completion; units of images are
     part of it (they used to be refunded: the usage was built without them)."""
+    monkeypatch.setattr("dispatcher.service.FORGET_IDLE_S", 3600.0)  # acme's flow stays
     options = StackOptions(workers=1, endpoints=("chat",), time_scale=0.0,
                            dispatcher=FAST,
                            workers_settings=WorkerOptions(heartbeat_interval_s=0.2))
@@ -404,7 +406,8 @@ async def test_unlisted_tenants_that_came_once_leave_no_state_behind(nats_url, c
         depth = await api(client, S.depth, {})
         assert {row["tenant"] for row in depth["queues"]} >= set(once)
         dispatcher = stack.dispatcher
-        dispatcher._forget_idle(time.time() + DEBT_MEMORY_S)  # what the sweep does later
+        later = time.time() + max(DEBT_MEMORY_S, COUNTS_MEMORY_S)
+        dispatcher._forget_idle(later)  # what the sweep does then
         assert all(dispatcher.scheduler.flow("chat", tenant) is None for tenant in once)
         depth = await api(client, S.depth, {})
         assert not {row["tenant"] for row in depth["queues"]} & set(once)

@@ -39,7 +39,7 @@ class TenantFlow:
         self.running = 0
         self.served_cost = 0.0
         self.left_at_round = 0.0  # its ring's round when it last left the ring
-        self.idle_since = 0.0  # when it last had nothing queued or running
+        self.idle_since = 0.0  # when it last had nothing queued or running (or was made)
 
     @property
     def tenant(self) -> str:

@@ -14,8 +14,8 @@ from dispatcher.core.tiers import Selector
 from dispatcher.core.types import Request
 
 # An idle tenant's DRR debt (or VTC excess) is forgotten after this long: the state of
-# tenants that come once must not stay for ever. A tenant could gain at most one debt's
-# worth (about one request's output) per this long by pausing.
+# tenants that come once must not stay for ever. By pausing this long, a tenant could be
+# let off the output its requests generated after its queue emptied.
 DEBT_MEMORY_S = 600.0
 
 

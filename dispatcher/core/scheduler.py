@@ -22,15 +22,8 @@ from typing import Literal
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
-from dispatcher.core.admission import (
-    Check,
-    LimiterStore,
-    QuotaCheck,
-    limit_checks,
-    quota_check,
-    request_tokens,
-    throttle,
-)
+from dispatcher.core.admission import (Check, LimiterStore, QuotaCheck, limit_checks,
+                                       quota_check, request_tokens, throttle)
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.placement import BLOCKED, HELD, PLACED, Placement
@@ -293,7 +286,11 @@ class Scheduler:
         return request
 
     def expire(self, now: float) -> list[Request]:
-        """Drop queued requests whose deadline has passed (they get deadline_exceeded)."""
+        """Drop queued requests whose deadline has passed (they get deadline_exceeded).
+        Called every tick: it also keeps each endpoint's clock, which stamps when a
+        tenant comes or goes (cancels included), within a tick of `now`."""
+        for endpoint in self.endpoints.values():
+            endpoint.clock = now
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, tenant, request_id = heapq.heappop(self._deadlines)
@@ -355,6 +352,7 @@ class Scheduler:
         if flow is None:
             policy = self.registry.tenant(tenant)
             flow = TenantFlow(policy, endpoint.spec.quantum, self._order)
+            flow.idle_since = endpoint.clock
             endpoint.flows[tenant] = flow
         return flow
 
