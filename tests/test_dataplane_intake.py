@@ -232,8 +232,14 @@ async def test_an_invalid_tenant_name_in_the_subject_is_answered(nats_url, clien
                                          headers={"Nats-Msg-Id": "x1", "Fq-Reply": inbox})
         event = json.loads((await sub.next_msg(timeout=10)).data)
         assert (event["type"], event["code"]) == ("error", "invalid_request")
-        assert (await client.jetstream().stream_info(SUBJECTS.requests_stream)
-                ).state.messages == 0
+
+        async def stream_empty() -> bool:
+            # The dispatcher ends the message after sending the event: the broker may
+            # not have removed it by the time the event is read.
+            info = await client.jetstream().stream_info(SUBJECTS.requests_stream)
+            return info.state.messages == 0
+
+        await eventually(stream_empty, what="the bad request removed from the stream")
 
 
 async def test_a_deleted_consumer_is_made_again(nats_url, client):
