@@ -38,7 +38,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +74,9 @@ class Settings:
     seed: int = 1
     # Bound on one run's replay, in wall seconds.
     timeout_s: float = 600.0
+    # Engine seconds after A's first request before B-E start: A's first batch is then
+    # on the engine in every run, however long the flood took to ingest.
+    small_delay_s: float = 0.0
 
 
 FULL = Settings()
@@ -106,7 +109,9 @@ def stack_spec(mode: Mode, settings: Settings) -> StackSpec:
 async def run_one(run: Run, settings: Settings, out_dir: Path) -> Replay:
     trace = noisy_neighbour(settings.seed, noisy_requests=settings.noisy_requests,
                             small_rate=settings.small_rate, duration_s=settings.duration_s)
-    arrivals = arrivals_from_trace(trace, settings.time_scale, collected={NOISY})
+    delay = settings.small_delay_s * settings.time_scale
+    arrivals = [a if a.tenant == NOISY else replace(a, offset_s=a.offset_s + delay)
+                for a in arrivals_from_trace(trace, settings.time_scale, collected={NOISY})]
     spec = stack_spec(run.mode, settings)
     small = [a for a in arrivals if a.tenant != NOISY]
     flood = [a for a in arrivals if a.tenant == NOISY]
