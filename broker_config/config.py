@@ -73,7 +73,13 @@ class BatchCapacity(msgspec.Struct, forbid_unknown_fields=True):
     model_units: Positive = UNLIMITED_MODEL_UNITS
 
 
+EndpointKind = Literal["generate", "embed"]
+
+
 class Endpoint(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    # "embed": its workers pool each input into a vector (the done event's `embedding`)
+    # and generate no text.
+    kind: EndpointKind = "generate"
     profile: str = "default"
     # A profile TOML as `fairq calibrate --out` writes it, relative to the config file;
     # instead of `profile` (dispatcher and workers read the same file).
@@ -188,6 +194,10 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     ack_wait_s: PositiveSeconds = 60.0
     # A worker silent this long is out of rotation and its work is taken back.
     worker_timeout_s: PositiveSeconds = 5.0
+    # An endpoint no worker has served for this long (and that does not autoscale)
+    # turns new requests away as `unavailable` instead of queueing them; counted from
+    # the dispatcher's start too, so that workers starting beside it are waited for.
+    no_worker_grace_s: PositiveSeconds = 30.0
     # Health probes (one token through the worker's engine) go to a worker holding work
     # with no completion or new token for probe_stall_s, or idle for probe_idle_s; one
     # unanswered in probe_timeout_s fails; probe_failures in a row evict the worker.
@@ -228,6 +238,33 @@ class WorkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     drain_timeout_s: Seconds = 30.0
 
 
+SHA256_HEX = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class FrontKey(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One API key of the OpenAI-compatible front, stored hashed: `sha256` is the hex
+    SHA-256 of the key (`fairq front-key` makes a key and prints both)."""
+
+    tenant: Name
+    sha256: SHA256_HEX
+
+
+class FrontOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The OpenAI-compatible HTTP front (`[front]`, producers/openai_front)."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    keys: list[FrontKey] = []
+    # A request body larger than this is refused (413) before it is read to the end.
+    max_body_bytes: PositiveInt = 4 << 20
+    # A connection that sends no request for this long is closed.
+    idle_timeout_s: Positive = 30.0
+    # How long a client may take to send a request's headers and body.
+    request_read_timeout_s: Positive = 30.0
+    # Bound on each wait for a request's next event (a stalled request answers 504).
+    event_timeout_s: Positive = 600.0
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     endpoints: dict[Name, Endpoint]
     tiers: list[Tier]
@@ -237,6 +274,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     broker: BrokerSettings = msgspec.field(default_factory=BrokerSettings)
     dispatcher: DispatcherOptions = msgspec.field(default_factory=DispatcherOptions)
     workers: WorkerOptions = msgspec.field(default_factory=WorkerOptions)
+    front: FrontOptions = msgspec.field(default_factory=FrontOptions)
 
     @property
     def subjects(self) -> Subjects:
@@ -381,6 +419,13 @@ def _check_references(config: Config, source: str) -> None:
             fail("unlisted_tenants.tier", None, "required when policy is 'admit'")
         if unlisted.tier not in tier_names:
             fail("unlisted_tenants.tier", unlisted.tier, f"unknown tier; known: {tier_names}")
+    hashes = [key.sha256 for key in config.front.keys]
+    if len(set(hashes)) != len(hashes):
+        fail("front.keys", "(hashes)", "every key must be distinct")
+    for i, key in enumerate(config.front.keys):
+        if key.tenant not in config.tenants and unlisted.policy == "reject":
+            fail(f"front.keys[{i}].tenant", key.tenant, "not a tenant of [tenants], and "
+                 "unlisted tenants are rejected")
     for name, profile in config.profiles.items():
         if not math.isfinite(profile.alpha + profile.beta + profile.gamma):
             fail(f"profiles.{name}", profile, "coefficients must be finite")

@@ -49,6 +49,7 @@ class ErrorCode(enum.StrEnum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
+    UNAVAILABLE = "unavailable"
 
 
 class Encoding(enum.Enum):
@@ -104,6 +105,37 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     content: str
 
 
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+# Each stop string, and how many: OpenAI's API allows 4; engines take more.
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MAX_STOP_STRINGS = 16
+# Alternatives per token a request may ask logprobs for (vLLM's and OpenAI's maximum).
+MAX_TOP_LOGPROBS = 20
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True,
+               kw_only=True):
+    """How to sample the output; every field optional, an absent one is the engine's
+    default. Ranges are OpenAI's where it has the parameter.
+
+    `logprobs`: how many alternatives to report beside each generated token's own log
+    probability (0: the token's only). `n` is 1: events carry one sequence.
+    """
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None  # 0: off
+    min_p: Probability | None = None
+    stop: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = []
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+
+
 class SubmitRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """The body of a submit. Tenant and endpoint come from the subject, never from here.
 
@@ -121,6 +153,7 @@ class SubmitRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     input_tokens: Count | None = None
     images: list[str] = []
     metadata: dict[str, str] = {}
+    sampling: Sampling | None = None
 
 
 # -- events --------------------------------------------------------------------------------
@@ -137,19 +170,47 @@ class Timings(msgspec.Struct, frozen=True):
     total_s: float
 
 
-class TokenEvent(msgspec.Struct, frozen=True, tag_field="type", tag="token"):
+class TopLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One generated token, its log probability, and the most likely alternatives (as
+    many as the request's `sampling.logprobs`)."""
+
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+
+
+class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type",
+                 tag="token"):
+    """`logprobs` (one entry per token in `text`) only when the request asked for them."""
+
     id: str
     seq: int
     text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+FinishReason = Literal["stop", "length"]
 
 
 class DoneEvent(msgspec.Struct, frozen=True, tag_field="type", tag="done"):
+    """`finish_reason`: "stop" (the model ended, or a stop string), "length" (`max_tokens`),
+    null from an engine that does not say. `embedding`: the vector of an embedding
+    endpoint, else null. `logprobs`: every generated token's, when asked, else null."""
+
     id: str
     seq: int
     text: str
     usage: Usage
     timings: Timings
     metadata: dict[str, str] = {}
+    finish_reason: FinishReason | None = None
+    embedding: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, tag_field="type", tag="error"):

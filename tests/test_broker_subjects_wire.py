@@ -57,6 +57,8 @@ from broker_config.wire import (
     SubmitRequest,
     Timings,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     WireError,
     decode_api_reply,
@@ -492,14 +494,28 @@ def test_any_valid_request_round_trips(submit: SubmitRequest) -> None:
 DONE = DoneEvent(id="r-1", seq=3, text="hello world",
                  usage=Usage(input_tokens=5, output_tokens=3, model_units=0.2),
                  timings=Timings(queued_s=0.5, ttft_s=0.1, total_s=1.25),
-                 metadata={"job": "7"})
+                 metadata={"job": "7"}, finish_reason="length")
+LOGPROBS = [TokenLogprob("hel", -0.5, [TopLogprob("hel", -0.5), TopLogprob("he", -1.5)])]
 EVENTS = [
     (TokenEvent(id="r-1", seq=0, text="hel"),
      {"type": "token", "id": "r-1", "seq": 0, "text": "hel"}),
+    (TokenEvent(id="r-1", seq=0, text="hel", logprobs=LOGPROBS),
+     {"type": "token", "id": "r-1", "seq": 0, "text": "hel",
+      "logprobs": [{"token": "hel", "logprob": -0.5,
+                    "top": [{"token": "hel", "logprob": -0.5},
+                            {"token": "he", "logprob": -1.5}]}]}),
     (DONE, {"type": "done", "id": "r-1", "seq": 3, "text": "hello world",
             "usage": {"input_tokens": 5, "output_tokens": 3, "model_units": 0.2},
             "timings": {"queued_s": 0.5, "ttft_s": 0.1, "total_s": 1.25},
-            "metadata": {"job": "7"}}),
+            "metadata": {"job": "7"}, "finish_reason": "length", "embedding": None,
+            "logprobs": None}),
+    (DoneEvent(id="e-1", seq=0, text="", usage=Usage(2, 0, 0.0),
+               timings=Timings(queued_s=0.0, ttft_s=None, total_s=0.1), finish_reason="stop",
+               embedding=[0.6, -0.8]),
+     {"type": "done", "id": "e-1", "seq": 0, "text": "",
+      "usage": {"input_tokens": 2, "output_tokens": 0, "model_units": 0.0},
+      "timings": {"queued_s": 0.0, "ttft_s": None, "total_s": 0.1}, "metadata": {},
+      "finish_reason": "stop", "embedding": [0.6, -0.8], "logprobs": None}),
     (ErrorEvent(id="r-1", code=ErrorCode.RATE_LIMITED, message="slow down", retry_after_s=2.5),
      {"type": "error", "id": "r-1", "code": "rate_limited", "message": "slow down",
       "retry_after_s": 2.5}),
@@ -529,7 +545,8 @@ def test_done_event_without_tokens_has_null_ttft_and_empty_metadata() -> None:
 def test_error_codes_are_exactly_the_contract_list() -> None:
     assert {c.value for c in ErrorCode} == {
         "invalid_request", "unknown_endpoint", "unknown_tenant", "rate_limited",
-        "quota_exceeded", "overloaded", "deadline_exceeded", "cancelled", "internal"}
+        "quota_exceeded", "overloaded", "deadline_exceeded", "cancelled", "internal",
+        "unavailable"}
     with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'teapot'"):
         EVENT.decode(b'{"type":"error","id":"r","code":"teapot","message":"m"}')
 

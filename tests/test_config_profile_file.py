@@ -40,7 +40,7 @@ def test_the_dispatcher_and_the_workers_read_the_calibrated_profile_file(tmp_pat
     config = load_config(path)  # relative to the config file, not the working directory
     assert config.endpoints["chat"].profile == "my-gpu"
     assert Registry(config).profile("chat") == CALIBRATED
-    _, worker_profile, _ = _from_fairq_config(path, "chat")
+    _, worker_profile, _, _ = _from_fairq_config(path, "chat")
     assert worker_profile == CALIBRATED
     # The loaded config stands on its own (bench/stack.py writes it out elsewhere): the
     # profile is one of its profiles, and no file is named any more.

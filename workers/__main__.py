@@ -35,7 +35,13 @@ import nats
 import nats.errors
 from nats.js.errors import BucketNotFoundError
 
-from broker_config.config import DEFAULT_NATS_URL, Registry, WorkerOptions, load_config
+from broker_config.config import (
+    DEFAULT_NATS_URL,
+    EndpointKind,
+    Registry,
+    WorkerOptions,
+    load_config,
+)
 from broker_config.health import HealthServer
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.runtime import freeze_startup_heap
@@ -68,6 +74,7 @@ class Options:
     health_port: int | None = None  # serve /healthz and /readyz there (0: a free port)
     health_host: str = "127.0.0.1"
     slow_fault: float = 10.0  # the step-time factor SIGUSR2 switches on (sim engine)
+    embed: bool = False  # the endpoint's kind is "embed"
 
 
 def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
@@ -78,6 +85,9 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
     parser.add_argument("--connect-wait", type=float, default=60.0, metavar="S",
                         help="how long to keep trying to reach NATS at start (default 60)")
     parser.add_argument("--endpoint", required=True, help="the endpoint this worker serves")
+    parser.add_argument("--kind", choices=("generate", "embed"),
+                        help="what the endpoint does (default: its `kind` in --config, "
+                             "else generate)")
     parser.add_argument("--worker-id", required=True, help="unique among the endpoint's workers")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--engine-config", type=Path, metavar="TOML",
@@ -120,10 +130,14 @@ def parse_options(args: argparse.Namespace) -> Options:
         raise UsageError(str(exc)) from exc
     if not (0 < args.connect_wait < math.inf):
         raise UsageError(f"--connect-wait must be > 0, got {args.connect_wait}")
-    prefix, profile, settings = args.prefix, None, WorkerOptions()
+    prefix, profile, settings, embed = args.prefix, None, WorkerOptions(), args.kind == "embed"
     if args.config is not None:
-        prefix_from_config, profile, settings = _from_fairq_config(args.config, args.endpoint)
-        prefix = prefix or prefix_from_config
+        prefix_from_config, profile, settings, kind = _from_fairq_config(args.config,
+                                                                         args.endpoint)
+        if args.kind is not None and args.kind != kind:
+            raise UsageError(f"--kind {args.kind}: endpoint {args.endpoint!r} is of kind "
+                             f"{kind!r} in {args.config}")
+        prefix, embed = prefix or prefix_from_config, kind == "embed"
     overrides = {name: value for name, value in (
         ("heartbeat_interval_s", args.heartbeat_interval),
         ("drain_timeout_s", args.drain_timeout)) if value is not None}
@@ -135,17 +149,18 @@ def parse_options(args: argparse.Namespace) -> Options:
     except msgspec.ValidationError as exc:
         flag = str(exc).rsplit("`$.", 1)[-1].rstrip("`")
         raise UsageError(f"--{flag.removesuffix('_s').replace('_', '-')}: {exc}") from exc
-    engine = _sim_engine(args) if args.engine == "sim" else _vllm_engine(args)
+    engine = _sim_engine(args) if args.engine == "sim" else _vllm_engine(args, embed)
     if args.health_port is not None and not 0 <= args.health_port <= 65535:
         raise UsageError(f"--health-port must be in 0..65535, got {args.health_port}")
     slow_fault = 10.0 if args.slow_fault is None else args.slow_fault
     if not 0 < slow_fault < math.inf:
         raise UsageError(f"--slow-fault must be a finite number > 0, got {args.slow_fault}")
     return Options(args.nats, args.connect_wait, args.endpoint, args.worker_id, subjects, profile,
-                   settings, engine, args.health_port, args.health_host, slow_fault)
+                   settings, engine, args.health_port, args.health_host, slow_fault, embed)
 
 
-def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, WorkerOptions]:
+def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, WorkerOptions,
+                                                           EndpointKind]:
     try:
         config = load_config(path)
     except ValueError as exc:
@@ -153,7 +168,8 @@ def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, Wo
     if endpoint not in config.endpoints:
         known = ", ".join(sorted(config.endpoints)) or "none"
         raise UsageError(f"{path}: no endpoint {endpoint!r} (configured: {known})")
-    return config.broker.prefix, Registry(config).profile(endpoint), config.workers
+    return (config.broker.prefix, Registry(config).profile(endpoint), config.workers,
+            config.endpoints[endpoint].kind)
 
 
 def _sim_engine(args: argparse.Namespace) -> Engine:
@@ -168,7 +184,7 @@ def _sim_engine(args: argparse.Namespace) -> Engine:
         raise UsageError(str(exc)) from exc
 
 
-def _vllm_engine(args: argparse.Namespace) -> Engine:
+def _vllm_engine(args: argparse.Namespace, embed: bool) -> Engine:
     for flag, value in (("--time-scale", args.time_scale), ("--seed", args.seed),
                         ("--slow-fault", args.slow_fault)):
         if value is not None:
@@ -184,7 +200,7 @@ def _vllm_engine(args: argparse.Namespace) -> Engine:
     if "model" not in fields:
         raise UsageError("--engine vllm needs --model DIR (or `model` in --engine-config)")
     try:
-        return VLLMEngine(msgspec.convert(fields, VLLMEngineConfig))
+        return VLLMEngine(msgspec.convert(fields, VLLMEngineConfig), embed=embed)
     except msgspec.ValidationError as exc:
         where = args.engine_config or "--model"
         raise UsageError(f"{where}: invalid vLLM engine config: {exc}") from exc
@@ -265,7 +281,7 @@ async def _service(nc: nats.NATS, options: Options) -> AsyncIterator[WorkerServi
         service = await stack.enter_async_context(WorkerService(
             nc, engine, endpoint=options.endpoint, worker_id=options.worker_id,
             subjects=options.subjects, results=writer, profile=options.profile,
-            settings=options.settings))
+            settings=options.settings, embed=options.embed))
         log.info("worker %s serving endpoint %s", options.worker_id, options.endpoint)
         yield service
         log.info("worker %s draining", options.worker_id)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from broker_config.wire import ChatMessage
+from broker_config.wire import ChatMessage, Sampling, TokenLogprob
 from costmodel.units import Capacity
 
 
@@ -36,6 +36,10 @@ class EngineRequest:
     # What the engine should generate, for simulated engines replaying a trace.
     target_output_tokens: int | None = None
     images: list[bytes] = field(default_factory=list)
+    sampling: Sampling | None = None
+    # An embedding endpoint's request: the engine pools the input into `Delta.embedding`
+    # and generates nothing.
+    embed: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +56,9 @@ class Delta:
     # Seconds from the engine accepting the request to its first token (final delta only).
     ttft_s: float | None = None
     finish_reason: str | None = None
+    # One entry per token of this delta, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    embedding: list[float] | None = None  # final delta of an embedding request
 
 
 class EngineError(RuntimeError):

@@ -10,6 +10,7 @@ import binascii
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import get_args
 
 from broker_config.wire import (
     BatchItem,
@@ -17,10 +18,15 @@ from broker_config.wire import (
     ErrorCode,
     ErrorEvent,
     FinalEvent,
+    FinishReason,
     Timings,
+    TokenLogprob,
 )
 from costmodel.units import Usage
 from workers.engine import EXPEDITED, Delta, EngineRequest
+
+# The finish reasons a done event may carry; an engine's others ("abort") never end in one.
+FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +61,26 @@ class Running:
     output_tokens: int = 0
     cached_input_tokens: int = 0  # of input_tokens, those in the engine's prefix cache
     first_token_at: float | None = None  # unix time of the first token event
+    # What the final delta says: why the output ended and, for embeddings, the vector.
+    finish_reason: str | None = None
+    embedding: list[float] | None = None
+    # Every token's, when the request asked for logprobs; how many a token event carried.
+    logprobs: list[TokenLogprob] | None = None
+    logprobs_sent: int = 0
 
-async def engine_request(engine_id: str, item: BatchItem) -> EngineRequest:
+    def add_logprobs(self, logprobs: list[TokenLogprob]) -> None:
+        if self.logprobs is None:
+            self.logprobs = []
+        self.logprobs.extend(logprobs)
+
+    def unsent_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs no token event carried yet (None if not asked for)."""
+        if self.logprobs is None:
+            return None
+        unsent, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        return unsent
+
+async def engine_request(engine_id: str, item: BatchItem, *, embed: bool) -> EngineRequest:
     """The engine's view of an item; ValueError for images that are not base64."""
     body = item.request
     images = await asyncio.to_thread(decode_images, body.images) if body.images else []
@@ -64,7 +88,8 @@ async def engine_request(engine_id: str, item: BatchItem) -> EngineRequest:
     # which orders requests only inside the client's tenant.
     return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=body.prompt,
                          messages=body.messages, priority=EXPEDITED if item.expedited else 0,
-                         input_tokens=body.input_tokens, images=images)
+                         input_tokens=body.input_tokens, images=images,
+                         sampling=body.sampling, embed=embed)
 
 def decode_images(images: list[str]) -> list[bytes]:
     decoded = []
@@ -88,6 +113,8 @@ def conclude(running: Running, final: Delta | None) -> Ending:
         running.input_tokens = final.input_tokens
         running.output_tokens = final.output_tokens
         running.cached_input_tokens = final.cached_input_tokens
+        running.finish_reason = final.finish_reason
+        running.embedding = final.embedding
         if final.finish_reason != "abort":
             return Ending(None)
     if running.stop is not None:
@@ -109,5 +136,8 @@ def final_event(running: Running, ending: Ending, usage: Usage) -> FinalEvent:
         ttft_s=None if first is None else max(0.0, first - item.enqueued_at),
         total_s=max(0.0, time.time() - item.enqueued_at),
     )
+    finish_reason = running.finish_reason
     return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
-                     timings=timings, metadata=item.request.metadata)
+                     timings=timings, metadata=item.request.metadata,
+                     finish_reason=finish_reason if finish_reason in FINISH_REASONS else None,
+                     embedding=running.embedding, logprobs=running.logprobs)

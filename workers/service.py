@@ -105,7 +105,7 @@ class WorkerService:
 
     def __init__(self, nc: Client, engine: Engine, *, endpoint: str, worker_id: str,
                  subjects: Subjects, results: ResultStore, profile: ModelProfile | None = None,
-                 settings: WorkerOptions = WorkerOptions()) -> None:
+                 settings: WorkerOptions = WorkerOptions(), embed: bool = False) -> None:
         check_token(endpoint, "endpoint")
         check_token(worker_id, "worker id")
         self.endpoint = endpoint
@@ -117,6 +117,7 @@ class WorkerService:
         self._engine = engine
         self._results = FinalResults(nc, subjects, results)
         self._profile = profile
+        self._embed = embed  # an embedding endpoint's worker
         self._heartbeat_interval_s = settings.heartbeat_interval_s
         self._drain_timeout_s = settings.drain_timeout_s
         self._running: dict[str, Running] = {}
@@ -335,7 +336,7 @@ class WorkerService:
     async def _execute(self, running: Running) -> Ending:
         item = running.item
         try:
-            request = await engine_request(running.key, item)
+            request = await engine_request(running.key, item, embed=self._embed)
             if item.request.input_tokens is None:
                 running.input_tokens = self._engine.count_tokens(request)
                 running.footprint_mu = self._model_units(item, running.input_tokens,
@@ -387,12 +388,15 @@ class WorkerService:
 
     async def _emit(self, running: Running, delta: Delta) -> None:
         running.output_tokens += delta.token_count
+        if delta.logprobs is not None:
+            running.add_logprobs(delta.logprobs)
         if not delta.text:
-            return
+            return  # its logprobs, if any, go with the next piece of text
         if running.first_token_at is None:
             running.first_token_at = time.time()
         running.parts.append(delta.text)
-        event = TokenEvent(id=running.item.id, seq=running.seq, text=delta.text)
+        event = TokenEvent(id=running.item.id, seq=running.seq, text=delta.text,
+                           logprobs=running.unsent_logprobs())
         running.seq += 1
         await self._send_event(running.item, event)
 

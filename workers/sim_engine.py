@@ -7,7 +7,11 @@ and benchmarks use it with a small time scale, or 0 for an engine with no comput
 
 Output text is filler: words chosen deterministically from the seed, the request id and
 the token's position. Without `target_output_tokens` the output length is likewise a
-deterministic pseudo-random draw in [1, max_tokens].
+deterministic pseudo-random draw in [1, max_tokens]. A request's `sampling.seed`, or
+temperature 0, draws from its prompt instead of its id, so the same prompt gives the same
+text; stop strings end the output where they appear; logprobs are made up, but
+consistent. An embedding request runs its prompt only and returns a deterministic unit
+vector of EMBEDDING_DIM numbers drawn from its text.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import cast
 
-from broker_config.wire import ChatMessage
+from broker_config.wire import ChatMessage, Sampling, TokenLogprob, TopLogprob
 from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, approx_tokens
 from workers.engine import Delta, EngineError, EngineRequest
+from workers.stops import StopScanner
 
 # Characters per token of the simulated tokenizer (about right for English text).
 _WORDS = tuple(" " + word for word in (
@@ -37,6 +42,7 @@ _HANG_POLL_S = 0.01
 # loop is not followed by a burst of zero-length steps.
 _MAX_LAG_S = 0.05
 _CRASHED = "the simulated engine crashed (crash fault)"
+EMBEDDING_DIM = 32
 
 
 def _check_slow_factor(value: object) -> None:
@@ -83,8 +89,11 @@ class _Stream:
     input_tokens: int
     finish_reason: str  # when it runs to the end: "length" if max_tokens cut it, else "stop"
     word_seed: int
+    stops: StopScanner | None = None
+    top_logprobs: int | None = None  # None: not asked for
+    embedding: list[float] | None = None  # an embedding request's answer
     accepted: float = field(default_factory=time.monotonic)
-    queue: asyncio.Queue[str | _End] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Delta | _End] = field(default_factory=asyncio.Queue)
     output_tokens: int = 0
     first_token_at: float | None = None
     ended: bool = False
@@ -92,25 +101,36 @@ class _Stream:
     def __repr__(self) -> str:
         return repr(self.request_id)  # the model's error messages name the sequence
 
-    def token(self, now: float) -> None:
-        if self.ended:
-            return  # stopped while the step that produced this token was running
+    def token(self, now: float) -> bool:
+        """Deliver the next token; True if it completed a stop string."""
+        if self.ended or self.embedding is not None:
+            # Stopped while the step that produced it ran; an embedding generates nothing.
+            return False
         if self.first_token_at is None:
             self.first_token_at = now
-        self.queue.put_nowait(_WORDS[zlib.crc32(b"%d" % self.output_tokens, self.word_seed)
-                                     % len(_WORDS)])
+        draw = zlib.crc32(b"%d" % self.output_tokens, self.word_seed)
+        word = _WORDS[draw % len(_WORDS)]
         self.output_tokens += 1
+        text, stopped = (word, False) if self.stops is None else self.stops.feed(word)
+        logprobs = None if self.top_logprobs is None else [_logprob(word, draw,
+                                                                    self.top_logprobs)]
+        self.queue.put_nowait(Delta(text, 1, logprobs=logprobs))
+        return stopped
 
     def end(self, finish_reason: str, error: str | None = None) -> None:
-        if not self.ended:
-            self.ended = True
-            self.queue.put_nowait(_End(finish_reason, error))
+        if self.ended:
+            return
+        self.ended = True
+        if (self.stops is not None and finish_reason in ("stop", "length")
+                and (held := self.stops.flush())):
+            self.queue.put_nowait(Delta(held, 0))
+        self.queue.put_nowait(_End(finish_reason, error))
 
     def final(self, finish_reason: str) -> Delta:
         ttft = None if self.first_token_at is None else self.first_token_at - self.accepted
         return Delta("", 0, finished=True, input_tokens=self.input_tokens,
                      output_tokens=self.output_tokens, ttft_s=ttft,
-                     finish_reason=finish_reason)
+                     finish_reason=finish_reason, embedding=self.embedding)
 
 
 class SimEngine:
@@ -192,8 +212,8 @@ class SimEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         stream = self._register(request)
         try:
-            while isinstance(item := await stream.queue.get(), str):
-                yield Delta(item, 1)
+            while isinstance(item := await stream.queue.get(), Delta):
+                yield item
         finally:
             # Also when the consumer leaves early: the slot and KV tokens free at once.
             self._model.abort(stream)
@@ -224,14 +244,19 @@ class SimEngine:
         # token (a tokenizer's BOS), so it runs as 1, as an empty prompt does.
         input_tokens = (approx_tokens(text) if request.input_tokens is None
                         else request.input_tokens or 1)
-        digest = int.from_bytes(hashlib.blake2b(f"{self._seed}\0{request.id}".encode(),
-                                                digest_size=8).digest())
+        sampling = request.sampling or Sampling()
+        digest = _digest(_draw_key(self._seed, request, sampling, text))
         wanted = request.target_output_tokens
         if wanted is None:
             wanted = 1 + digest % request.max_tokens
+        if request.embed:
+            wanted = 1  # one pass over the input
         stream = _Stream(request.id, input_tokens,
                          "length" if wanted >= request.max_tokens else "stop",
-                         word_seed=digest >> 32)
+                         word_seed=digest >> 32,
+                         stops=StopScanner(sampling.stop) if sampling.stop else None,
+                         top_logprobs=sampling.logprobs,
+                         embedding=_embedding(text) if request.embed else None)
         # The model checks the lengths (>= 1, fits the KV cache) and names the request.
         self._model.add(stream, input_tokens, min(wanted, request.max_tokens),
                         len(request.images), request.priority)
@@ -288,9 +313,41 @@ class SimEngine:
         now = time.monotonic()
         # The model's sequence ids are the streams themselves.
         for stream in cast("Iterable[_Stream]", chain(result.first_tokens, result.tokens)):
-            stream.token(now)
+            if stream.token(now):
+                self._stop(stream, "stop")
         for stream in cast("Iterable[_Stream]", result.finished):
             stream.end(stream.finish_reason)
+
+
+def _digest(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest())
+
+
+def _draw_key(seed: int, request: EngineRequest, sampling: Sampling, text: str) -> str:
+    """What a request's output is drawn from: its id, unless a seed or greedy sampling
+    makes the output a function of the prompt."""
+    if sampling.seed is not None:
+        return f"{seed}\0seed {sampling.seed}\0{text}"
+    if sampling.temperature == 0:
+        return f"{seed}\0greedy\0{text}"
+    return f"{seed}\0{request.id}"
+
+
+def _logprob(word: str, draw: int, alternatives: int) -> TokenLogprob:
+    logprob = -0.01 - (draw >> 8) % 3000 / 1000
+    # The token itself is the most likely; other words follow, each half as likely.
+    others = [w for w in _WORDS if w != word][:max(0, alternatives - 1)]
+    top = [TopLogprob(word, logprob)] if alternatives else []
+    top += [TopLogprob(w, logprob - math.log(2) * (i + 1)) for i, w in enumerate(others)]
+    return TokenLogprob(word, logprob, top)
+
+
+def _embedding(text: str) -> list[float]:
+    """A unit vector drawn from the text: equal texts, equal vectors."""
+    raw = hashlib.blake2b(text.encode(), digest_size=EMBEDDING_DIM).digest()
+    values = [byte - 127.5 for byte in raw]
+    norm = math.sqrt(sum(v * v for v in values))
+    return [v / norm for v in values]
 
 
 def _render(request: EngineRequest) -> str:
