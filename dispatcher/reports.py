@@ -58,6 +58,8 @@ class WorkerReports:
         # Held across a whole completions message: a worker's last heartbeat, which
         # follows its last completions, must not take back requests being completed.
         self._lock = asyncio.Lock()
+        for endpoint in scheduler.endpoints:  # none serves until its heartbeats come
+            self._update_capacity(endpoint)
 
     async def on_heartbeat(self, msg: Msg) -> None:
         beat = wire.HEARTBEAT.decode(msg.data, _encoding(msg))
@@ -181,6 +183,7 @@ class WorkerReports:
         self.scheduler.set_capacity(
             endpoint, healthy * profile.capacity_mu_per_s,
             startup_wait_s=autoscale.cold_start_s if autoscale and not healthy else 0.0)
+        self.scheduler.endpoints[endpoint].set_serving(bool(healthy or autoscale), time.time())
 
     async def on_completions(self, msg: Msg) -> None:
         async with self._lock:

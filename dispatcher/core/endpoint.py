@@ -54,6 +54,9 @@ class EndpointQueues:
                                       spec.batch.model_units)
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
         self.startup_wait_s = 0.0  # scaled to zero: the first replica's cold start
+        # Since when no worker serves it and none is coming (no autoscaling); None while
+        # one serves, or where nobody says (the simulator).
+        self.unserved_since: float | None = None
         # Model units of every valid request offered so far, admitted or not (demand).
         self.offered_mu = 0.0
         # Model units of every completed request, priced by the profile from its real
@@ -66,6 +69,17 @@ class EndpointQueues:
         self.backlogged_flows = 0
         self.present_weight = 0.0
         self.present_weight_by_rank = [0.0] * tier_count
+
+    def set_serving(self, serving: bool, now: float) -> None:
+        """Whether a worker serves the endpoint (or autoscaling will start one)."""
+        if serving:
+            self.unserved_since = None
+        elif self.unserved_since is None:
+            self.unserved_since = now
+
+    def unserved_for(self, now: float) -> float:
+        """How long no worker has served it (0 while one does, or nobody says)."""
+        return 0.0 if self.unserved_since is None else now - self.unserved_since
 
     def cost(self, input_tokens: int, output_tokens: int, other: float) -> float:
         """A request's cost in the endpoint's DRR unit."""

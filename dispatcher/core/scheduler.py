@@ -66,6 +66,7 @@ class Scheduler:
         self.config = config
         self.policy = policy
         self.registry = Registry(config)
+        self.no_worker_grace_s = config.dispatcher.no_worker_grace_s
         self.estimator = estimator or OutputEstimator()
         self._order = priority_order if policy == "fairq" else arrival_order
         self.endpoints = {
@@ -97,11 +98,13 @@ class Scheduler:
             return Decision(Outcome.UNKNOWN_TENANT, f"unknown tenant {request.tenant!r}")
         if request.input_tokens < 0 or request.max_tokens < 1:
             return Decision(Outcome.INVALID, "input_tokens must be >= 0 and max_tokens >= 1")
-        key = (request.tenant, request.id)
-        if key in self._queued or key in self._running:
+        if (key := (request.tenant, request.id)) in self._queued or key in self._running:
             return Decision(Outcome.INVALID, f"request {request.id!r} is already queued or running")
         if request.deadline is not None and request.deadline <= now:
             return Decision(Outcome.DEADLINE_EXCEEDED, "the deadline has already passed")
+        if (unserved := endpoint.unserved_for(now)) >= (grace := self.no_worker_grace_s):
+            return Decision(Outcome.UNAVAILABLE, f"no worker serves endpoint "
+                            f"{request.endpoint!r} (none for {unserved:.0f}s)", grace)
         request.max_tokens = min(request.max_tokens, endpoint.spec.max_tokens_cap)
         # Offered load, even if turned away below (it scales an idle endpoint back up).
         self._estimate(endpoint, request)

@@ -27,6 +27,7 @@ class Outcome(enum.Enum):
     QUEUE_FULL = "queue_full"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     CANCELLED = "cancelled"
+    UNAVAILABLE = "unavailable"
 
     @property
     def error_code(self) -> str:
@@ -46,6 +47,7 @@ _ERROR_CODES = {
     Outcome.QUEUE_FULL: "overloaded",
     Outcome.DEADLINE_EXCEEDED: "deadline_exceeded",
     Outcome.CANCELLED: "cancelled",
+    Outcome.UNAVAILABLE: "unavailable",
 }
 
 

@@ -1,0 +1,143 @@
+"""The front's translation between OpenAI's shapes and fairq's wire, its keys and its
+config, without a network; and the dispatcher's `unavailable` for an endpoint nobody
+serves."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from broker_config.config import ConfigError, FrontKey, load_config, parse_config
+from broker_config.wire import ErrorCode, TokenLogprob, TopLogprob
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.types import Outcome, Request
+from producers.openai_front import openai_wire as ow
+from producers.openai_front.keys import KeyRing, key_hash, new_key, with_dev_key
+
+STATUS = {"invalid_request": 400, "unknown_tenant": 401, "unknown_endpoint": 404,
+          "rate_limited": 429, "quota_exceeded": 429, "overloaded": 429,
+          "deadline_exceeded": 504, "cancelled": 499, "internal": 500, "unavailable": 503}
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_every_contract_error_has_an_http_status_and_openai_body(code: ErrorCode) -> None:
+    error = ow.error_for(code, "why", retry_after_s=2.5)
+    assert error.status == STATUS[code]
+    assert error.body() == {"error": {"message": "why", "type": error.type, "param": None,
+                                      "code": str(code)}}
+
+
+def chat(**fields: object) -> ow.ChatRequest:
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return ow.decode_body(msgspec.json.encode(body), ow.ChatRequest)
+
+
+def test_a_chat_request_becomes_a_submit_with_sampling_and_extensions() -> None:
+    fields = ow.chat_submit(chat(temperature=0.2, stop="END", seed=1, max_completion_tokens=9,
+                                 max_tokens=5, logprobs=True, top_logprobs=2, top_k=4,
+                                 user="u", response_format={"type": "text"},
+                                 fairq={"priority": 3, "session": "s"}))
+    assert fields == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                      "sampling": {"temperature": 0.2, "stop": ["END"], "seed": 1,
+                                   "top_k": 4, "logprobs": 2},
+                      "priority": 3, "session": "s"}
+    assert ow.chat_submit(chat())["sampling"] is None
+
+
+def test_image_parts_must_be_data_urls() -> None:
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "look: "}, part]
+    fields = ow.chat_submit(chat(messages=[{"role": "user", "content": content}]))
+    assert fields["messages"] == [{"role": "user", "content": "look: "}]
+    assert fields["images"] == ["AAAA"]
+    remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with pytest.raises(ow.FrontError, match="data URLs") as caught:
+        ow.chat_submit(chat(messages=[{"role": "user", "content": [remote]}]))
+    assert caught.value.status == 400 and caught.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"n": 2}, "n"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"top_logprobs": 2}, "top_logprobs")])
+def test_what_the_front_cannot_honour_is_refused_by_name(fields: dict, param: str) -> None:
+    with pytest.raises(ow.FrontError) as caught:
+        ow.chat_submit(chat(**fields))
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_bad_json_and_wrong_types_are_400s_naming_the_field() -> None:
+    with pytest.raises(ow.FrontError, match="not valid JSON"):
+        ow.decode_body(b"{", ow.ChatRequest)
+    with pytest.raises(ow.FrontError) as caught:
+        ow.decode_body(b'{"model":"chat","messages":"hi"}', ow.ChatRequest)
+    assert caught.value.status == 400 and caught.value.param == "messages"
+
+
+def test_completions_take_one_prompt_and_default_to_16_tokens() -> None:
+    def completion(**fields: object) -> dict:
+        body = {"model": "chat", **fields}
+        return ow.completion_submit(ow.decode_body(msgspec.json.encode(body),
+                                                   ow.CompletionRequest))
+    assert completion(prompt=["once"], logprobs=0) == {
+        "prompt": "once", "max_tokens": 16, "sampling": {"logprobs": 0}}
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": [1, 2]}, {"prompt": "a", "echo": True}):
+        with pytest.raises(ow.FrontError):
+            completion(**bad)
+
+
+def test_logprobs_in_both_of_openais_shapes() -> None:
+    entries = [TokenLogprob("He", -0.1, [TopLogprob("He", -0.1), TopLogprob("A", -2.0)]),
+               TokenLogprob("y", -0.5, [TopLogprob("y", -0.5)])]
+    assert ow.chat_logprobs(entries) == {"content": [
+        {"token": "He", "logprob": -0.1, "bytes": [72, 101], "top_logprobs": [
+            {"token": "He", "logprob": -0.1, "bytes": [72, 101]},
+            {"token": "A", "logprob": -2.0, "bytes": [65]}]},
+        {"token": "y", "logprob": -0.5, "bytes": [121],
+         "top_logprobs": [{"token": "y", "logprob": -0.5, "bytes": [121]}]}]}
+    assert ow.completion_logprobs(entries, offset=3) == {
+        "tokens": ["He", "y"], "token_logprobs": [-0.1, -0.5],
+        "top_logprobs": [{"He": -0.1, "A": -2.0}, {"y": -0.5}], "text_offset": [3, 5]}
+    assert ow.chat_logprobs(None) is None and ow.completion_logprobs(None) is None
+
+
+def test_keys_are_stored_hashed_and_name_their_tenant() -> None:
+    key = new_key()
+    assert key.startswith("fq-") and len(key) > 40 and new_key() != key
+    ring = KeyRing([FrontKey("acme", key_hash(key)), FrontKey("globex", key_hash("other"))])
+    assert ring.tenant(key) == "acme" and ring.tenant("other") == "globex"
+    assert ring.tenant("") is None and ring.tenant(key + "x") is None
+    config, dev = with_dev_key(load_config(), "initech")
+    assert KeyRing(config.front.keys).tenant(dev) == "initech"
+
+
+def test_front_keys_in_the_config_are_checked() -> None:
+    base = ('[endpoints.chat]\n[[tiers]]\nname = "t"\n[tenants.acme]\ntier = "t"\n'
+            '[front]\nkeys = [')
+    digest = key_hash("k")
+    with pytest.raises(ConfigError, match="front.keys`: every key must be distinct"):
+        parse_config(base + f'{{tenant="acme", sha256="{digest}"}}, '
+                            f'{{tenant="acme", sha256="{digest}"}}]')
+    with pytest.raises(ConfigError, match=r"front.keys\[0\].tenant`: not a tenant"):
+        parse_config(base + f'{{tenant="nobody", sha256="{digest}"}}]')
+    with pytest.raises(ConfigError, match="sha256"):
+        parse_config(base + '{tenant="acme", sha256="not-hex"}]')
+    assert parse_config(base + f'{{tenant="acme", sha256="{digest}"}}]').front.keys
+
+
+def test_an_endpoint_nobody_serves_turns_requests_away_after_the_grace() -> None:
+    config = load_config()
+    grace = config.dispatcher.no_worker_grace_s
+    scheduler = Scheduler(config)
+
+    def check(now: float) -> object:
+        return scheduler.check(Request(id=f"r{now}", tenant="acme", endpoint="chat",
+                                       input_tokens=10, max_tokens=10, arrival=now), now)
+
+    assert isinstance(check(0.0), list)  # nobody says: the simulator never turns away
+    scheduler.endpoints["chat"].set_serving(False, 100.0)
+    assert isinstance(check(100.0 + grace - 1), list)
+    decision = check(100.0 + grace)
+    assert decision.outcome is Outcome.UNAVAILABLE and decision.retry_after_s == grace
+    assert "no worker serves endpoint 'chat'" in decision.message
+    scheduler.endpoints["chat"].set_serving(True, 200.0)
+    assert isinstance(check(300.0), list)
