@@ -17,6 +17,7 @@ COMMANDS = {
     "cancel": "producers.commands",
     "top": "producers.commands",
     "calibrate": "workers.calibrate",
+    "front-key": "producers.openai_front.keys",
 }
 
 

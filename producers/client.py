@@ -66,6 +66,7 @@ from broker_config.wire import (
     ErrorEvent,
     Event,
     FinalEvent,
+    Sampling,
     StatusReply,
     StatusRequest,
     TokenEvent,
@@ -322,7 +323,8 @@ class Client:
                      max_tokens: int | None = None, priority: int = 0,
                      deadline: float | None = None, session: str | None = None,
                      input_tokens: int | None = None, images: Sequence[str] | None = None,
-                     metadata: Mapping[str, str] | None = None, id: str | None = None,
+                     metadata: Mapping[str, str] | None = None,
+                     sampling: Sampling | Mapping[str, Any] | None = None, id: str | None = None,
                      reply: bool | str = True, encoding: Encoding = Encoding.JSON) -> Submitted:
         """Validate, publish to JetStream and return once the broker stored the request.
 
@@ -337,7 +339,8 @@ class Client:
         reply_subject = self._reply_subject(reply, tenant)
         fields = {"prompt": prompt, "messages": messages, "max_tokens": max_tokens,
                   "priority": priority, "deadline": deadline, "session": session,
-                  "input_tokens": input_tokens, "images": images, "metadata": metadata}
+                  "input_tokens": input_tokens, "images": images, "metadata": metadata,
+                  "sampling": sampling}
         prepared = _prepare_submit(self._subjects, endpoint, tenant, fields, request_id,
                                    reply_subject, encoding)
         # Subscribe first: a fast worker may answer before the PubAck is back.

@@ -22,7 +22,12 @@ Autoscaling (`--autoscale`, `producers.scaling`): each endpoint starts with its 
 numbers) or drain the highest-numbered ones; endpoints without their own
 `[endpoints.<name>.autoscale]` table get `LOCAL_SCALING` up to `--max-workers`.
 
-Stop order: the workers first (SIGTERM, all at once: each finishes its running requests
+The OpenAI-compatible front (`producers.openai_front`) serves in this process once the
+workers are up, with a development API key for `--front-tenant` printed as
+OPENAI_API_KEY beside OPENAI_BASE_URL.
+
+Stop order: the front first (no new requests; open ones get its drain time), then the
+workers (SIGTERM, all at once: each finishes its running requests
 within `[workers] drain_timeout_s`, and the still-running dispatcher acks them; SIGKILL
 5 s past that); then the dispatcher drains (hands back what it still holds); then the
 connection; then the nats-server, which runs in its own session too so the terminal's
@@ -59,6 +64,10 @@ from dispatcher.core.workers import WorkerPool
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import limiter_from_url
 from dispatcher.service import Dispatcher
+from producers.client import Client
+from producers.openai_front.app import Front
+from producers.openai_front.keys import KeyRing, with_dev_key
+from producers.openai_front.server import FrontServer
 from producers.scaling import ScaleFollower, with_autoscaling
 from producers.supervisor import (
     Backoff,
@@ -68,6 +77,7 @@ from producers.supervisor import (
     describe_exit,
 )
 
+DEV_TENANT = "acme"
 # Where `python -m workers` resolves to the same code as this process.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 WORKER_RESTART = Backoff(first_s=0.5, max_s=30.0, stable_s=10.0)
@@ -123,8 +133,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=0,
                         help="NATS port on 127.0.0.1 (default: a free one, printed as NATS_URL)")
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
-    parser.add_argument("--workers", type=int, default=2,
-                        help="simulated worker processes per endpoint")
+    parser.add_argument("--workers", type=worker_counts, default={"": 2},
+                        metavar="N | ENDPOINT=N,...",
+                        help="simulated worker processes per endpoint (default 2); a list "
+                             "sets endpoints apart, those not in it get 1 "
+                             "(chat=3,embed=0: embed gets none)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiplies simulated engine time (0.1 = ten times faster)")
     parser.add_argument("--redis-url", help="use Redis for rate limits (default: in-process)")
@@ -138,26 +151,63 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "quiet window")
     parser.add_argument("--max-workers", type=int, default=4,
                         help="with --autoscale: the default most workers per endpoint")
+    parser.add_argument("--front-port", type=int,
+                        help="the OpenAI-compatible front's port on [front] host (default: "
+                             "[front] port, or a free one if that is taken; printed in "
+                             "OPENAI_BASE_URL)")
+    parser.add_argument("--front-tenant", default=DEV_TENANT,
+                        help=f"the tenant of the development API key made at start and "
+                             f"printed as OPENAI_API_KEY (default {DEV_TENANT}, else the "
+                             "config's first tenant)")
     parser.add_argument("--log-dir", type=Path,
                         help="workers' output, one <worker id>.log each (default: a new "
                              "temporary directory, printed as LOG_DIR and kept)")
     parser.set_defaults(run=run_up)
 
 
+def worker_counts(value: str) -> dict[str, int]:
+    """`--workers`: N for every endpoint (key ""), or ENDPOINT=N,... for some."""
+    try:
+        if "=" not in value:
+            counts = {"": int(value)}
+        else:
+            counts = {name.strip(): int(count) for name, count in
+                      (item.split("=", 1) for item in value.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or ENDPOINT=N,..., got {value!r}"
+                                         ) from None
+    if counts.get("", 1) < 1 or min(counts.values()) < 0:
+        raise argparse.ArgumentTypeError(f"worker counts must be >= 0 (>= 1 for all "
+                                         f"endpoints at once), got {value!r}")
+    return counts
+
+
 def run_up(args: argparse.Namespace) -> int:
-    if args.workers < 1 or args.max_workers < 1:
-        return _fail("--workers and --max-workers must be at least 1", 2)
+    if args.max_workers < 1:
+        return _fail("--max-workers must be at least 1", 2)
     if not args.time_scale >= 0:
         return _fail(f"--time-scale must be >= 0, got {args.time_scale}", 2)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    unknown = set(args.workers) - {""} - set(config.endpoints)
+    if unknown:
+        return _fail(f"--workers: no endpoint {', '.join(sorted(unknown))} in the config", 2)
     if args.autoscale:
         config = with_autoscaling(config, msgspec.structs.replace(
             LOCAL_SCALING, max_replicas=args.max_workers))
+    if args.front_port is not None and not 0 <= args.front_port <= 65535:
+        return _fail(f"--front-port must be in 0..65535, got {args.front_port}", 2)
+    tenant = args.front_tenant
+    if tenant == DEV_TENANT and tenant not in config.tenants and config.tenants:
+        tenant = next(iter(config.tenants))
     try:
-        return asyncio.run(_up(args, config))
+        config, dev_key = with_dev_key(config, tenant)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    try:
+        return asyncio.run(_up(args, config, dev_key))
     except (EmbeddedServerError, SupervisorError, StartError) as exc:
         return _fail(str(exc), 1)
 
@@ -179,7 +229,7 @@ def _log_dir(path: Path | None) -> Path:
     return path
 
 
-async def _up(args: argparse.Namespace, config: Config) -> int:
+async def _up(args: argparse.Namespace, config: Config, dev_key: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -205,7 +255,8 @@ async def _up(args: argparse.Namespace, config: Config) -> int:
             server.url, args.config.resolve(), args.time_scale, log_dir,
             stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S)
         for endpoint, spec in config.endpoints.items():
-            count = spec.autoscale.min_replicas if args.autoscale else args.workers
+            count = (spec.autoscale.min_replicas if args.autoscale
+                     else args.workers.get(endpoint, args.workers.get("", 1)))
             for n in range(1, count + 1):
                 await supervisor.add(launcher.child(endpoint, n))
         if args.autoscale:
@@ -213,8 +264,11 @@ async def _up(args: argparse.Namespace, config: Config) -> int:
                 ScaleFollower(nc, config, supervisor, launcher.child, _say))
         await _until_serving(nc, config, supervisor, stop, log_dir)
         if not stop.is_set():
+            front = await _serve_front(stack, server.url, config, args.front_port)
             print(f"NATS_URL={server.url}", flush=True)
             print(f"METRICS_URL=http://127.0.0.1:{metrics_port}/metrics", flush=True)
+            print(f"OPENAI_BASE_URL={front.base_url}", flush=True)
+            print(f"OPENAI_API_KEY={dev_key}", flush=True)
             print(f"LOG_DIR={log_dir}", flush=True)
             print(f"fairq is up: {len(supervisor.children)} simulated workers on "
                   f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
@@ -226,6 +280,22 @@ async def _up(args: argparse.Namespace, config: Config) -> int:
         _say("draining...")
     _say("stopped")
     return 0
+
+
+async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: Config,
+                       port: int | None) -> FrontServer:
+    """The OpenAI-compatible front, on its own connection; left before the workers stop,
+    so that no new request arrives while they drain."""
+    client = await stack.enter_async_context(
+        await Client.connect(nats_url, prefix=config.broker.prefix))
+    front = Front(client, config, KeyRing(config.front.keys))
+    try:
+        return await stack.enter_async_context(FrontServer(front, config.front, port))
+    except OSError:
+        if port is not None:
+            raise StartError(f"the front cannot listen on port {port}") from None
+        # The configured port is taken: any free one, printed as OPENAI_BASE_URL.
+        return await stack.enter_async_context(FrontServer(front, config.front, 0))
 
 
 async def _replace_unhealthy(pool: WorkerPool, supervisor: Supervisor) -> None:

@@ -144,7 +144,7 @@ def redis_url(redis_server: Service) -> str:
     return redis_server.url
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def nats_binary() -> Path:
     """The nats-server binary, for tests that control the process itself (kill, restart)."""
     return _require_binary(find_nats_server)

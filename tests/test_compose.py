@@ -20,6 +20,7 @@ import yaml
 from broker_config.config import load_config
 from broker_config.server import MIN_NATS_SERVER, parse_version
 from dispatcher import __main__ as dispatcher_main
+from producers.openai_front import __main__ as front_main
 from workers import __main__ as workers_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,9 +30,11 @@ APP_ROOT = PurePosixPath("/app")  # where the Dockerfile copies the repo
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "dispatcher": dispatcher_main.build_parser,
     "workers": workers_main.build_parser,
+    "producers.openai_front": front_main.build_parser,
 }
 # Python service -> the module its command runs.
-PYTHON_SERVICES = {"dispatcher": "dispatcher", "worker-1": "workers", "worker-2": "workers"}
+PYTHON_SERVICES = {"dispatcher": "dispatcher", "worker-1": "workers", "worker-2": "workers",
+                   "front": "producers.openai_front"}
 WORKERS = [name for name, module in PYTHON_SERVICES.items() if module == "workers"]
 
 
@@ -91,6 +94,13 @@ def test_python_commands_parse_and_name_existing_configs(
     args = parse_python_command(services[name], PYTHON_SERVICES[name])
     assert args.config is not None, "the image has no repo-relative default; name the config"
     load_config(repo_path(args.config))
+
+
+def test_the_front_listens_on_all_addresses_on_its_published_port(
+        services: dict[str, dict[str, Any]]) -> None:
+    front = services["front"]
+    args = parse_python_command(front, "producers.openai_front")
+    assert args.host == "0.0.0.0" and args.port in container_ports(front)
 
 
 def test_dispatcher_metrics_are_reachable_from_outside(

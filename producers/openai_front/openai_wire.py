@@ -1,0 +1,353 @@
+"""OpenAI's request and response shapes, and their translation to and from fairq's wire.
+
+Requests are decoded leniently, as OpenAI-compatible servers do: fields this front does
+not know are ignored, except those whose meaning it cannot honour (`tools`, `n` > 1,
+remote image URLs, token-id prompts), which are refused with a 400 naming them. What
+fairq itself checks (ranges of the sampling parameters, input limits) is left to the
+dispatcher, so a request is judged once, by the same rules as any client's.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from broker_config.wire import DoneEvent, ErrorCode, Event, TokenEvent, TokenLogprob
+
+DATA_URL_PREFIX = "data:"
+
+
+class FrontError(Exception):
+    """An HTTP error in OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# The HTTP status, OpenAI error type and code for each of the contract's error codes.
+_ERRORS: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.UNKNOWN_TENANT: (401, "authentication_error"),
+    ErrorCode.UNKNOWN_ENDPOINT: (404, "invalid_request_error"),
+    ErrorCode.RATE_LIMITED: (429, "rate_limit_error"),
+    ErrorCode.QUOTA_EXCEEDED: (429, "insufficient_quota"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    ErrorCode.CANCELLED: (499, "cancelled"),
+    ErrorCode.INTERNAL: (500, "server_error"),
+    ErrorCode.UNAVAILABLE: (503, "server_error"),
+}
+
+
+def error_for(code: ErrorCode, message: str, retry_after_s: float | None = None) -> FrontError:
+    status, type_ = _ERRORS[code]
+    return FrontError(status, message, type_=type_, code=str(code), retry_after_s=retry_after_s)
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+class FairqOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """fairq's own settings, in an optional `fairq` object beside OpenAI's fields."""
+
+    priority: int | None = None
+    deadline: float | None = None
+    session: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+    image_url: dict[str, Any] | None = None
+
+
+class Message(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    # Beside OpenAI's, as vLLM's OpenAI server takes them.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    fairq: FairqOptions | None = None
+    user: str | None = None
+
+
+class ChatRequest(_Common, frozen=True, kw_only=True):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+
+class CompletionRequest(_Common, frozen=True, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    fairq: FairqOptions | None = None
+    user: str | None = None
+
+
+def decode_body(body: bytes, type_: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
+        raise FrontError(400, f"invalid body: {exc}", param=param) from exc
+    except msgspec.DecodeError as exc:
+        raise FrontError(400, f"body is not valid JSON: {exc}") from exc
+
+
+def _refuse(param: str, why: str) -> FrontError:
+    return FrontError(400, f"`{param}`: {why}", param=param, code="unsupported_parameter")
+
+
+def _sampling(request: _Common, logprobs: int | None) -> dict[str, Any]:
+    if request.n not in (None, 1):
+        raise _refuse("n", "only n = 1 is supported")
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    fields = {"temperature": request.temperature, "top_p": request.top_p,
+              "top_k": request.top_k, "min_p": request.min_p, "stop": stop,
+              "seed": request.seed, "presence_penalty": request.presence_penalty,
+              "frequency_penalty": request.frequency_penalty,
+              "repetition_penalty": request.repetition_penalty, "logprobs": logprobs}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def fairq_fields(options: FairqOptions | None) -> dict[str, Any]:
+    if options is None:
+        return {}
+    return {name: value for name, value in msgspec.structs.asdict(options).items()
+            if value is not None}
+
+
+def chat_submit(request: ChatRequest) -> dict[str, Any]:
+    """The keywords of `Client.submit` for a chat completion."""
+    if request.tools or request.functions:
+        raise _refuse("tools", "tool calling is not supported")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise _refuse("top_logprobs", "needs `logprobs: true`")
+    messages, images = [], []
+    for index, message in enumerate(request.messages):
+        text, found = _content(message.content, f"messages[{index}].content")
+        messages.append({"role": message.role, "content": text})
+        images += found
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    fields: dict[str, Any] = {"messages": messages,
+                              "max_tokens": request.max_completion_tokens or request.max_tokens,
+                              "sampling": _sampling(request, logprobs) or None,
+                              **fairq_fields(request.fairq)}
+    if images:
+        fields["images"] = images
+    return fields
+
+
+def _content(content: str | list[ContentPart] | None, param: str) -> tuple[str, list[str]]:
+    """A message's text and its images' base64 (data URLs only: the front fetches nothing)."""
+    if content is None or isinstance(content, str):
+        return content or "", []
+    texts, images = [], []
+    for part in content:
+        if part.type == "text":
+            texts.append(part.text or "")
+        elif part.type == "image_url":
+            url = str((part.image_url or {}).get("url", ""))
+            head, comma, data = url.partition(",")
+            if not (head.startswith(DATA_URL_PREFIX) and head.endswith(";base64") and comma):
+                raise _refuse(param, "images must be data URLs (data:image/...;base64,...)")
+            images.append(data)
+        else:
+            raise _refuse(param, f"content parts of type {part.type!r} are not supported")
+    return "".join(texts), images
+
+
+def completion_submit(request: CompletionRequest) -> dict[str, Any]:
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise _refuse("prompt", "one prompt string per request (no batches, no token ids)")
+        prompt = prompt[0]
+    if request.echo:
+        raise _refuse("echo", "not supported")
+    if request.suffix is not None:
+        raise _refuse("suffix", "not supported")
+    # OpenAI's legacy completions default to 16 tokens.
+    return {"prompt": prompt, "max_tokens": 16 if request.max_tokens is None
+            else request.max_tokens, "sampling": _sampling(request, request.logprobs) or None,
+            **fairq_fields(request.fairq)}
+
+
+def embedding_inputs(request: EmbeddingRequest) -> list[str]:
+    inputs = [request.input] if isinstance(request.input, str) else request.input
+    if not inputs or not all(isinstance(item, str) for item in inputs):
+        raise _refuse("input", "a string or a non-empty list of strings (no token ids)")
+    if request.dimensions is not None:
+        raise _refuse("dimensions", "the model's own size only")
+    return inputs
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def usage(done: DoneEvent) -> dict[str, int]:
+    prompt, completion = done.usage.input_tokens, done.usage.output_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob,
+                         "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                                           "bytes": list(t.token.encode())} for t in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0
+                        ) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+class ResponseIds:
+    """The id, creation time and model every object of one response shares."""
+
+    def __init__(self, prefix: str, request_id: str, model: str) -> None:
+        self.id = f"{prefix}-{request_id}"
+        self.created = int(time.time())
+        self.model = model
+
+    def head(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+
+def chat_completion(ids: ResponseIds, done: DoneEvent) -> dict[str, Any]:
+    return {**ids.head("chat.completion"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                         "logprobs": chat_logprobs(done.logprobs),
+                         "finish_reason": done.finish_reason or "stop"}],
+            "usage": usage(done)}
+
+
+def text_completion(ids: ResponseIds, done: DoneEvent) -> dict[str, Any]:
+    return {**ids.head("text_completion"),
+            "choices": [{"index": 0, "text": done.text,
+                         "logprobs": completion_logprobs(done.logprobs),
+                         "finish_reason": done.finish_reason or "stop"}],
+            "usage": usage(done)}
+
+
+def embedding_list(model: str, dones: list[DoneEvent], encoding_format: str) -> dict[str, Any]:
+    data = []
+    for index, done in enumerate(dones):
+        if done.embedding is None:
+            raise FrontError(500, f"model {model!r} returned no embedding: is it an "
+                             "embedding endpoint (kind = \"embed\")?", type_="server_error")
+        vector: list[float] | str = done.embedding
+        if encoding_format == "base64":
+            vector = base64.b64encode(struct.pack(f"<{len(done.embedding)}f",
+                                                  *done.embedding)).decode()
+        data.append({"object": "embedding", "index": index, "embedding": vector})
+    prompt = sum(done.usage.input_tokens for done in dones)
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+
+
+class StreamChunks:
+    """The server-sent chunks of one streamed completion (chat or legacy), as OpenAI
+    sends them: a role first (chat), the text as it comes, then the finish reason, and
+    the usage in a last chunk without choices when `stream_options.include_usage`."""
+
+    def __init__(self, ids: ResponseIds, *, chat: bool, include_usage: bool) -> None:
+        self._ids = ids
+        self._chat = chat
+        self._include_usage = include_usage
+        self._offset = 0  # characters sent so far: legacy logprobs' text offsets
+
+    def start(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": ""}) if self._chat else \
+            self._chunk(None, text="")
+
+    def of(self, event: Event) -> list[dict[str, Any]]:
+        if isinstance(event, TokenEvent):
+            chunk = self._chunk({"content": event.text}, text=event.text,
+                                logprobs=event.logprobs)
+            self._offset += len(event.text)
+            return [chunk]
+        if not isinstance(event, DoneEvent):
+            return []
+        chunks = [self._chunk({}, text="", finish_reason=event.finish_reason or "stop")]
+        if self._include_usage:
+            chunks.append({**self._head(), "choices": [], "usage": usage(event)})
+        return chunks
+
+    def _head(self) -> dict[str, Any]:
+        return self._ids.head("chat.completion.chunk" if self._chat else "text_completion")
+
+    def _chunk(self, delta: dict[str, Any] | None, *, text: str = "",
+               logprobs: list[TokenLogprob] | None = None,
+               finish_reason: str | None = None) -> dict[str, Any]:
+        if self._chat:
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text,
+                      "logprobs": completion_logprobs(logprobs, self._offset),
+                      "finish_reason": finish_reason}
+        chunk = {**self._head(), "choices": [choice]}
+        if self._include_usage:
+            chunk["usage"] = None
+        return chunk
