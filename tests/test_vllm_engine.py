@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from broker_config.wire import ChatMessage
+from broker_config.wire import ChatMessage, Sampling
 from workers.engine import Delta, EngineError, EngineRequest
 
 if importlib.util.find_spec("vllm") is None:
@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 KV_CACHE_BYTES = 64 << 20
 # Tiny model: 2 layers x (K and V) x 2 KV heads x head_dim 64 x 2 bytes (bf16).
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2
+HIDDEN_SIZE = 256  # of the tiny model: the length of its embeddings
 LONG = 8000  # max_tokens of a request that must still be running when we act on it (< 8192)
 WAIT_S = 60.0
 
@@ -444,3 +445,152 @@ async def test_a_busy_worker_answers_a_probe_in_the_slot_it_keeps_free(model_dir
         assert not running.task.done()  # the long request kept running beside it
         await busy.abort("long")
         await running.done()
+
+
+# -- sampling, logprobs, embeddings -----------------------------------------------------------
+
+def sampled(rid: str, max_tokens: int = 16, **sampling: Any) -> EngineRequest:
+    # A prompt shorter than one KV block: no run finds it in the prefix cache.
+    return EngineRequest(id=rid, max_tokens=max_tokens, prompt="def main():",
+                         sampling=Sampling(**sampling))
+
+
+async def text_of(engine: VLLMEngine, request: EngineRequest) -> tuple[str, Delta]:
+    deltas = await collect(engine, request)
+    return "".join(d.text for d in deltas), deltas[-1]
+
+
+async def test_the_same_seed_gives_the_same_text(engine: VLLMEngine) -> None:
+    first, _ = await text_of(engine, sampled("seed-1", temperature=1.0, seed=7))
+    again, _ = await text_of(engine, sampled("seed-2", temperature=1.0, seed=7))
+    other, _ = await text_of(engine, sampled("seed-3", temperature=1.0, seed=8))
+    assert first and again == first
+    assert other != first  # the seed is what makes it repeat: it is sampled
+
+
+async def test_temperature_zero_is_deterministic(engine: VLLMEngine) -> None:
+    first, _ = await text_of(engine, sampled("greedy-1", temperature=0.0))
+    again, _ = await text_of(engine, sampled("greedy-2", temperature=0.0))
+    assert first and again == first
+
+
+async def test_top_k_reaches_vllm(engine: VLLMEngine) -> None:
+    """top_k 1 samples greedily; 0 (off) and one beyond the vocabulary (vLLM caps it) let
+    every token be sampled, the same way with the same seed."""
+    greedy, _ = await text_of(engine, sampled("k-greedy", temperature=0.0))
+    top_1, _ = await text_of(engine, sampled("k-1", temperature=1.0, seed=7, top_k=1))
+    off, _ = await text_of(engine, sampled("k-0", temperature=1.0, seed=7, top_k=0))
+    huge, _ = await text_of(engine, sampled("k-huge", temperature=1.0, seed=7, top_k=2**31 - 1))
+    assert top_1 == greedy
+    assert huge == off != greedy
+
+
+async def test_a_stop_string_ends_the_output_right_before_it(engine: VLLMEngine) -> None:
+    text, final = await text_of(engine, sampled("unstopped", 24, temperature=1.0, seed=11))
+    assert final.finish_reason == "length"
+    middle = len(text) // 2
+    stop = text[middle:middle + 3]
+    stopped, final = await text_of(engine, sampled("stopped", 24, temperature=1.0, seed=11,
+                                                   stop=[stop]))
+    assert stopped == text[:text.index(stop)]
+    assert stop not in stopped
+    assert final.finish_reason == "stop"
+    assert final.output_tokens < 24
+
+
+async def test_logprobs_come_with_every_token_when_asked(engine: VLLMEngine) -> None:
+    deltas = await collect(engine, sampled("logprobs", 6, temperature=0.0, logprobs=2))
+    entries = []
+    for delta in deltas:
+        assert delta.logprobs is not None and len(delta.logprobs) == delta.token_count
+        entries += delta.logprobs
+    assert len(entries) == deltas[-1].output_tokens == 6
+    # Each token's text as vLLM decoded it (this output has no token splitting a character).
+    assert "".join(entry.token for entry in entries) == "".join(d.text for d in deltas)
+    for entry in entries:
+        assert entry.logprob <= 0
+        assert len(entry.top) == 2 and entry.top[0].logprob >= entry.top[1].logprob
+        assert entry.logprob == entry.top[0].logprob  # greedy: the most likely token
+
+    plain = await collect(engine, sampled("no-logprobs", 6, temperature=0.0))
+    assert all(delta.logprobs is None for delta in plain)
+    only_own = await collect(engine, sampled("own-logprob", 2, logprobs=0))
+    assert [len(e.top) for d in only_own for e in d.logprobs or ()] == [0, 0]
+
+
+@pytest.mark.parametrize("sampling, match", [
+    (Sampling(top_p=0.0), "top_p"),  # rejected when vLLM's parameters are made
+    (Sampling(logprobs=21), "logprobs"),  # rejected when vLLM registers the request
+])
+async def test_sampling_values_vllm_rejects_are_value_errors(
+    engine: VLLMEngine, sampling: Sampling, match: str
+) -> None:
+    """The wire schema keeps such values out (no value it allows is rejected by vLLM 0.32:
+    it caps top_k at the vocabulary); built past the schema, they must still be a bad
+    request, not an engine failure."""
+    with pytest.raises(ValueError, match=match):
+        await collect(engine, EngineRequest(id="bad", max_tokens=2, prompt="a",
+                                            sampling=sampling))
+    assert engine.healthy and engine.llm.get_num_unfinished_requests() == 0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def embedder(model_dir: Path) -> AsyncIterator[VLLMEngine]:
+    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=1, max_model_len=8192,
+                              kv_cache_bytes=KV_CACHE_BYTES)
+    async with VLLMEngine(config, embed=True) as running:
+        yield running
+
+
+def embed(rid: str, prompt: str) -> EngineRequest:
+    return EngineRequest(id=rid, max_tokens=1, prompt=prompt, embed=True)
+
+
+async def test_an_embedding_engine_returns_the_inputs_vector(
+    embedder: VLLMEngine, tokenizer: Any
+) -> None:
+    # Its limits are read as a generation engine's are.
+    assert embedder.capacity.sequences == 1
+    assert embedder.capacity.tokens == KV_CACHE_BYTES // KV_BYTES_PER_TOKEN
+    finals = {}
+    for rid, prompt in [("e1", "import os"), ("e2", "import os"), ("e3", "class A: pass")]:
+        [final] = await collect(embedder, embed(rid, prompt))
+        assert (final.finished, final.finish_reason, final.output_tokens) == (True, "stop", 0)
+        assert final.ttft_s is None  # no token
+        assert final.input_tokens == embedder.count_tokens(embed(rid, prompt))
+        assert final.embedding is not None and len(final.embedding) == HIDDEN_SIZE
+        finals[rid] = final.embedding
+    assert finals["e1"] == finals["e2"] != finals["e3"]
+    chat = EngineRequest(id="e-chat", max_tokens=1, messages=[ChatMessage("user", "hi")],
+                         embed=True)
+    [final] = await collect(embedder, chat)
+    # The messages alone, without the assistant's turn a generation would open.
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=False)
+    assert final.input_tokens == embedder.count_tokens(chat)
+    assert final.input_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert final.embedding is not None and len(final.embedding) == HIDDEN_SIZE
+
+
+async def test_an_engine_serves_only_its_own_kind_of_request(
+    engine: VLLMEngine, embedder: VLLMEngine
+) -> None:
+    with pytest.raises(ValueError, match="embedding engine"):
+        await collect(embedder, EngineRequest(id="gen", max_tokens=2, prompt="a"))
+    with pytest.raises(ValueError, match="generation engine"):
+        await collect(engine, embed("emb", "a"))
+
+
+async def test_an_abort_while_vllm_registers_an_embedding_ends_it(
+    embedder: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's abort output of a pooling request (an empty tensor) ends it as aborted."""
+    gate = Gate(embedder.llm.add_request)
+    monkeypatch.setattr(embedder.llm, "add_request", gate)
+    early = Streaming(embedder, embed("early", "import sys"), [])
+    await gate.wait_reached()
+    await embedder.abort("early")
+    gate.open()
+    final = await early.done()
+    assert (final.finish_reason, final.output_tokens, final.embedding) == ("abort", 0, None)
+    assert embedder.llm.get_num_unfinished_requests() == 0

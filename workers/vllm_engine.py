@@ -5,6 +5,9 @@ only names `VLLMEngine` runs in environments without vllm. Prompts are rendered 
 vLLM's own renderer (its tokenizer, and the model's chat template for messages), so
 `count_tokens` is exactly what the engine sees.
 
+An engine started with `embed=True` runs the model as an embedding model (vLLM's pooling
+runner) and serves only embedding requests; otherwise it serves only generation requests.
+
 Starting blocks the event loop for the engine's startup (about 20 s on a CPU with the
 tiny model): vLLM wires its output handler to the running loop, so it is built on it.
 """
@@ -20,14 +23,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from broker_config.wire import ChatMessage
+from broker_config.wire import ChatMessage, Sampling, TokenLogprob, TopLogprob
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity
 from workers.engine import Delta, EngineError, EngineRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.outputs import RequestOutput
+    from vllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    Output = RequestOutput | PoolingRequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,10 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 # On CPU this legacy variable overrides kv_cache_memory_bytes whenever it is set.
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+# Sampling fields passed to vLLM under the same name and meaning (top_k 0 is "off" in both),
+# when the request sets them; `stop` and `n` are handled apart.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logprobs")
 
 
 class VLLMEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,8 +75,9 @@ class VLLMEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 class VLLMEngine:
     """An Engine running a vLLM AsyncLLM in this process (its engine core in a child)."""
 
-    def __init__(self, config: VLLMEngineConfig) -> None:
+    def __init__(self, config: VLLMEngineConfig, *, embed: bool = False) -> None:
         self._config = config
+        self._embed = embed  # an embedding model, serving embedding requests only
         self._llm: AsyncLLM | None = None
         self._capacity: Capacity | None = None
         # Requests inside generate(), by id, until vLLM has let go of them.
@@ -91,7 +103,7 @@ class VLLMEngine:
     async def __aenter__(self) -> VLLMEngine:
         if self._llm is not None:
             raise RuntimeError("this VLLMEngine is already running")
-        self._llm = _start(self._config)
+        self._llm = _start(self._config, self._embed)
         self._capacity = _capacity_of(self._llm.vllm_config, self._config.model_units)
         return self
 
@@ -113,7 +125,7 @@ class VLLMEngine:
         renderer = self.llm.renderer
         try:
             if request.messages is not None:
-                _, (prompt,) = renderer.render_chat([_chat(request)], _chat_params())
+                _, (prompt,) = renderer.render_chat([_chat(request)], self._chat_params())
             else:
                 (prompt,) = renderer.render_cmpl([_text_prompt(request)])
         except _client_errors() as exc:
@@ -129,19 +141,25 @@ class VLLMEngine:
         the stream early (the consumer stops reading) drops it in vLLM before aclose()
         returns. Nothing is left to the garbage collector, and no abort is a no-op while
         vLLM still runs the request.
+
+        An embedding request yields one delta, its final one, with the embedding.
         """
         from vllm.exceptions import VLLMClientError
 
         llm = self.llm
         if request.id in self._live:
             raise ValueError(f"request {request.id!r} is already running")
+        if request.embed != self._embed:
+            kind = "an embedding" if self._embed else "a generation"
+            raise ValueError(f"request {request.id!r}: this is {kind} engine")
         live = self._live[request.id] = _Live()
         queue = None
         finished = False
         try:
             accepted = time.monotonic()
             prompt, params = await self._prepare(llm, request)
-            usage = _Usage(request.id, len(prompt["prompt_token_ids"]), accepted)
+            usage = _Usage(request.id, len(prompt["prompt_token_ids"]), accepted,
+                           None if self._embed else params.logprobs)
             if live.aborted:  # during rendering: vLLM never sees it
                 finished = True
                 yield usage.final("", 0, "abort", None)
@@ -165,15 +183,12 @@ class VLLMEngine:
                     await llm.abort(live.vllm_id, internal=True)
                 while True:
                     out = queue.get_nowait() or await queue.get()
-                    completion = out.outputs[0]
-                    count = len(completion.token_ids)
-                    usage.add(count)
-                    if out.finished:
-                        finished = True
-                        yield usage.final(completion.text, count, completion.finish_reason, out)
+                    delta = usage.pooled(out) if self._embed else usage.generated(out)
+                    finished = delta.finished
+                    if finished or delta.token_count or delta.text:
+                        yield delta
+                    if finished:
                         return
-                    if count or completion.text:
-                        yield Delta(completion.text, count)
             except VLLMClientError as exc:
                 raise ValueError(f"request {request.id!r}: {exc}") from exc
             except EngineError:
@@ -203,24 +218,32 @@ class VLLMEngine:
             await self._llm.abort(live.vllm_id, internal=True)
 
     async def _prepare(self, llm: AsyncLLM, request: EngineRequest) -> tuple[Any, Any]:
-        """The rendered prompt and sampling parameters; ValueError if the request is bad."""
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        """The rendered prompt and vLLM's parameters; ValueError if the request is bad (some
+        bad sampling values vLLM finds only when it registers the request)."""
+        from vllm.pooling_params import PoolingParams
 
+        params: PoolingParams | SamplingParams
         try:
-            params = SamplingParams(
-                max_tokens=request.max_tokens,
-                ignore_eos=self._config.ignore_eos,
-                output_kind=RequestOutputKind.DELTA,
-            )
+            if self._embed:
+                params = PoolingParams(task="embed")
+            else:
+                params = _sampling_params(request, self._config.ignore_eos)
             if request.messages is not None:
                 _, (prompt,) = await llm.renderer.render_chat_async(
-                    [_chat(request)], _chat_params()
+                    [_chat(request)], self._chat_params()
                 )
             else:
                 (prompt,) = await llm.renderer.render_cmpl_async([_text_prompt(request)])
         except _client_errors() as exc:
             raise ValueError(f"request {request.id!r}: {exc}") from exc
         return prompt, params
+
+    def _chat_params(self) -> Any:
+        from vllm.renderers.params import ChatParams
+
+        # A generation's template ends with the assistant's turn opened, as chat completion
+        # does; an embedding embeds the messages alone, as vLLM's embedding API does.
+        return ChatParams(chat_template_kwargs={"add_generation_prompt": not self._embed})
 
 
 @dataclass(slots=True, eq=False)
@@ -233,61 +256,104 @@ class _Live:
 
 
 class _Usage:
-    """Token counts and time to first token of one request while it streams."""
+    """Token counts and time to first token of one request while it streams, and the deltas
+    made of vLLM's outputs."""
 
-    def __init__(self, request_id: str, input_tokens: int, accepted: float) -> None:
+    def __init__(self, request_id: str, input_tokens: int, accepted: float,
+                 top_logprobs: int | None) -> None:
         self.request_id = request_id
         self.input_tokens = input_tokens
         self.output_tokens = 0
         self.accepted = accepted
         self.first_token_at: float | None = None
+        self.top_logprobs = top_logprobs  # None: the request did not ask for logprobs
 
-    def add(self, count: int) -> None:
+    def generated(self, out: RequestOutput) -> Delta:
+        """The delta of one output of a generation (DELTA mode: only what is new)."""
+        completion = out.outputs[0]
+        count = len(completion.token_ids)
         if count and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.output_tokens += count
+        logprobs = (None if self.top_logprobs is None
+                    else _token_logprobs(completion, self.top_logprobs))
+        if out.finished:
+            return self.final(completion.text, count, completion.finish_reason, out, logprobs)
+        return Delta(completion.text, count, logprobs=logprobs)
 
-    def final(
-        self, text: str, count: int, reason: str | None, out: RequestOutput | None
-    ) -> Delta:
+    def pooled(self, out: PoolingRequestOutput) -> Delta:
+        """The final delta of an embedding: vLLM's only output of a pooling request."""
+        if out.error is not None:
+            raise EngineError(f"vLLM failed request {self.request_id!r}: {out.error.message}")
+        data = out.outputs.data
+        if not data.numel():  # vLLM's abort output carries an empty tensor
+            return self.final("", 0, "abort", out)
+        return self.final("", 0, "stop", out, embedding=data.tolist())
+
+    def final(self, text: str, count: int, reason: str | None, out: Output | None,
+              logprobs: list[TokenLogprob] | None = None,
+              embedding: list[float] | None = None) -> Delta:
         if reason == "error":
             raise EngineError(f"vLLM failed request {self.request_id!r} (finish reason error)")
         self._check_against_engine(out)
         return Delta(
-            text,
-            count,
-            finished=True,
-            input_tokens=self.input_tokens,
-            output_tokens=self.output_tokens,
+            text, count, finished=True, finish_reason=reason,
+            input_tokens=self.input_tokens, output_tokens=self.output_tokens,
             # What vLLM's prefix cache held of the prompt (absent: prefix caching off).
-            cached_input_tokens=(getattr(out, "num_cached_tokens", None) or 0)
-            if out is not None else 0,
+            cached_input_tokens=getattr(out, "num_cached_tokens", None) or 0,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.accepted,
-            finish_reason=reason,
+            logprobs=logprobs, embedding=embedding,
         )
 
-    def _check_against_engine(self, out: RequestOutput | None) -> None:
+    def _check_against_engine(self, out: Output | None) -> None:
         """Warn when the streamed counts disagree with vLLM's own (stats enabled only)."""
         if out is None:
             return
-        generated = getattr(out.metrics, "num_generation_tokens", None)
+        # A pooling output has no metrics.
+        generated = getattr(getattr(out, "metrics", None), "num_generation_tokens", None)
         if generated is not None and generated != self.output_tokens:
-            log.warning(
-                "request %s: streamed %d output tokens but vLLM counted %d",
-                self.request_id,
-                self.output_tokens,
-                generated,
-            )
+            log.warning("request %s: streamed %d output tokens but vLLM counted %d",
+                        self.request_id, self.output_tokens, generated)
         if len(out.prompt_token_ids or ()) != self.input_tokens:
-            log.warning(
-                "request %s: rendered %d input tokens but vLLM ran %d",
-                self.request_id,
-                self.input_tokens,
-                len(out.prompt_token_ids or ()),
-            )
+            log.warning("request %s: rendered %d input tokens but vLLM ran %d",
+                        self.request_id, self.input_tokens, len(out.prompt_token_ids or ()))
 
 
-def _start(config: VLLMEngineConfig) -> AsyncLLM:
+def _sampling_params(request: EngineRequest, ignore_eos: bool) -> SamplingParams:
+    """vLLM's sampling parameters of a request; a field it does not set keeps vLLM's default.
+    vLLM raises a VLLMValidationError for values it rejects."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    sampling = request.sampling or Sampling()
+    chosen = {name: value for name in _SAMPLING_FIELDS
+              if (value := getattr(sampling, name)) is not None}
+    return SamplingParams(
+        max_tokens=request.max_tokens,
+        ignore_eos=ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        # vLLM leaves the stop strings out of the text and finishes with reason "stop".
+        stop=list(sampling.stop),
+        **chosen,
+    )
+
+
+def _token_logprobs(completion: CompletionOutput, top: int) -> list[TokenLogprob]:
+    """One entry per new token of a DELTA-mode output. vLLM gives a dict per token, by token
+    id: the sampled token (with its rank in the vocabulary) and the `top` most likely (ranks
+    1..top), overlapping when the sampled token is among them."""
+    entries = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=True):
+        sampled = position[token_id]
+        ranked = sorted(position.values(), key=lambda logprob: logprob.rank)[:top]
+        entries.append(TokenLogprob(
+            sampled.decoded_token or "",
+            sampled.logprob,
+            [TopLogprob(alt.decoded_token or "", alt.logprob) for alt in ranked],
+        ))
+    return entries
+
+
+def _start(config: VLLMEngineConfig, embed: bool) -> AsyncLLM:
     if config.kv_cache_bytes is not None and os.environ.get(CPU_KV_ENV, ""):
         raise EngineError(
             f"{CPU_KV_ENV} is set and would override kv_cache_bytes on a CPU; "
@@ -309,6 +375,9 @@ def _start(config: VLLMEngineConfig) -> AsyncLLM:
         enable_prefix_caching=config.enable_prefix_caching,
         seed=config.seed,
         scheduling_policy="priority",
+        # vLLM adapts a generative model into an embedding model (last token, normalized).
+        runner="pooling" if embed else "auto",
+        convert="embed" if embed else "auto",
         # Keeps per-request stats (num_generation_tokens) that usage is checked against.
         disable_log_stats=False,
     )
@@ -349,13 +418,6 @@ def _chat(request: EngineRequest) -> list[dict[str, str]]:
 def _check_text_only(request: EngineRequest) -> None:
     if request.images:
         raise ValueError("it has images, and VLLMEngine takes text requests only")
-
-
-def _chat_params() -> Any:
-    from vllm.renderers.params import ChatParams
-
-    # The template ends with the assistant's turn opened, as chat completion does.
-    return ChatParams(chat_template_kwargs={"add_generation_prompt": True})
 
 
 def _client_errors() -> tuple[type[Exception], ...]:
