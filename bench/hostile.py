@@ -63,7 +63,7 @@ WATCHED_REPLIES = ("fq.req.chat.globex", "$JS.API.STREAM.DELETE.>", "a.*", "a.>"
 BASELINE_FRACTION = 0.1
 # The flood after the probes: its tenant's backlog waits on an endpoint without workers.
 FLOOD_ENDPOINT = "embed"
-NEVER_S = 1e9
+NEVER_S = 365 * 24 * 3600.0  # the longest grace the config takes
 FLOOD_TENANT = "initech"
 VICTIM = "globex"
 VICTIM_CALLS = 20
