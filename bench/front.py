@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -39,8 +40,16 @@ START_TIMEOUT_S = 30.0
 Call = Callable[[int], Awaitable[float]]
 
 
-async def measure(call: Call, requests: int, concurrency: int) -> dict[str, float]:
-    """Requests/s and latency percentiles (ms) of `requests` calls, `concurrency` at once."""
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(call: Call, requests: int, concurrency: int,
+                  front_pid: int) -> dict[str, float]:
+    """Requests/s, latency percentiles (ms) of `requests` calls, `concurrency` at once, and
+    the CPU milliseconds per request of the front's process and of this one (the client)."""
     latencies: list[float] = []
     slots = asyncio.Semaphore(concurrency)
 
@@ -48,12 +57,14 @@ async def measure(call: Call, requests: int, concurrency: int) -> dict[str, floa
         async with slots:
             latencies.append(await call(n))
 
-    started = time.perf_counter()
+    started, front_cpu, own_cpu = time.perf_counter(), cpu_s(front_pid), time.process_time()
     await asyncio.gather(*(one(n) for n in range(requests)))
     elapsed = time.perf_counter() - started
     latencies.sort()
     return {"requests_per_s": requests / elapsed,
-            **{f"p{q}_ms": percentile(latencies, q) * 1000 for q in (50, 90, 99)}}
+            **{f"p{q}_ms": percentile(latencies, q) * 1000 for q in (50, 90, 99)},
+            "front_cpu_ms": (cpu_s(front_pid) - front_cpu) * 1000 / requests,
+            "client_cpu_ms": (time.process_time() - own_cpu) * 1000 / requests}
 
 
 def sdk_calls(fq: Client, max_tokens: int) -> dict[str, Call]:
@@ -126,12 +137,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     path: {kind: [] for kind in calls} for path, calls in paths.items()}
                 for path, calls in paths.items():
                     for call in calls.values():
-                        await measure(call, WARMUP, args.concurrency)
+                        await measure(call, WARMUP, args.concurrency, front.pid)
                 for _ in range(2):
                     for path, calls in paths.items():
                         for kind, call in calls.items():
                             results[path][kind].append(
-                                await measure(call, args.requests, args.concurrency))
+                                await measure(call, args.requests, args.concurrency,
+                                              front.pid))
                 await http.close()
         finally:
             front.terminate()
@@ -149,8 +161,10 @@ def report(summary: dict[str, Any]) -> list[str]:
     for path, kinds in summary["best"].items():
         for kind, figures in kinds.items():
             rows.append([path, kind, f"{figures['requests_per_s']:.0f}",
-                         *(f"{figures[f'p{q}_ms']:.1f}" for q in (50, 90, 99))])
-    return table(["path", "answer", "requests/s", "p50 ms", "p90 ms", "p99 ms"], rows)
+                         *(f"{figures[f'p{q}_ms']:.1f}" for q in (50, 90, 99)),
+                         f"{figures['front_cpu_ms']:.2f}", f"{figures['client_cpu_ms']:.2f}"])
+    return table(["path", "answer", "requests/s", "p50 ms", "p90 ms", "p99 ms",
+                  "front CPU ms/request", "client CPU ms/request"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
