@@ -9,13 +9,15 @@ No `$JS.API` permission is needed to submit: a JetStream publish is a core publi
 PubAck comes back to the publisher's inbox. `Fq-Reply` must then lie in the tenant's inbox
 too (the dispatcher checks it with `Subjects.check_reply(..., tenant_inboxes=True)`).
 Service users (dispatcher, workers, operators) get full access; `fq.api.depth`, which
-shows every tenant, is for them only.
+shows every tenant, is for them only. A front user (the OpenAI-compatible front) acts for
+the tenants it serves: their subjects and inboxes, and its own inbox `_INBOX_<user>` for
+its PubAcks and API replies (user names are unique, so no tenant's inbox is that).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from broker_config.subjects import Subjects, check_token
@@ -47,15 +49,34 @@ def tenant_permissions(subjects: Subjects, tenant: str) -> Permissions:
     )
 
 
-def build_users(subjects: Subjects, tenants: Mapping[str, str],
-                services: Mapping[str, str]) -> list[NatsUser]:
-    """One restricted user per tenant (name = tenant) and one full user per service.
+def front_permissions(subjects: Subjects, user: str, tenants: Iterable[str]) -> Permissions:
+    served = [check_token(tenant, "tenant") for tenant in tenants]
+    return Permissions(
+        publish=tuple(subject for tenant in served for subject in (
+            subjects.tenant_requests(tenant), subjects.tenant_api(tenant))),
+        subscribe=(f"{front_inbox_prefix(user)}.>",
+                   *(f"{subjects.inbox_prefix(tenant)}.>" for tenant in served)),
+    )
 
-    `tenants` and `services` map user name to password.
+
+def front_inbox_prefix(user: str) -> str:
+    """The inbox prefix a front's connection uses (nats-py's `inbox_prefix`)."""
+    return f"_INBOX_{check_token(user, 'front user')}"
+
+
+def build_users(subjects: Subjects, tenants: Mapping[str, str],
+                services: Mapping[str, str],
+                fronts: Mapping[str, tuple[str, Iterable[str]]] | None = None) -> list[NatsUser]:
+    """One restricted user per tenant (name = tenant), one full user per service, and one
+    user per front for the tenants it serves.
+
+    `tenants` and `services` map user name to password, `fronts` to (password, tenants).
     """
     users = [NatsUser(check_token(tenant, "tenant"), password, tenant_permissions(subjects, tenant))
              for tenant, password in tenants.items()]
     users += [NatsUser(name, password) for name, password in services.items()]
+    users += [NatsUser(name, password, front_permissions(subjects, name, served))
+              for name, (password, served) in (fronts or {}).items()]
     _check_users(users)
     return users
 

@@ -256,15 +256,18 @@ class Client:
     @staticmethod
     def connect(url: str, *, prefix: str = "fq", tenant_inboxes: str | None = None,
                 user: str | None = None, password: str | None = None,
+                inbox_prefix: str | None = None,
                 connect_timeout_s: float = 5.0, allow_reconnect: bool = True,
                 publish_timeout_s: float = 5.0, api_timeout_s: float = 5.0) -> Connecting:
         """Open a connection; use as `async with Client.connect(url) as c` or `await`.
 
         `allow_reconnect=False` fails at once when the server is unreachable (the CLI's
         choice); otherwise nats-py keeps retrying the server, also on the first connect.
+        `inbox_prefix`: the connection's own (a front user's, `auth.front_inbox_prefix`);
+        a tenant client's is its tenant's.
         """
         Subjects(prefix)  # a bad prefix fails here, before a connection is opened
-        inbox = _tenant_inbox(tenant_inboxes) if tenant_inboxes is not None else None
+        inbox = _tenant_inbox(tenant_inboxes) if tenant_inboxes is not None else inbox_prefix
 
         async def open_client() -> Client:
             errors = _ErrorLog()

@@ -1,5 +1,7 @@
 """`python -m producers.openai_front`: the OpenAI-compatible front alone, beside a running
 fairq (its dispatcher provisions the broker; the front only publishes and listens).
+With broker users, FAIRQ_NATS_USER and FAIRQ_NATS_PASSWORD name its own (a front user of
+`broker_config.auth.build_users`, allowed the tenants it serves).
 
 Prints OPENAI_BASE_URL (and OPENAI_API_KEY with `--dev-key-for`) once it serves; SIGINT
 or SIGTERM stops it: open requests get DRAIN_S to finish, then the NATS connection
@@ -25,6 +27,8 @@ from broker_config.config import (
     ConfigError,
     load_config,
 )
+from broker_config.auth import front_inbox_prefix
+from broker_config.subjects import SubjectError
 from producers.client import Client, ConnectionFailed
 from producers.openai_front.app import Front
 from producers.openai_front.keys import KeyRing, with_dev_key
@@ -51,11 +55,13 @@ async def serve(config: Config, nats_url: str, port: int | None, dev_key: str | 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    user = os.environ.get("FAIRQ_NATS_USER") or None
     try:
-        client = await Client.connect(nats_url, prefix=config.broker.prefix,
-                                      user=os.environ.get("FAIRQ_NATS_USER"),
-                                      password=os.environ.get("FAIRQ_NATS_PASSWORD"))
-    except ConnectionFailed as exc:
+        # A broker user's own inbox: the only one outside its tenants' it may read.
+        client = await Client.connect(nats_url, prefix=config.broker.prefix, user=user,
+                                      password=os.environ.get("FAIRQ_NATS_PASSWORD"),
+                                      inbox_prefix=front_inbox_prefix(user) if user else None)
+    except (ConnectionFailed, SubjectError) as exc:
         print(f"openai front: {exc}", file=sys.stderr)
         return 1
     async with client, FrontServer(Front(client, config, KeyRing(config.front.keys)),

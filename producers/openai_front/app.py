@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import math
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from broker_config.config import Config
+from broker_config.subjects import Subjects
 from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event
 from producers.client import (
     BacklogFull,
@@ -127,14 +129,20 @@ class Front:
         return model
 
     async def _submit(self, endpoint: str, tenant: str, fields: dict[str, Any]) -> Submitted:
+        # With per-tenant broker users the dispatcher takes only replies in the tenant's
+        # inbox; the front's user may listen there for the tenants it serves.
+        reply: bool | str = (f"{Subjects.inbox_prefix(tenant)}.{uuid.uuid4().hex}"
+                             if self.config.dispatcher.tenant_inboxes else True)
         try:
-            return await self.client.submit(endpoint, tenant, **fields)
+            return await self.client.submit(endpoint, tenant, reply=reply, **fields)
         except InvalidRequest as exc:
             raise ow.FrontError(400, str(exc)) from exc
         except BacklogFull as exc:
             raise ow.error_for(ErrorCode.OVERLOADED, str(exc), 1.0) from exc
-        except FairqTimeout as exc:
-            raise ow.FrontError(503, str(exc), type_="server_error") from exc
+        except FairqTimeout as exc:  # also what a broker user refused this tenant sees
+            raise ow.FrontError(503, f"the broker did not take the request of tenant "
+                                f"{tenant!r} on {endpoint!r}: {exc}", type_="server_error",
+                                retry_after_s=1.0) from exc
         except FairqError as exc:  # broker unreachable or refusing: not the client's fault
             raise ow.FrontError(503, f"fairq is unavailable: {exc}", type_="server_error",
                                 retry_after_s=1.0) from exc
