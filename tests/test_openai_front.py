@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -25,8 +26,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.procstat import worker_pid
 from broker_config.config import EXAMPLE_CONFIG
+from broker_config.wire import ChatMessage, Sampling
 from producers.client import Client
+from workers.engine import EngineRequest
+from workers.sim_engine import SimEngine
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,12 +84,19 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, nats_binary: Path) -> Iterator[Up]:
-    directory = tmp_path_factory.mktemp("front")
+    with fairq_up(tmp_path_factory.mktemp("front"), time_scale=0.05) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def fairq_up(directory: Path, time_scale: float) -> Iterator[Up]:
+    """`fairq up` on the example config plus EXTRA_CONFIG, one chat and one embed worker;
+    stopped with Ctrl-C on leaving."""
     config = directory / "fairq.toml"
     config.write_text(EXAMPLE_CONFIG.read_text() + EXTRA_CONFIG)
     process = subprocess.Popen(
         [sys.executable, "-m", "producers.cli", "up", "--port", "0", "--config", str(config),
-         "--workers", "chat=1,embed=1,lonely=0", "--time-scale", "0.05",
+         "--workers", "chat=1,embed=1,lonely=0", "--time-scale", str(time_scale),
          "--metrics-port", "0", "--front-port", "0", "--log-dir", str(directory / "logs")],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
@@ -272,3 +284,45 @@ def test_the_front_runs_alone_and_prints_where_it_serves(up: Up, tmp_path: Path)
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0
+
+
+async def long_output_seed(tokens: int) -> int:
+    """A seed for which `chat()`'s prompt gives at least `tokens` output tokens on the
+    simulated engine of worker chat-w1 (engine seed 0): a seeded output is drawn from the
+    prompt and the seed."""
+    message = ChatMessage(**chat()["messages"][0])  # type: ignore[index]
+    async with SimEngine(time_scale=0) as engine:
+        for seed in range(100):
+            request = EngineRequest(f"probe-{seed}", 1024, messages=[message],
+                                    sampling=Sampling(seed=seed))
+            *_, final = [delta async for delta in engine.generate(request)]
+            if final.output_tokens >= tokens:
+                return seed
+    raise AssertionError(f"no seed below 100 gives {tokens} tokens")
+
+
+async def test_a_lost_worker_is_a_500_or_an_error_in_the_stream(tmp_path: Path,
+                                                                 nats_binary: Path) -> None:
+    """The chat worker is killed while two long requests stream on it (engine time at
+    scale 1: 1,024 tokens take 25 s): once the dispatcher knows both had streamed output,
+    they end with `internal`, which the front answers with 500 before any output and as
+    an `error` object in a stream already under way."""
+    with fairq_up(tmp_path, time_scale=1.0) as running:
+        client = running.async_client()
+        long = chat(max_tokens=1024, seed=await long_output_seed(500))
+        whole = asyncio.create_task(client.chat.completions.create(**long))
+        stream = await client.chat.completions.create(**long, stream=True)
+        chunks = aiter(stream)
+        while not (await anext(chunks)).choices[0].delta.content:
+            pass
+        await asyncio.sleep(2.0)  # both have streamed, and heartbeats have said so
+        pid = worker_pid(running.process.pid, "chat-w1")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="internal|worker running it was lost"):
+            async for _ in chunks:
+                pass
+        with pytest.raises(openai.InternalServerError) as caught:
+            await whole
+        assert caught.value.status_code == 500 and caught.value.code == "internal"
+        await client.close()

@@ -8,7 +8,15 @@ import msgspec
 import pytest
 
 from broker_config.config import ConfigError, FrontKey, load_config, parse_config
-from broker_config.wire import ErrorCode, TokenLogprob, TopLogprob
+from broker_config.wire import (
+    DoneEvent,
+    ErrorCode,
+    Timings,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+)
+from costmodel.units import Usage
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Outcome, Request
 from producers.openai_front import openai_wire as ow
@@ -141,3 +149,20 @@ def test_an_endpoint_nobody_serves_turns_requests_away_after_the_grace() -> None
     assert "no worker serves endpoint 'chat'" in decision.message
     scheduler.endpoints["chat"].set_serving(True, 200.0)
     assert isinstance(check(300.0), list)
+
+
+def test_a_stream_passes_tokens_on_in_order_once_even_when_a_request_runs_again() -> None:
+    chunks = ow.StreamChunks(ow.ResponseIds("chatcmpl", "r", "chat"), chat=True,
+                             include_usage=True)
+    assert chunks.start()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    events = [TokenEvent("r", 0, "a"), TokenEvent("r", 1, "b"), TokenEvent("r", 0, "a"),
+              TokenEvent("r", 2, "c"), TokenEvent("r", 1, "b")]
+    sent = [chunk for event in events for chunk in chunks.of(event)]
+    assert [c["choices"][0]["delta"]["content"] for c in sent] == ["a", "b", "c"]
+    assert all(c["usage"] is None for c in sent)
+    done = DoneEvent("r", 3, "abc", Usage(2, 3, 0.0), Timings(0.0, 0.1, 0.2),
+                     finish_reason="length")
+    finish, usage = chunks.of(done)
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}

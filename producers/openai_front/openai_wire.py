@@ -309,13 +309,18 @@ def embedding_list(model: str, dones: list[DoneEvent], encoding_format: str) -> 
 class StreamChunks:
     """The server-sent chunks of one streamed completion (chat or legacy), as OpenAI
     sends them: a role first (chat), the text as it comes, then the finish reason, and
-    the usage in a last chunk without choices when `stream_options.include_usage`."""
+    the usage in a last chunk without choices when `stream_options.include_usage`.
+
+    Token events are passed on in `seq` order only: a request that runs again (its worker
+    thought lost) streams from 0 again, and a client must not get that text twice.
+    """
 
     def __init__(self, ids: ResponseIds, *, chat: bool, include_usage: bool) -> None:
         self._ids = ids
         self._chat = chat
         self._include_usage = include_usage
         self._offset = 0  # characters sent so far: legacy logprobs' text offsets
+        self._next_seq = 0
 
     def start(self) -> dict[str, Any]:
         return self._chunk({"role": "assistant", "content": ""}) if self._chat else \
@@ -323,6 +328,9 @@ class StreamChunks:
 
     def of(self, event: Event) -> list[dict[str, Any]]:
         if isinstance(event, TokenEvent):
+            if event.seq != self._next_seq:
+                return []
+            self._next_seq += 1
             chunk = self._chunk({"content": event.text}, text=event.text,
                                 logprobs=event.logprobs)
             self._offset += len(event.text)
