@@ -63,7 +63,6 @@ WATCHED_REPLIES = ("fq.req.chat.globex", "$JS.API.STREAM.DELETE.>", "a.*", "a.>"
 BASELINE_FRACTION = 0.1
 # The flood after the probes: its tenant's backlog waits on an endpoint without workers.
 FLOOD_ENDPOINT = "embed"
-NEVER_S = 365 * 24 * 3600.0  # the longest grace the config takes
 FLOOD_TENANT = "initech"
 VICTIM = "globex"
 VICTIM_CALLS = 20
@@ -79,14 +78,10 @@ def hostile_config() -> Config:
     others refused, and the suite's input limits."""
     config = benchmark_config()
     tier = config.tiers[0].name
-    # The flood's backlog must wait on FLOOD_ENDPOINT, which no worker serves, however
-    # long the probes took: no `unavailable` for it.
-    options = msgspec.structs.replace(suite_options(config.dispatcher),
-                                      no_worker_grace_s=NEVER_S)
     return msgspec.structs.replace(
         config, tenants={name: Tenant(tier=tier, weight=1.0) for name in (*TENANTS, "warmup")},
         unlisted_tenants=msgspec.structs.replace(config.unlisted_tenants, policy="reject"),
-        dispatcher=options)
+        dispatcher=suite_options(config.dispatcher))
 
 
 @dataclass(slots=True)

@@ -194,10 +194,10 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     ack_wait_s: PositiveSeconds = 60.0
     # A worker silent this long is out of rotation and its work is taken back.
     worker_timeout_s: PositiveSeconds = 5.0
-    # An endpoint no worker has served for this long (and that does not autoscale)
-    # turns new requests away as `unavailable` instead of queueing them; counted from
-    # the dispatcher's start too, so that workers starting beside it are waited for.
-    no_worker_grace_s: PositiveSeconds = 30.0
+    # When set, an endpoint no worker has served for this long (and that does not
+    # autoscale) turns new requests away as `unavailable` instead of queueing them;
+    # counted from the dispatcher's start too. Unset: requests wait for a worker.
+    no_worker_grace_s: PositiveSeconds | None = None
     # Health probes (one token through the worker's engine) go to a worker holding work
     # with no completion or new token for probe_stall_s, or idle for probe_idle_s; one
     # unanswered in probe_timeout_s fails; probe_failures in a row evict the worker.

@@ -200,7 +200,8 @@ FinishReason = Literal["stop", "length"]
 class DoneEvent(msgspec.Struct, frozen=True, tag_field="type", tag="done"):
     """`finish_reason`: "stop" (the model ended, or a stop string), "length" (`max_tokens`),
     null from an engine that does not say. `embedding`: the vector of an embedding
-    endpoint, else null. `logprobs`: every generated token's, when asked, else null."""
+    endpoint, else null. Logprobs travel on the token events only: a long output's would
+    make the done event, which is also stored, larger than a message may be."""
 
     id: str
     seq: int
@@ -210,7 +211,6 @@ class DoneEvent(msgspec.Struct, frozen=True, tag_field="type", tag="done"):
     metadata: dict[str, str] = {}
     finish_reason: FinishReason | None = None
     embedding: list[float] | None = None
-    logprobs: list[TokenLogprob] | None = None
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, tag_field="type", tag="error"):

@@ -59,7 +59,7 @@ class WorkerReports:
         # follows its last completions, must not take back requests being completed.
         self._lock = asyncio.Lock()
         for endpoint in scheduler.endpoints:  # none serves until its heartbeats come
-            self._update_capacity(endpoint)
+            self._update_serving(endpoint, healthy=0)
 
     async def on_heartbeat(self, msg: Msg) -> None:
         beat = wire.HEARTBEAT.decode(msg.data, _encoding(msg))
@@ -183,7 +183,12 @@ class WorkerReports:
         self.scheduler.set_capacity(
             endpoint, healthy * profile.capacity_mu_per_s,
             startup_wait_s=autoscale.cold_start_s if autoscale and not healthy else 0.0)
-        self.scheduler.endpoints[endpoint].set_serving(bool(healthy or autoscale), time.time())
+        self._update_serving(endpoint, healthy)
+
+    def _update_serving(self, endpoint: str, healthy: int) -> None:
+        """For `unavailable`: served while a worker is healthy or autoscaling may start one."""
+        serving = bool(healthy) or self.config.endpoints[endpoint].autoscale is not None
+        self.scheduler.endpoints[endpoint].set_serving(serving, time.time())
 
     async def on_completions(self, msg: Msg) -> None:
         async with self._lock:

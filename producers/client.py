@@ -481,6 +481,13 @@ class Client:
                     raise RequestFailed(event)
         raise FairqError(f"the events of request {submitted.id} ended without a final event")
 
+    async def stop_listening(self, submitted: Submitted) -> None:
+        """Drop the subscription to a request's events when `stream` will not be read to
+        the end (a stream never started keeps it until the client closes otherwise)."""
+        subscription = submitted._subscription
+        if subscription is not None and subscription in self._listening:
+            await self._release(subscription)
+
     async def _listen(self, subject: str) -> Subscription:
         try:
             subscription = await self._nc.subscribe(subject)

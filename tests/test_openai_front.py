@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,6 +238,15 @@ def test_every_error_has_the_status_an_openai_client_expects(up: Up) -> None:
     time.sleep(GRACE_S)  # since the dispatcher's start: long past already, but be sure
     nobody = error_of(lambda: client.chat.completions.create(**chat(model="lonely")))
     assert nobody.status_code == 503 and nobody.code == "unavailable"
+
+    wrong = error_of(lambda: client.chat.completions.create(**chat(model="embed")))
+    assert wrong.status_code == 400 and wrong.code == "wrong_model_kind"
+    wrong = error_of(lambda: client.embeddings.create(model="chat", input="x"))
+    assert wrong.status_code == 400 and "/v1/chat/completions" in wrong.message
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(f"{up.base_url}/nowhere", timeout=30)
+    assert caught.value.code == 404
+    assert json.load(caught.value)["error"]["message"] == "Not Found"
 
 
 def test_http_limits_answer_413_and_close_idle_connections(up: Up) -> None:

@@ -132,29 +132,42 @@ def test_front_keys_in_the_config_are_checked() -> None:
     assert parse_config(base + f'{{tenant="acme", sha256="{digest}"}}]').front.keys
 
 
-def test_an_endpoint_nobody_serves_turns_requests_away_after_the_grace() -> None:
+def scheduler_with_grace(grace: float | None) -> Scheduler:
     config = load_config()
-    grace = config.dispatcher.no_worker_grace_s
-    scheduler = Scheduler(config)
+    return Scheduler(msgspec.structs.replace(config, dispatcher=msgspec.structs.replace(
+        config.dispatcher, no_worker_grace_s=grace)))
 
-    def check(now: float) -> object:
-        return scheduler.check(Request(id=f"r{now}", tenant="acme", endpoint="chat",
-                                       input_tokens=10, max_tokens=10, arrival=now), now)
 
-    assert isinstance(check(0.0), list)  # nobody says: the simulator never turns away
+def check(scheduler: Scheduler, now: float) -> object:
+    return scheduler.check(Request(id=f"r{now}", tenant="acme", endpoint="chat",
+                                   input_tokens=10, max_tokens=10, arrival=now), now)
+
+
+def test_an_endpoint_nobody_serves_turns_requests_away_after_the_grace() -> None:
+    grace = 30.0
+    scheduler = scheduler_with_grace(grace)
+    assert isinstance(check(scheduler, 0.0), list)  # nobody says: the simulator
     scheduler.endpoints["chat"].set_serving(False, 100.0)
-    assert isinstance(check(100.0 + grace - 1), list)
-    decision = check(100.0 + grace)
+    assert isinstance(check(scheduler, 100.0 + grace - 1), list)
+    decision = check(scheduler, 100.0 + grace)
     assert decision.outcome is Outcome.UNAVAILABLE and decision.retry_after_s == grace
     assert "no worker serves endpoint 'chat'" in decision.message
     scheduler.endpoints["chat"].set_serving(True, 200.0)
-    assert isinstance(check(300.0), list)
+    assert isinstance(check(scheduler, 300.0), list)
+
+
+def test_without_a_grace_requests_wait_for_a_worker_however_long() -> None:
+    scheduler = scheduler_with_grace(None)  # the default
+    assert load_config().dispatcher.no_worker_grace_s is None
+    scheduler.endpoints["chat"].set_serving(False, 0.0)
+    assert isinstance(check(scheduler, 1e6), list)
 
 
 def test_a_stream_passes_tokens_on_in_order_once_even_when_a_request_runs_again() -> None:
     chunks = ow.StreamChunks(ow.ResponseIds("chatcmpl", "r", "chat"), chat=True,
                              include_usage=True)
-    assert chunks.start()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    (start,) = chunks.start()
+    assert start["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     events = [TokenEvent("r", 0, "a"), TokenEvent("r", 1, "b"), TokenEvent("r", 0, "a"),
               TokenEvent("r", 2, "c"), TokenEvent("r", 1, "b")]
     sent = [chunk for event in events for chunk in chunks.of(event)]
@@ -166,3 +179,23 @@ def test_a_stream_passes_tokens_on_in_order_once_even_when_a_request_runs_again(
     assert finish["choices"][0]["finish_reason"] == "length"
     assert usage["choices"] == [] and usage["usage"] == {
         "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def test_a_stream_that_missed_a_token_sends_the_rest_or_says_it_cannot() -> None:
+    def stream() -> ow.StreamChunks:
+        return ow.StreamChunks(ow.ResponseIds("cmpl", "r", "chat"), chat=False,
+                               include_usage=False)
+
+    assert stream().start() == []  # legacy completions send no role chunk
+    done = DoneEvent("r", 3, "abc", Usage(1, 3, 0.0), Timings(0.0, 0.1, 0.2),
+                     finish_reason="stop")
+    tail = stream()
+    assert [c["choices"][0]["text"] for c in tail.of(TokenEvent("r", 0, "a"))] == ["a"]
+    rest, finish = tail.of(done)  # "b" and "c" were missed at the end
+    assert rest["choices"][0]["text"] == "bc" and finish["choices"][0]["finish_reason"] == "stop"
+    gap = stream()
+    gap.of(TokenEvent("r", 0, "a"))
+    gap.of(TokenEvent("r", 2, "c"))  # "b" was missed in the middle
+    (error,) = gap.of(done)
+    assert error["error"]["type"] == "server_error" and "missed" in error["error"]["message"]
+    assert gap.finished

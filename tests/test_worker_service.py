@@ -277,10 +277,10 @@ async def test_done_event_has_exactly_the_contract_fields(
         first, *_, msg = [m for m in inbox.msgs if m.subject == f"_INBOX.t.{request_id}"]
         raw = decoders[encoding_of(msg)](msg.data)
         assert set(raw) == {"type", "id", "seq", "text", "usage", "timings", "metadata",
-                            "finish_reason", "embedding", "logprobs"}
+                            "finish_reason", "embedding"}
         assert raw["type"] == "done" and raw["id"] == request_id
         assert raw["finish_reason"] in ("stop", "length")
-        assert raw["embedding"] is None and raw["logprobs"] is None
+        assert raw["embedding"] is None
         assert set(raw["usage"]) == {"input_tokens", "output_tokens", "model_units"}
         assert set(raw["timings"]) == {"queued_s", "ttft_s", "total_s"}
         assert decoders[encoding_of(first)](first.data) == {

@@ -64,21 +64,8 @@ class Running:
     # What the final delta says: why the output ended and, for embeddings, the vector.
     finish_reason: str | None = None
     embedding: list[float] | None = None
-    # Every token's, when the request asked for logprobs; how many a token event carried.
-    logprobs: list[TokenLogprob] | None = None
-    logprobs_sent: int = 0
-
-    def add_logprobs(self, logprobs: list[TokenLogprob]) -> None:
-        if self.logprobs is None:
-            self.logprobs = []
-        self.logprobs.extend(logprobs)
-
-    def unsent_logprobs(self) -> list[TokenLogprob] | None:
-        """The logprobs no token event carried yet (None if not asked for)."""
-        if self.logprobs is None:
-            return None
-        unsent, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
-        return unsent
+    # Logprobs of the tokens whose text no token event carried yet (None: not asked for).
+    pending_logprobs: list[TokenLogprob] | None = None
 
 async def engine_request(engine_id: str, item: BatchItem, *, embed: bool) -> EngineRequest:
     """The engine's view of an item; ValueError for images that are not base64."""
@@ -140,4 +127,4 @@ def final_event(running: Running, ending: Ending, usage: Usage) -> FinalEvent:
     return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
                      timings=timings, metadata=item.request.metadata,
                      finish_reason=finish_reason if finish_reason in FINISH_REASONS else None,
-                     embedding=running.embedding, logprobs=running.logprobs)
+                     embedding=running.embedding)

@@ -389,14 +389,17 @@ class WorkerService:
     async def _emit(self, running: Running, delta: Delta) -> None:
         running.output_tokens += delta.token_count
         if delta.logprobs is not None:
-            running.add_logprobs(delta.logprobs)
-        if not delta.text:
-            return  # its logprobs, if any, go with the next piece of text
+            running.pending_logprobs = (running.pending_logprobs or []) + delta.logprobs
+        if not delta.text and not (delta.finished and running.pending_logprobs):
+            # Its logprobs, if any, go with the next piece of text, or with an empty
+            # one at the end, so that every generated token's are sent.
+            return
         if running.first_token_at is None:
             running.first_token_at = time.time()
         running.parts.append(delta.text)
         event = TokenEvent(id=running.item.id, seq=running.seq, text=delta.text,
-                           logprobs=running.unsent_logprobs())
+                           logprobs=running.pending_logprobs)
+        running.pending_logprobs = None
         running.seq += 1
         await self._send_event(running.item, event)
 

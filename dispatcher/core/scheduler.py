@@ -102,7 +102,8 @@ class Scheduler:
             return Decision(Outcome.INVALID, f"request {request.id!r} is already queued or running")
         if request.deadline is not None and request.deadline <= now:
             return Decision(Outcome.DEADLINE_EXCEEDED, "the deadline has already passed")
-        if (unserved := endpoint.unserved_for(now)) >= (grace := self.no_worker_grace_s):
+        if (grace := self.no_worker_grace_s) is not None and (
+                unserved := endpoint.unserved_for(now)) >= grace:
             return Decision(Outcome.UNAVAILABLE, f"no worker serves endpoint "
                             f"{request.endpoint!r} (none for {unserved:.0f}s)", grace)
         request.max_tokens = min(request.max_tokens, endpoint.spec.max_tokens_cap)

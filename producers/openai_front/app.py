@@ -4,28 +4,30 @@ Every request is published to its tenant's subject exactly as any client's is, s
 admission, fairness and limits apply unchanged. A streamed answer starts (status 200)
 only with the request's first event, so an error before any output gets its own status;
 an error after output arrives as an `error` object in the stream. A client that leaves
-before its answer is complete cancels its request.
+before its answer is complete cancels its request: the cancel runs in a task of its own,
+since the handler that notices may itself be being cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from broker_config.config import Config
+from broker_config.config import Config, EndpointKind
 from broker_config.subjects import Subjects
-from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event
+from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
 from producers.client import (
     BacklogFull,
     Client,
@@ -43,6 +45,8 @@ T = TypeVar("T")
 # How often a request waiting for its answer looks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
 CANCEL_TIMEOUT_S = 5.0
+# Embedding inputs submitted at once for one HTTP request.
+EMBED_IN_FLIGHT = 64
 
 
 class Front:
@@ -53,12 +57,14 @@ class Front:
         self.config = config
         self.options = config.front
         self.keys = keys
+        # Cancels of requests whose clients left, until they are done.
+        self._cancels: set[asyncio.Task[None]] = set()
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
-        ], exception_handlers={ow.FrontError: _error_response})
+        ], exception_handlers={ow.FrontError: _error_response, HTTPException: _http_error})
 
     # -- routes --------------------------------------------------------------------------
 
@@ -84,13 +90,12 @@ class Front:
         body: ow.EmbeddingRequest = ow.decode_body(await self._body(request),
                                                    ow.EmbeddingRequest)
         inputs = ow.embedding_inputs(body)
-        endpoint = self._endpoint(body.model)
-        extensions = ow.fairq_fields(body.fairq)
-        submitted = [await self._submit(endpoint, tenant, {"prompt": text, "max_tokens": 1,
-                                                           **extensions})
-                     for text in inputs]
-        dones = await self._until_disconnect(request, asyncio.gather(
-            *(self._final(s) for s in submitted)), submitted)
+        endpoint = self._endpoint(body.model, "embed")
+        fields = [{"prompt": text, "max_tokens": 1, **ow.fairq_fields(body.fairq)}
+                  for text in inputs]
+        submitted: list[Submitted] = []
+        dones = await self._until_disconnect(
+            request, self._embed_all(endpoint, tenant, fields, submitted), submitted)
         return JSONResponse(ow.embedding_list(body.model, dones, body.encoding_format))
 
     # -- requests ------------------------------------------------------------------------
@@ -122,10 +127,15 @@ class Front:
                                 f"{self.options.request_read_timeout_s:g}s") from None
         return b"".join(chunks)
 
-    def _endpoint(self, model: str) -> str:
-        if model not in self.config.endpoints:
+    def _endpoint(self, model: str, kind: EndpointKind) -> str:
+        spec = self.config.endpoints.get(model)
+        if spec is None:
             raise ow.FrontError(404, f"the model {model!r} does not exist (GET /v1/models "
                                 "lists them)", param="model", code="model_not_found")
+        if spec.kind != kind:
+            route = "/v1/embeddings" if spec.kind == "embed" else "/v1/chat/completions"
+            raise ow.FrontError(400, f"the model {model!r} is an {spec.kind} endpoint: use "
+                                f"{route}", param="model", code="wrong_model_kind")
         return model
 
     async def _submit(self, endpoint: str, tenant: str, fields: dict[str, Any]) -> Submitted:
@@ -149,47 +159,43 @@ class Front:
 
     async def _generate(self, request: Request, tenant: str, body: Any,
                         fields: dict[str, Any], prefix: str) -> Response:
-        submitted = await self._submit(self._endpoint(body.model), tenant, fields)
+        submitted = await self._submit(self._endpoint(body.model, "generate"), tenant, fields)
         ids = ow.ResponseIds(prefix, submitted.id, body.model)
         chat = prefix == "chatcmpl"
         if not body.stream:
-            done = await self._until_disconnect(request, self._final(submitted), [submitted])
-            return JSONResponse(ow.chat_completion(ids, done) if chat
-                                else ow.text_completion(ids, done))
+            done, logprobs = await self._until_disconnect(request, self._final(submitted),
+                                                          [submitted])
+            return JSONResponse(ow.chat_completion(ids, done, logprobs) if chat
+                                else ow.text_completion(ids, done, logprobs))
         events = self.client.stream(submitted, timeout_s=self.options.event_timeout_s)
         first = await self._until_disconnect(request, self._next(events, submitted),
-                                             [submitted], events)
+                                             [submitted])
         if isinstance(first, ErrorEvent):
             raise ow.error_for(first.code, first.message, first.retry_after_s)
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = ow.StreamChunks(ids, chat=chat, include_usage=usage)
-        return StreamingResponse(self._sse(chunks, first, events, submitted),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EventStream(self._sse(chunks, first, events, submitted), chunks,
+                            lambda: self._abandon([submitted]))
 
     async def _sse(self, chunks: ow.StreamChunks, first: Event,
                    events: AsyncIterator[Event], submitted: Submitted) -> AsyncIterator[str]:
-        finished = False
-        try:
-            yield _sse(chunks.start())
-            event: Event | None = first
-            while event is not None:
-                if isinstance(event, ErrorEvent):
-                    finished = True
-                    yield _sse(ow.error_for(event.code, event.message).body())
-                    break
-                for chunk in chunks.of(event):
-                    yield _sse(chunk)
-                if isinstance(event, DoneEvent):
-                    finished = True
-                    break
+        """The stream's server-sent events. A failure of the front's own (the events
+        stopped coming, NATS was lost) ends it with an `error` object, and the request is
+        cancelled by `_EventStream`, since nobody will read the rest."""
+        for chunk in chunks.start():
+            yield _sse(chunk)
+        event = first
+        while True:
+            for chunk in chunks.of(event):
+                yield _sse(chunk)
+            if chunks.finished:
+                break
+            try:
                 event = await self._next(events, submitted)
-            yield "data: [DONE]\n\n"
-        finally:
-            # Starlette cancels this generator when the client goes: the request goes too.
-            await _close(events)
-            if not finished:
-                await self._cancel(submitted)
+            except ow.FrontError as exc:
+                yield _sse(exc.body())
+                break
+        yield "data: [DONE]\n\n"
 
     async def _next(self, events: AsyncIterator[Event], submitted: Submitted) -> Event:
         try:
@@ -202,51 +208,101 @@ class Front:
         except FairqError as exc:
             raise ow.FrontError(503, str(exc), type_="server_error") from exc
 
-    async def _final(self, submitted: Submitted) -> DoneEvent:
-        """The request's done event; its error event as a FrontError."""
+    async def _final(self, submitted: Submitted) -> tuple[DoneEvent, list[TokenLogprob] | None]:
+        """The request's done event and its tokens' logprobs (None if not asked for); its
+        error event as a FrontError. Tokens of a second run (from seq 0 again) are skipped."""
         events = self.client.stream(submitted, timeout_s=self.options.event_timeout_s)
+        logprobs: list[TokenLogprob] | None = None
+        next_seq = 0
         try:
             while True:
                 event = await self._next(events, submitted)
-                if isinstance(event, DoneEvent):
-                    return event
-                if isinstance(event, ErrorEvent):
+                if isinstance(event, TokenEvent) and event.seq >= next_seq:
+                    next_seq = event.seq + 1
+                    if event.logprobs is not None:
+                        logprobs = logprobs or []
+                        logprobs.extend(event.logprobs)
+                elif isinstance(event, DoneEvent):
+                    return event, logprobs
+                elif isinstance(event, ErrorEvent):
                     raise ow.error_for(event.code, event.message, event.retry_after_s)
         finally:
             await _close(events)
 
+    async def _embed_all(self, endpoint: str, tenant: str, fields: list[dict[str, Any]],
+                         submitted: list[Submitted]) -> list[DoneEvent]:
+        """Every input's done event, in order; the requests are listed in `submitted` as
+        they go out. If one fails, the others are cancelled and its error is raised."""
+        slots = asyncio.Semaphore(EMBED_IN_FLIGHT)
+
+        async def one(request: dict[str, Any]) -> DoneEvent:
+            async with slots:
+                submitted.append(await self._submit(endpoint, tenant, request))
+                done, _ = await self._final(submitted[-1])
+                return done
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(request)) for request in fields]
+        except BaseExceptionGroup as failed:
+            self._abandon(submitted)
+            first = next((e for e in failed.exceptions if isinstance(e, ow.FrontError)), None)
+            if first is None:
+                raise
+            raise first from None
+        return [task.result() for task in tasks]
+
     async def _until_disconnect(self, request: Request, work: Awaitable[T],
-                                submitted: list[Submitted],
-                                events: AsyncIterator[Event] | None = None) -> T:
+                                submitted: Sequence[Submitted]) -> T:
         """`work`'s result; if the client leaves first, its requests are cancelled."""
         task = asyncio.ensure_future(work)
         try:
-            while True:
-                done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
+            while not task.done():
+                await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
                     break
-        except BaseException:
-            task.cancel()
-            raise
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        if events is not None:
-            await _close(events)
-        for one in submitted:
-            await self._cancel(one)
+            if task.done():
+                return task.result()
+        finally:
+            if not task.done():  # the client left, or this handler was cancelled
+                task.cancel()
+                self._abandon(submitted)
         # Nobody reads this answer; 499 is what proxies log for it.
         raise ow.FrontError(499, "the client closed the connection", type_="cancelled")
 
-    async def _cancel(self, submitted: Submitted) -> None:
+    def _abandon(self, submitted: Sequence[Submitted]) -> None:
+        """Cancel requests nobody will read, in a task of their own."""
+        task = asyncio.get_running_loop().create_task(self._cancel_all(list(submitted)))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _cancel_all(self, submitted: list[Submitted]) -> None:
+        for one in submitted:
+            await self.client.stop_listening(one)
+            try:
+                async with asyncio.timeout(CANCEL_TIMEOUT_S):
+                    await self.client.cancel(one.tenant, one.id)
+            except (FairqError, TimeoutError) as exc:
+                log.warning("cancelling request %s of %s failed: %s", one.id, one.tenant, exc)
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream whose request is abandoned unless it ran to its final
+    event: also when it is cancelled before its first chunk went out."""
+
+    def __init__(self, content: AsyncIterator[str], chunks: ow.StreamChunks,
+                 abandon: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._chunks = chunks
+        self._abandon = abandon
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with asyncio.timeout(CANCEL_TIMEOUT_S):
-                await asyncio.shield(self.client.cancel(submitted.tenant, submitted.id))
-        except (FairqError, TimeoutError) as exc:
-            log.warning("cancelling request %s of %s failed: %s", submitted.id,
-                        submitted.tenant, exc)
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._chunks.finished:
+                self._abandon()
 
 
 async def _close(events: AsyncIterator[Event]) -> None:
@@ -270,3 +326,9 @@ async def _error_response(request: Request, exc: Exception) -> Response:
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) in OpenAI's error body."""
+    assert isinstance(exc, HTTPException)
+    return await _error_response(request, ow.FrontError(exc.status_code, str(exc.detail)))

@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from broker_config.wire import DoneEvent, ErrorCode, Event, TokenEvent, TokenLogprob
+from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
 
 DATA_URL_PREFIX = "data:"
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit
 
 
 class FrontError(Exception):
@@ -177,8 +178,9 @@ def chat_submit(request: ChatRequest) -> dict[str, Any]:
         messages.append({"role": message.role, "content": text})
         images += found
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    fields: dict[str, Any] = {"messages": messages,
-                              "max_tokens": request.max_completion_tokens or request.max_tokens,
+    max_tokens = (request.max_tokens if request.max_completion_tokens is None
+                  else request.max_completion_tokens)
+    fields: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
                               "sampling": _sampling(request, logprobs) or None,
                               **fairq_fields(request.fairq)}
     if images:
@@ -225,6 +227,8 @@ def embedding_inputs(request: EmbeddingRequest) -> list[str]:
     inputs = [request.input] if isinstance(request.input, str) else request.input
     if not inputs or not all(isinstance(item, str) for item in inputs):
         raise _refuse("input", "a string or a non-empty list of strings (no token ids)")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise _refuse("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
     if request.dimensions is not None:
         raise _refuse("dimensions", "the model's own size only")
     return inputs
@@ -274,18 +278,20 @@ class ResponseIds:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
 
-def chat_completion(ids: ResponseIds, done: DoneEvent) -> dict[str, Any]:
+def chat_completion(ids: ResponseIds, done: DoneEvent,
+                    logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
     return {**ids.head("chat.completion"),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                         "logprobs": chat_logprobs(done.logprobs),
+                         "logprobs": chat_logprobs(logprobs),
                          "finish_reason": done.finish_reason or "stop"}],
             "usage": usage(done)}
 
 
-def text_completion(ids: ResponseIds, done: DoneEvent) -> dict[str, Any]:
+def text_completion(ids: ResponseIds, done: DoneEvent,
+                    logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
     return {**ids.head("text_completion"),
             "choices": [{"index": 0, "text": done.text,
-                         "logprobs": completion_logprobs(done.logprobs),
+                         "logprobs": completion_logprobs(logprobs),
                          "finish_reason": done.finish_reason or "stop"}],
             "usage": usage(done)}
 
@@ -311,41 +317,57 @@ class StreamChunks:
     sends them: a role first (chat), the text as it comes, then the finish reason, and
     the usage in a last chunk without choices when `stream_options.include_usage`.
 
-    Token events are passed on in `seq` order only: a request that runs again (its worker
-    thought lost) streams from 0 again, and a client must not get that text twice.
+    Token events are passed on in `seq` order, each once: a request that runs again (its
+    worker thought lost) streams from 0 again, and its client must not get that text
+    twice. Token events are at most once on the wire: if one was missed, the done event's
+    text says what the client lacks; the rest of it is sent if what was sent begins it,
+    else the stream ends with an error.
     """
 
     def __init__(self, ids: ResponseIds, *, chat: bool, include_usage: bool) -> None:
         self._ids = ids
         self._chat = chat
         self._include_usage = include_usage
+        self._sent: list[str] = []
         self._offset = 0  # characters sent so far: legacy logprobs' text offsets
         self._next_seq = 0
+        self.finished = False  # the request's final event has been turned into chunks
 
-    def start(self) -> dict[str, Any]:
-        return self._chunk({"role": "assistant", "content": ""}) if self._chat else \
-            self._chunk(None, text="")
+    def start(self) -> list[dict[str, Any]]:
+        """The chunks before any text: chat's role (legacy completions have none)."""
+        return [self._chunk({"role": "assistant", "content": ""})] if self._chat else []
 
     def of(self, event: Event) -> list[dict[str, Any]]:
         if isinstance(event, TokenEvent):
-            if event.seq != self._next_seq:
+            if event.seq < self._next_seq:
                 return []
-            self._next_seq += 1
-            chunk = self._chunk({"content": event.text}, text=event.text,
-                                logprobs=event.logprobs)
-            self._offset += len(event.text)
-            return [chunk]
-        if not isinstance(event, DoneEvent):
-            return []
-        chunks = [self._chunk({}, text="", finish_reason=event.finish_reason or "stop")]
+            self._next_seq = event.seq + 1
+            return [self._text(event.text, event.logprobs)]
+        self.finished = True
+        if isinstance(event, ErrorEvent):
+            return [error_for(event.code, event.message).body()]
+        assert isinstance(event, DoneEvent)
+        sent = "".join(self._sent)
+        if not event.text.startswith(sent):
+            return [FrontError(500, f"the stream of request {event.id} missed some of its "
+                               "text; its whole answer is in its result (fairq status)",
+                               type_="server_error").body()]
+        chunks = [self._text(event.text[len(sent):])] if len(event.text) > len(sent) else []
+        chunks.append(self._chunk({}, finish_reason=event.finish_reason or "stop"))
         if self._include_usage:
             chunks.append({**self._head(), "choices": [], "usage": usage(event)})
         return chunks
 
+    def _text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        chunk = self._chunk({"content": text}, text=text, logprobs=logprobs)
+        self._sent.append(text)
+        self._offset += len(text)
+        return chunk
+
     def _head(self) -> dict[str, Any]:
         return self._ids.head("chat.completion.chunk" if self._chat else "text_completion")
 
-    def _chunk(self, delta: dict[str, Any] | None, *, text: str = "",
+    def _chunk(self, delta: dict[str, Any], *, text: str = "",
                logprobs: list[TokenLogprob] | None = None,
                finish_reason: str | None = None) -> dict[str, Any]:
         if self._chat:
