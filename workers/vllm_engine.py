@@ -30,7 +30,6 @@ from workers.engine import Delta, EngineError, EngineRequest
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-    from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
