@@ -173,8 +173,10 @@ class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         return Subjects(self.prefix)
 
 
-class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The dispatcher service's knobs (`[dispatcher]`)."""
+class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True,
+                        omit_defaults=True):
+    """The dispatcher service's knobs (`[dispatcher]`). Defaults are left out when it is
+    written back as TOML, which has no null for an unset option."""
 
     # Arrived requests handed to admission at once (one results lookup round trip).
     intake_batch: PositiveInt = 256
