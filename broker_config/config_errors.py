@@ -10,6 +10,12 @@ from typing import Any
 import msgspec
 
 
+def error_path(exc: Exception) -> str | None:
+    """The field msgspec's message names (`... - at `$.a.b`` -> "a.b"), if it names one."""
+    match = re.search(r" - at `\$\.(.*)`$", str(exc))
+    return match.group(1) if match else None
+
+
 def describe_validation_error(source: str, document: Any, exc: Exception, root: type) -> str:
     """Turn msgspec's `... - at `$.a[...].b`` into the field's real path and value."""
     message = str(exc)

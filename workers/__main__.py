@@ -42,6 +42,7 @@ from broker_config.config import (
     WorkerOptions,
     load_config,
 )
+from broker_config.config_errors import error_path
 from broker_config.health import HealthServer
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.runtime import freeze_startup_heap
@@ -147,7 +148,7 @@ def parse_options(args: argparse.Namespace) -> Options:
     except SubjectError as exc:
         raise UsageError(str(exc)) from exc
     except msgspec.ValidationError as exc:
-        flag = str(exc).rsplit("`$.", 1)[-1].rstrip("`")
+        flag = error_path(exc) or ""
         raise UsageError(f"--{flag.removesuffix('_s').replace('_', '-')}: {exc}") from exc
     engine = _sim_engine(args) if args.engine == "sim" else _vllm_engine(args, embed)
     if args.health_port is not None and not 0 <= args.health_port <= 65535:

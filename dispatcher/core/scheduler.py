@@ -66,7 +66,6 @@ class Scheduler:
         self.config = config
         self.policy = policy
         self.registry = Registry(config)
-        self.no_worker_grace_s = config.dispatcher.no_worker_grace_s
         self.estimator = estimator or OutputEstimator()
         self._order = priority_order if policy == "fairq" else arrival_order
         self.endpoints = {
@@ -102,7 +101,7 @@ class Scheduler:
             return Decision(Outcome.INVALID, f"request {request.id!r} is already queued or running")
         if request.deadline is not None and request.deadline <= now:
             return Decision(Outcome.DEADLINE_EXCEEDED, "the deadline has already passed")
-        if (grace := self.no_worker_grace_s) is not None and (
+        if (grace := self.config.dispatcher.no_worker_grace_s) is not None and (
                 unserved := endpoint.unserved_for(now)) >= grace:
             return Decision(Outcome.UNAVAILABLE, f"no worker serves endpoint "
                             f"{request.endpoint!r} (none for {unserved:.0f}s)", grace)

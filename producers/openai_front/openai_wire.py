@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from broker_config.config_errors import error_path
 from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
 
 DATA_URL_PREFIX = "data:"
@@ -137,8 +138,7 @@ def decode_body(body: bytes, type_: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
-        raise FrontError(400, f"invalid body: {exc}", param=param) from exc
+        raise FrontError(400, f"invalid body: {exc}", param=error_path(exc)) from exc
     except msgspec.DecodeError as exc:
         raise FrontError(400, f"body is not valid JSON: {exc}") from exc
 
