@@ -232,12 +232,29 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
                              f"most max_ack_pending ({self.max_ack_pending})")
 
 
+class ImageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How a worker makes a request's images ready for its engine (`[workers.images]`,
+    workers/images.py): decoded, turned upright, RGB, scaled down to `max_edge`."""
+
+    # Processes of the pool that prepares them, started at the first image.
+    processes: PositiveInt = 1
+    # Width x height of each image, by its header, checked before anything is decoded
+    # (the dispatcher's `[dispatcher.input]` limit, checked again where the pixels are).
+    max_image_pixels: PositiveInt = 1 << 25
+    # The longer side of a prepared image; larger ones are scaled down, never up.
+    max_edge: PositiveInt = 1024
+    # A request's images that take longer end it with `invalid_request`; the pool is
+    # restarted, so a hostile image cannot hold a process.
+    timeout_s: PositiveSeconds = 10.0
+
+
 class WorkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Every worker's knobs (`[workers]`)."""
 
     heartbeat_interval_s: PositiveSeconds = 1.0
     # On SIGTERM, how long in-flight requests may take to finish.
     drain_timeout_s: Seconds = 30.0
+    images: ImageOptions = msgspec.field(default_factory=ImageOptions)
 
 
 SHA256_HEX = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]

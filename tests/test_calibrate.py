@@ -90,7 +90,7 @@ def test_the_command_writes_a_loadable_profile(tmp_path: Path,
     (["--engine-config", "/nonexistent/engine.toml"], "cannot read"),
     (["--engine", "vllm"], "needs --model DIR"),
     (["--engine", "vllm", "--model", "m", "--time-scale", "0.5"], "--time-scale is for"),
-    (["--engine", "vllm", "--model", "m", "--images", "0,1"], "text requests only"),
+    (["--engine", "vllm", "--model", "m", "--images", "0,1"], "runs text requests only"),
     # Found by the fit, after the engine ran: one grid point cannot separate coefficients.
     (["--inputs", "64", "--outputs", "1"], "at least 3 samples"),
 ])

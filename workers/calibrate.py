@@ -51,6 +51,7 @@ from costmodel.calibrate import Fit, Sample, fit_profile, grid
 from costmodel.engine_model import EngineParams, load_engine_params
 from costmodel.units import ModelProfile, dump_profile, read_toml
 from workers.engine import Delta, Engine, EngineError, EngineRequest
+from workers.images import PreparedImage
 from workers.sim_engine import SimEngine
 
 DEFAULT_INPUTS = (64, 256, 1024)
@@ -58,7 +59,7 @@ DEFAULT_INPUTS = (64, 256, 1024)
 # decode step lasts 25 ms at time scale 1).
 DEFAULT_OUTPUTS = {"sim": (1, 4, 16), "vllm": (16, 64, 256)}
 # What a simulated image is made of: the simulated engine only counts images.
-SYNTHETIC_IMAGE = b"calibration image"
+SYNTHETIC_IMAGE = PreparedImage(1, 1, bytes(3))
 # Word lists tried per prompt before giving up on an exact token count.
 PROMPT_ATTEMPTS = 8
 # A prompt search gives up beyond this many words per token asked for: the engine's count
@@ -398,7 +399,7 @@ def _sim_engine(args: argparse.Namespace, plan: Plan) -> SimEngine:
 
 def _vllm_engine(args: argparse.Namespace) -> Engine:
     if any(args.images):
-        raise ValueError("--images: the vLLM engine takes text requests only")
+        raise ValueError("--images: the vLLM calibration runs text requests only")
     # Imported only here: its module is the one place fairq reaches vllm from.
     from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
 

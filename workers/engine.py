@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from broker_config.wire import ChatMessage, Sampling, TokenLogprob
 from costmodel.units import Capacity
+from workers.images import PreparedImage
 
 
 # Engine priorities the worker sets, higher served first.
@@ -35,7 +36,7 @@ class EngineRequest:
     input_tokens: int | None = None
     # What the engine should generate, for simulated engines replaying a trace.
     target_output_tokens: int | None = None
-    images: list[bytes] = field(default_factory=list)
+    images: list[PreparedImage] = field(default_factory=list)
     sampling: Sampling | None = None
     # An embedding endpoint's request: the engine pools the input into `Delta.embedding`
     # and generates nothing.
@@ -76,6 +77,11 @@ class Engine(Protocol):
 
     @property
     def healthy(self) -> bool: ...
+
+    @property
+    def accepts_images(self) -> bool:
+        """Its model takes images (a worker refuses requests with images otherwise)."""
+        ...
 
     async def __aenter__(self) -> Engine: ...
 

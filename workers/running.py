@@ -5,8 +5,6 @@ engine's last output (`conclude`)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from broker_config.wire import (
 )
 from costmodel.units import Usage
 from workers.engine import EXPEDITED, Delta, EngineRequest
+from workers.images import ImagePool
 
 # The finish reasons a done event may carry; an engine's others ("abort") never end in one.
 FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
@@ -67,25 +66,18 @@ class Running:
     # Logprobs of the tokens whose text no token event carried yet (None: not asked for).
     pending_logprobs: list[TokenLogprob] | None = None
 
-async def engine_request(engine_id: str, item: BatchItem, *, embed: bool) -> EngineRequest:
-    """The engine's view of an item; ValueError for images that are not base64."""
+async def engine_request(engine_id: str, item: BatchItem, *, embed: bool,
+                         images: ImagePool) -> EngineRequest:
+    """The engine's view of an item, its images prepared in `images`' processes (text
+    alone never waits for them); ValueError for a bad image."""
     body = item.request
-    images = await asyncio.to_thread(decode_images, body.images) if body.images else []
+    prepared = await images.prepare(body.images) if body.images else []
     # Engine priority is the dispatcher's decision, never the client's own `priority`,
     # which orders requests only inside the client's tenant.
     return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=body.prompt,
                          messages=body.messages, priority=EXPEDITED if item.expedited else 0,
-                         input_tokens=body.input_tokens, images=images,
+                         input_tokens=body.input_tokens, images=prepared,
                          sampling=body.sampling, embed=embed)
-
-def decode_images(images: list[str]) -> list[bytes]:
-    decoded = []
-    for index, image in enumerate(images):
-        try:
-            decoded.append(base64.b64decode(image, validate=True))
-        except binascii.Error as exc:
-            raise ValueError(f"image {index} is not valid base64: {exc}") from exc
-    return decoded
 
 async def close_stream(deltas: AsyncIterator[Delta]) -> None:
     """Close an engine stream left early, so the engine frees the request at once."""

@@ -55,6 +55,7 @@ from broker_config.wire import (
 )
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
 from workers.engine import Delta, Engine, EngineError, EngineRequest
+from workers.images import ImagePool
 from workers.probe import advertised, answer_probe
 from workers.results import FinalResults, ResultStore
 from workers.running import (
@@ -97,7 +98,8 @@ class WorkerService:
        storing their final event are not abandoned: they finish (bounded by the store
        retries);
     4. unsubscribe from aborts, stop heartbeats, send a final heartbeat with
-       `healthy=False`, no capacity, nothing in flight, and flush the connection.
+       `healthy=False`, no capacity, nothing in flight, and flush the connection;
+    5. stop the image pool's processes (nothing uses them any more).
 
     The dispatcher treats every request it sent to this worker that has no Completion
     when that final heartbeat arrives (or when heartbeats stop) as lost, and takes it back.
@@ -120,6 +122,8 @@ class WorkerService:
         self._embed = embed  # an embedding endpoint's worker
         self._heartbeat_interval_s = settings.heartbeat_interval_s
         self._drain_timeout_s = settings.drain_timeout_s
+        # Started at the first image: a worker that sees only text runs no extra process.
+        self.image_pool = ImagePool(settings.images)
         self._running: dict[str, Running] = {}
         self._heartbeat_seq = 0
         self._beat_at = time.time()  # when the last heartbeat went out
@@ -183,6 +187,7 @@ class WorkerService:
             await self._drain()
         finally:
             self._tg = None
+            await self.image_pool.__aexit__(None, None, None)
             # Every task has ended by now; this only surfaces a task that failed.
             await tg.__aexit__(None, None, None)
 
@@ -336,7 +341,10 @@ class WorkerService:
     async def _execute(self, running: Running) -> Ending:
         item = running.item
         try:
-            request = await engine_request(running.key, item, embed=self._embed)
+            if item.request.images and not self._engine.accepts_images:
+                raise ValueError("it has images, and this endpoint's model takes text only")
+            request = await engine_request(running.key, item, embed=self._embed,
+                                           images=self.image_pool)
             if item.request.input_tokens is None:
                 running.input_tokens = self._engine.count_tokens(request)
                 running.footprint_mu = self._model_units(item, running.input_tokens,

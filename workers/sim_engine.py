@@ -163,6 +163,11 @@ class SimEngine:
         return self._task is not None and not self._task.done() and not self.faults.crash
 
     @property
+    def accepts_images(self) -> bool:
+        """It simulates a multimodal model: images cost their model units, nothing more."""
+        return True
+
+    @property
     def time_scale(self) -> float:
         return self._time_scale
 

@@ -99,6 +99,11 @@ class VLLMEngine:
     def healthy(self) -> bool:
         return self._llm is not None and not self._llm.errored
 
+    @property
+    def accepts_images(self) -> bool:
+        """The model takes images (a vision-language model; the tiny test model does not)."""
+        return self.llm.model_config.supports_multimodal_inputs
+
     async def __aenter__(self) -> VLLMEngine:
         if self._llm is not None:
             raise RuntimeError("this VLLMEngine is already running")
@@ -397,26 +402,40 @@ def _capacity_of(vllm_config: VllmConfig, model_units: float) -> Capacity:
     return Capacity(scheduler.max_num_seqs, kv_tokens, model_units)
 
 
-def _text_prompt(request: EngineRequest) -> dict[str, str]:
-    _check_text_only(request)
+def _text_prompt(request: EngineRequest) -> dict[str, Any]:
     if request.prompt is None:
         raise ValueError("it has neither a prompt nor messages")
-    return {"prompt": request.prompt}
+    prompt: dict[str, Any] = {"prompt": request.prompt}
+    if request.images:
+        # The prompt holds the model's own image placeholders, as with vLLM's generate().
+        prompt["multi_modal_data"] = {"image": _pil_images(request)}
+    return prompt
 
 
-def _chat(request: EngineRequest) -> list[dict[str, str]]:
-    _check_text_only(request)
+def _chat(request: EngineRequest) -> list[dict[str, Any]]:
     if request.prompt is not None:
         raise ValueError("it has both a prompt and messages")
     messages: list[ChatMessage] = request.messages or []
     if not messages:
         raise ValueError("its message list is empty")
-    return [{"role": m.role, "content": m.content} for m in messages]
-
-
-def _check_text_only(request: EngineRequest) -> None:
+    chat: list[dict[str, Any]] = [{"role": m.role, "content": m.content} for m in messages]
     if request.images:
-        raise ValueError("it has images, and VLLMEngine takes text requests only")
+        # The wire carries a request's images apart from its messages: they go with the
+        # last user message, before its text, where chat clients put them.
+        users = [entry for entry in chat if entry["role"] == "user"]
+        if not users:
+            raise ValueError("it has images but no user message to put them in")
+        users[-1]["content"] = [
+            *({"type": "image_pil", "image_pil": image} for image in _pil_images(request)),
+            {"type": "text", "text": users[-1]["content"]}]
+    return chat
+
+
+def _pil_images(request: EngineRequest) -> list[Any]:
+    from PIL import Image
+
+    return [Image.frombuffer("RGB", (image.width, image.height), image.rgb)
+            for image in request.images]
 
 
 def _client_errors() -> tuple[type[Exception], ...]:

@@ -1,0 +1,207 @@
+"""Images made ready for the engine (workers/images.py): the preparation itself, the
+process pool around it (timeouts, a process that dies), and a worker on a real
+nats-server that prepares them for its engine, refuses a bad one for its request alone,
+never starts the pool for text, and charges each image its model units."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import nats
+import pytest
+from PIL import Image
+
+from broker_config.config import (
+    ConfigError,
+    ImageOptions,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
+from broker_config.wire import Encoding, Submission, SubmitRequest
+from dispatcher.convert import to_request
+from dispatcher.core.admission import MemoryLimiterStore
+from dispatcher.core.scheduler import Scheduler
+from tests.core_support import ONE_SLOT
+from tests.local_stack import LocalStack
+from tests.test_dataplane_e2e import collect, stack_options, submit
+from workers.images import ImagePool, PreparedImage, prepare_images
+
+LIMITS = dict(max_pixels=1 << 25, max_edge=1024)
+
+
+def encoded(image: Image.Image, fmt: str, **save: object) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def photo(size: tuple[int, int]) -> Image.Image:
+    """Not one colour, so that codecs and filters have work to do."""
+    return Image.radial_gradient("L").resize(size).convert("RGB")
+
+
+def pixel(prepared: PreparedImage, x: int, y: int) -> tuple[int, int, int]:
+    offset = 3 * (y * prepared.width + x)
+    return tuple(prepared.rgb[offset:offset + 3])
+
+
+def test_a_large_photo_is_scaled_to_the_longer_edge_keeping_its_shape() -> None:
+    (prepared,) = prepare_images([encoded(photo((4032, 3024)), "JPEG", quality=90)],
+                                 **LIMITS)
+    assert (prepared.width, prepared.height) == (1024, 768)
+    assert len(prepared.rgb) == 1024 * 768 * 3
+
+
+def test_a_small_image_keeps_its_size_and_every_format_is_rgb() -> None:
+    images = [encoded(photo((40, 30)), fmt) for fmt in ("PNG", "JPEG", "GIF", "WEBP")]
+    prepared = prepare_images(images, **LIMITS)
+    assert [(p.width, p.height, len(p.rgb)) for p in prepared] == [(40, 30, 3600)] * 4
+
+
+def test_exif_orientation_is_applied() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways: turn 90 degrees clockwise to show it
+    (prepared,) = prepare_images([encoded(photo((64, 32)), "JPEG", exif=exif)], **LIMITS)
+    assert (prepared.width, prepared.height) == (32, 64)
+
+
+def test_transparency_is_laid_on_white() -> None:
+    image = Image.new("RGBA", (4, 4), (255, 0, 0, 255))
+    image.putpixel((0, 0), (0, 0, 0, 0))
+    (prepared,) = prepare_images([encoded(image, "PNG")], **LIMITS)
+    assert pixel(prepared, 0, 0) == (255, 255, 255)
+    assert pixel(prepared, 1, 1) == (255, 0, 0)
+
+
+@pytest.mark.parametrize(("image", "message"), [
+    ("not base64!", "image 1 is not valid base64"),
+    (base64.b64encode(b"plain text, no image").decode(), "image 1 could not be decoded"),
+    (encoded(photo((8, 8)), "BMP"), "image 1 could not be decoded"),
+    # A real JPEG header, its data cut off: the dispatcher's header check passes it.
+    (encoded(photo((512, 512)), "JPEG")[:2000], "image 1 could not be decoded"),
+], ids=["base64", "no-image", "bmp", "truncated"])
+def test_a_bad_image_is_a_value_error_naming_it(image: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        prepare_images([encoded(photo((4, 4)), "PNG"), image], **LIMITS)
+
+
+def test_the_pixel_limit_holds_before_decoding() -> None:
+    # 20,000 x 20,000 of one colour: a few hundred KB that would decode to 1.2 GB.
+    bomb = encoded(Image.new("L", (20000, 20000)), "PNG")
+    assert len(bomb) < 1 << 20
+    with pytest.raises(ValueError, match="max_image_pixels is 33554432, image 0 has "
+                                         "20000x20000 = 400000000 pixels"):
+        prepare_images([bomb], **LIMITS)
+
+
+async def test_the_pool_prepares_images_in_another_process() -> None:
+    async with ImagePool() as pool:
+        assert not pool.started
+        (prepared,) = await pool.prepare([encoded(photo((2048, 1024)), "PNG")])
+        assert pool.started
+    assert (prepared.width, prepared.height) == (1024, 512)
+    assert not pool.started
+
+
+async def test_an_image_over_the_time_limit_fails_alone_and_the_pool_restarts() -> None:
+    large = encoded(photo((4000, 4000)), "PNG")
+    async with ImagePool(ImageOptions(timeout_s=0.001)) as pool:
+        with pytest.raises(ValueError, match="its images took longer than 0.001 s"):
+            await pool.prepare([large])
+        assert pool.restarts == 1
+    async with ImagePool(ImageOptions(processes=2)) as pool:
+        small = await pool.prepare([encoded(photo((8, 8)), "PNG")])
+        assert small[0].width == 8 and pool.restarts == 0
+
+
+async def test_a_request_whose_process_died_is_prepared_again_in_a_new_pool() -> None:
+    large = encoded(photo((6000, 4000)), "PNG")
+    async with ImagePool() as pool:
+        await pool.prepare([encoded(photo((8, 8)), "PNG")])  # the process is up
+        task = asyncio.create_task(pool.prepare([large]))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        # As a decoder that crashes would (the executor keeps its processes privately).
+        for process in list(pool._executor._processes.values()):
+            process.kill()
+        (prepared,) = await asyncio.wait_for(task, 60)
+        assert (prepared.width, prepared.height) == (1024, 683)
+        assert pool.restarts == 1
+
+
+def test_the_dispatcher_charges_each_image_its_model_units() -> None:
+    config = load_config()
+    gamma = config.profiles[config.endpoints["chat"].profile].gamma
+    charged = []
+    for images in (0, 3):
+        body = SubmitRequest(prompt="look", input_tokens=10, max_tokens=5,
+                             images=[encoded(photo((8, 8)), "PNG")] * images)
+        request = to_request(Submission("chat", "acme", "r", body, None, Encoding.JSON),
+                             0.0, 1024, None)
+        scheduler = Scheduler(config)
+        scheduler.admit(request, 0.0, MemoryLimiterStore())
+        (sent,) = scheduler.next_batch("chat", ONE_SLOT, 0.0).requests
+        charged.append(sent.charged_cost)
+    assert gamma > 0
+    assert charged[1] - charged[0] == pytest.approx(3 * gamma)
+
+
+@pytest.mark.integration
+async def test_a_worker_prepares_images_refuses_a_bad_one_alone_and_charges_them(
+        nats_url, client) -> None:
+    options = stack_options(workers_settings=WorkerOptions(
+        heartbeat_interval_s=0.2, images=ImageOptions(max_edge=256)))
+    good = [encoded(photo((1600, 1200)), "JPEG"), encoded(Image.new("RGBA", (64, 64)), "PNG")]
+    truncated = encoded(photo((512, 512)), "JPEG")[:2000]
+    async with LocalStack(load_config(), options, nats_url=nats_url) as stack:
+        (worker,), (engine,) = stack.workers, stack.engines
+        _, text = await submit(client, "chat", "acme", {"prompt": "text only",
+                                                        "max_tokens": 4})
+        assert (await collect(text))[-1]["type"] == "done"
+        assert not worker.image_pool.started  # text never touches the pool
+        seen: list[list[PreparedImage]] = []
+        generate = engine.generate
+
+        def recording(request):
+            if request.images:
+                seen.append(request.images)
+            return generate(request)
+
+        engine.generate = recording
+        _, with_images = await submit(client, "chat", "acme", {
+            "prompt": "describe", "max_tokens": 4, "input_tokens": 100, "images": good})
+        _, bad = await submit(client, "chat", "globex",
+                              {"prompt": "describe", "images": [truncated]})
+        _, beside = await submit(client, "chat", "globex", {"prompt": "and this",
+                                                           "max_tokens": 4})
+        done, error, other = [(await collect(sub, 30))[-1]
+                              for sub in (with_images, bad, beside)]
+    assert done["type"] == "done", done
+    assert [[(p.width, p.height) for p in images] for images in seen] == [[(256, 192), (64, 64)]]
+    profile = stack.config.profiles[stack.config.endpoints["chat"].profile]
+    usage = done["usage"]
+    assert usage["other_units"] == 2
+    assert usage["model_units"] == pytest.approx(
+        profile.model_units(usage["input_tokens"], usage["output_tokens"], 2))
+    assert error["type"] == "error" and error["code"] == "invalid_request", error
+    assert "image 0 could not be decoded" in error["message"]
+    assert other["type"] == "done", other
+
+
+@pytest.fixture
+async def client(nats_url):
+    nc = await nats.connect(nats_url)
+    yield nc
+    await nc.drain()
+
+
+def test_image_options_come_from_the_workers_table() -> None:
+    config = parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n'
+                          "[workers.images]\nprocesses = 2\nmax_edge = 512\n")
+    assert config.workers.images == ImageOptions(processes=2, max_edge=512)
+    with pytest.raises(ConfigError, match="workers.images.max_edge"):
+        parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n'
+                     "[workers.images]\nmax_edge = 0\n")
