@@ -4,21 +4,18 @@
 pixels plus width and height: read the header and refuse an image over `--max-pixels` before
 decoding; decode; apply the EXIF orientation; flatten alpha onto white; shrink so that the
 longer edge is at most 1024 (Lanczos-class filter, never upscaling). Variants:
+`pillow naive` opens, exif_transposes, converts and resizes (LANCZOS) the full-size image;
+`pillow fast` uses thumbnail(reducing_gap=2): JPEG draft (DCT-domain reduce-on-decode) and
+reduce() before the final Lanczos, then transposes and flattens the small image; `pillow
+draft` is the same with reducing_gap=1, so draft/reduce do all they can; `pyvips thumbnail`
+is thumbnail_buffer (shrink-on-load, autorotate), sRGB, flatten. Pillow rows are labelled
+`pillow-simd` when Pillow-SIMD is the installed PIL.
 
-- `pillow naive`: open, exif_transpose, convert, resize(LANCZOS) on the full-size image;
-- `pillow fast`: thumbnail(reducing_gap=2), i.e. JPEG draft (DCT-domain reduce-on-decode)
-  plus reduce() before the final Lanczos; transpose and flatten the small image;
-- `pillow draft`: the same with reducing_gap=1, so draft/reduce do as much as they can;
-- `pyvips thumbnail`: thumbnail_buffer (shrink-on-load, autorotate), sRGB, flatten.
-The `pillow` variants are labelled `pillow-simd` when Pillow-SIMD is the installed PIL.
-
-Each process is pinned to one CPU (`--cpu`) and libvips to one worker thread. Inputs are
-generated once (needs numpy and Pillow) into `--images`: gradients plus coarse and fine
-noise, so they do not compress trivially, as JPEG q90 (4:2:0; the 12 MP one has EXIF
-orientation 6, like a phone held upright) and PNG, and one RGBA PNG.
-
-Run each library with the Python that has it, from the repository root; the JSON in `--out`
-is merged across runs and the table printed covers all of them:
+One CPU (`--cpu`), libvips with one worker thread. Inputs are generated once (needs numpy
+and Pillow) into `--images`: gradients plus coarse and fine noise, so they do not compress
+trivially, as JPEG q90 (4:2:0; the 12 MP one has EXIF orientation 6, a phone held upright)
+and PNG, and one RGBA PNG. Run each library with the Python that has it, from the repository
+root; `--out` is merged across runs and the printed table covers all of them:
 
     python -m bench.image_libs --libs pillow          # generates the inputs first
     /tmp/imgvenv-vips/bin/python -m bench.image_libs --libs pyvips
@@ -32,7 +29,7 @@ import io
 import json
 import math
 import os
-import platform
+import re
 import struct
 import sys
 import time
@@ -46,14 +43,9 @@ os.environ.setdefault("VIPS_CONCURRENCY", "1")
 
 LONG_EDGE = 1024
 MAX_PIXELS = 1 << 25  # the dispatcher's default [dispatcher.input] max_image_pixels
-# name, width, height, format, has alpha, EXIF orientation (0: no EXIF)
-INPUTS = [("640x480.jpg", 640, 480, "JPEG", False, 0),
-          ("1920x1080.jpg", 1920, 1080, "JPEG", False, 0),
-          ("4032x3024-rot6.jpg", 4032, 3024, "JPEG", False, 6),
-          ("640x480.png", 640, 480, "PNG", False, 0),
-          ("1920x1080.png", 1920, 1080, "PNG", False, 0),
-          ("4032x3024.png", 4032, 3024, "PNG", False, 0),
-          ("1920x1080-alpha.png", 1920, 1080, "PNG", True, 0)]
+# WIDTHxHEIGHT, then -rot6: EXIF orientation 6, -alpha: RGBA; the suffix gives the format.
+INPUTS = ["640x480.jpg", "1920x1080.jpg", "4032x3024-rot6.jpg", "640x480.png",
+          "1920x1080.png", "4032x3024.png", "1920x1080-alpha.png"]
 
 Prepared = tuple[bytes, int, int]
 Variants = dict[str, Callable[[bytes], Prepared]]
@@ -69,7 +61,8 @@ def generate_inputs(directory: Path, seed: int) -> None:
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    for name, w, h, fmt, alpha, orientation in INPUTS:
+    for name in INPUTS:
+        w, h = map(int, re.match(r"(\d+)x(\d+)", name).groups())
         yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
         xx, yy = xx / w, yy / h
         base = np.stack([xx, yy, 0.5 + 0.5 * np.sin(6 * xx + 4 * yy)], axis=-1) * 255
@@ -78,15 +71,15 @@ def generate_inputs(directory: Path, seed: int) -> None:
         coarse = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC))
         pixels = 0.55 * base + 0.45 * coarse + rng.normal(0, 5, (h, w, 3))
         image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
-        if alpha:
+        if "-alpha" in name:
             a = 255 * (1 - np.hypot(xx - 0.5, yy - 0.5)) + rng.normal(0, 8, (h, w))
             image.putalpha(Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)))
-        options: dict[str, object] = {"quality": 90} if fmt == "JPEG" else {}
-        if orientation:
+        options: dict[str, object] = {"quality": 90} if name.endswith(".jpg") else {}
+        if "-rot6" in name:
             exif = Image.Exif()
-            exif[0x0112] = orientation
+            exif[0x0112] = 6  # Orientation: stored landscape, shown rotated 90 degrees CW
             options["exif"] = exif.tobytes()
-        image.save(directory / name, fmt, **options)
+        image.save(directory / name, **options)
 
 
 def oversized_png(width: int = 10000, height: int = 10000) -> bytes:
@@ -110,12 +103,10 @@ def pillow_variants(max_pixels: int) -> tuple[str, Variants] | None:
         from PIL import Image, ImageOps
     except ImportError:
         return None
-    flavour = "pillow"
     try:
-        metadata.version("Pillow-SIMD")
-        flavour = "pillow-simd"
+        flavour = "pillow-simd" if metadata.version("Pillow-SIMD") else "pillow"
     except metadata.PackageNotFoundError:
-        pass
+        flavour = "pillow"
 
     def open_checked(data: bytes) -> Image.Image:
         image = Image.open(io.BytesIO(data))  # lazy: parses the header only
@@ -152,7 +143,7 @@ def pillow_variants(max_pixels: int) -> tuple[str, Variants] | None:
             return image.tobytes(), image.width, image.height
         return prepare
 
-    # gap 2: draft/reduce leave >= 2x for Lanczos (libvips' thumbnail keeps the same margin);
+    # gap 2: draft/reduce stop at >= 2x the target, leaving real work to Lanczos;
     # gap 1: draft/reduce straight to >= the target, faster and a little less clean.
     return f"{flavour} {PIL.__version__}", {"naive": naive, "fast": shrink_first(2.0),
                                             "draft": shrink_first(1.0)}
@@ -210,15 +201,15 @@ def run_library(lib: str, args: argparse.Namespace) -> tuple[str, list[dict]]:
     found = (pillow_variants if lib == "pillow" else pyvips_variants)(args.max_pixels)
     if found is None:
         return f"{lib} (not installed)", []
-    label, variants = found
+    label, variants = f"{found[0]}{args.tag}", found[1]
     rows = []
     for variant, fn in variants.items():
         try:
             fn(oversized_png())
             refused = False
-        except TooLarge:
-            refused = True
-        for name, *_ in INPUTS:
+        except Exception as error:  # any other error means it tried to decode
+            refused = isinstance(error, TooLarge)
+        for name in INPUTS:
             data = (args.images / name).read_bytes()
             times, (pixels, width, height) = measure(fn, data, args.min_reps, args.min_seconds)
             assert len(pixels) == width * height * 3, "not 8-bit RGB"
@@ -246,10 +237,11 @@ def main() -> None:
     parser.add_argument("--max-pixels", type=int, default=MAX_PIXELS)
     parser.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--tag", default="", help="appended to the library label (a build)")
     args = parser.parse_args()
 
     os.sched_setaffinity(0, {args.cpu})  # one core, whatever the library would use
-    if not all((args.images / name).exists() for name, *_ in INPUTS):
+    if not all((args.images / name).exists() for name in INPUTS):
         try:
             generate_inputs(args.images, args.seed)
         except ImportError:
@@ -261,12 +253,11 @@ def main() -> None:
         if not rows:
             print(f"{label}: not measured\n")
             continue
-        merged["runs"][label] = {"python": sys.executable, "rows": rows,
-                                 "machine": platform.processor() or platform.machine()}
+        merged["runs"][label] = {"python": sys.executable, "cpu": args.cpu, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(merged, indent=1) + "\n")
 
-    order = {name: i for i, (name, *_) in enumerate(INPUTS)}
+    order = {name: i for i, name in enumerate(INPUTS)}
     rows = sorted((r for run in merged["runs"].values() for r in run["rows"]),
                   key=lambda r: (order.get(r["input"], 99), r["library"], r["variant"]))
     print("| input | KiB | library | variant | out | reps | median ms | p95 ms |")

@@ -1,7 +1,8 @@
 """The HTTP endpoints every fairq service can serve: `/healthz` (liveness: restart me if
 this fails), `/readyz` (readiness: route work to me) and, with a registry, Prometheus's
-`/metrics`. A thread of its own answers them, so the checks behind `/healthz` must look
-at what the service's event loop last did, not ask it."""
+`/metrics`, and any pages a service adds. A thread of its own answers them, so the checks
+behind `/healthz`, and the pages, must look at what the service's event loop last did,
+not ask it."""
 
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ class HealthServer:
         self.live: Check = lambda: True
         self.ready: Check = lambda: False
         self._metrics = make_wsgi_app(registry) if registry is not None else None
+        self._pages: dict[str, tuple[str, Callable[[], bytes]]] = {}
         self._server: _Server | None = None
+
+    def add_page(self, path: str, content_type: str, body: Callable[[], bytes]) -> None:
+        """Serve `body()` at `path`; called from the server's threads, per request."""
+        self._pages[path] = (content_type, body)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start answering on `host:port`; the bound port (0 picks a free one)."""
@@ -57,6 +63,12 @@ class HealthServer:
             start_response("200 OK" if ok else "503 Service Unavailable",
                            [("Content-Type", "text/plain; charset=utf-8")])
             return [b"ok\n" if ok else b"not ok\n"]
+        page = self._pages.get(path)
+        if page is not None:
+            content_type, body = page
+            start_response("200 OK", [("Content-Type", content_type),
+                                      ("Cache-Control", "no-store")])
+            return [body()]
         if self._metrics is not None and path in ("/metrics", "/"):
             return self._metrics(environ, start_response)
         start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])

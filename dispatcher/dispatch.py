@@ -77,8 +77,9 @@ class Dispatch:
             held.worker = worker.worker_id
             self.pool.assign(worker, request, now)
             items.append(to_batch_item(request, held.submission, now))
-            self.metrics.child(self.metrics.queue_wait, request.endpoint).observe(
-                now - held.received_at)
+            waited = now - held.received_at
+            self.metrics.child(self.metrics.queue_wait, request.endpoint).observe(waited)
+            self.metrics.watch.waited(request.endpoint, request.tenant, waited, now)
         batch = wire.Batch(worker_id=worker.worker_id, endpoint=worker.endpoint, items=items,
                            sent_at=now)
         await self.nc.publish(self.subjects.work(worker.endpoint, worker.worker_id),

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from broker_config.health import HealthServer
 
 from dispatcher.core.types import Outcome
+from dispatcher.dashboard import PAGE, QueueWatch
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -16,6 +17,11 @@ class DispatcherMetrics:
         self.registry = CollectorRegistry()
         # The dispatcher sets its liveness and readiness checks once it is built.
         self.http = HealthServer(self.registry)
+        # Per-tenant figures for the dashboard page, kept apart from Prometheus's series.
+        self.watch = QueueWatch(endpoints)
+        self.http.add_page("/dashboard", "text/html; charset=utf-8", lambda: PAGE)
+        self.http.add_page("/dashboard.json", "application/json",
+                           lambda: self.watch.snapshot)
         r = self.registry
         self.queue_depth = Gauge("fairq_queue_depth", "Requests queued in the dispatcher",
                                  ["endpoint", "tier", "tenant"], registry=r)
@@ -109,8 +115,9 @@ class DispatcherMetrics:
         return child
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose /metrics, and /healthz and /readyz (see `http`), over HTTP; returns the
-        bound port (0 picks a free one)."""
+        """Expose /metrics, /healthz and /readyz (see `http`), and the dashboard
+        (/dashboard, dispatcher/dashboard.py) over HTTP; returns the bound port (0 picks a
+        free one)."""
         return self.http.serve(port, host)
 
     def close(self) -> None:

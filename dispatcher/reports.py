@@ -246,8 +246,9 @@ class WorkerReports:
         self.metrics.child(self.metrics.input_tokens, endpoint).inc(done.usage.input_tokens)
         self.metrics.child(self.metrics.cached_input_tokens, endpoint).inc(
             done.usage.cached_input_tokens)
-        self.metrics.child(self.metrics.ttft, endpoint).observe(
-            max(0.0, done.first_token_at - received_at))
+        ttft = max(0.0, done.first_token_at - received_at)
+        self.metrics.child(self.metrics.ttft, endpoint).observe(ttft)
+        self.metrics.watch.first_token(endpoint, done.tenant, ttft, done.first_token_at)
         decoding = done.finished_at - done.first_token_at
         if decoding > 0:
             self.metrics.child(self.metrics.output_tps, endpoint).observe(

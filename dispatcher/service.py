@@ -310,6 +310,13 @@ class Dispatcher:
     def _export_depth(self, now: float) -> None:
         self.metrics.queue_depth.clear()
         self.metrics.running.clear()
-        for row in self.api.depth_rows(now):
+        rows = self.api.depth_rows(now)
+        for row in rows:
             self.metrics.queue_depth.labels(row.endpoint, row.tier, row.tenant).set(row.queued)
             self.metrics.running.labels(row.endpoint, row.tier, row.tenant).set(row.running)
+        self.metrics.watch.refresh(rows, self.admission.counts, self._tier_of,
+                                   [tier.name for tier in self.config.tiers], now)
+
+    def _tier_of(self, tenant: str) -> str | None:
+        policy = self.scheduler.registry.tenant(tenant)
+        return policy.tier if policy is not None else None

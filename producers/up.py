@@ -267,6 +267,7 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str) -> int:
             front = await _serve_front(stack, server.url, config, args.front_port)
             print(f"NATS_URL={server.url}", flush=True)
             print(f"METRICS_URL=http://127.0.0.1:{metrics_port}/metrics", flush=True)
+            print(f"DASHBOARD_URL=http://127.0.0.1:{metrics_port}/dashboard", flush=True)
             print(f"OPENAI_BASE_URL={front.base_url}", flush=True)
             print(f"OPENAI_API_KEY={dev_key}", flush=True)
             print(f"LOG_DIR={log_dir}", flush=True)

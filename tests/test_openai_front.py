@@ -70,6 +70,7 @@ keys = [
 class Up:
     def __init__(self, process: subprocess.Popen[str], values: dict[str, str]) -> None:
         self.process = process
+        self.values = values  # every NAME=value line it printed
         self.base_url = values["OPENAI_BASE_URL"]
         self.key = values["OPENAI_API_KEY"]
         self.nats_url = values["NATS_URL"]

@@ -28,6 +28,7 @@ from broker_config.subjects import Subjects
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
 from tests.test_dataplane_e2e import api, collect, submit, wait_for_state
+from tests.wire_support import image_b64
 
 # Importing the vLLM engine tests applies their policy (skipped where vllm is missing, a
 # failure in CI with FQ_VLLM=1) and shares their offline environment, tiny model and spy
@@ -302,3 +303,17 @@ async def test_a_tenants_own_priority_never_jumps_another_tenant_inside_vllm(
     engine_priority = oversubscribed.priorities
     assert engine_priority[Subjects.result_key("globex", "globex-1")] == 1  # expedited
     assert [engine_priority[Subjects.result_key("acme", rid)] for rid in flood] == [0, 0, 0]
+
+
+async def test_a_request_with_images_on_a_text_model_is_refused_with_a_clear_error(
+    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
+) -> None:
+    assert not engine.accepts_images  # the tiny test model takes text only
+    _, sub = await submit(client, "chat", "acme",
+                          {"messages": [{"role": "user", "content": "what is this?"}],
+                           "images": [image_b64()], "max_tokens": 4})
+    (error,) = await collect(sub, timeout=WAIT_S)
+    assert error["type"] == "error" and error["code"] == "invalid_request", error
+    assert "this endpoint's model takes text only" in error["message"]
+    _, sub = await submit(client, "chat", "acme", {"prompt": "still serving", "max_tokens": 2})
+    assert (await collect(sub, timeout=WAIT_S))[-1]["type"] == "done"
