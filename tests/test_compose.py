@@ -8,6 +8,7 @@ repo there); URL hosts and depends_on must name services.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -77,7 +78,7 @@ def container_ports(service: dict[str, Any]) -> set[int]:
 
 
 def test_expected_services_exist(services: dict[str, dict[str, Any]]) -> None:
-    assert {"nats", "redis", *PYTHON_SERVICES} <= set(services)
+    assert {"nats", "redis", "prometheus", "grafana", *PYTHON_SERVICES} <= set(services)
 
 
 @pytest.mark.parametrize("name", PYTHON_SERVICES)
@@ -221,3 +222,47 @@ def test_dockerfile_installs_the_project_at_app_root() -> None:
     assert copied, f"no `COPY . {APP_ROOT}` (the compose paths assume the repo is there)"
     assert installed, f"no `pip install .` in {APP_ROOT} after the COPY"
     assert user not in ("root", "0"), "the services should not run as root"
+
+
+# -- Prometheus and Grafana ----------------------------------------------------------------
+
+
+def mounted(service: dict[str, Any], inside: str) -> Path:
+    """The repo path a service mounts at `inside`; it must exist."""
+    for volume in service.get("volumes", []):
+        source, target, *_ = str(volume).split(":")
+        if target == inside:
+            path = (COMPOSE_FILE.parent / source).resolve()
+            assert path.exists(), f"{source} is mounted but missing"
+            return path
+    raise AssertionError(f"nothing is mounted at {inside}: {service.get('volumes')}")
+
+
+def test_prometheus_scrapes_the_dispatchers_metrics_port(
+        services: dict[str, dict[str, Any]]) -> None:
+    config = yaml.safe_load(mounted(services["prometheus"],
+                                    "/etc/prometheus/prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    args = parse_python_command(services["dispatcher"], "dispatcher")
+    assert job["static_configs"][0]["targets"] == [f"dispatcher:{args.metrics_port}"]
+
+
+def test_grafana_is_provisioned_with_the_prometheus_and_the_dashboard(
+        services: dict[str, dict[str, Any]]) -> None:
+    grafana = services["grafana"]
+    provisioning = mounted(grafana, "/etc/grafana/provisioning")
+    dashboards = mounted(grafana, "/var/lib/grafana/dashboards")
+    (source,) = yaml.safe_load(
+        (provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    url = urlsplit(source["url"])
+    assert url.hostname == "prometheus" and url.port in container_ports(services["prometheus"])
+    (provider,) = yaml.safe_load(
+        (provisioning / "dashboards" / "fairq.yaml").read_text())["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    dashboard = json.loads((dashboards / "fairq.json").read_text())
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert PurePosixPath(home).name == "fairq.json"
+    panels = [panel for panel in dashboard["panels"] if panel["type"] != "row"]
+    assert panels and all(panel["datasource"]["uid"] == source["uid"] for panel in panels)
+    assert all(target["datasource"]["uid"] == source["uid"]
+               for panel in panels for target in panel["targets"])

@@ -1,11 +1,14 @@
 """The live queue dashboard: its figures (pure, from the dispatcher's own state), and the
 page in a real browser (Debian's Chromium through Playwright) against `fairq up`, whose
-numbers must move while requests run."""
+numbers must move while requests run. Also the Grafana dashboard (deploy/grafana): every
+metric it queries is one that `fairq up`'s dispatcher exposes."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import shutil
 import threading
 import urllib.request
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.core.scheduler import DepthRow
 from dispatcher.dashboard import LATENCY_WINDOW_S, RATE_WINDOW_S, QueueWatch, Snapshot
@@ -189,3 +193,30 @@ def test_the_page_shows_the_queues_move_in_a_real_browser(
         finally:
             browser.close()
     assert screenshot.stat().st_size > 10_000
+
+
+# -- the Grafana dashboard -------------------------------------------------------------------
+
+GRAFANA_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "fairq.json"
+# The series a metric family of each type exposes, by suffix.
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
+            "gauge": ("",), "summary": ("", "_count", "_sum")}
+
+
+def queried_metrics() -> set[str]:
+    dashboard = json.loads(GRAFANA_DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"]
+             for target in panel.get("targets", ())]
+    exprs += [variable["query"]["query"] for variable in dashboard["templating"]["list"]]
+    return {name for expr in exprs for name in re.findall(r"\bfairq_[a-z0-9_]+", expr)}
+
+
+@pytest.mark.integration
+def test_every_metric_the_grafana_dashboard_queries_exists(up: Up) -> None:
+    with urllib.request.urlopen(up.values["METRICS_URL"], timeout=5) as answer:
+        exposed = text_string_to_metric_families(answer.read().decode())
+    series = {family.name + suffix for family in exposed
+              for suffix in SUFFIXES[family.type]}
+    queried = queried_metrics()
+    assert len(queried) >= 15
+    assert queried <= series, sorted(queried - series)
