@@ -31,7 +31,7 @@ from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectGetError
 from broker_config.limits import over_limits
 from broker_config.subjects import Subjects
-from dispatcher.convert import to_error_event, to_request
+from dispatcher.convert import to_error_event, to_request, too_large_to_dispatch
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Decision, Outcome, Request
 from dispatcher.core.workers import Key, WorkerPool
@@ -154,12 +154,17 @@ class Admission:
         is judged like a new one)."""
         sub = held.submission
         violation = over_limits(sub.request, body_bytes, self.options.input)
+        if violation is not None:
+            violation = f"over a limit of [dispatcher.input]: {violation}"
+        else:
+            # The broker's own limit (`nc` is the dispatcher's connection).
+            violation = too_large_to_dispatch(sub, held.received_at, body_bytes,
+                                              self.results.nc.max_payload)
         if violation is None:
             return False
         label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
         self.metrics.child(self.metrics.admissions, label, "invalid_request").inc()
-        await self.end(held, wire.ErrorEvent(sub.id, wire.ErrorCode.INVALID_REQUEST,
-                                             f"over a limit of [dispatcher.input]: {violation}"),
+        await self.end(held, wire.ErrorEvent(sub.id, wire.ErrorCode.INVALID_REQUEST, violation),
                        now)
         return True
 

@@ -1,6 +1,7 @@
 """The one place where the scheduling core's types meet the wire's.
 
-    Submission --to_request--> core Request --to_batch_item--> BatchItem (to a worker)
+    Submission --to_request--> core Request --to_batch_item--> BatchItem
+    BatchItems --encode_batches--> batch messages, each within the broker's largest message
     core Decision (a rejection) --to_error_event--> ErrorEvent (to the client)
 
 Values that are the same on both sides have one definition and need no conversion:
@@ -48,6 +49,56 @@ def to_batch_item(request: Request, submission: wire.Submission, now: float) -> 
         request=submission.request, max_tokens=request.max_tokens,
         expedited=request.expedited, reply=submission.reply, encoding=submission.encoding,
         enqueued_at=request.arrival, dispatched_at=now)
+
+
+# Batches travel as msgpack: internal, and cheaper to encode and decode than JSON.
+BATCH_ENCODING = wire.Encoding.MSGPACK
+# What a batch's own fields may add around its items' bytes (a msgpack array header of
+# up to 5 bytes, floats and ints whose encoded size varies).
+BATCH_SLACK_BYTES = 64
+
+
+def encode_batches(worker_id: str, endpoint: str, items: list[wire.BatchItem], sent_at: float,
+                   max_bytes: int) -> list[bytes]:
+    """The items as batch messages of at most `max_bytes` each (the broker's
+    max_payload), in order: one message unless images make them large. An item too
+    large for a message of its own stays alone in one (admission refuses such requests,
+    `too_large_to_dispatch`)."""
+    def encoded(chunk: list[wire.BatchItem]) -> bytes:
+        return wire.encode(wire.Batch(worker_id=worker_id, endpoint=endpoint, items=chunk,
+                                      sent_at=sent_at), BATCH_ENCODING)
+
+    whole = encoded(items)
+    if len(whole) <= max_bytes:
+        return [whole]
+    room = max_bytes - len(encoded([])) - BATCH_SLACK_BYTES
+    chunks: list[list[wire.BatchItem]] = [[]]
+    used = 0
+    for item in items:
+        size = len(wire.encode(item, BATCH_ENCODING))
+        if chunks[-1] and used + size > room:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(item)
+        used += size
+    return [encoded(chunk) for chunk in chunks]
+
+
+def too_large_to_dispatch(submission: wire.Submission, received_at: float, body_bytes: int,
+                          max_bytes: int) -> str | None:
+    """Why the request cannot be sent to a worker: its batch item alone exceeds a
+    message of `max_bytes`; None if it fits (only a body near the limit is encoded)."""
+    if body_bytes + 4096 <= max_bytes:  # far more room than the item's own fields take
+        return None
+    request = to_request(submission, received_at, 1, None)
+    (alone,) = encode_batches("w" * 64, request.endpoint,  # the longest worker id
+                              [to_batch_item(request, submission, received_at)],
+                              received_at, max_bytes)
+    size = len(alone) + BATCH_SLACK_BYTES
+    if size <= max_bytes:
+        return None
+    return (f"the request takes {size} bytes as sent to a worker, over the broker's "
+            f"largest message (max_payload {max_bytes})")
 
 
 def to_error_event(request_id: str, decision: Decision) -> wire.ErrorEvent:

@@ -13,24 +13,24 @@ heartbeat, or the maintenance tick.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 from nats.aio.client import Client as NATS
 
-from broker_config import wire
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from dispatcher.admit import Admission
-from dispatcher.convert import to_batch_item
+from dispatcher.convert import BATCH_ENCODING, encode_batches, to_batch_item
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
 from dispatcher.core.workers import Worker, WorkerPool
 from dispatcher.held import Held
 from dispatcher.metrics import DispatcherMetrics
 
-# Batches travel as msgpack: internal, and cheaper to encode and decode than JSON.
-BATCH_ENCODING = wire.Encoding.MSGPACK
-
+log = logging.getLogger("fairq.dispatcher")
+BATCH_HEADERS = {HDR_CONTENT_TYPE: BATCH_ENCODING.content_type}
 
 class Dispatch:
     def __init__(self, nc: NATS, subjects: Subjects, scheduler: Scheduler, pool: WorkerPool,
@@ -80,10 +80,16 @@ class Dispatch:
             waited = now - held.received_at
             self.metrics.child(self.metrics.queue_wait, request.endpoint).observe(waited)
             self.metrics.watch.waited(request.endpoint, request.tenant, waited, now)
-        batch = wire.Batch(worker_id=worker.worker_id, endpoint=worker.endpoint, items=items,
-                           sent_at=now)
-        await self.nc.publish(self.subjects.work(worker.endpoint, worker.worker_id),
-                              wire.encode(batch, BATCH_ENCODING),
-                              headers={HDR_CONTENT_TYPE: BATCH_ENCODING.content_type})
+        subject = self.subjects.work(worker.endpoint, worker.worker_id)
+        for message in encode_batches(worker.worker_id, worker.endpoint, items, now,
+                                      self.nc.max_payload):
+            try:
+                await self.nc.publish(subject, message, headers=BATCH_HEADERS)
+            except nats.errors.MaxPayloadError:
+                # Admission refuses what cannot fit alone; only a server whose limit
+                # dropped since gets here. The worker never lists these requests: they
+                # come back as lost and are tried again.
+                log.error("a batch for %s is over the broker's max_payload (%d bytes)",
+                          worker.worker_id, self.nc.max_payload)
         for tenant in {request.tenant for request in requests}:
             await self.top_up(tenant)  # their windows have room again

@@ -8,7 +8,13 @@ import pytest
 from broker_config import wire
 from broker_config.subjects import Subjects
 from costmodel.units import Usage
-from dispatcher.convert import to_batch_item, to_error_event, to_request
+from dispatcher.convert import (
+    encode_batches,
+    to_batch_item,
+    to_error_event,
+    to_request,
+    too_large_to_dispatch,
+)
 from dispatcher.core.types import Decision, Outcome
 from tests.wire_support import image_b64
 
@@ -83,3 +89,38 @@ def test_usage_is_one_type_from_worker_to_client_and_scheduler() -> None:
                                  usage=with_images, stored=True, finished_at=1.0)
     assert wire.COMPLETIONS.decode(wire.encode(wire.Completions([completion]))).items[0] \
         .usage == with_images
+
+
+def batch_items(sizes: list[int]) -> list[wire.BatchItem]:
+    """Items whose image is `size` characters of base64 each."""
+    items = []
+    for n, size in enumerate(sizes):
+        sub = wire.parse_submission(
+            "fq.req.chat.acme", wire.encode({"prompt": "x", "images": ["A" * size]},
+                                            wire.Encoding.JSON),
+            {"Nats-Msg-Id": f"r{n}"}, S)
+        items.append(to_batch_item(to_request(sub, 1.0, 16, None), sub, 2.0))
+    return items
+
+
+def test_batches_are_split_to_fit_the_brokers_largest_message() -> None:
+    items = batch_items([400_000, 400_000, 300_000, 10, 800_000])
+    messages = encode_batches("w1", "chat", items, 3.0, 1 << 20)
+    assert all(len(message) <= 1 << 20 for message in messages)
+    decoded = [msgspec.msgpack.decode(m, type=wire.Batch) for m in messages]
+    assert [[item.id for item in batch.items] for batch in decoded] == [
+        ["r0", "r1"], ["r2", "r3"], ["r4"]]
+    assert all((b.worker_id, b.endpoint, b.sent_at) == ("w1", "chat", 3.0) for b in decoded)
+    small = encode_batches("w1", "chat", items[3:4] * 3, 3.0, 1 << 20)
+    assert len(small) == 1
+
+
+def test_a_request_too_large_for_a_batch_of_its_own_is_named() -> None:
+    def check(size: int) -> str | None:
+        body = wire.encode({"prompt": "x", "images": ["A" * size]}, wire.Encoding.JSON)
+        sub = wire.parse_submission("fq.req.chat.acme", body, {"Nats-Msg-Id": "r"}, S)
+        return too_large_to_dispatch(sub, 1.0, len(body), 1 << 20)
+
+    assert check(900_000) is None
+    assert check((1 << 20) - 200) is not None
+    assert "over the broker's largest message (max_payload 1048576)" in check((1 << 20) - 60)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 
 import nats
 import pytest
@@ -205,3 +206,23 @@ def test_image_options_come_from_the_workers_table() -> None:
     with pytest.raises(ConfigError, match="workers.images.max_edge"):
         parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n'
                      "[workers.images]\nmax_edge = 0\n")
+
+
+@pytest.mark.integration
+async def test_large_image_requests_reach_the_worker_in_batches_within_the_brokers_limit(
+        nats_url, client) -> None:
+    # Noise does not compress: each PNG is about 600 KB as base64, so no two fit together
+    # in a message of nats-server's default 1 MiB.
+    noisy = encoded(Image.frombytes("RGB", (400, 375), os.urandom(400 * 375 * 3)), "PNG")
+    assert 500_000 < len(noisy) < 700_000
+    async with LocalStack(load_config(), stack_options(), nats_url=nats_url):
+        subs = [(await submit(client, "chat", "acme", {"prompt": "x", "images": [noisy],
+                                                      "max_tokens": 2}))[1]
+                for _ in range(3)]
+        # Within the body limit, but no room is left for the dispatcher's own fields.
+        _, too_large = await submit(client, "chat", "acme", {
+            "prompt": "x" * (client.max_payload - len(noisy) - 300), "images": [noisy]})
+        finals = [(await collect(sub, 30))[-1] for sub in (*subs, too_large)]
+    assert [final["type"] for final in finals[:3]] == ["done"] * 3, finals
+    assert finals[3]["code"] == "invalid_request", finals[3]
+    assert "over the broker's largest message (max_payload 1048576)" in finals[3]["message"]
