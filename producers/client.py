@@ -391,6 +391,10 @@ class Client:
             raise PublishFailed(
                 f"no JetStream stream stores {prepared.subject}: is the broker provisioned "
                 f"(stream {self._subjects.requests_stream})?") from exc
+        except nats.errors.MaxPayloadError as exc:
+            raise InvalidRequest(
+                f"request {prepared.id} is {len(prepared.body)} bytes, over the broker's "
+                f"largest message ({self._nc.max_payload} bytes, its max_payload)") from exc
         except nats.errors.TimeoutError as exc:
             raise FairqTimeout(
                 f"no PubAck for request {prepared.id} within {self._publish_timeout_s:g}s: it "
@@ -442,6 +446,10 @@ class Client:
                           timeout_s: float | None) -> Event:
         try:
             msg = await subscription.next_msg(timeout=timeout_s)
+        except nats.errors.MaxPayloadError as exc:
+            raise InvalidRequest(
+                f"request {prepared.id} is {len(prepared.body)} bytes, over the broker's "
+                f"largest message ({self._nc.max_payload} bytes, its max_payload)") from exc
         except nats.errors.TimeoutError as exc:
             raise FairqTimeout(f"no event for request {submitted.id} within {timeout_s:g}s"
                                ) from exc
@@ -539,6 +547,10 @@ class Client:
             msg = await self._nc.request(subject, encode(payload), timeout=self._api_timeout_s)
         except nats.errors.NoRespondersError as exc:
             raise NoDispatcher(f"no dispatcher is running (nobody answers {subject})") from exc
+        except nats.errors.MaxPayloadError as exc:
+            raise InvalidRequest(
+                f"request {prepared.id} is {len(prepared.body)} bytes, over the broker's "
+                f"largest message ({self._nc.max_payload} bytes, its max_payload)") from exc
         except nats.errors.TimeoutError as exc:
             raise FairqTimeout(f"no answer on {subject} within {self._api_timeout_s:g}s: the "
                                "dispatcher is overloaded or unreachable") from exc

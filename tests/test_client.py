@@ -286,6 +286,16 @@ async def test_local_validation_rejects_before_sending(
     assert await stream_count(js) == 0
 
 
+async def test_a_request_over_the_brokers_largest_message_is_an_invalid_request(
+        client: Client, js: JetStreamContext) -> None:
+    limit = client.connection.max_payload
+    with pytest.raises(InvalidRequest, match=rf"bytes, over the broker's largest message "
+                                             rf"\({limit} bytes, its max_payload\)"):
+        await client.submit("chat", "acme", prompt="x" * limit)
+    assert client.listening == 0
+    assert await stream_count(js) == 0
+
+
 @pytest.mark.parametrize(("endpoint", "tenant", "message"), [
     ("chat", "ac me", "invalid tenant 'ac me'"),
     ("chat.v2", "acme", "invalid endpoint 'chat.v2'"),

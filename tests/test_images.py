@@ -21,13 +21,14 @@ from broker_config.config import (
     load_config,
     parse_config,
 )
-from broker_config.wire import Encoding, Submission, SubmitRequest
+from broker_config.wire import ChatMessage, Encoding, Submission, SubmitRequest
 from dispatcher.convert import to_request
 from dispatcher.core.admission import MemoryLimiterStore
 from dispatcher.core.scheduler import Scheduler
 from tests.core_support import ONE_SLOT
 from tests.local_stack import LocalStack
 from tests.test_dataplane_e2e import collect, stack_options, submit
+from workers.engine import EngineRequest
 from workers.images import ImagePool, PreparedImage, prepare_images
 
 LIMITS = dict(max_pixels=1 << 25, max_edge=1024)
@@ -226,3 +227,27 @@ async def test_large_image_requests_reach_the_worker_in_batches_within_the_broke
     assert [final["type"] for final in finals[:3]] == ["done"] * 3, finals
     assert finals[3]["code"] == "invalid_request", finals[3]
     assert "over the broker's largest message (max_payload 1048576)" in finals[3]["message"]
+
+
+def test_vllm_gets_the_images_as_pil_parts_of_the_last_user_message() -> None:
+    from workers.vllm_engine import _chat, _text_prompt  # vllm itself is not imported
+
+    image = PreparedImage(2, 1, bytes([255, 0, 0, 0, 0, 255]))
+    request = EngineRequest(id="r", max_tokens=4, images=[image], messages=[
+        ChatMessage("system", "be brief"), ChatMessage("user", "first"),
+        ChatMessage("assistant", "ok"), ChatMessage("user", "what is this?")])
+    system, first, answer, last = _chat(request)
+    assert (system["content"], first["content"], answer["content"]) == ("be brief", "first",
+                                                                        "ok")
+    part, text = last["content"]
+    assert text == {"type": "text", "text": "what is this?"}
+    assert part["type"] == "image_pil"
+    assert part["image_pil"].size == (2, 1)
+    assert part["image_pil"].getpixel((1, 0)) == (0, 0, 255)
+    prompt = _text_prompt(EngineRequest(id="p", max_tokens=4, prompt="<image> what?",
+                                        images=[image, image]))
+    assert prompt["prompt"] == "<image> what?"
+    assert [i.size for i in prompt["multi_modal_data"]["image"]] == [(2, 1), (2, 1)]
+    with pytest.raises(ValueError, match="no user message to put them in"):
+        _chat(EngineRequest(id="s", max_tokens=4, images=[image],
+                            messages=[ChatMessage("system", "only this")]))

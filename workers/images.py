@@ -23,6 +23,7 @@ import binascii
 import io
 import logging
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
 WHITE = (255, 255, 255)
+POOL_NICENESS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ def prepare_images(images: list[str], max_pixels: int, max_edge: int) -> list[Pr
     """Every image of a request, prepared; ValueError naming the first bad one."""
     from PIL import Image
 
-    # Pillow's own bomb check reads the same header as `_prepare`'s, whose message names
+    # Pillow's own bomb check reads the same header as `prepare_image`'s, whose message names
     # the setting to change.
     Image.MAX_IMAGE_PIXELS = None
     prepared = []
@@ -63,7 +65,7 @@ def prepare_images(images: list[str], max_pixels: int, max_edge: int) -> list[Pr
         except (binascii.Error, ValueError) as exc:
             raise ValueError(f"image {index} is not valid base64: {exc}") from None
         try:
-            prepared.append(_prepare(data, index, max_pixels, max_edge))
+            prepared.append(prepare_image(data, index, max_pixels, max_edge))
         except ImageRefused:
             raise
         except Exception as exc:  # each decoder fails its own way on a broken file
@@ -71,7 +73,9 @@ def prepare_images(images: list[str], max_pixels: int, max_edge: int) -> list[Pr
     return prepared
 
 
-def _prepare(data: bytes, index: int, max_pixels: int, max_edge: int) -> PreparedImage:
+def prepare_image(data: bytes, index: int, max_pixels: int, max_edge: int) -> PreparedImage:
+    """One image (`index` of its request) from its encoded bytes; ValueError if it is
+    over the pixel limit or broken."""
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data), formats=FORMATS) as image:  # reads the header only
@@ -131,9 +135,11 @@ class ImagePool:
             for _ in range(2):
                 executor = self._running_executor()
                 try:
-                    future = executor.submit(prepare_images, images,
-                                             self.options.max_image_pixels,
-                                             self.options.max_edge)
+                    # From a thread: a submit may start the pool's processes (and, the
+                    # first time, the fork server), which blocks for 100 ms and more.
+                    future = await asyncio.to_thread(
+                        executor.submit, prepare_images, images,
+                        self.options.max_image_pixels, self.options.max_edge)
                     return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
                 except TimeoutError:
                     self._restart(executor, f"images took over {timeout} s")
@@ -145,9 +151,11 @@ class ImagePool:
 
     def _running_executor(self) -> ProcessPoolExecutor:
         if self._executor is None:
-            # Not forked from a worker that may run an engine's threads.
+            # Not forked from a worker that may run an engine's threads; below the
+            # worker in CPU priority, whose event loop streams every request's tokens.
             self._executor = ProcessPoolExecutor(
-                self.options.processes, mp_context=multiprocessing.get_context("forkserver"))
+                self.options.processes, mp_context=multiprocessing.get_context("forkserver"),
+                initializer=os.nice, initargs=(POOL_NICENESS,))
         return self._executor
 
     def _restart(self, executor: ProcessPoolExecutor, why: str) -> None:
