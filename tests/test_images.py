@@ -63,6 +63,25 @@ def test_a_small_image_keeps_its_size_and_every_format_is_rgb() -> None:
     assert [(p.width, p.height, len(p.rgb)) for p in prepared] == [(40, 30, 3600)] * 4
 
 
+def test_palette_cmyk_and_16_bit_images_come_out_rgb_and_scaled() -> None:
+    source = photo((2048, 1024))
+    reference, *others = prepare_images(
+        [encoded(source, "PNG"), encoded(source.convert("P"), "PNG"),
+         encoded(source.convert("CMYK"), "JPEG"), encoded(source.convert("I;16"), "PNG")],
+        **LIMITS)
+    assert [(p.width, p.height, len(p.rgb)) for p in others] == [(1024, 512, 1024 * 512 * 3)] * 3
+    # Scaled as the RGB image is, not by dropping pixels: a one-pixel checkerboard
+    # halved is grey, where NEAREST would keep black or white.
+    rows = (bytes([0, 255]) * 1024 + bytes([255, 0]) * 1024) * 512
+    checkers = Image.frombytes("L", (2048, 1024), rows).convert("P")
+    (grey,) = prepare_images([encoded(checkers, "PNG")], **LIMITS)
+    assert all(96 < level < 160 for level in pixel(grey, 512, 256))
+    for prepared in others:
+        for x, y in ((0, 0), (300, 100), (512, 256), (1000, 500)):
+            assert all(abs(a - b) <= 24 for a, b in zip(pixel(prepared, x, y),
+                                                        pixel(reference, x, y))), (x, y)
+
+
 def test_exif_orientation_is_applied() -> None:
     exif = Image.Exif()
     exif[0x0112] = 6  # stored sideways: turn 90 degrees clockwise to show it
