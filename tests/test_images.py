@@ -13,6 +13,7 @@ import os
 import nats
 import pytest
 from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 
 from broker_config.config import (
     ConfigError,
@@ -107,6 +108,15 @@ def test_transparency_is_laid_on_white() -> None:
 def test_a_bad_image_is_a_value_error_naming_it(image: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         prepare_images([encoded(photo((4, 4)), "PNG"), image], **LIMITS)
+
+
+def test_a_compressed_text_chunk_that_inflates_to_20_mb_is_refused() -> None:
+    text = PngInfo()
+    text.add_text("comment", "a" * (20 << 20), zip=True)  # 20 KB on the wire
+    bomb = encoded(photo((8, 8)), "PNG", pnginfo=text)
+    assert len(bomb) < 100_000
+    with pytest.raises(ValueError, match="image 0 could not be decoded: .*too large"):
+        prepare_images([bomb], **LIMITS)
 
 
 def test_the_pixel_limit_holds_before_decoding() -> None:
