@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -39,6 +40,16 @@ _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_REPLY = "Fq-Reply"
 HDR_CONTENT_TYPE = "Content-Type"
+
+
+def message_bytes(payload: bytes, headers: Mapping[str, str] | None = None) -> int:
+    """What a message counts against the server's `max_payload`: its payload and its
+    headers as sent (`NATS/1.0`, a line per header, a blank line), which nats-py leaves
+    out of its own check; the server drops the connection of a client over it."""
+    if not headers:
+        return len(payload)
+    lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
+    return len(payload) + len(f"NATS/1.0\r\n{lines}\r\n".encode())
 CONTENT_TYPE_JSON = "application/json"
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 

@@ -12,6 +12,7 @@ done event, the scheduler's charge correction), `ChatMessage`.
 from __future__ import annotations
 
 from broker_config import wire
+from broker_config.subjects import HDR_CONTENT_TYPE, message_bytes
 from costmodel.units import approx_tokens
 from dispatcher.core.placement import DEFAULT_AFFINITY_BLOCK_TOKENS, affinity_key
 from dispatcher.core.types import Decision, Request
@@ -53,21 +54,23 @@ def to_batch_item(request: Request, submission: wire.Submission, now: float) -> 
 
 # Batches travel as msgpack: internal, and cheaper to encode and decode than JSON.
 BATCH_ENCODING = wire.Encoding.MSGPACK
+BATCH_HEADERS = {HDR_CONTENT_TYPE: BATCH_ENCODING.content_type}
 # What a batch's own fields may add around its items' bytes (a msgpack array header of
 # up to 5 bytes, floats and ints whose encoded size varies).
 BATCH_SLACK_BYTES = 64
 
 
 def encode_batches(worker_id: str, endpoint: str, items: list[wire.BatchItem], sent_at: float,
-                   max_bytes: int) -> list[bytes]:
-    """The items as batch messages of at most `max_bytes` each (the broker's
-    max_payload), in order: one message unless images make them large. An item too
-    large for a message of its own stays alone in one (admission refuses such requests,
-    `too_large_to_dispatch`)."""
+                   max_payload: int) -> list[bytes]:
+    """The items as batch messages that the broker takes (each, with BATCH_HEADERS, at
+    most its `max_payload`), in order: one message unless images make them large. An
+    item too large for a message of its own stays alone in one (admission refuses such
+    requests, `too_large_to_dispatch`)."""
     def encoded(chunk: list[wire.BatchItem]) -> bytes:
         return wire.encode(wire.Batch(worker_id=worker_id, endpoint=endpoint, items=chunk,
                                       sent_at=sent_at), BATCH_ENCODING)
 
+    max_bytes = max_payload - message_bytes(b"", BATCH_HEADERS)
     whole = encoded(items)
     if len(whole) <= max_bytes:
         return [whole]
@@ -85,20 +88,21 @@ def encode_batches(worker_id: str, endpoint: str, items: list[wire.BatchItem], s
 
 
 def too_large_to_dispatch(submission: wire.Submission, received_at: float, body_bytes: int,
-                          max_bytes: int) -> str | None:
-    """Why the request cannot be sent to a worker: its batch item alone exceeds a
-    message of `max_bytes`; None if it fits (only a body near the limit is encoded)."""
-    if body_bytes + 4096 <= max_bytes:  # far more room than the item's own fields take
+                          max_payload: int) -> str | None:
+    """Why the request cannot be sent to a worker: its batch item alone, in a message
+    with BATCH_HEADERS, exceeds the broker's `max_payload`; None if it fits (only a
+    body near the limit is encoded)."""
+    if body_bytes + 4096 <= max_payload:  # far more room than the item's own fields take
         return None
     request = to_request(submission, received_at, 1, None)
     (alone,) = encode_batches("w" * 64, request.endpoint,  # the longest worker id
                               [to_batch_item(request, submission, received_at)],
-                              received_at, max_bytes)
-    size = len(alone) + BATCH_SLACK_BYTES
-    if size <= max_bytes:
+                              received_at, max_payload)
+    size = message_bytes(alone, BATCH_HEADERS) + BATCH_SLACK_BYTES
+    if size <= max_payload:
         return None
     return (f"the request takes {size} bytes as sent to a worker, over the broker's "
-            f"largest message (max_payload {max_bytes})")
+            f"largest message (max_payload {max_payload})")
 
 
 def to_error_event(request_id: str, decision: Decision) -> wire.ErrorEvent:

@@ -3,26 +3,30 @@ admissions and rejections per second, and the 95th percentile of queue wait and 
 to first token, from the dispatcher's own state rather than per-tenant Prometheus
 series (a thousand tenants would be a thousand series per metric).
 
-The maintenance loop builds a snapshot once a second (`QueueWatch.refresh`); the HTTP
-server's threads serve the latest one as JSON (`/dashboard.json`) beside a page that
-polls it (`/dashboard`, dispatcher/dashboard.html), so a page load never touches the
-event loop. Rates are over the last `RATE_WINDOW_S`, percentiles over the requests of
-the last `LATENCY_WINDOW_S` (the newest `MAX_SAMPLES` per endpoint and tenant).
+The maintenance loop builds a snapshot once a second (`QueueWatch.refresh`) while
+someone reads it (the last `WATCHED_S`; nobody watching costs only the samples' upkeep);
+the HTTP server's threads serve the latest one as JSON (`/dashboard.json`) beside a page
+that polls it (`/dashboard`, dispatcher/dashboard.html), so a page load never touches
+the event loop. Rates are over the last `RATE_WINDOW_S`, percentiles over the requests
+of the last `LATENCY_WINDOW_S` (the newest `MAX_SAMPLES` per endpoint and tenant).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import resources
 from typing import Protocol
 
 import msgspec
+import numpy as np
 
 from dispatcher.core.scheduler import DepthRow
 
 RATE_WINDOW_S = 10.0
+WATCHED_S = 10.0
 LATENCY_WINDOW_S = 60.0
 MAX_SAMPLES = 2048
 PAGE = resources.files("dispatcher").joinpath("dashboard.html").read_bytes()
@@ -76,8 +80,14 @@ class QueueWatch:
         self._ttfts: dict[Key, deque[tuple[float, float]]] = {}
         # (when, admitted, rejected) at each refresh of the rate window.
         self._counted: dict[Key, deque[tuple[float, int, int]]] = {}
-        self.snapshot = msgspec.json.encode(Snapshot(0.0, RATE_WINDOW_S, LATENCY_WINDOW_S, [
+        self._snapshot = msgspec.json.encode(Snapshot(0.0, RATE_WINDOW_S, LATENCY_WINDOW_S, [
             EndpointView(Figures(name), []) for name in self._endpoints]))
+        self._read_at = -math.inf  # time.monotonic() of the last read
+
+    def read(self) -> bytes:
+        """The latest snapshot (JSON), from any thread; keeps the snapshots coming."""
+        self._read_at = time.monotonic()
+        return self._snapshot
 
     def waited(self, endpoint: str, tenant: str, seconds: float, now: float) -> None:
         """A request of `tenant` was dispatched after `seconds` in the queue."""
@@ -96,6 +106,9 @@ class QueueWatch:
         rates = self._rates(counts, now)
         for samples in (self._waits, self._ttfts):
             _trim(samples, now - LATENCY_WINDOW_S)
+        if time.monotonic() - self._read_at > WATCHED_S:
+            return
+        waits, ttfts = _values(self._waits), _values(self._ttfts)
         tenants: dict[Key, tuple[str, Figures]] = {}
         for row in rows:
             tenants[(row.endpoint, row.tenant)] = (row.tier, Figures(
@@ -108,12 +121,13 @@ class QueueWatch:
             name: {} for name in self._endpoints}
         for key, (tier, figures) in tenants.items():
             figures.admitted_per_s, figures.rejected_per_s = rates.get(key, (0.0, 0.0))
-            figures.p95_queue_wait_s = _p95(self._waits.get(key, ()))
-            figures.p95_ttft_s = _p95(self._ttfts.get(key, ()))
+            figures.p95_queue_wait_s = _p95([waits[key]] if key in waits else [])
+            figures.p95_ttft_s = _p95([ttfts[key]] if key in ttfts else [])
             by_endpoint.setdefault(key[0], {}).setdefault(tier, []).append((key, figures))
         rank = {name: n for n, name in enumerate(tiers)}
-        self.snapshot = msgspec.json.encode(Snapshot(now, RATE_WINDOW_S, LATENCY_WINDOW_S, [
-            self._endpoint_view(name, members, rank) for name, members in by_endpoint.items()]))
+        self._snapshot = msgspec.json.encode(Snapshot(now, RATE_WINDOW_S, LATENCY_WINDOW_S, [
+            _endpoint_view(name, members, rank, waits, ttfts)
+            for name, members in by_endpoint.items()]))
 
     def _rates(self, counts: Mapping[Key, Counts], now: float) -> dict[Key, tuple[float, float]]:
         """(admitted, rejected) per second over the rate window, per endpoint and tenant."""
@@ -133,28 +147,36 @@ class QueueWatch:
                            (count.rejected - rejected) / span) if span > 0 else (0.0, 0.0))
         return rates
 
-    def _endpoint_view(self, name: str, tiers: dict[str, list[tuple[Key, Figures]]],
-                       rank: Mapping[str, int]) -> EndpointView:
-        views = [self._tier_view(tier, members) for tier, members in tiers.items()]
-        views.sort(key=lambda view: (rank.get(view.figures.name, len(rank)), view.figures.name))
-        keys = [key for members in tiers.values() for key, _ in members]
-        figures = self._total(name, keys, [view.figures for view in views])
-        return EndpointView(figures, views)
 
-    def _tier_view(self, tier: str, members: list[tuple[Key, Figures]]) -> TierView:
-        tenants = [figures for _, figures in members]
-        # Busiest first: a page with a thousand tenants shows those that matter on top.
-        tenants.sort(key=lambda f: (-(f.queued + f.running), -f.admitted_per_s, f.name))
-        return TierView(self._total(tier, [key for key, _ in members], tenants), tenants)
+Arrays = dict[Key, np.ndarray]
 
-    def _total(self, name: str, keys: list[Key], parts: list[Figures]) -> Figures:
-        """Sums of `parts`, and percentiles over the samples of every key together."""
-        return Figures(
-            name, queued=sum(f.queued for f in parts), running=sum(f.running for f in parts),
-            admitted_per_s=sum(f.admitted_per_s for f in parts),
-            rejected_per_s=sum(f.rejected_per_s for f in parts),
-            p95_queue_wait_s=_p95(s for key in keys for s in self._waits.get(key, ())),
-            p95_ttft_s=_p95(s for key in keys for s in self._ttfts.get(key, ())))
+
+def _endpoint_view(name: str, tiers: dict[str, list[tuple[Key, Figures]]],
+                   rank: Mapping[str, int], waits: Arrays, ttfts: Arrays) -> EndpointView:
+    views = [_tier_view(tier, members, waits, ttfts) for tier, members in tiers.items()]
+    views.sort(key=lambda view: (rank.get(view.figures.name, len(rank)), view.figures.name))
+    keys = [key for members in tiers.values() for key, _ in members]
+    return EndpointView(_total(name, keys, [view.figures for view in views], waits, ttfts),
+                        views)
+
+
+def _tier_view(tier: str, members: list[tuple[Key, Figures]], waits: Arrays,
+               ttfts: Arrays) -> TierView:
+    tenants = [figures for _, figures in members]
+    # Busiest first: a page with a thousand tenants shows those that matter on top.
+    tenants.sort(key=lambda f: (-(f.queued + f.running), -f.admitted_per_s, f.name))
+    return TierView(_total(tier, [key for key, _ in members], tenants, waits, ttfts), tenants)
+
+
+def _total(name: str, keys: list[Key], parts: list[Figures], waits: Arrays,
+           ttfts: Arrays) -> Figures:
+    """Sums of `parts`, and percentiles over the samples of every key together."""
+    return Figures(
+        name, queued=sum(f.queued for f in parts), running=sum(f.running for f in parts),
+        admitted_per_s=sum(f.admitted_per_s for f in parts),
+        rejected_per_s=sum(f.rejected_per_s for f in parts),
+        p95_queue_wait_s=_p95([waits[key] for key in keys if key in waits]),
+        p95_ttft_s=_p95([ttfts[key] for key in keys if key in ttfts]))
 
 
 def _sample(samples: dict[Key, deque[tuple[float, float]]], key: Key, now: float,
@@ -174,9 +196,15 @@ def _trim(samples: dict[Key, deque[tuple[float, float]]], since: float) -> None:
             del samples[key]
 
 
-def _p95(samples: Iterable[tuple[float, float]]) -> float | None:
-    """The nearest-rank 95th percentile of the samples' values; None without any."""
-    values = sorted(value for _, value in samples)
-    if not values:
+def _values(samples: dict[Key, deque[tuple[float, float]]]) -> Arrays:
+    return {key: np.fromiter((value for _, value in window), float, len(window))
+            for key, window in samples.items()}
+
+
+def _p95(arrays: list[np.ndarray]) -> float | None:
+    """The nearest-rank 95th percentile of the values together; None without any."""
+    values = np.concatenate(arrays) if len(arrays) > 1 else (arrays[0] if arrays else None)
+    if values is None or not len(values):
         return None
-    return values[math.ceil(0.95 * len(values)) - 1]
+    rank = math.ceil(0.95 * len(values)) - 1
+    return float(np.partition(values, rank)[rank])  # linear, not a sort

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
+from broker_config.subjects import Subjects
 from dispatcher.admit import Admission
-from dispatcher.convert import BATCH_ENCODING, encode_batches, to_batch_item
+from dispatcher.convert import BATCH_HEADERS, encode_batches, to_batch_item
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
 from dispatcher.core.workers import Worker, WorkerPool
@@ -30,7 +30,6 @@ from dispatcher.held import Held
 from dispatcher.metrics import DispatcherMetrics
 
 log = logging.getLogger("fairq.dispatcher")
-BATCH_HEADERS = {HDR_CONTENT_TYPE: BATCH_ENCODING.content_type}
 
 class Dispatch:
     def __init__(self, nc: NATS, subjects: Subjects, scheduler: Scheduler, pool: WorkerPool,

@@ -20,8 +20,7 @@ class DispatcherMetrics:
         # Per-tenant figures for the dashboard page, kept apart from Prometheus's series.
         self.watch = QueueWatch(endpoints)
         self.http.add_page("/dashboard", "text/html; charset=utf-8", lambda: PAGE)
-        self.http.add_page("/dashboard.json", "application/json",
-                           lambda: self.watch.snapshot)
+        self.http.add_page("/dashboard.json", "application/json", self.watch.read)
         r = self.registry
         self.queue_depth = Gauge("fairq_queue_depth", "Requests queued in the dispatcher",
                                  ["endpoint", "tier", "tenant"], registry=r)

@@ -248,7 +248,8 @@ class WorkerReports:
             done.usage.cached_input_tokens)
         ttft = max(0.0, done.first_token_at - received_at)
         self.metrics.child(self.metrics.ttft, endpoint).observe(ttft)
-        self.metrics.watch.first_token(endpoint, done.tenant, ttft, done.first_token_at)
+        # Stamped with this clock, as the other samples: the worker's may differ.
+        self.metrics.watch.first_token(endpoint, done.tenant, ttft, time.time())
         decoding = done.finished_at - done.first_token_at
         if decoding > 0:
             self.metrics.child(self.metrics.output_tps, endpoint).observe(

@@ -48,6 +48,7 @@ from broker_config.subjects import (
     SubjectError,
     Subjects,
     check_request_id,
+    message_bytes,
 )
 from broker_config.wire import (
     CANCEL_REPLY,
@@ -378,6 +379,12 @@ class Client:
             raise InvalidRequest(str(exc)) from exc
 
     async def _publish(self, prepared: _Prepared, endpoint: str, tenant: str) -> PubAck:
+        size = message_bytes(prepared.body, prepared.headers)
+        if size > self._nc.max_payload:
+            # The server would drop the connection, not answer: refused here instead.
+            raise InvalidRequest(
+                f"request {prepared.id} is {size} bytes with its headers, over the broker's "
+                f"largest message ({self._nc.max_payload} bytes, its max_payload)")
         try:
             return await self._js.publish(prepared.subject, prepared.body,
                                           headers=dict(prepared.headers))
@@ -391,10 +398,6 @@ class Client:
             raise PublishFailed(
                 f"no JetStream stream stores {prepared.subject}: is the broker provisioned "
                 f"(stream {self._subjects.requests_stream})?") from exc
-        except nats.errors.MaxPayloadError as exc:
-            raise InvalidRequest(
-                f"request {prepared.id} is {len(prepared.body)} bytes, over the broker's "
-                f"largest message ({self._nc.max_payload} bytes, its max_payload)") from exc
         except nats.errors.TimeoutError as exc:
             raise FairqTimeout(
                 f"no PubAck for request {prepared.id} within {self._publish_timeout_s:g}s: it "
@@ -446,10 +449,6 @@ class Client:
                           timeout_s: float | None) -> Event:
         try:
             msg = await subscription.next_msg(timeout=timeout_s)
-        except nats.errors.MaxPayloadError as exc:
-            raise InvalidRequest(
-                f"request {prepared.id} is {len(prepared.body)} bytes, over the broker's "
-                f"largest message ({self._nc.max_payload} bytes, its max_payload)") from exc
         except nats.errors.TimeoutError as exc:
             raise FairqTimeout(f"no event for request {submitted.id} within {timeout_s:g}s"
                                ) from exc
@@ -547,10 +546,6 @@ class Client:
             msg = await self._nc.request(subject, encode(payload), timeout=self._api_timeout_s)
         except nats.errors.NoRespondersError as exc:
             raise NoDispatcher(f"no dispatcher is running (nobody answers {subject})") from exc
-        except nats.errors.MaxPayloadError as exc:
-            raise InvalidRequest(
-                f"request {prepared.id} is {len(prepared.body)} bytes, over the broker's "
-                f"largest message ({self._nc.max_payload} bytes, its max_payload)") from exc
         except nats.errors.TimeoutError as exc:
             raise FairqTimeout(f"no answer on {subject} within {self._api_timeout_s:g}s: the "
                                "dispatcher is overloaded or unreachable") from exc

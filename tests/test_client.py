@@ -289,9 +289,14 @@ async def test_local_validation_rejects_before_sending(
 async def test_a_request_over_the_brokers_largest_message_is_an_invalid_request(
         client: Client, js: JetStreamContext) -> None:
     limit = client.connection.max_payload
-    with pytest.raises(InvalidRequest, match=rf"bytes, over the broker's largest message "
-                                             rf"\({limit} bytes, its max_payload\)"):
+    with pytest.raises(InvalidRequest, match=rf"bytes with its headers, over the broker's "
+                                             rf"largest message \({limit} bytes, its "
+                                             rf"max_payload\)"):
         await client.submit("chat", "acme", prompt="x" * limit)
+    # The body alone fits; with its headers (the server counts them) it does not.
+    body_fits = limit - len(b'{"prompt":""}') - 10
+    with pytest.raises(InvalidRequest, match="bytes with its headers, over the broker's"):
+        await client.submit("chat", "acme", prompt="x" * body_fits)
     assert client.listening == 0
     assert await stream_count(js) == 0
 

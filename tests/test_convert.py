@@ -6,9 +6,10 @@ import msgspec
 import pytest
 
 from broker_config import wire
-from broker_config.subjects import Subjects
+from broker_config.subjects import Subjects, message_bytes
 from costmodel.units import Usage
 from dispatcher.convert import (
+    BATCH_HEADERS,
     encode_batches,
     to_batch_item,
     to_error_event,
@@ -106,13 +107,22 @@ def batch_items(sizes: list[int]) -> list[wire.BatchItem]:
 def test_batches_are_split_to_fit_the_brokers_largest_message() -> None:
     items = batch_items([400_000, 400_000, 300_000, 10, 800_000])
     messages = encode_batches("w1", "chat", items, 3.0, 1 << 20)
-    assert all(len(message) <= 1 << 20 for message in messages)
+    assert all(message_bytes(m, BATCH_HEADERS) <= 1 << 20 for m in messages)
     decoded = [msgspec.msgpack.decode(m, type=wire.Batch) for m in messages]
     assert [[item.id for item in batch.items] for batch in decoded] == [
         ["r0", "r1"], ["r2", "r3"], ["r4"]]
     assert all((b.worker_id, b.endpoint, b.sent_at) == ("w1", "chat", 3.0) for b in decoded)
     small = encode_batches("w1", "chat", items[3:4] * 3, 3.0, 1 << 20)
     assert len(small) == 1
+
+
+def test_the_headers_count_against_the_largest_message() -> None:
+    # Two items whose batch is 20 bytes under max_payload: over it with the header.
+    (whole,) = encode_batches("w1", "chat", batch_items([1000, 1000]), 3.0, 1 << 30)
+    limit = len(whole) + 20
+    assert len(encode_batches("w1", "chat", batch_items([1000, 1000]), 3.0, limit)) == 2
+    assert message_bytes(b"x", {"A": "b"}) == 1 + len(b"NATS/1.0\r\nA: b\r\n\r\n")
+    assert message_bytes(b"xy") == 2
 
 
 def test_a_request_too_large_for_a_batch_of_its_own_is_named() -> None:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.core.scheduler import DepthRow
-from dispatcher.dashboard import LATENCY_WINDOW_S, RATE_WINDOW_S, QueueWatch, Snapshot
+from dispatcher.dashboard import (
+    LATENCY_WINDOW_S,
+    RATE_WINDOW_S,
+    WATCHED_S,
+    QueueWatch,
+    Snapshot,
+)
 from producers.client import Client, RequestFailed
 from tests.conftest import service_unavailable
 from tests.test_openai_front import Up, fairq_up
@@ -43,11 +50,18 @@ class Count:
 
 
 def snapshot(watch: QueueWatch) -> Snapshot:
-    return msgspec.json.decode(watch.snapshot, type=Snapshot)
+    return msgspec.json.decode(watch.read(), type=Snapshot)
+
+
+def watched(endpoints: list[str]) -> QueueWatch:
+    """A watch whose page is open: it builds a snapshot at every refresh."""
+    watch = QueueWatch(endpoints)
+    watch.read()
+    return watch
 
 
 def test_figures_per_tenant_tier_and_endpoint() -> None:
-    watch = QueueWatch(["chat", "embed"])
+    watch = watched(["chat", "embed"])
     counts = {("chat", "acme"): Count(), ("chat", "globex"): Count()}
     watch.refresh([], counts, TIERS.get, ORDER, 100.0)
     counts[("chat", "acme")].admitted = 20
@@ -79,7 +93,7 @@ def test_figures_per_tenant_tier_and_endpoint() -> None:
 
 
 def test_old_samples_and_forgotten_tenants_leave_the_page() -> None:
-    watch = QueueWatch(["chat"])
+    watch = watched(["chat"])
     counts = {("chat", "acme"): Count(admitted=1)}
     watch.waited("chat", "acme", 1.0, 0.0)
     watch.refresh([], counts, TIERS.get, ORDER, 1.0)
@@ -92,15 +106,28 @@ def test_old_samples_and_forgotten_tenants_leave_the_page() -> None:
 
 
 def test_counts_that_start_over_give_no_negative_rate() -> None:
-    watch = QueueWatch(["chat"])
+    watch = watched(["chat"])
     watch.refresh([], {("chat", "acme"): Count(admitted=50)}, TIERS.get, ORDER, 0.0)
     watch.refresh([], {("chat", "acme"): Count(admitted=2)}, TIERS.get, ORDER, 1.0)
     watch.refresh([], {("chat", "acme"): Count(admitted=4)}, TIERS.get, ORDER, 2.0)
     assert snapshot(watch).endpoints[0].tiers[0].tenants[0].admitted_per_s == 2.0
 
 
-def test_the_busiest_tenants_come_first_and_unknown_tenants_are_left_out() -> None:
+def test_nobody_watching_costs_no_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     watch = QueueWatch(["chat"])
+    rows = [DepthRow("chat", "free", "t0", 3, 1, 0.0)]
+    watch.refresh(rows, {}, TIERS.get, ORDER, 1.0)
+    assert snapshot(watch).at == 0.0  # built at start, not since: nobody read it
+    watch.refresh(rows, {}, TIERS.get, ORDER, 2.0)  # read just now
+    assert snapshot(watch).at == 2.0
+    later = time.monotonic() + WATCHED_S + 1
+    monkeypatch.setattr("dispatcher.dashboard.time.monotonic", lambda: later)
+    watch.refresh(rows, {}, TIERS.get, ORDER, 3.0)
+    assert snapshot(watch).at == 2.0
+
+
+def test_the_busiest_tenants_come_first_and_unknown_tenants_are_left_out() -> None:
+    watch = watched(["chat"])
     tiers = {f"t{n}": "free" for n in range(5)}
     rows = [DepthRow("chat", "free", f"t{n}", n, 0, 0.0) for n in range(5)]
     watch.waited("chat", "gone", 1.0, 0.0)  # no tier: no longer in the registry

@@ -9,8 +9,11 @@ import asyncio
 import base64
 import io
 import os
+import time
 
+import msgspec
 import nats
+import numpy as np
 import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
@@ -22,6 +25,7 @@ from broker_config.config import (
     load_config,
     parse_config,
 )
+from broker_config.subjects import message_bytes
 from broker_config.wire import ChatMessage, Encoding, Submission, SubmitRequest
 from dispatcher.convert import to_request
 from dispatcher.core.admission import MemoryLimiterStore
@@ -30,7 +34,7 @@ from tests.core_support import ONE_SLOT
 from tests.local_stack import LocalStack
 from tests.test_dataplane_e2e import collect, stack_options, submit
 from workers.engine import EngineRequest
-from workers.images import ImagePool, PreparedImage, prepare_images
+from workers.images import ImagePool, PreparedImage, Turns, prepare_images
 
 LIMITS = dict(max_pixels=1 << 25, max_edge=1024)
 
@@ -66,21 +70,25 @@ def test_a_small_image_keeps_its_size_and_every_format_is_rgb() -> None:
 
 def test_palette_cmyk_and_16_bit_images_come_out_rgb_and_scaled() -> None:
     source = photo((2048, 1024))
-    reference, *others = prepare_images(
+    grey = source.convert("L")
+    wide = Image.fromarray(np.asarray(grey, dtype=np.uint16) * 257)  # 16 bits, full range
+    assert wide.mode.startswith("I;16")
+    reference, palette, cmyk, grey_8, grey_16 = prepare_images(
         [encoded(source, "PNG"), encoded(source.convert("P"), "PNG"),
-         encoded(source.convert("CMYK"), "JPEG"), encoded(source.convert("I;16"), "PNG")],
+         encoded(source.convert("CMYK"), "JPEG"), encoded(grey, "PNG"), encoded(wide, "PNG")],
         **LIMITS)
-    assert [(p.width, p.height, len(p.rgb)) for p in others] == [(1024, 512, 1024 * 512 * 3)] * 3
-    # Scaled as the RGB image is, not by dropping pixels: a one-pixel checkerboard
-    # halved is grey, where NEAREST would keep black or white.
-    rows = (bytes([0, 255]) * 1024 + bytes([255, 0]) * 1024) * 512
-    checkers = Image.frombytes("L", (2048, 1024), rows).convert("P")
-    (grey,) = prepare_images([encoded(checkers, "PNG")], **LIMITS)
-    assert all(96 < level < 160 for level in pixel(grey, 512, 256))
-    for prepared in others:
+    for prepared, like in ((palette, reference), (cmyk, reference), (grey_16, grey_8)):
+        assert (prepared.width, prepared.height, len(prepared.rgb)) == (1024, 512,
+                                                                         1024 * 512 * 3)
         for x, y in ((0, 0), (300, 100), (512, 256), (1000, 500)):
             assert all(abs(a - b) <= 24 for a, b in zip(pixel(prepared, x, y),
-                                                        pixel(reference, x, y))), (x, y)
+                                                        pixel(like, x, y))), (x, y)
+    # Scaled smoothly, not by dropping pixels: a one-pixel checkerboard halved is grey,
+    # where NEAREST would keep black or white.
+    rows = (bytes([0, 255]) * 1024 + bytes([255, 0]) * 1024) * 512
+    checkers = Image.frombytes("L", (2048, 1024), rows).convert("P")
+    (halved,) = prepare_images([encoded(checkers, "PNG")], **LIMITS)
+    assert all(96 < level < 160 for level in pixel(halved, 512, 256))
 
 
 def test_exif_orientation_is_applied() -> None:
@@ -131,36 +139,86 @@ def test_the_pixel_limit_holds_before_decoding() -> None:
 async def test_the_pool_prepares_images_in_another_process() -> None:
     async with ImagePool() as pool:
         assert not pool.started
-        (prepared,) = await pool.prepare([encoded(photo((2048, 1024)), "PNG")])
+        (prepared,) = await pool.prepare([encoded(photo((2048, 1024)), "PNG")], "acme")
         assert pool.started
     assert (prepared.width, prepared.height) == (1024, 512)
     assert not pool.started
 
 
+def noise_png(size: tuple[int, int]) -> str:
+    """Slow to decode (none of it compresses): about 0.5 s for 4000x4000 here."""
+    width, height = size
+    image = Image.frombytes("RGB", size, os.urandom(width * height * 3))
+    return encoded(image, "PNG", compress_level=1)
+
+
 async def test_an_image_over_the_time_limit_fails_alone_and_the_pool_restarts() -> None:
-    large = encoded(photo((4000, 4000)), "PNG")
-    async with ImagePool(ImageOptions(timeout_s=0.001)) as pool:
-        with pytest.raises(ValueError, match="its images took longer than 0.001 s"):
-            await pool.prepare([large])
-        assert pool.restarts == 1
+    async with ImagePool(ImageOptions(timeout_s=0.15)) as pool:
+        with pytest.raises(ValueError, match="its images took longer than 0.15 s"):
+            await pool.prepare([noise_png((4000, 4000))], "acme")
+        assert pool.restarts == 1 and not pool.started
+        (after,) = await pool.prepare([encoded(photo((8, 8)), "PNG")], "acme")
+        assert after.width == 8 and pool.restarts == 1  # a new pool serves
+
+
+async def test_requests_whose_process_died_are_prepared_again_alone() -> None:
+    slow = noise_png((3000, 3000))
     async with ImagePool(ImageOptions(processes=2)) as pool:
-        small = await pool.prepare([encoded(photo((8, 8)), "PNG")])
-        assert small[0].width == 8 and pool.restarts == 0
-
-
-async def test_a_request_whose_process_died_is_prepared_again_in_a_new_pool() -> None:
-    large = encoded(photo((6000, 4000)), "PNG")
-    async with ImagePool() as pool:
-        await pool.prepare([encoded(photo((8, 8)), "PNG")])  # the process is up
-        task = asyncio.create_task(pool.prepare([large]))
-        await asyncio.sleep(0.2)
-        assert not task.done()
-        # As a decoder that crashes would (the executor keeps its processes privately).
+        await pool.prepare([encoded(photo((8, 8)), "PNG")], "acme")  # the pool is up
+        tasks = [asyncio.create_task(pool.prepare([slow], tenant))
+                 for tenant in ("acme", "globex")]
+        await asyncio.sleep(0.1)
+        assert not any(task.done() for task in tasks)
+        # As a decoder that crashes would: the pool breaks under both requests (the
+        # executor keeps its processes privately).
         for process in list(pool._executor._processes.values()):
             process.kill()
-        (prepared,) = await asyncio.wait_for(task, 60)
-        assert (prepared.width, prepared.height) == (1024, 683)
+        for task in tasks:
+            (prepared,) = await asyncio.wait_for(task, 60)
+            assert (prepared.width, prepared.height) == (1024, 1024)
         assert pool.restarts == 1
+
+
+async def test_leaving_stops_a_process_busy_with_an_image_at_once() -> None:
+    pool = ImagePool()
+    task = asyncio.create_task(pool.prepare([noise_png((4000, 4000))], "acme"))
+    await asyncio.sleep(0.2)
+    (process,) = pool._executor._processes.values()
+    task.cancel()  # as the worker's drain abandons it
+    started = time.monotonic()
+    await pool.__aexit__(None, None, None)
+    assert time.monotonic() - started < 1.0
+    process.join(timeout=5)
+    assert not process.is_alive()
+
+
+async def test_a_request_stopped_while_it_waited_is_not_prepared() -> None:
+    async with ImagePool() as pool:
+        assert await pool.prepare([encoded(photo((8, 8)), "PNG")], "acme",
+                                  wanted=lambda: False) is None
+        assert not pool.started
+
+
+async def test_free_processes_go_to_the_tenants_waiting_in_turn() -> None:
+    turns = Turns(1)
+    order: list[str] = []
+
+    async def take(name: str, tenant: str) -> None:
+        async with turns.turn(tenant):
+            order.append(name)
+            await asyncio.sleep(0.01)
+
+    first = asyncio.create_task(take("a1", "a"))
+    await asyncio.sleep(0)  # a1 holds the only slot
+    waiting = [asyncio.create_task(take(name, name[0])) for name in ("a2", "a3", "a4", "b1")]
+    cancelled = asyncio.create_task(take("c1", "c"))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # leaves the line without taking a turn
+    await asyncio.gather(first, *waiting)
+    assert order == ["a1", "a2", "b1", "a3", "a4"]
+    async with asyncio.timeout(1):
+        async with turns.turn("d"):  # the slot came back
+            pass
 
 
 def test_the_dispatcher_charges_each_image_its_model_units() -> None:
@@ -245,7 +303,8 @@ async def test_large_image_requests_reach_the_worker_in_batches_within_the_broke
     # in a message of nats-server's default 1 MiB.
     noisy = encoded(Image.frombytes("RGB", (400, 375), os.urandom(400 * 375 * 3)), "PNG")
     assert 500_000 < len(noisy) < 700_000
-    async with LocalStack(load_config(), stack_options(), nats_url=nats_url):
+    async with LocalStack(load_config(), stack_options(), nats_url=nats_url) as stack:
+        batches = await client.subscribe(stack.config.subjects.work("chat", "chat-w1"))
         subs = [(await submit(client, "chat", "acme", {"prompt": "x", "images": [noisy],
                                                       "max_tokens": 2}))[1]
                 for _ in range(3)]
@@ -253,7 +312,13 @@ async def test_large_image_requests_reach_the_worker_in_batches_within_the_broke
         _, too_large = await submit(client, "chat", "acme", {
             "prompt": "x" * (client.max_payload - len(noisy) - 300), "images": [noisy]})
         finals = [(await collect(sub, 30))[-1] for sub in (*subs, too_large)]
+        sent = []
+        while batches.pending_msgs:
+            sent.append(await batches.next_msg(timeout=1))
     assert [final["type"] for final in finals[:3]] == ["done"] * 3, finals
+    # One request per message: no two fit in one.
+    assert sorted(len(msgspec.msgpack.decode(m.data)["items"]) for m in sent) == [1, 1, 1]
+    assert all(message_bytes(m.data, m.headers) <= client.max_payload for m in sent)
     assert finals[3]["code"] == "invalid_request", finals[3]
     assert "over the broker's largest message (max_payload 1048576)" in finals[3]["message"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import get_args
 
@@ -66,12 +66,15 @@ class Running:
     # Logprobs of the tokens whose text no token event carried yet (None: not asked for).
     pending_logprobs: list[TokenLogprob] | None = None
 
-async def engine_request(engine_id: str, item: BatchItem, *, embed: bool,
-                         images: ImagePool) -> EngineRequest:
+async def engine_request(engine_id: str, item: BatchItem, *, embed: bool, images: ImagePool,
+                         wanted: Callable[[], bool]) -> EngineRequest | None:
     """The engine's view of an item, its images prepared in `images`' processes (text
-    alone never waits for them); ValueError for a bad image."""
+    alone never waits for them); ValueError for a bad image; None if `wanted()` turned
+    false while its images waited for their turn."""
     body = item.request
-    prepared = await images.prepare(body.images) if body.images else []
+    prepared = await images.prepare(body.images, item.tenant, wanted) if body.images else []
+    if prepared is None:
+        return None
     # Engine priority is the dispatcher's decision, never the client's own `priority`,
     # which orders requests only inside the client's tenant.
     return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=body.prompt,

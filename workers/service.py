@@ -340,19 +340,28 @@ class WorkerService:
 
     async def _execute(self, running: Running) -> Ending:
         item = running.item
+        deadline = item.request.deadline
+
+        def wanted() -> bool:  # checked when its images' turn in the pool comes
+            return running.stop is None and (deadline is None or time.time() < deadline)
+
         try:
             if item.request.images and not self._engine.accepts_images:
                 raise ValueError("it has images, and this endpoint's model takes text only")
             request = await engine_request(running.key, item, embed=self._embed,
-                                           images=self.image_pool)
-            if item.request.input_tokens is None:
-                running.input_tokens = self._engine.count_tokens(request)
+                                           images=self.image_pool, wanted=wanted)
+            if request is not None and item.request.input_tokens is None:
+                # With images an engine may run the model's image processor to count.
+                count = self._engine.count_tokens
+                running.input_tokens = (await asyncio.to_thread(count, request)
+                                        if request.images else count(request))
                 running.footprint_mu = self._model_units(item, running.input_tokens,
                                                          item.max_tokens)
         except ValueError as exc:
             return Ending(ErrorCode.INVALID_REQUEST, str(exc))
-        deadline = item.request.deadline
-        if deadline is not None and time.time() >= deadline:
+        if running.stop is not None:  # cancelled while its images waited for the pool
+            return running.stop
+        if deadline is not None and time.time() >= deadline or request is None:
             return Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the start")
         timer = self._deadline_timer(running)
         try:
