@@ -12,7 +12,8 @@ gaps between the text requests' token events, during the burst's window.
 Parts: an embedded nats-server and `python -m dispatcher` as processes; the worker (the
 real WorkerService on the simulated engine at time scale 1, its image pool of
 `[workers.images]`) runs in this process beside a probe that sleeps 5 ms at a time and
-records how late it wakes (the event-loop lag). Each client runs in a process of its
+records how late it wakes (the event-loop lag); the same probe runs in a process that
+does nothing else, for the lag the machine adds by itself. Each client runs in a process of its
 own, so that neither's work counts as the worker's, and sending large bodies does not
 delay the reading of the text streams. The text tenant keeps `--streams` streaming
 requests in flight; the image tenant sends `--images` requests at once, each with a
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import json
 import os
@@ -113,6 +115,16 @@ async def text_client(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"gaps": gaps}))
 
 
+async def idle_probe(args: argparse.Namespace) -> None:
+    """The same probe in a process that does nothing else: the lag the machine itself
+    adds (two shared cores), the floor for the worker's."""
+    lags: list[tuple[float, float]] = []
+    probing = asyncio.create_task(probe(lags))
+    await asyncio.sleep(max(0.0, args.start_at + args.duration - time.time()))
+    probing.cancel()
+    Path(args.out).write_text(json.dumps({"lags": lags}))
+
+
 async def image_client(args: argparse.Namespace) -> None:
     images = [photo_jpeg(*args.image_size, seed) for seed in range(4)]
     async with Client.connect(args.nats) as client:
@@ -138,7 +150,13 @@ async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool
     params = load_engine_params(EXAMPLE_ENGINE)
     if not vision:
         params = msgspec.structs.replace(params, image_s=0.0)
+    cpus = sorted(os.sched_getaffinity(0))
+    # The worker's event loop alone on one core, its image pool and the rest on the
+    # others, as on a GPU host with cores to spare; --shared-cores: all together.
+    worker_cpus, other_cpus = (({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) > 1
+                               else (set(cpus),) * 2)
     async with contextlib.AsyncExitStack() as stack:
+        os.sched_setaffinity(0, other_cpus)  # inherited by nats-server and the dispatcher
         server = await stack.enter_async_context(EmbeddedNatsServer())
         dispatcher = Child("dispatcher", [sys.executable, "-m", "dispatcher", "--nats",
                                           server.url, "--config", str(EXAMPLE_CONFIG)],
@@ -161,15 +179,21 @@ async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool
             nc, engine, endpoint="chat", worker_id="chat-w1", subjects=config.subjects,
             results=results, profile=config.profiles["llama-7b-sim"],
             settings=config.workers))
+        # Started here, the fork server and its processes keep the other cores.
+        await worker.image_pool.prepare([photo_jpeg(64, 64, 0)], "warm-up")
+        os.sched_setaffinity(0, worker_cpus)  # this thread: the worker's event loop
         lags: list[tuple[float, float]] = []
         probing = asyncio.create_task(probe(lags))
         # Both clients start the clock together, once the images are made.
         start_at = time.time() + CLIENT_START_S
-        roles = ["text", "images"] if burst else ["text"]
+        roles = ["text", "probe", "images"] if burst else ["text", "probe"]
         outs = {role: out_dir / "logs" / f"{role}-{name}.json" for role in roles}
         processes = [await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.image_burst", "--role", role, "--nats", server.url,
-            "--out", str(outs[role]), "--start-at", repr(start_at), *args.passed, cwd=REPO)
+            "--out", str(outs[role]), "--start-at", repr(start_at), *args.passed, cwd=REPO,
+            # The idle probe shares the worker's core.
+            preexec_fn=functools.partial(os.sched_setaffinity, 0,
+                                         worker_cpus if role == "probe" else other_cpus))
             for role in roles]
         for role, process in zip(roles, processes, strict=True):
             if await process.wait() != 0:
@@ -184,6 +208,8 @@ async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool
     start, end = ((seen["burst"]["started"], seen["burst"]["ended"]) if burst else
                   (start_at + args.burst_at, start_at + args.burst_at + args.baseline_window))
     lag_ms = sorted(1000 * lag for at, lag in lags if start <= at <= end)
+    idle_ms = sorted(1000 * lag for at, lag in json.loads(outs["probe"].read_text())["lags"]
+                     if start <= at <= end)
     gap_ms = sorted(1000 * gap for at, gap in gaps if start <= at <= end)
     return {
         "run": name, "window_s": round(end - start, 2),
@@ -192,6 +218,7 @@ async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool
         "image_base64_bytes": seen["image_bytes"], "pool_restarts": restarts,
         "lag_samples": len(lag_ms), "lag_p50_ms": round(percentile(lag_ms, 50), 2),
         "lag_p99_ms": round(percentile(lag_ms, 99), 2), "lag_max_ms": round(lag_ms[-1], 2),
+        "idle_lag_p99_ms": round(percentile(idle_ms, 99), 2),
         "token_gaps": len(gap_ms), "gap_p50_ms": round(percentile(gap_ms, 50), 1),
         "gap_p99_ms": round(percentile(gap_ms, 99), 1), "gap_max_ms": round(gap_ms[-1], 1),
     }
@@ -213,8 +240,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--images", type=int, default=96, help="image requests in the burst")
     parser.add_argument("--image-size", type=size, default=(3000, 2000), metavar="WxH")
     parser.add_argument("--streams", type=int, default=8, help="text requests in flight")
+    parser.add_argument("--shared-cores", dest="pin", action="store_false",
+                        help="run every process on every core (default: the worker alone "
+                        "on the first core, the rest on the others)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--role", choices=("main", "text", "images"), default="main",
+    parser.add_argument("--role", choices=("main", "text", "probe", "images"), default="main",
                         help=argparse.SUPPRESS)
     parser.add_argument("--nats", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -234,16 +264,18 @@ async def main_role(args: argparse.Namespace) -> None:
     runs = [await one_run(args, name, burst, vision, args.out_dir) for name, burst, vision in (
         ("baseline", False, True), ("burst", True, False),
         ("burst, vision encoding in the engine", True, True))]
-    report = {"machine": machine_facts(command), "settings": args.passed, "runs": runs}
+    report = {"machine": machine_facts(command), "settings": args.passed,
+              "worker_alone_on_a_core": args.pin, "runs": runs}
     (args.out_dir / "image_burst.json").write_text(json.dumps(report, indent=2))
     columns = ["run", "window_s", "image_requests_done", "lag_p50_ms", "lag_p99_ms",
-               "lag_max_ms", "gap_p50_ms", "gap_p99_ms", "gap_max_ms", "pool_restarts"]
+               "lag_max_ms", "idle_lag_p99_ms", "gap_p50_ms", "gap_p99_ms", "gap_max_ms", "pool_restarts"]
     print("\n".join(table(columns, [[str(run[c]) for c in columns] for run in runs])))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    role = {"main": main_role, "text": text_client, "images": image_client}[args.role]
+    role = {"main": main_role, "text": text_client, "probe": idle_probe,
+            "images": image_client}[args.role]
     asyncio.run(role(args))
 
 
