@@ -145,20 +145,21 @@ def pillow_variants(max_pixels: int) -> tuple[str, Variants] | None:
 
     # gap 2: draft/reduce stop at >= 2x the target, leaving real work to Lanczos;
     # gap 1: draft/reduce straight to >= the target, faster and a little less clean.
+    label = f"{flavour} {PIL.__version__}"
     variants = {"naive": naive, "fast": shrink_first(2.0), "draft": shrink_first(1.0)}
     try:  # the worker's own path, where fairq is importable (not in a bare venv)
         from workers.images import ImageRefused, prepare_image
     except ImportError:
-        pass
-    else:
-        def fairq(data: bytes) -> Prepared:
-            try:
-                prepared = prepare_image(data, 0, max_pixels, LONG_EDGE)
-            except ImageRefused as refused:
-                raise TooLarge(str(refused)) from None
-            return prepared.rgb, prepared.width, prepared.height
-        variants["fairq"] = fairq
-    return f"{flavour} {PIL.__version__}", variants
+        return label, variants
+
+    def fairq(data: bytes) -> Prepared:
+        try:
+            prepared = prepare_image(data, 0, max_pixels, LONG_EDGE)
+        except ImageRefused as refused:
+            raise TooLarge(str(refused)) from None
+        return prepared.rgb, prepared.width, prepared.height
+
+    return label, {**variants, "fairq": fairq}
 
 
 def pyvips_variants(max_pixels: int) -> tuple[str, Variants] | None:

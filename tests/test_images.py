@@ -217,8 +217,8 @@ async def test_free_processes_go_to_the_tenants_waiting_in_turn() -> None:
     await asyncio.gather(first, *waiting)
     assert order == ["a1", "a2", "b1", "a3", "a4"]
     async with asyncio.timeout(1):
-        async with turns.turn("d"):  # the slot came back
-            pass
+        await take("d1", "d")  # the slot came back
+    assert order[-1] == "d1"
 
 
 def test_the_dispatcher_charges_each_image_its_model_units() -> None:
