@@ -268,7 +268,8 @@ async def main_role(args: argparse.Namespace) -> None:
               "worker_alone_on_a_core": args.pin, "runs": runs}
     (args.out_dir / "image_burst.json").write_text(json.dumps(report, indent=2))
     columns = ["run", "window_s", "image_requests_done", "lag_p50_ms", "lag_p99_ms",
-               "lag_max_ms", "idle_lag_p99_ms", "gap_p50_ms", "gap_p99_ms", "gap_max_ms", "pool_restarts"]
+               "lag_max_ms", "idle_lag_p99_ms", "gap_p50_ms", "gap_p99_ms", "gap_max_ms",
+               "pool_restarts"]
     print("\n".join(table(columns, [[str(run[c]) for c in columns] for run in runs])))
 
 
