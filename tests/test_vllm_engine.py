@@ -20,6 +20,7 @@ import pytest_asyncio
 
 from broker_config.wire import ChatMessage, Sampling
 from workers.engine import Delta, EngineError, EngineRequest
+from workers.images import PreparedImage
 
 if importlib.util.find_spec("vllm") is None:
     _WHY = "vllm is not installed here: run these tests with the python of .ci/vllm-env.sh"
@@ -267,7 +268,6 @@ async def test_messages_go_through_the_chat_template(
             EngineRequest(id="both", max_tokens=4, prompt="a", messages=[ChatMessage("user", "b")]),
             "both a prompt and messages",
         ),
-        (EngineRequest(id="img", max_tokens=4, prompt="a", images=[b"png"]), "text requests only"),
         (EngineRequest(id="long", max_tokens=4, prompt="x = 1\n" * 3000), "context length"),
     ],
 )
@@ -278,6 +278,16 @@ async def test_bad_requests_are_value_errors(
         engine.count_tokens(request_)
     with pytest.raises(ValueError, match=match):
         await collect(engine, request_)
+
+
+async def test_a_text_model_takes_no_images(engine: VLLMEngine) -> None:
+    """The worker refuses such requests before preparing their images
+    (tests/test_vllm_dataplane.py); the engine itself says so too, as vLLM words it."""
+    assert not engine.accepts_images
+    request = EngineRequest(id="img", max_tokens=4, prompt="a",
+                            images=[PreparedImage(1, 1, bytes(3))])
+    with pytest.raises(ValueError, match="request 'img'"):
+        await collect(engine, request)
 
 
 async def test_zero_max_tokens_is_a_value_error(engine: VLLMEngine) -> None:
