@@ -79,9 +79,9 @@ def _image_violation(index: int, image: str, max_pixels: int) -> str | None:
     lengths): unlike an image library's open, it inflates no PNG text chunk and
     allocates no canvas, so a hostile image costs no more than its own bytes."""
     try:
-        data = base64.b64decode(image, validate=True)
-    except ValueError as exc:  # binascii.Error, or a str that is not ASCII
-        return f"image {index} is not valid base64: {exc}"
+        data = decode_image(index, image)
+    except ValueError as exc:
+        return str(exc)
     if not _admitted_format(data):
         return f"image {index} is not a PNG, JPEG, GIF or WebP image"
     try:
@@ -90,6 +90,20 @@ def _image_violation(index: int, image: str, max_pixels: int) -> str | None:
         width = height = -1
     if width < 1 or height < 1:
         return f"image {index} is not a readable PNG, JPEG, GIF or WebP image: no size"
+    return over_pixels(index, width, height, max_pixels)
+
+
+def decode_image(index: int, image: str) -> bytes:
+    """An image's bytes from its base64 (`index` counts from 0); ValueError naming it.
+    The dispatcher checks images with it, and the worker decodes them with it."""
+    try:
+        return base64.b64decode(image, validate=True)
+    except ValueError as exc:  # binascii.Error, or a str that is not ASCII
+        raise ValueError(f"image {index} is not valid base64: {exc}") from None
+
+
+def over_pixels(index: int, width: int, height: int, max_pixels: int) -> str | None:
+    """What `max_image_pixels` says of image `index` of this size; None within it."""
     if width * height > max_pixels:
         return (f"max_image_pixels is {max_pixels}, image {index} has "
                 f"{width}x{height} = {width * height} pixels")

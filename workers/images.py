@@ -20,8 +20,6 @@ images kill a process twice ends for it.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import io
 import logging
@@ -36,6 +34,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from broker_config.config import ImageOptions
+from broker_config.limits import decode_image, over_pixels
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +65,7 @@ def prepare_images(images: list[str], max_pixels: int, max_edge: int) -> list[Pr
     Image.MAX_IMAGE_PIXELS = None
     prepared = []
     for index, image in enumerate(images):
-        try:
-            data = base64.b64decode(image, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ValueError(f"image {index} is not valid base64: {exc}") from None
+        data = decode_image(index, image)
         try:
             prepared.append(prepare_image(data, index, max_pixels, max_edge))
         except ImageRefused:
@@ -89,9 +85,9 @@ def prepare_image(data: bytes, index: int, max_pixels: int, max_edge: int) -> Pr
 
     with Image.open(io.BytesIO(data), formats=FORMATS) as image:  # reads the header only
         width, height = image.size
-        if width * height > max_pixels:
-            raise ImageRefused(f"max_image_pixels is {max_pixels}, image {index} has "
-                               f"{width}x{height} = {width * height} pixels")
+        refusal = over_pixels(index, width, height, max_pixels)
+        if refusal is not None:
+            raise ImageRefused(refusal)
         scale = max_edge / max(width, height)
         if scale < 1 and image.format == "JPEG":
             # Decoded at 1/2, 1/4 or 1/8 scale, still at least the size asked for: most
