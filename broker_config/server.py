@@ -34,6 +34,9 @@ _POLL_S = 0.02
 # stored results, and scans the stream for status and cancel, with batch direct gets
 # (`multi_last`; `batch` with `next_by_subj`; broker_config.direct_get), new in 2.11.
 MIN_NATS_SERVER = (2, 11, 0)
+# What nats-server logs after a reload (SIGHUP), and after refusing one.
+_RELOADED = "Reloaded server configuration"
+_RELOAD_FAILED = "Failed to reload server configuration"
 # Bound on the INFO line a nats-server greets a client with (its JSON is well under 4 KB).
 _MAX_INFO_BYTES = 64 * 1024
 
@@ -264,20 +267,25 @@ class EmbeddedNatsServer(_ServerProcess):
 
     `port=0` picks a free port (kept across `kill()`/`start()`); `store_dir=None` uses a
     temporary JetStream store removed by `stop()`; `config` is nats-server config text
-    (for example from `broker_config.auth.render_auth_config`); command-line options for
-    host, port, JetStream and store dir take precedence over it. Starting fails if the
-    server is older than MIN_NATS_SERVER; `version` is what it reported.
+    (for example from `broker_config.auth.render_auth_config`), `config_file` a config
+    file used where it is (`fairq auth`'s `auth.conf`), so that it can be re-rendered and
+    `reload()`ed; command-line options for host, port, JetStream and store dir take
+    precedence over either. Starting fails if the server is older than MIN_NATS_SERVER;
+    `version` is what it reported.
     """
 
     name = "nats"
 
     def __init__(self, *, port: int = 0, store_dir: str | Path | None = None,
-                 config: str | None = None, binary: str | Path | None = None,
-                 ready_timeout_s: float = 10.0) -> None:
+                 config: str | None = None, config_file: str | Path | None = None,
+                 binary: str | Path | None = None, ready_timeout_s: float = 10.0) -> None:
+        if config is not None and config_file is not None:
+            raise ValueError("give config text or a config file, not both")
         super().__init__(Path(binary) if binary else find_nats_server(), ready_timeout_s)
         self.port = port
         self.store_dir = Path(store_dir) if store_dir else self._own_temp_dir("store")
         self.config = config
+        self.config_file = Path(config_file).resolve() if config_file is not None else None
         self.version = ""
 
     @property
@@ -297,6 +305,8 @@ class EmbeddedNatsServer(_ServerProcess):
             config_path = self.run_dir / "nats.conf"
             config_path.write_text(self.config)
             args = ["-c", str(config_path), *args]
+        elif self.config_file is not None:
+            args = ["-c", str(self.config_file), *args]
         self._spawn(args)
 
         def ready() -> bool:
@@ -314,6 +324,33 @@ class EmbeddedNatsServer(_ServerProcess):
         except EmbeddedServerError:
             self._kill_now()
             raise
+
+    def reload(self, timeout_s: float = 10.0) -> None:
+        """Have the server re-read its config file (SIGHUP, as `nats-server --signal
+        reload` sends) and wait until it says it did; EmbeddedServerError if it refuses
+        the new config (it then keeps the old one) or does not answer in time."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            raise EmbeddedServerError("nats server is not running: nothing to reload")
+        done = self._log_count(_RELOADED)
+        failed = self._log_count(_RELOAD_FAILED)
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._log_count(_RELOAD_FAILED) > failed:
+                raise EmbeddedServerError(f"nats server refused the new config:\n"
+                                          f"{self.log_tail(5)}")
+            if self._log_count(_RELOADED) > done:
+                return
+            time.sleep(_POLL_S)
+        raise EmbeddedServerError(f"nats server did not reload within {timeout_s}s:\n"
+                                  f"{self.log_tail(5)}")
+
+    def _log_count(self, line: str) -> int:
+        try:
+            return self.log_path.read_text(errors="replace").count(line)
+        except OSError:
+            return 0
 
     @staticmethod
     def _read_port(ports_dir: Path) -> int | None:

@@ -1,7 +1,8 @@
 """Run a dispatcher: `python -m dispatcher --nats URL [--config C.toml] [--redis-url URL]`.
 
 Settings come from the config file (`[dispatcher]`, `[broker]`); the flags below override
-single fields of `[dispatcher]`. The dispatcher provisions the broker (idempotently) on
+single fields of `[dispatcher]`. Credentials: `broker_config.connection` (`--nkey` with
+`fairq auth`'s `fq-dispatcher.nk`, plus `--tenant-inboxes` on a broker with tenant users). The dispatcher provisions the broker (idempotently) on
 start. SIGTERM or SIGINT drains it (see `dispatcher.service`) and exits 0; a bad config
 or flag exits 2; a broker that cannot be reached exits 1.
 """
@@ -27,6 +28,11 @@ from broker_config.config import (
     DispatcherOptions,
     load_config,
 )
+from broker_config.connection import (
+    ConnectionOptionsError,
+    add_connection_args,
+    connect_options,
+)
 from broker_config.runtime import freeze_startup_heap
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.redis_limits import limiter_from_url
@@ -41,6 +47,7 @@ OVERRIDES = {
     "tenant_window": "tenant_window",
     "max_held_per_tenant": "max_ack_pending",
     "max_held_per_shard": "max_held_per_shard",
+    "tenant_inboxes": "tenant_inboxes",
 }
 
 
@@ -48,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dispatcher",
                                      description="Run a fairq dispatcher.")
     parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL")
+    add_connection_args(parser)
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
     parser.add_argument("--redis-url", help="Redis for rate limits (default: in-process)")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -73,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests of one shard of the requests stream held at all, "
                              "waiting or running (default: [dispatcher] max_held_per_shard, "
                              f"{defaults.max_held_per_shard})")
+    parser.add_argument("--tenant-inboxes", action="store_const", const=True,
+                        help="a request's Fq-Reply must lie in its tenant's own inbox, else it "
+                             "is refused invalid_request: for brokers with per-tenant users "
+                             "(`fairq auth`) (default: [dispatcher] tenant_inboxes, "
+                             f"{str(defaults.tenant_inboxes).lower()})")
     return parser
 
 
@@ -101,7 +114,7 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         nc = await nats.connect(args.nats, name="fairq-dispatcher", connect_timeout=5,
-                                max_reconnect_attempts=-1)
+                                max_reconnect_attempts=-1, **connect_options(args))
     except (OSError, nats.errors.NoServersError) as exc:
         print(f"fairq dispatcher: cannot reach NATS at {args.nats}: {exc}", file=sys.stderr)
         return 1
@@ -123,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = with_flags(load_config(args.config), args)
-    except ConfigError as exc:
+        connect_options(args)
+    except (ConfigError, ConnectionOptionsError) as exc:
         print(f"fairq dispatcher: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

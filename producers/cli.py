@@ -18,6 +18,7 @@ COMMANDS = {
     "top": "producers.commands",
     "calibrate": "workers.calibrate",
     "front-key": "producers.openai_front.keys",
+    "auth": "producers.auth_command",
 }
 
 

@@ -28,6 +28,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -40,6 +41,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
+from broker_config.connection import ConnectionOptionsError, credentials
 from broker_config.streams import is_backlog_full
 from broker_config.subjects import (
     HDR_CONTENT_TYPE,
@@ -257,11 +259,16 @@ class Client:
     @staticmethod
     def connect(url: str, *, prefix: str = "fq", tenant_inboxes: str | None = None,
                 user: str | None = None, password: str | None = None,
+                creds: str | Path | None = None, nkey: str | Path | None = None,
                 inbox_prefix: str | None = None,
                 connect_timeout_s: float = 5.0, allow_reconnect: bool = True,
                 publish_timeout_s: float = 5.0, api_timeout_s: float = 5.0) -> Connecting:
         """Open a connection; use as `async with Client.connect(url) as c` or `await`.
 
+        Credentials, one kind at most: `user` and `password`, `creds` (a .creds file) or
+        `nkey` (an nkey seed file, as `fairq auth` writes them); ConnectionFailed for
+        conflicting ones or an unreadable file. A tenant's own broker user also needs
+        `tenant_inboxes=<tenant>`.
         `allow_reconnect=False` fails at once when the server is unreachable (the CLI's
         choice); otherwise nats-py keeps retrying the server, also on the first connect.
         `inbox_prefix`: the connection's own (a front user's, `auth.front_inbox_prefix`);
@@ -269,6 +276,10 @@ class Client:
         """
         Subjects(prefix)  # a bad prefix fails here, before a connection is opened
         inbox = _tenant_inbox(tenant_inboxes) if tenant_inboxes is not None else inbox_prefix
+        try:
+            secrets = credentials(user=user, password=password, creds=creds, nkey=nkey)
+        except ConnectionOptionsError as exc:
+            raise ConnectionFailed(f"cannot connect to NATS at {url}: {exc}") from None
 
         async def open_client() -> Client:
             errors = _ErrorLog()
@@ -277,8 +288,7 @@ class Client:
                 # nats-py tries a server at least twice before giving up; make it quick.
                 options |= {"max_reconnect_attempts": 1, "reconnect_time_wait": 0}
             try:
-                nc = await nats.connect(url, user=user, password=password,
-                                        connect_timeout=connect_timeout_s,
+                nc = await nats.connect(url, **secrets, connect_timeout=connect_timeout_s,
                                         allow_reconnect=allow_reconnect, error_cb=errors.record,
                                         **options)
             except (TimeoutError, OSError, nats.errors.Error) as exc:

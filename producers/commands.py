@@ -19,6 +19,12 @@ from dataclasses import dataclass
 
 import msgspec
 
+from broker_config.connection import (
+    ConnectionOptionsError,
+    add_connection_args,
+    connect_options,
+    has_credentials,
+)
 from broker_config.subjects import TOKEN_PATTERN, is_token
 from broker_config.wire import (
     DepthEntry,
@@ -65,10 +71,7 @@ def _connection_options() -> argparse.ArgumentParser:
     group = parser.add_argument_group("connection")
     group.add_argument("--nats", metavar="URL", default=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
                        help="NATS server (default: $NATS_URL, else %(default)s)")
-    group.add_argument("--user", default=os.environ.get("NATS_USER"),
-                       help="NATS user (default: $NATS_USER)")
-    group.add_argument("--password", default=os.environ.get("NATS_PASSWORD"),
-                       help="NATS password (default: $NATS_PASSWORD)")
+    add_connection_args(group)
     group.add_argument("--prefix", type=_token, default="fq", help="subject prefix (default fq)")
     group.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S",
                        help="seconds to wait for the broker's or dispatcher's answer (default 5)")
@@ -79,7 +82,8 @@ def _tenant_options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--tenant", type=_token, required=True)
     parser.add_argument("--tenant-inbox", action="store_true",
-                        help="use the tenant's own inbox prefix (brokers with per-tenant users)")
+                        help="use the tenant's own inbox prefix (brokers with per-tenant "
+                             "users; implied by any credentials)")
     return parser
 
 
@@ -175,6 +179,11 @@ def _runner(name: str, main: Main, *,
     """
     def run(args: argparse.Namespace) -> int:
         try:
+            connect_options(args)  # conflicting or unreadable credentials: a usage error
+        except ConnectionOptionsError as exc:
+            print(f"fairq {name}: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        try:
             return asyncio.run(main(args))
         except FairqError as exc:
             print(f"fairq {name}: {exc}", file=sys.stderr)
@@ -189,13 +198,17 @@ def _runner(name: str, main: Main, *,
 def _connect(args: argparse.Namespace, *, tenant: str | None = None) -> Connecting:
     """The client for a command; fails at once when the server is unreachable."""
     return Client.connect(args.nats, prefix=args.prefix, user=args.user, password=args.password,
+                          creds=args.creds, nkey=args.nkey,
                           tenant_inboxes=tenant, allow_reconnect=False,
                           connect_timeout_s=args.timeout, publish_timeout_s=args.timeout,
                           api_timeout_s=args.timeout)
 
 
 def _tenant_inbox(args: argparse.Namespace) -> str | None:
-    return args.tenant if args.tenant_inbox else None
+    """The tenant, when replies must use its inbox: a tenant's own broker user may read
+    nothing else, and a dispatcher with `--tenant-inboxes` takes nothing else. Any
+    credentials imply it, since a full-access user may read a tenant's inbox too."""
+    return args.tenant if args.tenant_inbox or has_credentials(args) else None
 
 
 # -- submit --------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import math
 import signal
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,11 @@ from broker_config.config import (
     load_config,
 )
 from broker_config.config_errors import error_path
+from broker_config.connection import (
+    ConnectionOptionsError,
+    add_connection_args,
+    connect_options,
+)
 from broker_config.health import HealthServer
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.runtime import freeze_startup_heap
@@ -76,6 +81,7 @@ class Options:
     health_host: str = "127.0.0.1"
     slow_fault: float = 10.0  # the step-time factor SIGUSR2 switches on (sim engine)
     embed: bool = False  # the endpoint's kind is "embed"
+    credentials: dict[str, Any] = field(default_factory=dict)  # nats.connect's, if any
 
 
 def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
@@ -83,6 +89,7 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
         prog=prog, description="Run a fairq worker: batches in, events out.")
     parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL",
                         help=f"NATS server (default {DEFAULT_NATS_URL})")
+    add_connection_args(parser)
     parser.add_argument("--connect-wait", type=float, default=60.0, metavar="S",
                         help="how long to keep trying to reach NATS at start (default 60)")
     parser.add_argument("--endpoint", required=True, help="the endpoint this worker serves")
@@ -129,6 +136,10 @@ def parse_options(args: argparse.Namespace) -> Options:
         check_token(args.worker_id, "worker id")
     except SubjectError as exc:
         raise UsageError(str(exc)) from exc
+    try:
+        credentials = connect_options(args)
+    except ConnectionOptionsError as exc:
+        raise UsageError(str(exc)) from exc
     if not (0 < args.connect_wait < math.inf):
         raise UsageError(f"--connect-wait must be > 0, got {args.connect_wait}")
     prefix, profile, settings, embed = args.prefix, None, WorkerOptions(), args.kind == "embed"
@@ -157,7 +168,8 @@ def parse_options(args: argparse.Namespace) -> Options:
     if not 0 < slow_fault < math.inf:
         raise UsageError(f"--slow-fault must be a finite number > 0, got {args.slow_fault}")
     return Options(args.nats, args.connect_wait, args.endpoint, args.worker_id, subjects, profile,
-                   settings, engine, args.health_port, args.health_host, slow_fault, embed)
+                   settings, engine, args.health_port, args.health_host, slow_fault, embed,
+                   credentials)
 
 
 def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, WorkerOptions,
@@ -245,7 +257,8 @@ async def serving(options: Options, stop: asyncio.Event) -> AsyncIterator[tuple[
         async with asyncio.timeout(options.connect_wait_s):
             nc = await nats.connect(options.nats_url, name=f"fairq-worker-{options.endpoint}-"
                                     f"{options.worker_id}", connect_timeout=CONNECT_TIMEOUT_S,
-                                    error_cb=on_error, closed_cb=on_closed)
+                                    error_cb=on_error, closed_cb=on_closed,
+                                    **options.credentials)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         raise WorkerFailure(f"cannot connect to NATS at {options.nats_url} within "
                             f"{options.connect_wait_s:g}s: {exc!r}") from exc
