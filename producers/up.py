@@ -26,6 +26,12 @@ The OpenAI-compatible front (`producers.openai_front`) serves in this process on
 workers are up, with a development API key for `--front-tenant` printed as
 OPENAI_API_KEY beside OPENAI_BASE_URL.
 
+Auth (`--auth`, docs/security.md): the broker's nkey users are rendered into
+`<log dir>/auth` (as `fairq auth` does; kept, so a later run with the same `--log-dir`
+keeps the credentials), nats-server runs with them, the dispatcher (with tenant inboxes),
+the workers and the front connect as their own users, and AUTH_DIR is printed: a tenant
+connects with `<AUTH_DIR>/<tenant>.nk`.
+
 Stop order: the front first (no new requests; open ones get its drain time), then the
 workers (SIGTERM, all at once: each finishes its running requests
 within `[workers] drain_timeout_s`, and the still-running dispatcher acks them; SIGKILL
@@ -51,6 +57,17 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from broker_config.auth import (
+    DISPATCHER_USER,
+    FRONT_USER,
+    OPERATOR_USER,
+    WORKER_USER,
+    RenderedAuth,
+    front_inbox_prefix,
+    registered_tenants,
+    render_auth_dir,
+    with_tenant_inboxes,
+)
 from broker_config.config import (
     EXAMPLE_CONFIG,
     EXAMPLE_ENGINE,
@@ -111,6 +128,7 @@ class WorkerLauncher:
     time_scale: float
     log_dir: Path
     stop_timeout_s: float
+    credentials: tuple[str, ...] = ()  # e.g. ("--nkey", seed file)
 
     def child(self, endpoint: str, n: int) -> Child:
         """Worker `<endpoint>-w<n>` (n from 1); engine seed n - 1, as in the test stack."""
@@ -119,7 +137,7 @@ class WorkerLauncher:
                 "--endpoint", endpoint, "--worker-id", worker_id,
                 "--config", str(self.config_path), "--engine", "sim",
                 "--engine-config", str(EXAMPLE_ENGINE), "--time-scale", repr(self.time_scale),
-                "--seed", str(n - 1)]
+                "--seed", str(n - 1), *self.credentials]
         return Child(worker_id, argv, self.log_dir / f"{worker_id}.log", cwd=PACKAGE_ROOT,
                      stop_timeout_s=self.stop_timeout_s, restart=WORKER_RESTART)
 
@@ -159,6 +177,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"the tenant of the development API key made at start and "
                              f"printed as OPENAI_API_KEY (default {DEV_TENANT}, else the "
                              "config's first tenant)")
+    parser.add_argument("--auth", action="store_true",
+                        help="run with broker users: one nkey user per tenant and per part, "
+                             "rendered into LOG_DIR/auth (printed as AUTH_DIR), and the "
+                             "dispatcher's tenant inbox check (docs/security.md)")
     parser.add_argument("--log-dir", type=Path,
                         help="workers' output, one <worker id>.log each (default: a new "
                              "temporary directory, printed as LOG_DIR and kept)")
@@ -206,8 +228,16 @@ def run_up(args: argparse.Namespace) -> int:
         config, dev_key = with_dev_key(config, tenant)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    log_dir = _log_dir(args.log_dir)
+    auth = None
+    if args.auth:
+        config = with_tenant_inboxes(config)
+        try:
+            auth = render_auth_dir(log_dir / "auth", config.subjects, registered_tenants(config))
+        except (ValueError, OSError) as exc:
+            return _fail(f"--auth: {exc}", 2)
     try:
-        return asyncio.run(_up(args, config, dev_key))
+        return asyncio.run(_up(args, config, dev_key, log_dir, auth))
     except (EmbeddedServerError, SupervisorError, StartError) as exc:
         return _fail(str(exc), 1)
 
@@ -229,12 +259,17 @@ def _log_dir(path: Path | None) -> Path:
     return path
 
 
-async def _up(args: argparse.Namespace, config: Config, dev_key: str) -> int:
+def _seed(auth: RenderedAuth | None, user: str) -> dict[str, str]:
+    """nats.connect's credentials for `user` (none without --auth)."""
+    return {} if auth is None else {"nkeys_seed": str(auth.seeds[user])}
+
+
+async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: Path,
+              auth: RenderedAuth | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log_dir = _log_dir(args.log_dir)
     # Left in reverse: workers, dispatcher, limiter, connection, server, metrics.
     async with contextlib.AsyncExitStack() as stack:
         metrics = DispatcherMetrics(list(config.endpoints))
@@ -243,8 +278,9 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str) -> int:
         except OSError:  # the default port is taken: any free one, printed below
             metrics_port = metrics.serve(0)
         stack.callback(metrics.close)
-        server = await stack.enter_async_context(EmbeddedNatsServer(port=args.port))
-        nc = await nats.connect(server.url, name="fairq-up")
+        server = await stack.enter_async_context(EmbeddedNatsServer(
+            port=args.port, config_file=auth.config if auth else None))
+        nc = await nats.connect(server.url, name="fairq-up", **_seed(auth, DISPATCHER_USER))
         stack.push_async_callback(nc.drain)
         limiter = limiter_from_url(args.redis_url)
         stack.push_async_callback(limiter.aclose)
@@ -253,7 +289,8 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str) -> int:
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
         launcher = WorkerLauncher(
             server.url, args.config.resolve(), args.time_scale, log_dir,
-            stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S)
+            stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S,
+            credentials=("--nkey", str(auth.seeds[WORKER_USER])) if auth else ())
         for endpoint, spec in config.endpoints.items():
             count = (spec.autoscale.min_replicas if args.autoscale
                      else args.workers.get(endpoint, args.workers.get("", 1)))
@@ -264,13 +301,21 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str) -> int:
                 ScaleFollower(nc, config, supervisor, launcher.child, _say))
         await _until_serving(nc, config, supervisor, stop, log_dir)
         if not stop.is_set():
-            front = await _serve_front(stack, server.url, config, args.front_port)
+            front = await _serve_front(stack, server.url, config, args.front_port, auth)
             print(f"NATS_URL={server.url}", flush=True)
             print(f"METRICS_URL=http://127.0.0.1:{metrics_port}/metrics", flush=True)
             print(f"DASHBOARD_URL=http://127.0.0.1:{metrics_port}/dashboard", flush=True)
             print(f"OPENAI_BASE_URL={front.base_url}", flush=True)
             print(f"OPENAI_API_KEY={dev_key}", flush=True)
             print(f"LOG_DIR={log_dir}", flush=True)
+            if auth is not None:
+                print(f"AUTH_DIR={auth.directory}", flush=True)
+                tenants = registered_tenants(config)
+                example = DEV_TENANT if DEV_TENANT in tenants else tenants[0]
+                _say(f"broker users on: tenants {', '.join(tenants)} connect with their "
+                     f"AUTH_DIR/<tenant>.nk, e.g. `fairq submit --nats {server.url} --nkey "
+                     f"{auth.seeds[example]} --tenant {example} ...`; operators with "
+                     f"{auth.seeds[OPERATOR_USER]}")
             print(f"fairq is up: {len(supervisor.children)} simulated workers on "
                   f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
             replacing = asyncio.create_task(_replace_unhealthy(dispatcher.pool, supervisor))
@@ -284,11 +329,13 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str) -> int:
 
 
 async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: Config,
-                       port: int | None) -> FrontServer:
-    """The OpenAI-compatible front, on its own connection; left before the workers stop,
-    so that no new request arrives while they drain."""
-    client = await stack.enter_async_context(
-        await Client.connect(nats_url, prefix=config.broker.prefix))
+                       port: int | None, auth: RenderedAuth | None) -> FrontServer:
+    """The OpenAI-compatible front, on its own connection (as its own user with --auth);
+    left before the workers stop, so that no new request arrives while they drain."""
+    seed = None if auth is None else auth.seeds[FRONT_USER]
+    client = await stack.enter_async_context(await Client.connect(
+        nats_url, prefix=config.broker.prefix, nkey=seed,
+        inbox_prefix=front_inbox_prefix(FRONT_USER) if seed else None))
     front = Front(client, config, KeyRing(config.front.keys))
     try:
         return await stack.enter_async_context(FrontServer(front, config.front, port))
