@@ -45,8 +45,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Per tenant and endpoint. Absent fields inherit; absent everywhere means unlimited.
 
     Token counts for `tpm` and `monthly_quota_tokens` are input tokens plus the
-    request's max_tokens at admission; the quota is refunded what the request did
-    not use when it completes.
+    request's max_tokens at admission (input counted by the endpoint's tokenizer when it
+    has one, else as declared); on completion both are settled at the engine's real
+    usage: what the request did not use is given back, what it used beyond the charge
+    (an under-declared input) is charged on top, even past the limit.
     """
 
     rpm: Positive | None = None
@@ -84,6 +86,9 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # A profile TOML as `fairq calibrate --out` writes it, relative to the config file;
     # instead of `profile` (dispatcher and workers read the same file).
     profile_file: str | None = None
+    # A Hugging Face `tokenizer.json` (relative to the config file): the dispatcher counts
+    # each request's input tokens with it instead of trusting the declared count.
+    tokenizer: str | None = None
     cost: CostMode = "request"
     quantum: Positive = 1.0
     latency_target_s: Positive = 30.0
@@ -110,12 +115,17 @@ class Tier(msgspec.Struct, forbid_unknown_fields=True):
     weight: Positive = 1.0
     limits: Limits = msgspec.field(default_factory=Limits)
     endpoint_limits: dict[Name, Limits] = msgspec.field(default_factory=dict)
+    # Input plus output tokens a tenant may use per calendar month (UTC) on all endpoints
+    # together, besides any per-endpoint `monthly_quota_tokens`.
+    monthly_quota_tokens: PositiveInt | None = None
 
 
 class Tenant(msgspec.Struct, forbid_unknown_fields=True):
     tier: Name
     weight: Positive | None = None
     limits: dict[Name, Limits] = msgspec.field(default_factory=dict)
+    # Across endpoints; overrides its tier's.
+    monthly_quota_tokens: PositiveInt | None = None
 
 
 class UnlistedTenants(msgspec.Struct, forbid_unknown_fields=True):
@@ -309,6 +319,7 @@ class TenantPolicy:
     tier_rank: int  # 0 is the highest tier
     weight: float
     limits: dict[str, Limits]  # per endpoint, fully merged
+    monthly_quota_tokens: int | None = None  # across endpoints
 
     def limits_for(self, endpoint: str) -> Limits:
         return self.limits[endpoint]
@@ -321,7 +332,8 @@ class Registry:
         self.config = config
         self.tier_rank = {tier.name: rank for rank, tier in enumerate(config.tiers)}
         self._tiers = {tier.name: tier for tier in config.tiers}
-        self._policies = {name: self._resolve(name, t.tier, t.weight, t.limits)
+        self._policies = {name: self._resolve(name, t.tier, t.weight, t.limits,
+                                              t.monthly_quota_tokens)
                           for name, t in config.tenants.items()}
         unlisted = config.unlisted_tenants
         # Unlisted tenants differ only by name: resolved once, not kept per name (there
@@ -341,7 +353,7 @@ class Registry:
         return replace(self._unlisted, name=name)
 
     def _resolve(self, name: str, tier_name: str, weight: float | None,
-                 own: dict[str, Limits]) -> TenantPolicy:
+                 own: dict[str, Limits], quota: int | None = None) -> TenantPolicy:
         tier = self._tiers[tier_name]
         limits = {}
         for endpoint in self.config.endpoints:
@@ -352,7 +364,8 @@ class Registry:
                 merged = own[endpoint].merged_over(merged)
             limits[endpoint] = merged
         return TenantPolicy(name, tier_name, self.tier_rank[tier_name],
-                            weight if weight is not None else tier.weight, limits)
+                            weight if weight is not None else tier.weight, limits,
+                            quota if quota is not None else tier.monthly_quota_tokens)
 
 
 def load_config(path: str | Path = EXAMPLE_CONFIG) -> Config:
@@ -378,6 +391,7 @@ def parse_config(raw: bytes | str, source: str = "<config>",
     except ValueError as exc:  # raised by __post_init__ checks, e.g. in ModelProfile
         raise ConfigError(f"{source}: {exc}") from exc
     config = _with_profile_files(config, source, base_dir or Path.cwd())
+    config = _with_tokenizer_paths(config, source, base_dir or Path.cwd())
     _check_references(config, source)
     return config
 
@@ -405,6 +419,21 @@ def _with_profile_files(config: Config, source: str, base_dir: Path) -> Config:
         endpoints[name] = msgspec.structs.replace(spec, profile=profile.name,
                                                   profile_file=None)
     return msgspec.structs.replace(config, profiles=profiles, endpoints=endpoints)
+
+
+def _with_tokenizer_paths(config: Config, source: str, base_dir: Path) -> Config:
+    """Each endpoint's `tokenizer` as an absolute path to a file that exists (it is loaded
+    when the dispatcher starts; a typo is found here, with the field named)."""
+    endpoints = dict(config.endpoints)
+    for name, spec in config.endpoints.items():
+        if spec.tokenizer is None:
+            continue
+        path = (base_dir / spec.tokenizer).resolve()
+        if not path.is_file():
+            raise ConfigError(f"{source}: field `endpoints.{name}.tokenizer`: no such file "
+                              f"{str(path)!r} (value: {spec.tokenizer!r})")
+        endpoints[name] = msgspec.structs.replace(spec, tokenizer=str(path))
+    return msgspec.structs.replace(config, endpoints=endpoints)
 
 
 def _check_references(config: Config, source: str) -> None:

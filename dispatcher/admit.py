@@ -31,7 +31,7 @@ from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectGetError
 from broker_config.limits import over_limits
 from broker_config.subjects import Subjects
-from dispatcher.convert import to_error_event, to_request, too_large_to_dispatch
+from dispatcher.convert import prompt_text, to_error_event, to_request, too_large_to_dispatch
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Decision, Outcome, Request
 from dispatcher.core.workers import Key, WorkerPool
@@ -40,6 +40,7 @@ from dispatcher.metrics import DispatcherMetrics
 from dispatcher.park import stored_at
 from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
 from dispatcher.results import BROKER_ERRORS, Results
+from dispatcher.tokens import InputCounter
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -85,6 +86,7 @@ class Admission:
         self.results = results
         self.metrics = metrics
         self.backlog = backlog
+        self.input_counter = InputCounter(config.endpoints)
         # (endpoint, tenant) -> its decisions since start, for the depth API. Only tenants
         # the registry knows; an unlisted one's are forgotten (`forget_counts`).
         self.counts: dict[tuple[str, str], Decisions] = {}
@@ -176,7 +178,9 @@ class Admission:
         spec = self.config.endpoints.get(sub.endpoint)
         request = (to_request(sub, held.received_at, 1, held) if spec is None else
                    to_request(sub, held.received_at, spec.max_tokens_cap, held,
-                              spec.affinity_block_tokens))
+                              spec.affinity_block_tokens,
+                              await self.input_counter.count(sub.endpoint,
+                                                             prompt_text(sub.request))))
         result = self.scheduler.check(
             request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
         if isinstance(result, list):

@@ -5,7 +5,7 @@
 -- Numbers cross the boundary as strings (%.17g, which round-trips a double), because
 -- Redis turns a Lua number in a reply into an integer, and one in a command into 14 digits.
 --
--- ARGV[1] = "apply" | "refund"
+-- ARGV[1] = "apply" | "settle"
 --
 -- apply: ARGV[2] now, ARGV[3] clock epsilon, ARGV[4] expiry grace (seconds), then four
 --   values per check, in the order of KEYS:
@@ -16,8 +16,12 @@
 --   reply is {0}. A key lives until its state stops mattering (tat, or the quota
 --   period's end, has passed) plus the grace, measured from `now`.
 --
--- refund: KEYS[1] a quota hash, ARGV[2] cost. Gives back up to `cost` units; a counter
---   that is gone (idle or expired) has nothing to give back.
+-- settle: ARGV[2] now, ARGV[3] expiry grace, then five values per key, in the order of
+--   KEYS: "charge" | "refund", then the four of a check as for apply. A charge is taken
+--   whatever the limit (the tokens are spent): a tat moves on from max(tat, now), a
+--   quota counter grows. A refund gives back up to `cost`: a tat moves back, never below
+--   now (a full bucket); a quota counter shrinks, never below 0, and one that is gone
+--   (idle or expired) has nothing to give back. Reply {0}.
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -96,19 +100,53 @@ local function apply()
   return {0}
 end
 
-local function refund()
-  local key, cost = KEYS[1], tonumber(ARGV[2])
-  local used = tonumber(redis.call('HGET', KEYS[1], 'used'))
-  if used ~= nil then
+local function settle_rate(key, now, grace, charge, per_minute, cost)
+  local interval = 60.0 / per_minute
+  local tat = tonumber(redis.call('GET', key)) or now
+  if charge then
+    tat = math.max(tat, now) + cost * interval
+  else
+    tat = math.max(tat - cost * interval, now)
+  end
+  redis.call('SET', key, fmt(tat))
+  keep(key, ttl_ms(tat, now, grace))
+end
+
+local function settle_quota(key, now, grace, charge, cost, expires_at)
+  local stored = redis.call('HMGET', key, 'used', 'exp')
+  local used, exp = tonumber(stored[1]), tonumber(stored[2])
+  if charge then
+    if used == nil or exp == nil or not (now < exp) then
+      used = 0.0
+    end
+    redis.call('HSET', key, 'used', fmt(used + cost), 'exp', fmt(expires_at))
+    keep(key, ttl_ms(expires_at, now, grace))
+  elseif used ~= nil then
     -- HSET keeps the key's expiry.
     redis.call('HSET', key, 'used', fmt(math.max(0.0, used - cost)))
+  end
+end
+
+local function settle()
+  local now, grace = tonumber(ARGV[2]), tonumber(ARGV[3])
+  for i, key in ipairs(KEYS) do
+    local at = 3 + (i - 1) * 5
+    local charge, kind = ARGV[at + 1] == 'charge', ARGV[at + 2]
+    local a, b, c = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]), tonumber(ARGV[at + 5])
+    if kind == 'rate' then
+      settle_rate(key, now, grace, charge, a, c)
+    elseif kind == 'quota' then
+      settle_quota(key, now, grace, charge, b, c)
+    else
+      return redis.error_reply('fairq limits: unknown check kind ' .. tostring(kind))
+    end
   end
   return {0}
 end
 
 if ARGV[1] == 'apply' then
   return apply()
-elseif ARGV[1] == 'refund' then
-  return refund()
+elseif ARGV[1] == 'settle' then
+  return settle()
 end
 return redis.error_reply('fairq limits: unknown operation ' .. tostring(ARGV[1]))

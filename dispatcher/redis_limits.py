@@ -6,11 +6,11 @@ dispatchers sharing the Redis. The caller passes the time; Redis's clock is neve
 so decisions equal `MemoryLimiterStore`'s exactly (tests/test_limiter_contract.py).
 
 Failure policy: a Redis that cannot be reached, times out (DEFAULT_TIMEOUT_S) or answers
-with an error makes `apply` and `refund` raise `LimiterUnavailable`; neither ever admits
+with an error makes `apply` and `settle` raise `LimiterUnavailable`; neither ever admits
 or denies in Redis's place. The dispatcher should reject such a request with the wire
 error `internal` (the client retries; the next request reconnects), and log and count
-the failure. A failed `refund` only loses the refund (the tenant stays charged its
-request's full token cap), so it is logged, not retried.
+the failure. A failed `settle` only loses that correction (the tenant stays charged
+what admission charged), so it is logged, not retried.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dispatcher.core.admission import (
     MemoryLimiterStore,
     QuotaCheck,
     RateCheck,
+    Settlement,
     rejection,
 )
 from dispatcher.core.types import ADMITTED, Decision
@@ -58,8 +59,8 @@ class AsyncLimiterStore(Protocol):
         """All checks pass and are charged, or the first failing check's rejection."""
         ...
 
-    async def refund(self, check: QuotaCheck) -> None:
-        """Give back `check.cost` units of a quota (what a request did not use)."""
+    async def settle(self, settlement: Settlement, now: float) -> None:
+        """Charge `settlement.charge` whatever the limits, give back `settlement.refund`."""
         ...
 
     async def aclose(self) -> None: ...
@@ -75,9 +76,9 @@ class MemoryLimiterAsync:
         validate_checks(checks, now)
         return self._store.apply(list(checks), now)
 
-    async def refund(self, check: QuotaCheck) -> None:
-        validate_refund(check)
-        self._store.refund(check)
+    async def settle(self, settlement: Settlement, now: float) -> None:
+        validate_checks((*settlement.charge, *settlement.refund), now)
+        self._store.settle(settlement, now)
 
     async def aclose(self) -> None:
         """Nothing to release; present for the common interface."""
@@ -124,9 +125,16 @@ class RedisLimiterStore:
             return ADMITTED
         return rejection(checks[failed - 1], float(reply[1]))
 
-    async def refund(self, check: QuotaCheck) -> None:
-        validate_refund(check)
-        await self._run([self._key(check)], ["refund", _num(check.cost)])
+    async def settle(self, settlement: Settlement, now: float) -> None:
+        steps = [("charge", check) for check in settlement.charge] + [
+            ("refund", check) for check in settlement.refund]
+        validate_checks([check for _, check in steps], now)
+        if not steps:
+            return
+        args = ["settle", _num(now), _num(self._grace)]
+        for direction, check in steps:
+            args += [direction, *_check_args(check)]
+        await self._run([self._key(check) for _, check in steps], args)
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -159,11 +167,6 @@ def validate_checks(checks: Sequence[Check], now: float) -> None:
              f"now must be a finite number, got {now!r}")
     for check in checks:
         _validate_check(check)
-
-
-def validate_refund(check: QuotaCheck) -> None:
-    _require(isinstance(check, QuotaCheck), f"only a QuotaCheck can be refunded, got {check!r}")
-    _validate_check(check)
 
 
 def _validate_check(check: Check) -> None:

@@ -3,7 +3,7 @@
 - A heartbeat updates the worker in the pool; whatever the pool decides the worker no
   longer has (it restarted, drained away, or a batch never reached it) is *taken back*.
 - A completion releases the request from its worker, settles it in the scheduler (the
-  tenant's DRR charge corrected with the real usage, unused quota refunded) and acks its
+  tenant's DRR charge and token limits settled at the real usage) and acks its
   JetStream message, or naks it when the worker could not store the final event.
 - `take_back_silent` (from the maintenance tick): workers silent for the pool's timeout
   leave rotation, and their work is taken back.
@@ -152,7 +152,7 @@ class WorkerReports:
                                           request.other_units))
         completed = self.scheduler.complete(request.tenant, request.id, usage, now)
         if completed is not None:
-            await self._refund(completed)
+            await self._settle(completed)
         return self.held.admitted.pop((request.tenant, request.id), None)
 
     async def _fail_all(self, streamed: list[Held]) -> None:
@@ -223,7 +223,7 @@ class WorkerReports:
                 await held.msg.nak()  # the final event is not stored: run it again
         if completed is None:
             return
-        await self._refund(completed)
+        await self._settle(completed)
         if done.code is None and done.first_token_at is not None:
             self._observe(completed.request.endpoint, completed.request.arrival, done)
 
@@ -235,12 +235,12 @@ class WorkerReports:
         await self.admission.results.abort(done.endpoint, (done.tenant, done.id),
                                            wire.ErrorCode.INTERNAL)
 
-    async def _refund(self, completed: Completed) -> None:
-        if completed.refund is not None:
+    async def _settle(self, completed: Completed) -> None:
+        if completed.settlement:
             try:
-                await self.limiter.refund(completed.refund)
+                await self.limiter.settle(completed.settlement, time.time())
             except LimiterUnavailable as exc:
-                log.warning("quota refund lost: %s", exc)
+                log.warning("token limits not settled at real usage: %s", exc)
 
     def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
         self.metrics.child(self.metrics.input_tokens, endpoint).inc(done.usage.input_tokens)

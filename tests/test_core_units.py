@@ -191,8 +191,51 @@ def test_quota_is_charged_with_max_tokens_and_refunded_with_real_usage():
     first = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
     # Profile p: alpha 1, beta 2, so 10 input and 5 output tokens are 20 model units.
     completed = scheduler.complete("a", first.id, Usage(10, 5, 20.0), 1.0)
-    store.refund(completed.refund)  # 35 unused tokens come back
+    store.settle(completed.settlement, 1.0)  # 35 unused tokens come back
     assert scheduler.admit(req("a", 3, input_tokens=10, max_tokens=25), 1.0, store).admitted
+
+
+def test_usage_beyond_the_charge_is_charged_on_completion_even_past_the_quota():
+    """An under-declared input pays for the truth when its request finishes."""
+    scheduler = Scheduler(make_config(limits="monthly_quota_tokens = 100"))
+    store = MemoryLimiterStore()
+    assert scheduler.admit(req("a", 1, input_tokens=1, max_tokens=10), 0.0, store).admitted
+    first = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
+    # Charged 11 at admission; it really read 120 tokens and wrote 10.
+    completed = scheduler.complete("a", first.id, Usage(120, 10, 140.0), 1.0)
+    assert [check.cost for check in completed.settlement.charge] == [119.0]
+    store.settle(completed.settlement, 1.0)
+    refused = scheduler.admit(req("a", 2, input_tokens=1, max_tokens=1), 1.0, store)
+    assert refused.outcome is Outcome.QUOTA_EXCEEDED
+
+
+def test_a_tenant_quota_across_endpoints_holds_on_every_endpoint():
+    scheduler = Scheduler(parse_config("""
+        [endpoints.ep]
+        [endpoints.ep2]
+        [[tiers]]
+        name = "gold"
+        monthly_quota_tokens = 1000
+        [tenants.a]
+        tier = "gold"
+        monthly_quota_tokens = 100
+        [tenants.b]
+        tier = "gold"
+    """, source="test.toml"))
+    store = MemoryLimiterStore()
+    assert scheduler.admit(req("a", 1, input_tokens=10, max_tokens=50), 0.0, store).admitted
+    assert scheduler.admit(req("a", 2, input_tokens=10, max_tokens=30, endpoint="ep2"),
+                           0.0, store).admitted
+    refused = scheduler.admit(req("a", 3, input_tokens=10, max_tokens=10, endpoint="ep2"),
+                              0.0, store)
+    assert refused.outcome is Outcome.QUOTA_EXCEEDED
+    assert "100 tokens" in refused.message
+    # b has its tier's 1,000 across endpoints.
+    assert scheduler.admit(req("b", 1, input_tokens=400, max_tokens=400), 0.0, store).admitted
+    assert scheduler.admit(req("b", 2, input_tokens=100, max_tokens=100, endpoint="ep2"),
+                           0.0, store).admitted
+    assert scheduler.admit(req("b", 3, input_tokens=1, max_tokens=1, endpoint="ep2"),
+                           0.0, store).outcome is Outcome.QUOTA_EXCEEDED
 
 
 def test_month_boundaries_are_utc_calendar_months():

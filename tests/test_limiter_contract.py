@@ -13,18 +13,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats
 import pytest
 import redis.asyncio as aioredis
+
+from broker_config.config import BrokerSettings
 
 from broker_config.server import EmbeddedRedisServer
 from dispatcher.core.admission import (
     Check,
     QuotaCheck,
     RateCheck,
+    Settlement,
     month_end,
     quota_check,
 )
 from dispatcher.core.types import ADMITTED, Decision, Outcome
+from dispatcher.kv_limits import KvLimiterStore
 from dispatcher.redis_limits import (
     DEFAULT_PREFIX,
     AsyncLimiterStore,
@@ -38,15 +43,23 @@ from dispatcher.redis_limits import (
 WALL_T0 = 1_700_000_000.0
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration),
+                        pytest.param("nats-kv", marks=pytest.mark.integration)])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[AsyncLimiterStore]:
     limiter: AsyncLimiterStore
+    nc = None
     if request.param == "memory":
         limiter = MemoryLimiterAsync()
-    else:
+    elif request.param == "redis":
         limiter = RedisLimiterStore.from_url(request.getfixturevalue("redis_url"))
+    else:
+        nc = await nats.connect(request.getfixturevalue("nats_url"))
+        # Written behind often, so the contract also runs across writes.
+        limiter = await KvLimiterStore.open(nc, BrokerSettings(), flush_s=0.01)
     yield limiter
     await limiter.aclose()
+    if nc is not None:
+        await nc.close()
 
 
 def rejected(outcome: Outcome, message: str, retry_after_s: float) -> Decision:
@@ -156,19 +169,52 @@ async def test_refund_gives_quota_back_but_never_below_zero(store: AsyncLimiterS
 
     assert await store.apply([spend(80)], 0.0) == ADMITTED
     assert (await store.apply([spend(30)], 0.0)).outcome is Outcome.QUOTA_EXCEEDED
-    await store.refund(spend(50))  # used: 30
+    await store.settle(Settlement(refund=(spend(50),)), 0.0)  # used: 30
     assert await store.apply([spend(30)], 1.0) == ADMITTED  # used: 60
     assert (await store.apply([spend(41)], 1.0)).outcome is Outcome.QUOTA_EXCEEDED
     assert await store.apply([spend(40)], 1.0) == ADMITTED  # used: exactly the limit
 
-    await store.refund(spend(1e6))  # more than was used: back to zero, not below
+    await store.settle(Settlement(refund=(spend(1e6),)), 1.0)  # back to zero, not below
     assert await store.apply([spend(100)], 2.0) == ADMITTED
     assert (await store.apply([spend(1)], 2.0)).outcome is Outcome.QUOTA_EXCEEDED
 
-    await store.refund(spend(50, key="quota:chat:other:x"))  # nothing used: no credit
+    await store.settle(Settlement(refund=(spend(50, key="quota:chat:other:x"),)), 2.0)  # no credit
     assert await store.apply([spend(100, key="quota:chat:other:x")], 2.0) == ADMITTED
     assert (await store.apply([spend(1, key="quota:chat:other:x")], 2.0)).outcome is \
         Outcome.QUOTA_EXCEEDED
+
+
+async def test_a_charge_is_taken_past_the_limit_and_delays_what_follows(
+        store: AsyncLimiterStore) -> None:
+    """Usage beyond what admission charged (an under-declared input) is charged on
+    completion whatever the limit: the tenant then waits until it is paid back."""
+    tpm = RateCheck("tpm:chat:acme", per_minute=600, burst=100, cost=10)
+    quota = QuotaCheck("quota:chat:acme:x", limit=100, cost=10, expires_at=1000.0)
+    assert await store.apply([tpm, quota], 0.0) == ADMITTED
+    await store.settle(Settlement(charge=(
+        RateCheck(tpm.key, 600, 100, 290), QuotaCheck(quota.key, 100, 290, 1000.0))), 0.0)
+    # 300 tokens taken from a bucket of 100 at 10 per second: 20 s of debt first.
+    assert_decision(await store.apply([tpm], 0.0), rejected(
+        Outcome.RATE_LIMITED, "limit of 600 tokens per minute exceeded", 21.0))
+    assert await store.apply([tpm], 21.0) == ADMITTED
+    assert_decision(await store.apply([QuotaCheck(quota.key, 100, 1, 1000.0)], 21.0),
+                    rejected(Outcome.QUOTA_EXCEEDED, "monthly quota of 100 tokens exhausted",
+                             979.0))
+
+
+async def test_a_rate_refund_gives_tokens_back_up_to_a_full_bucket(
+        store: AsyncLimiterStore) -> None:
+    tpm = RateCheck("tpm:chat:acme", per_minute=600, burst=100, cost=100)
+    assert await store.apply([tpm], 0.0) == ADMITTED
+    one = RateCheck(tpm.key, 600, 100, 1)
+    assert (await store.apply([one], 0.0)).outcome is Outcome.RATE_LIMITED
+    await store.settle(Settlement(refund=(RateCheck(tpm.key, 600, 100, 60),)), 0.0)
+    assert await store.apply([RateCheck(tpm.key, 600, 100, 60)], 0.0) == ADMITTED
+    assert (await store.apply([one], 0.0)).outcome is Outcome.RATE_LIMITED
+    # Given back far more than was taken: a full bucket, not more.
+    await store.settle(Settlement(refund=(RateCheck(tpm.key, 600, 100, 10_000),)), 1.0)
+    assert await store.apply([RateCheck(tpm.key, 600, 100, 100)], 1.0) == ADMITTED
+    assert (await store.apply([one], 1.0)).outcome is Outcome.RATE_LIMITED
 
 
 async def test_concurrent_applies_admit_exactly_the_bucket(store: AsyncLimiterStore) -> None:
@@ -197,9 +243,11 @@ async def test_bad_checks_raise_a_clear_error_and_charge_nothing(
     assert await store.apply([valid], 0.0) == ADMITTED
 
 
-async def test_only_quotas_can_be_refunded(store: AsyncLimiterStore) -> None:
-    with pytest.raises(ValueError, match="only a QuotaCheck"):
-        await store.refund(RateCheck("rpm:a", 60, 1, 1))  # type: ignore[arg-type]
+async def test_a_settlement_with_a_bad_check_is_refused(store: AsyncLimiterStore) -> None:
+    with pytest.raises(ValueError, match="per_minute must be a finite number > 0"):
+        await store.settle(Settlement(charge=(RateCheck("rpm:a", 0, 1, 1),)), 0.0)
+    with pytest.raises(ValueError, match="cost must be a finite number >= 0"):
+        await store.settle(Settlement(refund=(QuotaCheck("quota:a", 10, -1, 5.0),)), 0.0)
 
 
 async def test_no_checks_admit(store: AsyncLimiterStore) -> None:
@@ -255,11 +303,12 @@ async def test_random_sequences_match_memory_store(redis_url: str) -> None:
             now = rng.uniform(0, 1e6)
             for step in range(150):
                 now = random_step(rng, now)
-                if rng.random() < 0.1:
-                    check = random_check(rng, now)
-                    if isinstance(check, QuotaCheck):
-                        await memory.refund(check)
-                        await redis_store.refund(check)
+                if rng.random() < 0.15:
+                    checks = tuple(random_check(rng, now) for _ in range(rng.randint(1, 3)))
+                    settled = (Settlement(charge=checks) if rng.random() < 0.5 else
+                               Settlement(refund=checks))
+                    await memory.settle(settled, now)
+                    await redis_store.settle(settled, now)
                     continue
                 checks = [random_check(rng, now) for _ in range(rng.randint(1, 4))]
                 expected = await memory.apply(checks, now)
@@ -300,7 +349,8 @@ async def test_keys_live_until_their_state_stops_mattering(redis_url: str) -> No
         # Remaining time plus the default one-second grace, in milliseconds.
         assert 3500 < await _pttl(client, "t:tat:rpm:chat:acme") <= 4000
         assert 10500 < await _pttl(client, "t:used:quota:chat:acme:x") <= 11000
-        await store.refund(QuotaCheck(quota.key, 100, 1, 110.0))  # a refund keeps the TTL
+        # A refund keeps the TTL.
+        await store.settle(Settlement(refund=(QuotaCheck(quota.key, 100, 1, 110.0),)), 100.5)
         assert 10500 < await _pttl(client, "t:used:quota:chat:acme:x") <= 11000
     finally:
         await store.aclose()
@@ -356,7 +406,7 @@ async def test_unreachable_redis_raises_instead_of_deciding() -> None:
         with pytest.raises(LimiterUnavailable, match="redis limiter store failed"):
             await store.apply([rpm], 0.0)
         with pytest.raises(LimiterUnavailable):
-            await store.refund(QuotaCheck("quota:a", 10, 1, 5.0))
+            await store.settle(Settlement(refund=(QuotaCheck("quota:a", 10, 1, 5.0),)), 0.0)
     finally:
         await store.aclose()
 

@@ -245,10 +245,11 @@ class SimEngine:
             raise ValueError(f"request {request.id!r}: max_tokens must be >= 1, "
                              f"got {request.max_tokens!r}")
         text = _render(request)  # checked even when the input length is given
-        # A declared 0 is allowed by the contract; an engine still prefills at least one
-        # token (a tokenizer's BOS), so it runs as 1, as an empty prompt does.
-        input_tokens = (approx_tokens(text) if request.input_tokens is None
-                        else request.input_tokens or 1)
+        # A declared count stands in for text a benchmark did not bother to write, but
+        # never makes the input smaller than its text: as a real engine, this one
+        # reports what it read, so a client that under-declares is charged the truth.
+        # At least 1: an engine prefills a token (a tokenizer's BOS) for an empty prompt.
+        input_tokens = max(approx_tokens(text), request.input_tokens or 0)
         sampling = request.sampling or Sampling()
         digest = _digest(_draw_key(self._seed, request, sampling, text))
         wanted = request.target_output_tokens

@@ -10,6 +10,12 @@ cost c is allowed at `now` when max(tat, now) + c*T - burst*T <= now, and then m
 the theoretical arrival time `tat` to max(tat, now) + c*T. From an idle key this admits
 exactly `burst` unit requests at once and one more every T; in any window of length W
 at most floor(W / T) + burst.
+
+Token limits charge a request at admission with its input (counted by the dispatcher
+where the endpoint has a tokenizer, else as declared) plus its max_tokens, and settle it
+on completion at the engine's real usage (`settlement`): the difference is charged on
+top, unconditionally, or given back. So a tenant that under-declares its input pays for
+the truth, at the latest when its request finishes.
 """
 
 from __future__ import annotations
@@ -73,6 +79,18 @@ def gcra(tat: float, now: float, check: RateCheck) -> tuple[bool, float, float]:
     return False, tat, allow_at - now
 
 
+def charged_tat(tat: float, now: float, check: RateCheck) -> float:
+    """GCRA's tat after `check.cost` units taken without asking: the bucket may go into
+    debt, and the tenant waits until it is paid back."""
+    return max(tat, now) + check.cost * check.interval
+
+
+def refunded_tat(tat: float, now: float, check: RateCheck) -> float:
+    """GCRA's tat after `check.cost` units given back; a tat at or before `now` is a full
+    bucket, so it never goes below that."""
+    return max(tat - check.cost * check.interval, now)
+
+
 def month_end(now: float) -> float:
     """Unix time at which the calendar month (UTC) containing `now` ends."""
     day = dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
@@ -91,25 +109,60 @@ def request_tokens(input_tokens: int, max_tokens: int) -> int:
 
 
 def limit_checks(tenant: str, endpoint: str, limits: Limits, tokens: int,
-                 now: float) -> list[Check]:
-    """The checks one request must pass, for any store."""
-    prefix = f"{endpoint}:{tenant}"
+                 now: float, total_quota: int | None = None) -> list[Check]:
+    """The checks one request must pass, for any store. `total_quota`: the tenant's
+    monthly quota across all endpoints, if it has one."""
     checks: list[Check] = []
     if limits.rpm is not None:
         burst = limits.rpm_burst or _default_burst(limits.rpm)
-        checks.append(RateCheck(f"rpm:{prefix}", limits.rpm, burst, 1.0))
-    if limits.tpm is not None:
-        burst = limits.tpm_burst or _default_burst(limits.tpm)
-        checks.append(RateCheck(f"tpm:{prefix}", limits.tpm, burst, float(tokens)))
-    if limits.monthly_quota_tokens is not None:
-        checks.append(quota_check(tenant, endpoint, limits.monthly_quota_tokens, tokens, now))
+        checks.append(RateCheck(f"rpm:{endpoint}:{tenant}", limits.rpm, burst, 1.0))
+    checks.extend(token_checks(tenant, endpoint, limits, tokens, now, total_quota))
     return checks
 
 
-def quota_check(tenant: str, endpoint: str, limit: float, tokens: float,
+def token_checks(tenant: str, endpoint: str, limits: Limits, tokens: float,
+                 at: float, total_quota: int | None) -> list[Check]:
+    """The limits counted in tokens, each costing `tokens`; quotas of the month of `at`."""
+    checks: list[Check] = []
+    if limits.tpm is not None:
+        burst = limits.tpm_burst or _default_burst(limits.tpm)
+        checks.append(RateCheck(f"tpm:{endpoint}:{tenant}", limits.tpm, burst, float(tokens)))
+    if limits.monthly_quota_tokens is not None:
+        checks.append(quota_check(tenant, endpoint, limits.monthly_quota_tokens, tokens, at))
+    if total_quota is not None:
+        checks.append(quota_check(tenant, None, total_quota, tokens, at))
+    return checks
+
+
+def quota_check(tenant: str, endpoint: str | None, limit: float, tokens: float,
                 now: float) -> QuotaCheck:
-    return QuotaCheck(f"quota:{endpoint}:{tenant}:{month_key(now)}", float(limit),
-                      float(tokens), month_end(now))
+    """`endpoint` None: the tenant's quota across endpoints (a key of its own kind, since
+    any name could be an endpoint's)."""
+    scope = f"quota:{endpoint}" if endpoint is not None else "quota-total"
+    return QuotaCheck(f"{scope}:{tenant}:{month_key(now)}", float(limit), float(tokens),
+                      month_end(now))
+
+
+@dataclass(slots=True, frozen=True)
+class Settlement:
+    """What a finished request still owes its token limits (`charge`, taken even past a
+    limit: the tokens are spent) or is owed (`refund`: charged, never used)."""
+
+    charge: tuple[Check, ...] = ()
+    refund: tuple[Check, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.charge or self.refund)
+
+
+def settlement(tenant: str, endpoint: str, limits: Limits, total_quota: int | None,
+               charged_tokens: int, used_tokens: int, arrival: float) -> Settlement:
+    """Settle a request charged `charged_tokens` at admission (in the month of `arrival`)
+    that really used `used_tokens`."""
+    difference = used_tokens - charged_tokens
+    checks = tuple(token_checks(tenant, endpoint, limits, abs(difference), arrival,
+                                total_quota)) if difference else ()
+    return Settlement(charge=checks) if difference > 0 else Settlement(refund=checks)
 
 
 def _default_burst(per_minute: float) -> float:
@@ -121,8 +174,8 @@ class LimiterStore(Protocol):
 
     def apply(self, checks: list[Check], now: float) -> Decision: ...
 
-    def refund(self, check: QuotaCheck) -> None:
-        """Give back `check.cost` units of a quota (what a request did not use)."""
+    def settle(self, settlement: Settlement, now: float) -> None:
+        """Charge `settlement.charge` unconditionally, give back `settlement.refund`."""
         ...
 
 
@@ -143,7 +196,7 @@ class MemoryLimiterStore:
                     return rejection(check, retry)
                 updates_tat.append((check.key, new_tat))
             else:
-                used = self._quota_used(check.key, now)
+                used = self.quota_used(check.key, now)
                 if used + check.cost > check.limit:
                     return rejection(check, check.expires_at - now)
                 updates_used.append((check.key, used + check.cost, check.expires_at))
@@ -154,11 +207,25 @@ class MemoryLimiterStore:
         self._forget_idle(now)
         return ADMITTED
 
-    def refund(self, check: QuotaCheck) -> None:
-        used, expires_at = self._used.get(check.key, (0.0, check.expires_at))
-        self._used[check.key] = (max(0.0, used - check.cost), expires_at)
+    def settle(self, settlement: Settlement, now: float) -> None:
+        for check in settlement.charge:
+            if isinstance(check, RateCheck):
+                self._tat[check.key] = charged_tat(self._tat.get(check.key, now), now, check)
+            else:
+                self._used[check.key] = (self.quota_used(check.key, now) + check.cost,
+                                         check.expires_at)
+        for check in settlement.refund:
+            if isinstance(check, RateCheck):
+                self._tat[check.key] = refunded_tat(self._tat.get(check.key, now), now, check)
+            elif check.key in self._used:
+                used, expires_at = self._used[check.key]
+                self._used[check.key] = (max(0.0, used - check.cost), expires_at)
 
-    def _quota_used(self, key: str, now: float) -> float:
+    def set_quota_used(self, key: str, used: float, expires_at: float) -> None:
+        """Take a counter's value from elsewhere (a store that keeps it durably)."""
+        self._used[key] = (used, expires_at)
+
+    def quota_used(self, key: str, now: float) -> float:
         used, expires_at = self._used.get(key, (0.0, math.inf))
         return used if now < expires_at else 0.0
 

@@ -22,8 +22,8 @@ from typing import Literal
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
-from dispatcher.core.admission import (Check, LimiterStore, QuotaCheck, limit_checks,
-                                       quota_check, request_tokens, throttle)
+from dispatcher.core.admission import (Check, LimiterStore, Settlement, limit_checks,
+                                       request_tokens, settlement, throttle)
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.placement import BLOCKED, HELD, PLACED, Placement
@@ -52,10 +52,10 @@ class DepthRow:
 
 @dataclass(slots=True, frozen=True)
 class Completed:
-    """A finished request, and the quota to give back to the limiter store, if any."""
+    """A finished request, and its token limits settled at its real usage."""
 
     request: Request
-    refund: QuotaCheck | None
+    settlement: Settlement
 
 
 class Scheduler:
@@ -120,7 +120,8 @@ class Scheduler:
         if not decision.admitted:
             return decision
         tokens = request_tokens(request.input_tokens, request.max_tokens)
-        return limit_checks(request.tenant, request.endpoint, limits, tokens, now)
+        return limit_checks(request.tenant, request.endpoint, limits, tokens, now,
+                            policy.monthly_quota_tokens)
 
     def admit(self, request: Request, now: float, store: LimiterStore,
               waited_s: float = 0.0) -> Decision:
@@ -243,7 +244,7 @@ class Scheduler:
         self._stop(endpoint, flow, request)
         self.estimator.observe((tenant, request.endpoint), usage.output_tokens,
                                request.max_tokens)
-        return Completed(request, self._quota_refund(request, usage))
+        return Completed(request, self._settlement(request, usage))
 
     def progress(self, reports: Iterable[tuple[RequestKey, int]]) -> None:
         """Running requests' output so far, (key, output tokens), from the workers'
@@ -388,13 +389,12 @@ class Scheduler:
         endpoint.took_queued(flow)
         endpoint.mark_absent_if_idle(flow)
 
-    def _quota_refund(self, request: Request, usage: Usage) -> QuotaCheck | None:
+    def _settlement(self, request: Request, usage: Usage) -> Settlement:
         policy = self.registry.tenant(request.tenant)
-        limit = policy.limits_for(request.endpoint).monthly_quota_tokens if policy else None
-        if limit is None:
-            return None
-        unused = (request_tokens(request.input_tokens, request.max_tokens)
-                  - request_tokens(usage.input_tokens, usage.output_tokens))
-        if unused <= 0:
-            return None
-        return quota_check(request.tenant, request.endpoint, limit, unused, request.arrival)
+        if policy is None:  # removed from the registry meanwhile: its limits are gone
+            return Settlement()
+        return settlement(request.tenant, request.endpoint, policy.limits_for(request.endpoint),
+                          policy.monthly_quota_tokens,
+                          request_tokens(request.input_tokens, request.max_tokens),
+                          request_tokens(usage.input_tokens, usage.output_tokens),
+                          request.arrival)

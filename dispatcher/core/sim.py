@@ -338,8 +338,8 @@ class Simulation:
             self.pool.complete(replica.worker.worker_id, (request.tenant, request.id), self.now)
             completed = self.scheduler.complete(request.tenant, request.id,
                                                 self._usage(entry), self.now)
-            if completed is not None and completed.refund is not None:
-                self.store.refund(completed.refund)
+            if completed is not None:
+                self.store.settle(completed.settlement, self.now)
         replica.retire_if_drained(self.now)
 
     def _usage(self, entry: _Entry) -> Usage:
