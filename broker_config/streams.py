@@ -13,6 +13,8 @@
   tenants are not stuck behind them (dispatcher/intake.py).
 - KV bucket `<PREFIX>_RESULTS`: final events by `Subjects.result_key(tenant, id)`,
   history 1, kept `results_ttl_s` (24 h by default).
+- KV bucket `<PREFIX>_LIMITS`: monthly token usage per quota, for the embedded limiter
+  store (`dispatcher.kv_limits`), so that a restart keeps it.
 
 `provision` is safe on every start: it creates what is missing and updates what exists
 to the current settings (a setting the server cannot change in place, such as the
@@ -108,6 +110,21 @@ def results_bucket_config(settings: BrokerSettings) -> KeyValueConfig:
         storage=StorageType(settings.storage),
         replicas=settings.replicas,
         direct=True,  # batch lookups by the dispatcher (broker_config.direct_get)
+    )
+
+
+# A month's usage counter must outlive its month; the TTL counts from its last write.
+LIMITS_TTL_S = 40 * 86_400.0
+
+
+def limits_bucket_config(settings: BrokerSettings) -> KeyValueConfig:
+    return KeyValueConfig(
+        bucket=settings.subjects.limits_bucket,
+        description="fairq monthly token usage by quota (dispatcher.kv_limits)",
+        history=1,
+        ttl=LIMITS_TTL_S,
+        storage=StorageType(settings.storage),
+        replicas=settings.replicas,
     )
 
 

@@ -254,6 +254,10 @@ class Subjects:
         return f"{self.prefix.upper()}_RESULTS"
 
     @property
+    def limits_bucket(self) -> str:
+        return f"{self.prefix.upper()}_LIMITS"
+
+    @property
     def parked_stream(self) -> str:
         return f"{self.prefix.upper()}_PARKED"
 

@@ -29,7 +29,7 @@ from broker_config.kv_writer import KeyValueWriter
 from broker_config.server import EmbeddedNatsServer
 from costmodel.engine_model import EngineParams, load_engine_params
 from dispatcher.metrics import DispatcherMetrics
-from dispatcher.redis_limits import limiter_from_url
+from dispatcher.kv_limits import open_limiter_store
 from dispatcher.service import Dispatcher
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
@@ -77,7 +77,8 @@ class LocalStack:
                 self.nats_url = self.server.url
             self.nc = await nats.connect(self.nats_url, name="fairq-local")
             stack.push_async_callback(self.nc.drain)
-            limiter = limiter_from_url(self.options.redis_url)
+            limiter = await open_limiter_store(self.options.redis_url, self.nc,
+                                               self.config.broker)
             stack.push_async_callback(limiter.aclose)
             self.dispatcher = await stack.enter_async_context(Dispatcher(
                 self.nc, self.config, limiter=limiter, metrics=self.metrics))
