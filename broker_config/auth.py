@@ -203,17 +203,18 @@ def render_auth_dir(directory: Path, subjects: Subjects, tenants: Iterable[str])
     `directory` (made mode 0700 if missing). A user whose seed file exists keeps it;
     seed files of users no longer present are removed. Raises ValueError for a bad
     tenant name or seed file."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    names = [*sorted(set(tenants)), *SERVICE_USERS, FRONT_USER]
+    tenants = sorted({check_token(tenant, "tenant") for tenant in tenants})
+    names = [*tenants, *SERVICE_USERS, FRONT_USER]
     if len(set(names)) != len(names):
         clash = sorted(set(tenants) & {*SERVICE_USERS, FRONT_USER})
         raise ValueError(f"tenant name(s) {', '.join(clash)} are reserved for fairq's own "
                          "broker users")
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     existing = {path.name[:-len(SEED_SUFFIX)]: path
                 for path in directory.glob(f"*{SEED_SUFFIX}")}
     seeds, public_keys, added = {}, {}, []
     for name in names:
-        path = directory / f"{check_token(name, 'user')}{SEED_SUFFIX}"
+        path = directory / f"{name}{SEED_SUFFIX}"
         if name in existing:
             public_keys[name] = _public_key(path)
         else:

@@ -1,0 +1,342 @@
+"""A deployment's broker users (`fairq auth`): the rendering, then a real nats-server run
+with the rendered config, a real dispatcher (tenant inboxes on) and a simulated worker
+process, each as its own nkey user, and tenants that try to act as each other."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import stat
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from broker_config.auth import (
+    DISPATCHER_USER,
+    FRONT_USER,
+    OPERATOR_USER,
+    WORKER_USER,
+    NkeyUser,
+    RenderedAuth,
+    front_permissions,
+    registered_tenants,
+    render_auth_dir,
+    tenant_permissions,
+    with_tenant_inboxes,
+)
+from broker_config.config import EXAMPLE_CONFIG, load_config
+from broker_config.connection import ConnectionOptionsError, credentials
+from broker_config.server import EmbeddedNatsServer
+from broker_config.subjects import HDR_MSG_ID, HDR_REPLY, Subjects
+from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent
+from dispatcher.service import Dispatcher
+from producers.client import Client, ConnectionFailed
+
+REPO = Path(__file__).resolve().parents[1]
+S = Subjects()
+START_S = 30.0  # a worker interpreter's imports, connection and first heartbeat
+REQUEST_S = 20.0
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+def users_in(conf: Path) -> dict[str, dict]:
+    """auth.conf's entries by the user name on the comment line above each."""
+    lines = [line.strip() for line in conf.read_text().splitlines()]
+    return {lines[i - 1].removeprefix("# "): json.loads(line)
+            for i, line in enumerate(lines) if line.startswith("{")}
+
+
+def test_render_gives_each_user_its_permissions_and_a_private_seed(tmp_path: Path) -> None:
+    out = tmp_path / "auth"
+    rendered = render_auth_dir(out, S, ["globex", "acme", "acme"])
+    assert rendered.added == ("acme", "globex", DISPATCHER_USER, WORKER_USER, OPERATOR_USER,
+                              FRONT_USER) and rendered.removed == ()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["auth.conf", *(f"{name}.nk" for name in rendered.added)])
+    for seed in rendered.seeds.values():
+        assert stat.S_IMODE(seed.stat().st_mode) == 0o600
+        assert seed.read_text().startswith("SU")  # a user's seed
+    entries = users_in(rendered.config)
+    assert set(entries) == set(rendered.seeds)
+    for name in ("acme", "globex"):
+        own = tenant_permissions(S, name)
+        assert entries[name]["permissions"] == {"publish": {"allow": list(own.publish)},
+                                                "subscribe": {"allow": list(own.subscribe)}}
+    for name in (DISPATCHER_USER, WORKER_USER, OPERATOR_USER):
+        assert "permissions" not in entries[name]
+    front = front_permissions(S, FRONT_USER, ["acme", "globex"])
+    assert entries[FRONT_USER]["permissions"]["publish"]["allow"] == list(front.publish)
+    assert entries[FRONT_USER]["permissions"]["subscribe"]["allow"] == list(front.subscribe)
+    conf = rendered.config.read_text()
+    assert not any(seed.read_text().strip() in conf for seed in rendered.seeds.values())
+    assert len({e["nkey"] for e in entries.values()}) == len(entries)
+
+
+def test_rerender_keeps_seeds_and_adds_and_removes_tenants(tmp_path: Path) -> None:
+    first = render_auth_dir(tmp_path, S, ["acme", "globex"])
+    seeds = {name: path.read_bytes() for name, path in first.seeds.items()}
+    keys = {name: entry["nkey"] for name, entry in users_in(first.config).items()}
+    second = render_auth_dir(tmp_path, S, ["acme", "initech"])
+    assert second.added == ("initech",) and second.removed == ("globex",)
+    assert not (tmp_path / "globex.nk").exists()
+    for name, path in second.seeds.items():
+        if name != "initech":
+            assert path.read_bytes() == seeds[name]
+    after = {name: entry["nkey"] for name, entry in users_in(second.config).items()}
+    assert "globex" not in after
+    assert all(after[name] == keys[name] for name in after if name != "initech")
+
+
+def test_render_refuses_reserved_names_and_broken_seeds(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        render_auth_dir(tmp_path / "a", S, ["acme", FRONT_USER])
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "acme.nk").write_text("not a seed")
+    with pytest.raises(ValueError, match="acme.nk: not a readable nkey seed"):
+        render_auth_dir(tmp_path / "b", S, ["acme"])
+    with pytest.raises(ValueError, match="invalid tenant"):
+        render_auth_dir(tmp_path / "c", S, ["ac me"])
+
+
+def test_render_refuses_a_bad_public_key() -> None:
+    from broker_config.auth import render_auth_config
+    with pytest.raises(ValueError, match="not an nkey user public key"):
+        render_auth_config([NkeyUser("acme", "UABC")])
+
+
+def test_registered_tenants_include_the_fronts() -> None:
+    config = load_config()
+    assert registered_tenants(config) == sorted(config.tenants)
+    from producers.openai_front.keys import with_dev_key
+    with_key, _ = with_dev_key(config, "umbrella")
+    assert "umbrella" in registered_tenants(with_key)
+
+
+def test_credentials_conflicts_and_unreadable_files(tmp_path: Path) -> None:
+    seed = tmp_path / "x.nk"
+    seed.write_text("SU...")
+    assert credentials(nkey=seed) == {"nkeys_seed": str(seed)}
+    assert credentials(user="a", password="b") == {"user": "a", "password": "b"}
+    assert credentials() == {}
+    with pytest.raises(ConnectionOptionsError, match="--creds and --nkey conflict"):
+        credentials(creds=seed, nkey=seed)
+    with pytest.raises(ConnectionOptionsError, match="--user/--password and --nkey conflict"):
+        credentials(user="a", nkey=seed)
+    with pytest.raises(ConnectionOptionsError, match="--password needs --user"):
+        credentials(password="b")
+    with pytest.raises(ConnectionOptionsError, match="cannot read it"):
+        credentials(nkey=tmp_path / "missing.nk")
+    (tmp_path / "empty.creds").write_text("")
+    with pytest.raises(ConnectionOptionsError, match="empty"):
+        credentials(creds=tmp_path / "empty.creds")
+
+
+# -- a deployment on a real broker --------------------------------------------------------------
+
+
+@dataclass
+class Deployment:
+    server: EmbeddedNatsServer
+    auth: RenderedAuth
+    dispatcher_nc: NATS
+
+    def seed(self, user: str) -> Path:
+        return self.auth.seeds[user]
+
+
+async def worker_process(url: str, seed: Path, log: Path) -> asyncio.subprocess.Process:
+    with open(log, "wb") as out:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "workers", "--nats", url, "--nkey", str(seed),
+            "--endpoint", "chat", "--worker-id", "chat-w1", "--engine", "sim",
+            "--time-scale", "0", "--config", str(EXAMPLE_CONFIG), cwd=REPO,
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT)
+
+
+@contextlib.asynccontextmanager
+async def deployment(nats_binary: Path, tmp_path: Path,
+                     tenants: list[str]) -> AsyncIterator[Deployment]:
+    config = load_config()
+    config = with_tenant_inboxes(msgspec.structs.replace(
+        config, dispatcher=msgspec.structs.replace(config.dispatcher, settle_s=0.2)))
+    auth = render_auth_dir(tmp_path / "auth", S, tenants)
+    async with (EmbeddedNatsServer(binary=nats_binary, config_file=auth.config) as server,
+                contextlib.AsyncExitStack() as stack):
+        nc = await nats.connect(server.url, nkeys_seed=str(auth.seeds[DISPATCHER_USER]),
+                                max_reconnect_attempts=0)
+        stack.push_async_callback(nc.close)
+        await stack.enter_async_context(Dispatcher(nc, config))
+        beats = await nc.subscribe(S.heartbeats("chat"))
+        worker = await worker_process(server.url, auth.seeds[WORKER_USER],
+                                      tmp_path / "worker.log")
+
+        async def stop_worker() -> None:
+            if worker.returncode is None:
+                worker.terminate()
+                await asyncio.wait_for(worker.wait(), START_S)
+
+        stack.push_async_callback(stop_worker)
+        try:
+            await beats.next_msg(timeout=START_S)  # the worker serves, as its own user
+        except nats.errors.TimeoutError:
+            pytest.fail(f"no heartbeat: {(tmp_path / 'worker.log').read_text()}")
+        await beats.unsubscribe()
+        yield Deployment(server, auth, nc)
+
+
+class Errors:
+    """A connection's async errors (permission violations)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def record(self, exc: Exception) -> None:
+        self.seen.append(str(exc).lower())
+
+    async def violation(self, fragment: str) -> bool:
+        for _ in range(150):
+            if any("permissions violation" in e and fragment.lower() in e for e in self.seen):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+async def tenant_connection(d: Deployment, tenant: str, errors: Errors) -> NATS:
+    return await nats.connect(d.server.url, nkeys_seed=str(d.seed(tenant)),
+                              inbox_prefix=S.inbox_prefix(tenant), error_cb=errors.record,
+                              max_reconnect_attempts=0)
+
+
+async def fairq_cli(*args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "FAIRQ_NATS_"))}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producers.cli", *args, cwd=REPO, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.integration
+async def test_tenants_cannot_act_as_each_other(nats_binary: Path, tmp_path: Path) -> None:
+    async with deployment(nats_binary, tmp_path, ["acme", "globex"]) as d:
+        # acme, through the SDK with its own seed, is served.
+        async with Client.connect(d.server.url, nkey=d.seed("acme"), tenant_inboxes="acme",
+                                  publish_timeout_s=2.0) as acme:
+            done = await acme.run("chat", "acme", prompt="hi", max_tokens=4,
+                                  timeout_s=REQUEST_S)
+            assert isinstance(done, DoneEvent)
+
+        errors = Errors()
+        nc = await tenant_connection(d, "acme", errors)
+        globex_errors = Errors()
+        globex = await tenant_connection(d, "globex", globex_errors)
+        try:
+            js = nc.jetstream(timeout=1.0)
+            # Cannot publish as globex: the broker refuses, no PubAck.
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.publish(S.request("chat", "globex"), b'{"prompt":"x"}',
+                                 headers={HDR_MSG_ID: "as-globex"})
+            assert await errors.violation('publish to "fq.req.chat.globex"')
+            # Cannot read globex's events.
+            await nc.subscribe(f"{S.inbox_prefix('globex')}.>")
+            assert await errors.violation('subscription to "_inbox_globex.>"')
+            # Cannot read globex's status or cancel its requests.
+            for subject in (S.status("globex"), S.cancel("globex"), S.depth):
+                with pytest.raises(nats.errors.TimeoutError):
+                    await nc.request(subject, b'{"id":"g1"}', timeout=0.5)
+                assert await errors.violation(f'publish to "{subject}"')
+
+            # Cannot send its events into globex's inbox: stored, then refused.
+            globex_inbox = await globex.subscribe(f"{S.inbox_prefix('globex')}.>")
+            await globex.flush()
+            ack = await js.publish(S.request("chat", "acme"),
+                                   b'{"prompt":"hi","max_tokens":4}',
+                                   headers={HDR_MSG_ID: "misdirected",
+                                            HDR_REPLY: f"{S.inbox_prefix('globex')}.steal"})
+            assert ack.seq > 0
+            async with Client(nc, tenant_inboxes="acme", api_timeout_s=2.0) as client:
+                for _ in range(100):
+                    status = await client.status("acme", "misdirected")
+                    if status.result is not None:
+                        break
+                    await asyncio.sleep(0.1)
+            assert isinstance(status.result, ErrorEvent), status
+            assert status.result.code == ErrorCode.INVALID_REQUEST
+            assert "must start with '_INBOX_acme.'" in status.result.message
+            with pytest.raises(nats.errors.TimeoutError):
+                await globex_inbox.next_msg(timeout=1.0)  # globex received nothing
+            assert not globex_errors.seen
+        finally:
+            await nc.close()
+            await globex.close()
+
+
+@pytest.mark.integration
+async def test_the_cli_works_with_its_own_credentials(nats_binary: Path, tmp_path: Path) -> None:
+    async with deployment(nats_binary, tmp_path, ["acme", "globex"]) as d:
+        url = d.server.url
+        acme = str(d.seed("acme"))
+        code, out, err = await fairq_cli("submit", "--nats", url, "--nkey", acme,
+                                         "--tenant", "acme", "--endpoint", "chat",
+                                         "--prompt", "hi", "--max-tokens", "4", "--id", "cli-1")
+        assert code == 0 and "done id=cli-1" in err, (out, err)
+        code, out, err = await fairq_cli("status", "--nats", url, "--nkey", acme,
+                                         "--tenant", "acme", "cli-1")
+        assert code == 0, err
+        assert json.loads(out)["state"] == "done"
+        # acme's seed does not make it globex.
+        code, out, err = await fairq_cli("status", "--nats", url, "--nkey", acme,
+                                         "--tenant", "globex", "--timeout", "1", "cli-1")
+        assert code == 2 and 'permissions violation for publish to "fq.api.status.globex"' in err
+        # The operator's user sees every tenant.
+        code, out, err = await fairq_cli("top", "--once", "--nats", url,
+                                         "--nkey", str(d.seed(OPERATOR_USER)))
+        assert code == 0 and "acme" in out, (out, err)
+        # Without credentials, nothing.
+        code, out, err = await fairq_cli("status", "--nats", url, "--tenant", "acme", "cli-1")
+        assert code == 2 and "authorization violation" in err.lower(), err
+        code, out, err = await fairq_cli("status", "--nats", url, "--tenant", "acme",
+                                         "--nkey", acme, "--user", "acme", "cli-1")
+        assert code == 2 and "conflict" in err, err
+
+
+@pytest.mark.integration
+async def test_a_rerender_and_reload_lets_a_new_tenant_in_without_a_restart(
+        nats_binary: Path, tmp_path: Path) -> None:
+    async with deployment(nats_binary, tmp_path, ["acme", "globex"]) as d:
+        pid = d.server.pid
+        assert not (d.auth.directory / "initech.nk").exists()
+        old_globex = d.seed("globex")
+        globex_seed = old_globex.read_bytes()
+        rendered = render_auth_dir(d.auth.directory, S, ["acme", "initech"])
+        assert rendered.added == ("initech",) and rendered.removed == ("globex",)
+        await asyncio.to_thread(d.server.reload)
+        assert d.server.pid == pid
+        async with Client.connect(d.server.url, nkey=rendered.seeds["initech"],
+                                  tenant_inboxes="initech") as initech:
+            done = await initech.run("chat", "initech", prompt="hi", max_tokens=4,
+                                     timeout_s=REQUEST_S)
+            assert isinstance(done, DoneEvent)
+        # A removed tenant's credentials no longer open a connection.
+        old_globex.write_bytes(globex_seed)
+        with pytest.raises(ConnectionFailed, match="(?i)authorization violation"):
+            await Client.connect(d.server.url, nkey=old_globex, tenant_inboxes="globex",
+                                 allow_reconnect=False)
+        # The services' own users were kept: the dispatcher still serves acme.
+        async with Client.connect(d.server.url, nkey=d.seed("acme"),
+                                  tenant_inboxes="acme") as acme:
+            assert isinstance(await acme.run("chat", "acme", prompt="hi", max_tokens=4,
+                                             timeout_s=REQUEST_S), DoneEvent)
