@@ -365,7 +365,8 @@ class EmbeddedNatsServer(_ServerProcess):
 
 
 class EmbeddedRedisServer(_ServerProcess):
-    """A redis-server on 127.0.0.1 without persistence.
+    """A redis-server on 127.0.0.1, without persistence unless `append_only` (then every
+    write is in its append-only file before Redis answers, and survives `kill()`).
 
     Redis cannot listen on port 0 and report it, so with `port=0` a free port is picked
     and, should another process take it first, another one, a few times.
@@ -375,9 +376,10 @@ class EmbeddedRedisServer(_ServerProcess):
     _ATTEMPTS = 5
 
     def __init__(self, *, port: int = 0, binary: str | Path | None = None,
-                 ready_timeout_s: float = 10.0) -> None:
+                 ready_timeout_s: float = 10.0, append_only: bool = False) -> None:
         super().__init__(Path(binary) if binary else find_redis_server(), ready_timeout_s)
         self.port = port
+        self.append_only = append_only
         self.data_dir = self._own_temp_dir("data")
 
     @property
@@ -391,7 +393,9 @@ class EmbeddedRedisServer(_ServerProcess):
         attempts = 1 if self.port else self._ATTEMPTS
         for attempt in range(attempts):
             port = self.port or _free_port()
-            self._spawn(["--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
+            persistence = (["--appendonly", "yes", "--appendfsync", "always"]
+                           if self.append_only else ["--appendonly", "no"])
+            self._spawn(["--port", str(port), "--bind", HOST, "--save", "", *persistence,
                          "--dir", str(self.data_dir), "--protected-mode", "no"])
             try:
                 self._wait_ready(lambda: _can_connect(port, b"+PONG", b"PING\r\n"))
