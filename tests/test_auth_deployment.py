@@ -5,11 +5,14 @@ process, each as its own nkey user, and tenants that try to act as each other.""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import stat
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import msgspec
 import nats
 import nats.errors
+import nkeys
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -340,3 +344,96 @@ async def test_a_rerender_and_reload_lets_a_new_tenant_in_without_a_restart(
                                   tenant_inboxes="acme") as acme:
             assert isinstance(await acme.run("chat", "acme", prompt="hi", max_tokens=4,
                                              timeout_s=REQUEST_S), DoneEvent)
+
+
+# -- .creds files: a NATS operator-mode server, JWTs minted here --------------------------------
+
+
+def keypair(prefix: int) -> nkeys.KeyPair:
+    return nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), prefix)))
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def jwt(issuer: nkeys.KeyPair, subject: str, name: str, nats_claims: dict) -> str:
+    """A NATS JWT (v2): ed25519-nkey signed, `jti` the claims' SHA-512/256 as nats-io/jwt
+    computes it."""
+    claims = {"jti": "", "iat": int(time.time()), "iss": issuer.public_key.decode(),
+              "name": name, "sub": subject, "nats": {**nats_claims, "version": 2}}
+    claims["jti"] = base64.b32encode(hashlib.new(
+        "sha512_256", json.dumps(claims).encode()).digest()).decode().rstrip("=")
+    signed = f"{b64(json.dumps({'typ': 'JWT', 'alg': 'ed25519-nkey'}).encode())}." \
+             f"{b64(json.dumps(claims).encode())}"
+    return f"{signed}.{b64(issuer.sign(signed.encode()))}"
+
+
+UNLIMITED = {"subs": -1, "data": -1, "payload": -1}
+
+
+def creds_file(path: Path, user_jwt: str, user: nkeys.KeyPair) -> Path:
+    path.write_text(f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+                    f"-----BEGIN USER NKEY SEED-----\n{user.seed.decode()}\n"
+                    "------END USER NKEY SEED------\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.integration
+async def test_the_sdk_and_cli_connect_with_a_creds_file(nats_binary: Path,
+                                                         tmp_path: Path) -> None:
+    operator = keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    account = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    system = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    account_limits = {"limits": {**UNLIMITED, "imports": -1, "exports": -1, "wildcards": True,
+                                 "conn": -1, "leaf": -1, "mem_storage": -1,
+                                 "disk_storage": -1, "streams": -1, "consumer": -1},
+                      "type": "account"}
+    # JetStream is for the fairq account only: nats-server refuses it on the system one.
+    system_limits = {"limits": {**UNLIMITED, "imports": -1, "exports": -1,
+                                "wildcards": True, "conn": -1, "leaf": -1},
+                     "type": "account"}
+    accounts = {key.public_key.decode(): jwt(operator, key.public_key.decode(), name, limits)
+                for key, name, limits in ((account, "fairq", account_limits),
+                                          (system, "SYS", system_limits))}
+    config = (f"operator: {jwt(operator, operator.public_key.decode(), 'op', {'type': 'operator'})}\n"
+              f"system_account: {system.public_key.decode()}\n"
+              "resolver: MEMORY\n"
+              f"resolver_preload: {json.dumps(accounts)}\n")
+
+    def user_creds(name: str, signer: nkeys.KeyPair, tenant: str | None = "acme") -> Path:
+        """A .creds file for a tenant's user (None: full access)."""
+        user = keypair(nkeys.PREFIX_BYTE_USER)
+        own = tenant_permissions(S, tenant) if tenant else None
+        claims = {**UNLIMITED, "type": "user"} | ({
+            "pub": {"allow": list(own.publish)}, "sub": {"allow": list(own.subscribe)}}
+            if own else {})
+        return creds_file(tmp_path / f"{name}.creds",
+                          jwt(signer, user.public_key.decode(), name, claims), user)
+
+    acme = user_creds("acme", account)
+    forged = user_creds("forged", keypair(nkeys.PREFIX_BYTE_ACCOUNT))  # signer not trusted
+    async with EmbeddedNatsServer(binary=nats_binary, config=config) as server:
+        service = await nats.connect(server.url, user_credentials=str(
+            user_creds("service", account, None)), max_reconnect_attempts=0)
+        try:
+            async def answer(msg) -> None:
+                await msg.respond(b'{"id":"r1","state":"unknown"}')
+
+            await service.subscribe(S.status("acme"), cb=answer)
+            await service.flush()
+            async with Client.connect(server.url, creds=acme, tenant_inboxes="acme") as client:
+                status = await client.status("acme", "r1")
+                assert status.state == "unknown"
+            code, out, err = await fairq_cli("status", "--nats", server.url, "--creds",
+                                             str(acme), "--tenant", "acme", "r1")
+            assert code == 0 and json.loads(out)["state"] == "unknown", err
+            code, out, err = await fairq_cli("status", "--nats", server.url, "--creds",
+                                             str(acme), "--tenant", "globex", "--timeout", "1",
+                                             "r1")
+            assert code == 2 and "permissions violation" in err, err
+        finally:
+            await service.close()
+        with pytest.raises(ConnectionFailed, match="(?i)authorization violation"):
+            await Client.connect(server.url, creds=forged, allow_reconnect=False)
