@@ -2,9 +2,10 @@
 
 Settings come from the config file (`[dispatcher]`, `[broker]`); the flags below override
 single fields of `[dispatcher]`. Credentials: `broker_config.connection` (`--nkey` with
-`fairq auth`'s `fq-dispatcher.nk`, plus `--tenant-inboxes` on a broker with tenant users). The dispatcher provisions the broker (idempotently) on
-start. SIGTERM or SIGINT drains it (see `dispatcher.service`) and exits 0; a bad config
-or flag exits 2; a broker that cannot be reached exits 1.
+`fairq auth`'s `fq-dispatcher.nk`, plus `--tenant-inboxes` on a broker with tenant users).
+The dispatcher provisions the broker (idempotently) on start. SIGTERM or SIGINT drains
+it (see `dispatcher.service`) and exits 0; a bad config or flag exits 2; a broker that
+cannot be reached exits 1.
 """
 
 from __future__ import annotations

@@ -397,7 +397,8 @@ async def test_the_sdk_and_cli_connect_with_a_creds_file(nats_binary: Path,
     accounts = {key.public_key.decode(): jwt(operator, key.public_key.decode(), name, limits)
                 for key, name, limits in ((account, "fairq", account_limits),
                                           (system, "SYS", system_limits))}
-    config = (f"operator: {jwt(operator, operator.public_key.decode(), 'op', {'type': 'operator'})}\n"
+    operator_jwt = jwt(operator, operator.public_key.decode(), "op", {"type": "operator"})
+    config = (f"operator: {operator_jwt}\n"
               f"system_account: {system.public_key.decode()}\n"
               "resolver: MEMORY\n"
               f"resolver_preload: {json.dumps(accounts)}\n")
