@@ -1,0 +1,189 @@
+"""Honest token accounting end to end: real nats-server, dispatcher, simulated workers,
+both limiter stores (the embedded one, its monthly usage in NATS KV; and Redis).
+
+A tenant that declares 1 input token for a 500-token prompt is charged the truth: at
+admission where the endpoint has a tokenizer, on completion where it has none; a tenant
+quota holds across endpoints; monthly usage outlives a dispatcher restart, and with
+Redis (append-only) a Redis crash.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from broker_config.config import Config, DispatcherOptions, WorkerOptions, parse_config
+from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
+from broker_config.wire import ErrorCode
+from dispatcher.core.admission import month_key
+from dispatcher.kv_limits import StoredUsage
+from dispatcher.redis_limits import DEFAULT_PREFIX
+from producers.client import Client, RequestFailed
+from tests.local_stack import LocalStack, StackOptions
+
+pytestmark = pytest.mark.integration
+
+WORDS = 500
+# 500 three-letter words: 500 tokens by the test's tokenizer, and by the simulated
+# engine's count of 4 characters a token (1,999 characters).
+PROMPT = " ".join(["abc"] * WORDS)
+# One output token, whatever the seed: a request really uses exactly 501 tokens.
+MAX_TOKENS = 1
+REAL = WORDS + MAX_TOKENS
+BURST = 2000  # three requests of 501 pass, a fourth does not
+FAST = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=3.0, grace_s=5.0)
+
+
+@pytest.fixture
+def tokenizer_file(tmp_path: Path) -> Path:
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "abc": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(params=["nats-kv", "redis"])
+def redis(request: pytest.FixtureRequest) -> Iterator[EmbeddedRedisServer | None]:
+    """None: the embedded store; else a Redis of this test's own, append-only."""
+    if request.param == "nats-kv":
+        yield None
+        return
+    with EmbeddedRedisServer(append_only=True) as server:
+        yield server
+
+
+def limits_config(tokenizer: Path, limits: str, tenant_quota: int | None = None) -> tuple[
+        Config, str, str]:
+    """`chat` counts with the tokenizer, `code` has none; a liar and an honest tenant."""
+    suffix = uuid.uuid4().hex[:8]
+    liar, honest = f"liar-{suffix}", f"honest-{suffix}"
+    quota = f"monthly_quota_tokens = {tenant_quota}" if tenant_quota else ""
+    config = parse_config(f"""
+        [endpoints.chat]
+        tokenizer = "{tokenizer}"
+        [endpoints.code]
+        [[tiers]]
+        name = "free"
+        limits = {{ {limits} }}
+        [tenants.{liar}]
+        tier = "free"
+        {quota}
+        [tenants.{honest}]
+        tier = "free"
+        {quota}
+    """, source="limits.toml")
+    return config, liar, honest
+
+
+def stack_options(redis: EmbeddedRedisServer | None) -> StackOptions:
+    return StackOptions(workers=1, time_scale=0.02, dispatcher=FAST,
+                        redis_url=redis.url if redis is not None else None,
+                        workers_settings=WorkerOptions(heartbeat_interval_s=0.2))
+
+
+async def run_until_refused(fq: Client, tenant: str, endpoints: list[str], *, declared: int,
+                            attempts: int = 6) -> tuple[int, RequestFailed]:
+    """Requests one after another until one is refused: (how many ran, the refusal)."""
+    for n in range(attempts):
+        try:
+            done = await fq.run(endpoints[n % len(endpoints)], tenant, prompt=PROMPT,
+                                max_tokens=MAX_TOKENS, input_tokens=declared, timeout_s=10)
+        except RequestFailed as refusal:
+            return n, refusal
+        assert done.usage.input_tokens + done.usage.output_tokens == REAL
+    raise AssertionError(f"{tenant}: none of {attempts} requests was refused")
+
+
+async def test_a_tokenizer_charges_a_liar_as_if_it_told_the_truth(
+        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    config, liar, honest = limits_config(tokenizer_file, f"tpm = 6, tpm_burst = {BURST}")
+    async with LocalStack(config, stack_options(redis)) as stack:
+        fq = Client(stack.nc)
+        ran_honest, refused_honest = await run_until_refused(fq, honest, ["chat"],
+                                                             declared=WORDS)
+        ran_liar, refused_liar = await run_until_refused(fq, liar, ["chat"], declared=1)
+    assert ran_honest == ran_liar == 3
+    assert refused_honest.code is refused_liar.code is ErrorCode.RATE_LIMITED
+    # Both owe the same debt: 4 x 501 tokens against a bucket of 2,000 at 1 per 10 s.
+    assert refused_liar.event.retry_after_s == pytest.approx(
+        refused_honest.event.retry_after_s, abs=2.0)
+
+
+async def test_without_a_tokenizer_the_liar_pays_the_truth_when_its_requests_finish(
+        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    config, liar, honest = limits_config(tokenizer_file, f"tpm = 6, tpm_burst = {BURST}")
+    async with LocalStack(config, stack_options(redis)) as stack:
+        fq = Client(stack.nc)
+        ran_honest, _ = await run_until_refused(fq, honest, ["code"], declared=WORDS)
+        ran_liar, refused = await run_until_refused(fq, liar, ["code"], declared=1)
+    # Admission saw 2 tokens per request; each completion charged the other 499. So the
+    # liar gets at most the one request that admission could not know was too large.
+    assert ran_honest == 3
+    assert ran_liar in (3, 4)
+    assert refused.code is ErrorCode.RATE_LIMITED
+
+
+async def test_a_tenant_quota_holds_across_endpoints_and_counts_the_truth(
+        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    config, liar, honest = limits_config(tokenizer_file, "", tenant_quota=BURST)
+    async with LocalStack(config, stack_options(redis)) as stack:
+        fq = Client(stack.nc)
+        ran_honest, refused_honest = await run_until_refused(fq, honest, ["chat", "code"],
+                                                             declared=WORDS)
+        ran_liar, refused_liar = await run_until_refused(fq, liar, ["chat", "code"],
+                                                         declared=1)
+        if redis is None:
+            await stack.dispatcher.limiter.flush()  # written behind: now, not in a moment
+        used = await stored_usage(stack, redis, liar)
+    assert ran_honest == 3
+    assert refused_honest.code is refused_liar.code is ErrorCode.QUOTA_EXCEEDED
+    assert "monthly quota of 2000 tokens" in refused_liar.event.message
+    # The liar's 4th request (to `code`, admitted at 2 tokens) slipped in; every one it
+    # ran is charged in full.
+    assert ran_liar in (3, 4)
+    assert used == ran_liar * REAL
+
+
+async def test_monthly_usage_outlives_a_dispatcher_restart_and_a_redis_crash(
+        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    config, _, tenant = limits_config(tokenizer_file, "", tenant_quota=BURST)
+    async with EmbeddedNatsServer() as server:
+        async with LocalStack(config, stack_options(redis), nats_url=server.url) as stack:
+            fq = Client(stack.nc)
+            for n in range(3):
+                await fq.run("chat", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS, timeout_s=10)
+        if redis is not None:
+            redis.kill()
+            redis.start()
+        async with LocalStack(config, stack_options(redis), nats_url=server.url) as stack:
+            fq = Client(stack.nc)
+            with pytest.raises(RequestFailed) as refused:
+                await fq.run("chat", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                             timeout_s=10)
+            assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
+            # What is left of the quota still passes: 2,000 - 3 x 501 = 497.
+            await fq.run("chat", tenant, prompt=" ".join(["abc"] * 400), max_tokens=1,
+                         timeout_s=10)
+
+
+async def stored_usage(stack: LocalStack, redis: EmbeddedRedisServer | None,
+                       tenant: str) -> float:
+    key = f"quota-total:{tenant}:{month_key(time.time())}"
+    if redis is None:
+        kv = await stack.nc.jetstream().key_value(stack.config.subjects.limits_bucket)
+        entry = await kv.get(key.replace(":", "."))
+        return msgspec.json.decode(entry.value, type=StoredUsage).used
+    client = aioredis.Redis.from_url(redis.url)
+    try:
+        return float(await client.hget(f"{DEFAULT_PREFIX}used:{key}", "used"))
+    finally:
+        await client.aclose()
+
