@@ -8,8 +8,10 @@ WORKDIR /app
 COPY . /app
 RUN pip install --no-cache-dir .
 
-# Nothing at run time writes to /app; the services run unprivileged.
-RUN useradd --system --uid 10001 --no-create-home fairq
+# Nothing at run time writes to /app; the services run unprivileged. compose.auth.yaml's
+# `auth` volume starts as a copy of /auth: owned by fairq, private.
+RUN useradd --system --uid 10001 --no-create-home fairq \
+    && mkdir -m 0700 /auth && chown fairq /auth
 USER fairq
 
 CMD ["python", "-m", "dispatcher", "--help"]

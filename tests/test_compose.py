@@ -18,14 +18,24 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from broker_config.auth import (
+    AUTH_CONF,
+    DISPATCHER_USER,
+    FRONT_USER,
+    SEED_SUFFIX,
+    WORKER_USER,
+    registered_tenants,
+)
 from broker_config.config import load_config
 from broker_config.server import MIN_NATS_SERVER, parse_version
 from dispatcher import __main__ as dispatcher_main
+from producers import cli
 from producers.openai_front import __main__ as front_main
 from workers import __main__ as workers_main
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "compose.yaml"
+AUTH_FILE = REPO / "compose.auth.yaml"  # merged over COMPOSE_FILE: broker users
 APP_ROOT = PurePosixPath("/app")  # where the Dockerfile copies the repo
 
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
@@ -152,6 +162,16 @@ def test_depends_on_references_exist(services: dict[str, dict[str, Any]]) -> Non
         assert "dispatcher" in depends_on(services[name])
 
 
+def test_redis_persists_append_only_on_a_volume(
+        services: dict[str, dict[str, Any]], volumes: dict[str, Any]) -> None:
+    redis = services["redis"]
+    argv = command_argv(redis)
+    assert argv[argv.index("--appendonly") + 1] == "yes"
+    data_dir = argv[argv.index("--dir") + 1]
+    mounts = dict(reversed(str(v).split(":")[:2]) for v in redis["volumes"])
+    assert mounts.get(data_dir) in volumes, f"Redis data {data_dir} is not on a volume"
+
+
 def test_nats_runs_jetstream_on_a_volume(
         services: dict[str, dict[str, Any]], volumes: dict[str, Any]) -> None:
     nats = services["nats"]
@@ -266,3 +286,69 @@ def test_grafana_is_provisioned_with_the_prometheus_and_the_dashboard(
     assert panels and all(panel["datasource"]["uid"] == source["uid"] for panel in panels)
     assert all(target["datasource"]["uid"] == source["uid"]
                for panel in panels for target in panel["targets"])
+
+
+# -- compose.auth.yaml: broker users ---------------------------------------------------------
+
+
+def merged_with_auth() -> dict[str, Any]:
+    """compose.yaml with compose.auth.yaml over it, as `docker compose -f A -f B` merges
+    them: `command` replaced, `volumes` merged by mount point, `depends_on` joined."""
+    base = yaml.safe_load(COMPOSE_FILE.read_text())
+    over = yaml.safe_load(AUTH_FILE.read_text())
+    services = {name: dict(spec) for name, spec in base["services"].items()}
+    for name, spec in over["services"].items():
+        merged = services.setdefault(name, {})
+        for key, value in spec.items():
+            if key == "volumes":
+                mounts = {str(v).split(":")[1]: v for v in merged.get("volumes", [])}
+                mounts |= {str(v).split(":")[1]: v for v in value}
+                merged["volumes"] = list(mounts.values())
+            elif key == "depends_on":
+                merged["depends_on"] = depends_on(merged) | depends_on(spec)
+            else:
+                merged[key] = value
+    return {"services": services, "volumes": {**base.get("volumes", {}),
+                                              **(over.get("volumes") or {})}}
+
+
+def auth_mount(service: dict[str, Any], volumes: dict[str, Any]) -> str:
+    """Where `service` mounts the shared auth volume."""
+    (target,) = [str(v).split(":")[1] for v in service.get("volumes", [])
+                 if str(v).split(":")[0] == "auth"]
+    assert "auth" in volumes
+    return target
+
+
+def test_auth_variant_renders_users_before_nats_starts_with_them() -> None:
+    compose = merged_with_auth()
+    services, volumes = compose["services"], compose["volumes"]
+    init = services["fairq-auth"]
+    argv = command_argv(init)
+    assert argv[:2] == ["fairq", "auth"]
+    args = cli.build_parser("auth").parse_args(argv[1:])
+    out = auth_mount(init, volumes)
+    assert str(args.out) == out and not str(init["volumes"][0]).endswith(":ro")
+    assert registered_tenants(load_config(repo_path(args.config)))
+    nats = services["nats"]
+    assert depends_on(nats)["fairq-auth"]["condition"] == "service_completed_successfully"
+    nats_argv = command_argv(nats)
+    assert nats_argv[nats_argv.index("-c") + 1] == f"{auth_mount(nats, volumes)}/{AUTH_CONF}"
+    assert "-js" in nats_argv and "nats-data:/data" in nats["volumes"]
+
+
+@pytest.mark.parametrize("name, user", [
+    ("dispatcher", DISPATCHER_USER), ("worker-1", WORKER_USER), ("worker-2", WORKER_USER),
+    ("front", FRONT_USER)])
+def test_auth_variant_runs_each_service_as_its_own_user(name: str, user: str) -> None:
+    compose = merged_with_auth()
+    service = compose["services"][name]
+    args = parse_python_command(service, PYTHON_SERVICES[name])
+    load_config(repo_path(args.config))
+    assert str(args.nkey) == f"{auth_mount(service, compose['volumes'])}/{user}{SEED_SUFFIX}"
+    assert str(service["volumes"][-1]).endswith(":ro")
+    if name == "dispatcher":
+        assert args.tenant_inboxes is True
+    # The merge keeps what the plain stack checks (dependencies, hosts).
+    assert depends_on(service) == depends_on(yaml.safe_load(
+        COMPOSE_FILE.read_text())["services"][name])
