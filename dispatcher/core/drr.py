@@ -142,6 +142,12 @@ class DrrRing:
         if flow.queue.peek() is None:
             self._leave(flow.lane.popleft())
 
+    def withdraw(self, flow: TenantFlow) -> None:
+        """Take `flow` out wherever it waits (its tenant left the tier): its visit ends,
+        its debt stays with it."""
+        flow.lane.remove(flow)
+        self._leave(flow)
+
     def set_aside(self) -> TenantFlow:
         """Take the selected flow out for the rest of a batch (its request does not fit)."""
         lane = self.new if self.new else self.flows

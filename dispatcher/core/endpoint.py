@@ -180,6 +180,20 @@ class EndpointQueues:
                 self.present_weight = 0.0
                 self.present_weight_by_rank = [0.0] * len(self.present_weight_by_rank)
 
+    def recount(self, flows: list[TenantFlow], tier_count: int) -> None:
+        """Sum again who is present and backlogged, over every flow of the endpoint
+        (those still running for a removed tenant too), after a reload changed weights
+        and tiers."""
+        self.present_flows = self.backlogged_flows = 0
+        self.present_weight = 0.0
+        self.present_weight_by_rank = [0.0] * tier_count
+        for flow in flows:
+            self.backlogged_flows += bool(len(flow.queue))
+            if len(flow.queue) or flow.running:
+                self.present_flows += 1
+                self.present_weight += flow.weight
+                self.present_weight_by_rank[flow.tier_rank] += flow.weight
+
     def forget_idle(self, now: float) -> int:
         """Drop the flows of tenants with nothing queued or running whose state matters
         no more (the selector says which; a debt matters for `DEBT_MEMORY_S`), so that

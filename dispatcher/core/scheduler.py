@@ -26,14 +26,15 @@ from dispatcher.core.admission import (Check, LimiterStore, Settlement, limit_ch
                                        request_tokens, settlement, throttle)
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
+from dispatcher.core.observe import RequestKey, SchedulerView
 from dispatcher.core.placement import BLOCKED, HELD, PLACED, Placement
 from dispatcher.core.queues import arrival_order, priority_order
+from dispatcher.core.reconfigure import reconfigure
 from dispatcher.core.tiers import selector_for
 from dispatcher.core.types import Decision, Outcome, Request, Selection
 
 Policy = Literal["fairq", "fifo", "vtc"]
 POLICIES: tuple[Policy, ...] = ("fairq", "fifo", "vtc")
-RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
 
 # Flows set aside per worker in one pass before giving up on filling it: bounds the work
 # of one `place` when many heads are too large for the room left.
@@ -58,7 +59,7 @@ class Completed:
     settlement: Settlement
 
 
-class Scheduler:
+class Scheduler(SchedulerView):
     def __init__(self, config: Config, *, policy: Policy = "fairq",
                  estimator: OutputEstimator | None = None) -> None:
         if policy not in POLICIES:
@@ -77,6 +78,9 @@ class Scheduler:
         self._queued: dict[RequestKey, TenantFlow] = {}
         self._running: dict[RequestKey, tuple[Request, TenantFlow]] = {}
         self._deadlines: list[tuple[float, str, str]] = []
+        # Requests of tenants a reload removed that came to a queue after it (admitted
+        # across it, or put back from a lost worker): the caller ends them.
+        self.removed: list[Request] = []
 
     # -- admission ---------------------------------------------------------------
 
@@ -138,6 +142,9 @@ class Scheduler:
         """Queue a request that passed `check` and the limiter store."""
         endpoint = self.endpoints[request.endpoint]
         flow = self._flow(endpoint, request.tenant)
+        if flow is None:  # its tenant was removed by a reload since `check`
+            self.removed.append(request)
+            return
         self._estimate(endpoint, request)
         endpoint.clock = now
         endpoint.mark_present(flow)
@@ -273,6 +280,9 @@ class Scheduler:
         flow.served_cost -= request.charged_cost
         self._stop(endpoint, flow, request)
         request.dispatched_at, request.output_charged = None, 0
+        if endpoint.flows.get(tenant) is not flow:  # its tenant was removed by a reload
+            self.removed.append(request)
+            return request
         self._estimate(endpoint, request)
         endpoint.mark_present(flow)
         flow.queue.push(request)
@@ -305,29 +315,6 @@ class Scheduler:
 
     # -- observation ---------------------------------------------------------------
 
-    def state(self, tenant: str, request_id: str) -> tuple[str, int | None] | None:
-        """("queued", position in its tenant's queue), ("running", None), or None."""
-        key = (tenant, request_id)
-        if key in self._running:
-            return "running", None
-        flow = self._queued.get(key)
-        if flow is None:
-            return None
-        return "queued", flow.queue.position(request_id)
-
-    def running_request(self, tenant: str, request_id: str) -> Request | None:
-        entry = self._running.get((tenant, request_id))
-        return entry[0] if entry else None
-
-    def queued_count(self, endpoint: str | None = None) -> int:
-        return (len(self._queued) if endpoint is None
-                else sum(len(f.queue) for f in self.endpoints[endpoint].flows.values()))
-
-    def tenant_queued(self, tenant: str) -> int:
-        """Requests of `tenant` waiting in its queues, over every endpoint."""
-        return sum(len(endpoint.flows[tenant].queue) for endpoint in self.endpoints.values()
-                   if tenant in endpoint.flows)
-
     def depth(self, now: float) -> list[DepthRow]:
         rows = []
         for endpoint in self.endpoints.values():
@@ -346,15 +333,20 @@ class Scheduler:
         queues = self.endpoints[endpoint]
         queues.capacity_mu_per_s, queues.startup_wait_s = mu_per_s, startup_wait_s
 
-    def flow(self, endpoint: str, tenant: str) -> TenantFlow | None:
-        return self.endpoints[endpoint].flows.get(tenant)
+    def reconfigure(self, config: Config, now: float) -> list[Request]:
+        """Swap the configuration at run time (dispatcher/core/reconfigure.py); returns
+        the queued requests of the tenants it removed, for the caller to end."""
+        return reconfigure(self, config, now)
 
     # -- internals -------------------------------------------------------------------
 
-    def _flow(self, endpoint: EndpointQueues, tenant: str) -> TenantFlow:
+    def _flow(self, endpoint: EndpointQueues, tenant: str) -> TenantFlow | None:
+        """The tenant's flow, made if need be; None for a tenant the registry rejects."""
         flow = endpoint.flows.get(tenant)
         if flow is None:
             policy = self.registry.tenant(tenant)
+            if policy is None:
+                return None
             flow = TenantFlow(policy, endpoint.spec.quantum, self._order)
             flow.idle_since = endpoint.clock
             endpoint.flows[tenant] = flow

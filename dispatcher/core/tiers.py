@@ -101,6 +101,29 @@ class TierLadder:
         return [flow for flow in idle
                 if flow in forgive or self.rings[flow.tier_rank].repaid(flow)]
 
+    def retier(self, new_ranks: list[int | None], tier_count: int,
+               moves: list[tuple[TenantFlow, int]]) -> None:
+        """The tiers changed (a reload). `moves`: the flows whose tenant changed tier or
+        left, each with its new rank; they leave their rings first. Then the ring of old
+        rank r becomes the ring of rank `new_ranks[r]`, state and all (None: its tier is
+        gone), a new tier gets an empty ring, and each moved flow joins its new ring:
+        its requests keep their order, its debt is repaid there from now on, and it is
+        scheduled at once if it has work queued (a fresh quantum, as any flow that joins).
+        """
+        for flow, _ in moves:
+            if flow.in_ring:
+                self.rings[flow.tier_rank].withdraw(flow)
+        rings = [DrrRing() for _ in range(tier_count)]
+        for ring, rank in zip(self.rings, new_ranks):
+            if rank is not None:
+                rings[rank] = ring
+        self.rings = rings
+        for flow, rank in moves:
+            flow.tier_rank = rank
+            flow.left_at_round = rings[rank].round
+            if len(flow.queue):
+                rings[rank].activate(flow)
+
 
 class FifoSelector:
     """Global arrival order across tenants: a k-way merge of the tenants' queues."""
