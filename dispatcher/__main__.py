@@ -36,7 +36,8 @@ from broker_config.connection import (
 )
 from broker_config.runtime import freeze_startup_heap
 from dispatcher.metrics import DispatcherMetrics
-from dispatcher.redis_limits import limiter_from_url
+from dispatcher.kv_limits import open_limiter_store
+from dispatcher.redis_limits import LimiterUnavailable
 from dispatcher.service import Dispatcher
 
 log = logging.getLogger("fairq.dispatcher")
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL")
     add_connection_args(parser)
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
-    parser.add_argument("--redis-url", help="Redis for rate limits (default: in-process)")
+    parser.add_argument("--redis-url", help="Redis for rate limits and quotas (default: in "
+                        "process, monthly usage kept in a NATS KV bucket)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on PORT (0: a free port)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
@@ -119,7 +121,12 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
     except (OSError, nats.errors.NoServersError) as exc:
         print(f"fairq dispatcher: cannot reach NATS at {args.nats}: {exc}", file=sys.stderr)
         return 1
-    limiter = limiter_from_url(args.redis_url)
+    try:
+        limiter = await open_limiter_store(args.redis_url, nc, config.broker)
+    except LimiterUnavailable as exc:
+        print(f"fairq dispatcher: {exc}", file=sys.stderr)
+        await nc.close()
+        return 1
     try:
         async with Dispatcher(nc, config, limiter=limiter, metrics=metrics):
             freeze_startup_heap()

@@ -153,13 +153,6 @@ class RedisLimiterStore:
         return list(reply)
 
 
-def limiter_from_url(url: str | None, *, prefix: str = DEFAULT_PREFIX) -> AsyncLimiterStore:
-    """The Redis store for a redis:// (rediss://, unix://) URL; None for the in-process one."""
-    if url is None:
-        return MemoryLimiterAsync()
-    return RedisLimiterStore.from_url(url, prefix=prefix)
-
-
 def validate_checks(checks: Sequence[Check], now: float) -> None:
     """Reject input the arithmetic cannot take (zero rates, negative costs, NaN) with a
     ValueError naming the field, instead of a division error or a silent wrong answer."""

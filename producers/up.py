@@ -79,7 +79,7 @@ from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
 from dispatcher.core.workers import WorkerPool
 from dispatcher.metrics import DispatcherMetrics
-from dispatcher.redis_limits import limiter_from_url
+from dispatcher.kv_limits import open_limiter_store
 from dispatcher.service import Dispatcher
 from producers.client import Client
 from producers.openai_front.app import Front
@@ -158,7 +158,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(chat=3,embed=0: embed gets none)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiplies simulated engine time (0.1 = ten times faster)")
-    parser.add_argument("--redis-url", help="use Redis for rate limits (default: in-process)")
+    parser.add_argument("--redis-url", help="use Redis for rate limits and quotas (default: "
+                        "in process, monthly usage kept in a NATS KV bucket)")
     parser.add_argument("--metrics-port", type=int, default=9464,
                         help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free "
                              "one if that is taken)")
@@ -282,7 +283,7 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
             port=args.port, config_file=auth.config if auth else None))
         nc = await nats.connect(server.url, name="fairq-up", **_seed(auth, DISPATCHER_USER))
         stack.push_async_callback(nc.drain)
-        limiter = limiter_from_url(args.redis_url)
+        limiter = await open_limiter_store(args.redis_url, nc, config.broker)
         stack.push_async_callback(limiter.aclose)
         dispatcher = await stack.enter_async_context(
             Dispatcher(nc, config, limiter=limiter, metrics=metrics))

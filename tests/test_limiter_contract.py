@@ -29,14 +29,13 @@ from dispatcher.core.admission import (
     quota_check,
 )
 from dispatcher.core.types import ADMITTED, Decision, Outcome
-from dispatcher.kv_limits import KvLimiterStore
+from dispatcher.kv_limits import KvLimiterStore, open_limiter_store
 from dispatcher.redis_limits import (
     DEFAULT_PREFIX,
     AsyncLimiterStore,
     LimiterUnavailable,
     MemoryLimiterAsync,
     RedisLimiterStore,
-    limiter_from_url,
 )
 
 # Unix time of 2023-11-14: a realistic wall clock for the calendar-quota tests.
@@ -400,7 +399,7 @@ def _closed_port() -> int:
 
 
 async def test_unreachable_redis_raises_instead_of_deciding() -> None:
-    store = limiter_from_url(f"redis://127.0.0.1:{_closed_port()}/0")
+    store = RedisLimiterStore.from_url(f"redis://127.0.0.1:{_closed_port()}/0")
     rpm = RateCheck("rpm:chat:acme", per_minute=60, burst=1, cost=1)
     try:
         with pytest.raises(LimiterUnavailable, match="redis limiter store failed"):
@@ -433,12 +432,19 @@ async def test_redis_crash_raises_then_recovers(redis_binary: Path) -> None:
         await asyncio.to_thread(server.stop)
 
 
-async def test_limiter_from_url_picks_the_store() -> None:
-    assert isinstance(limiter_from_url(None), MemoryLimiterAsync)
-    store = limiter_from_url("redis://127.0.0.1:1/0")
-    assert isinstance(store, RedisLimiterStore)
-    await store.aclose()
-    with pytest.raises(ValueError, match="scheme"):
-        limiter_from_url("http://127.0.0.1:6379")
+@pytest.mark.integration
+async def test_the_redis_url_picks_the_store(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        embedded = await open_limiter_store(None, nc, BrokerSettings())
+        assert isinstance(embedded, KvLimiterStore)
+        await embedded.aclose()
+        store = await open_limiter_store("redis://127.0.0.1:1/0", nc, BrokerSettings())
+        assert isinstance(store, RedisLimiterStore)
+        await store.aclose()
+        with pytest.raises(ValueError, match="scheme"):
+            await open_limiter_store("http://127.0.0.1:6379", nc, BrokerSettings())
+    finally:
+        await nc.close()
     with pytest.raises(ValueError, match="expiry_grace_s"):
         RedisLimiterStore.from_url("redis://127.0.0.1:1/0", expiry_grace_s=-1.0)
