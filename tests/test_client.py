@@ -544,7 +544,7 @@ def test_top_never_shows_credentials() -> None:
 async def fairq(*args: str) -> tuple[int, str, str]:
     """Run `fairq ARGS` as a child process; (exit code, stdout, stderr)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("NATS_URL", "NATS_USER", "NATS_PASSWORD")}
+           if k != "NATS_URL" and not k.startswith("FAIRQ_NATS_")}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "producers.cli", *args, cwd=REPO, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

@@ -22,6 +22,8 @@ from nats.aio.subscription import Subscription
 
 from bench.procstat import children_of, processes, worker_pid
 from broker_config.config import load_config
+from broker_config.wire import DoneEvent
+from producers.client import Client, ConnectionFailed
 from producers.scaling import ScaleFollower
 from producers.supervisor import Backoff, Child, Supervisor, SupervisorError
 
@@ -407,3 +409,47 @@ async def test_scaling_never_reuses_the_id_of_a_worker_still_draining(tmp_path: 
         await follower.apply("chat", 3)  # chat-w2 has exited: its id is free again
         assert sorted(supervisor.children) == ["chat-w1", "chat-w2", "chat-w3"]
     assert any("scaled chat down: draining chat-w2" in line for line in said), said
+
+
+async def test_fairq_up_auth_runs_every_part_as_its_own_broker_user(
+        nats_binary: Path, tmp_path: Path) -> None:
+    """`--auth`: nats-server refuses anonymous clients, the workers and the front serve
+    with their own users, and a tenant connects with the seed file under AUTH_DIR."""
+    up = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producers.cli", "up", "--auth", "--port", "0", "--workers",
+        "chat=1,embed=0", "--time-scale", "0.05", "--metrics-port", "0", "--front-port", "0",
+        "--log-dir", str(tmp_path), cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output = Output(up.stdout)
+    reader = asyncio.create_task(output.pump())
+    started: dict[int, list[str]] = {}
+    try:
+        url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
+        base_url = (await output.expect("OPENAI_BASE_URL=", START_S)).split("=", 1)[1]
+        key = (await output.expect("OPENAI_API_KEY=", START_S)).split("=", 1)[1]
+        auth_dir = Path((await output.expect("AUTH_DIR=", START_S)).split("=", 1)[1])
+        assert auth_dir == tmp_path / "auth"
+        await output.expect("fairq is up: 1 simulated workers on chat, embed", START_S)
+        started = children_of(up.pid)
+        with pytest.raises(ConnectionFailed, match="(?i)authorization violation"):
+            await Client.connect(url, allow_reconnect=False)
+        async with Client.connect(url, nkey=auth_dir / "acme.nk",
+                                  tenant_inboxes="acme") as acme:
+            done = await acme.run("chat", "acme", prompt="hi", max_tokens=4,
+                                  timeout_s=REQUEST_S)
+            assert isinstance(done, DoneEvent)
+            with pytest.raises(nats.errors.TimeoutError):
+                await acme.connection.jetstream(timeout=1).publish("fq.req.chat.globex", b"{}")
+        # The front, as fq-front, submits for acme into acme's inbox.
+        body = json.dumps({"model": "chat", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        request = urllib.request.Request(f"{base_url}/chat/completions", data=body, headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        answer = await asyncio.to_thread(urllib.request.urlopen, request, timeout=REQUEST_S)
+        assert json.loads(answer.read())["choices"][0]["message"]["content"]
+        up.send_signal(signal.SIGINT)
+        await output.expect("fairq: stopped", STOP_S)
+        async with asyncio.timeout(STOP_S):
+            assert await up.wait() == 0
+    finally:
+        await leave_nothing_running(up, started, reader)
