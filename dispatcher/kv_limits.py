@@ -57,6 +57,8 @@ log = logging.getLogger("fairq.dispatcher")
 FLUSH_S = 0.5
 # Compare-and-set rounds per counter and write before it waits for the next flush.
 MAX_CAS_ATTEMPTS = 8
+# Counters written at once: bounds the acks in flight with many tenants.
+FLUSH_CONCURRENCY = 64
 
 
 class StoredUsage(msgspec.Struct, frozen=True):
@@ -71,6 +73,8 @@ class KvLimiterStore:
         self._memory = MemoryLimiterStore()
         # Counters read from the bucket since start -> their period's end.
         self._loaded: dict[str, float] = {}
+        # Counter -> (revision, value) as this process last read or wrote it (0: none).
+        self._revisions: dict[str, tuple[int, float]] = {}
         # Per counter: what decisions changed since the last write, and its period's end.
         self._pending: dict[str, tuple[float, float]] = {}
         self._load_lock = asyncio.Lock()
@@ -121,17 +125,23 @@ class KvLimiterStore:
         """Add each counter's pending change to its stored value."""
         async with self._flush_lock:
             pending, self._pending = self._pending, {}
-            for key, (change, expires_at) in pending.items():
-                try:
-                    stored = await self._add_stored(key, change, expires_at)
-                except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                    log.warning("quota counter %s not stored yet: %r", key, exc)
-                    self._add_pending(key, change, expires_at)
-                    continue
-                # The stored value has every dispatcher's usage; this one's since the swap
-                # is still pending, and counts here too.
-                self._memory.set_quota_used(
-                    key, stored + self._pending.get(key, (0.0, 0.0))[0], expires_at)
+            items = list(pending.items())
+            for first in range(0, len(items), FLUSH_CONCURRENCY):
+                await asyncio.gather(*(self._flush_one(key, change, expires_at) for
+                                       key, (change, expires_at) in
+                                       items[first:first + FLUSH_CONCURRENCY]))
+
+    async def _flush_one(self, key: str, change: float, expires_at: float) -> None:
+        try:
+            stored = await self._add_stored(key, change, expires_at)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("quota counter %s not stored yet: %r", key, exc)
+            self._add_pending(key, change, expires_at)
+            return
+        # The stored value has every dispatcher's usage; this one's since the swap is
+        # still pending, and counts here too.
+        self._memory.set_quota_used(
+            key, stored + self._pending.get(key, (0.0, 0.0))[0], expires_at)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -146,6 +156,8 @@ class KvLimiterStore:
         """Counters whose period ended are read again if they are ever used again."""
         self._loaded = {key: end for key, end in self._loaded.items()
                         if end > now or key in self._pending}
+        self._revisions = {key: seen for key, seen in self._revisions.items()
+                           if key in self._loaded}
 
     async def _load(self, quotas: list[QuotaCheck]) -> None:
         missing = [check for check in quotas if check.key not in self._loaded]
@@ -176,32 +188,40 @@ class KvLimiterStore:
 
     async def _read(self, key: str) -> StoredUsage | None:
         try:
-            entry = await self._kv.get(_kv_key(key))
-        except KeyNotFoundError:
-            return None
+            return await self._get(key)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             raise LimiterUnavailable(f"limits bucket unavailable: {exc!r}") from exc
-        return _decode(key, entry.value)
+
+    async def _get(self, key: str) -> StoredUsage | None:
+        """The stored counter, its revision remembered for the next write."""
+        try:
+            entry = await self._kv.get(_kv_key(key))
+        except KeyNotFoundError:
+            self._revisions[key] = (0, 0.0)
+            return None
+        stored = _decode(key, entry.value)
+        self._revisions[key] = (entry.revision, stored.used if stored is not None else 0.0)
+        return stored
 
     async def _add_stored(self, key: str, change: float, expires_at: float) -> float:
-        """Add `change` to the stored counter (never below 0); its new value."""
-        name = _kv_key(key)
+        """Add `change` to the stored counter (never below 0); its new value. Written on
+        the revision this process last saw, so one round trip unless another dispatcher
+        wrote since (then it reads and tries again)."""
         for _ in range(MAX_CAS_ATTEMPTS):
-            try:
-                entry = await self._kv.get(name)
-            except KeyNotFoundError:
-                entry = None
-            stored = _decode(key, entry.value) if entry is not None else None
-            used = max(0.0, (stored.used if stored is not None else 0.0) + change)
+            if key not in self._revisions:
+                await self._get(key)
+            revision, used = self._revisions.pop(key)
+            used = max(0.0, used + change)
             value = msgspec.json.encode(StoredUsage(used, expires_at))
             try:
-                if entry is None:
-                    await self._kv.create(name, value)
+                if revision == 0:
+                    revision = await self._kv.create(_kv_key(key), value)
                 else:
-                    await self._kv.update(name, value, last=entry.revision)
-                return used
+                    revision = await self._kv.update(_kv_key(key), value, last=revision)
             except KeyWrongLastSequenceError:
                 continue  # another dispatcher wrote first: add to its value
+            self._revisions[key] = (revision, used)
+            return used
         raise nats.errors.Error(f"{MAX_CAS_ATTEMPTS} conflicting writes in a row")
 
 
