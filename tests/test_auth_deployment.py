@@ -325,10 +325,21 @@ async def test_a_rerender_and_reload_lets_a_new_tenant_in_without_a_restart(
         assert not (d.auth.directory / "initech.nk").exists()
         old_globex = d.seed("globex")
         globex_seed = old_globex.read_bytes()
+        globex_closed = asyncio.Event()
+
+        async def on_closed() -> None:
+            globex_closed.set()
+
+        globex = await nats.connect(d.server.url, nkeys_seed=str(old_globex),
+                                    inbox_prefix=S.inbox_prefix("globex"),
+                                    allow_reconnect=False, closed_cb=on_closed)
         rendered = render_auth_dir(d.auth.directory, S, ["acme", "initech"])
         assert rendered.added == ("initech",) and rendered.removed == ("globex",)
         await asyncio.to_thread(d.server.reload)
         assert d.server.pid == pid
+        # The removed tenant's open connection is closed by the reload.
+        await asyncio.wait_for(globex_closed.wait(), 10)
+        assert globex.is_closed
         async with Client.connect(d.server.url, nkey=rendered.seeds["initech"],
                                   tenant_inboxes="initech") as initech:
             done = await initech.run("chat", "initech", prompt="hi", max_tokens=4,
