@@ -6,6 +6,7 @@ Public subjects (firm, see docs/protocol.md):
     <prefix>.api.status.<tenant>         request/reply
     <prefix>.api.cancel.<tenant>         request/reply
     <prefix>.api.depth                   request/reply
+    <prefix>.admin.reload                request/reply, every dispatcher answers (operators)
 
 Stored subjects (may change): the requests stream keeps each request under
 `<prefix>.q.<shard>.<endpoint>.<tenant>`, the shard a hash of the tenant (the stream's
@@ -172,6 +173,12 @@ class Subjects:
     @property
     def depth(self) -> str:
         return f"{self.prefix}.api.depth"
+
+    @property
+    def admin_reload(self) -> str:
+        """Every dispatcher re-reads its config file and answers (dispatcher/reload.py).
+        Outside `tenant_api` and `tenant_requests`, so no tenant user may publish it."""
+        return f"{self.prefix}.admin.reload"
 
     def api_filter(self, kind: ApiKind) -> str:
         """What the dispatcher subscribes to for one API (every tenant's status, ...)."""

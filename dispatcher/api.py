@@ -199,7 +199,9 @@ class Api:
             decisions = counts.get(key)
             admitted, rejected = (decisions.admitted, decisions.rejected) if decisions \
                 else (0, 0)
-            tier = row.tier if row else self.scheduler.registry.tenant(key[1]).tier
+            if row is None and (policy := self.scheduler.registry.tenant(key[1])) is None:
+                continue  # a tenant a reload removed, with nothing left here
+            tier = row.tier if row else policy.tier
             entries.append(wire.DepthEntry(
                 key[0], tier, key[1], row.queued if row else 0, row.running if row else 0,
                 row.oldest_wait_s if row else 0.0, admitted, rejected))

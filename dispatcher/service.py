@@ -13,6 +13,7 @@ One request's path through the parts:
     autoscale.Autoscaling    desired workers per autoscaled endpoint: gauges, scale events
     drift.DriftWatch         is each endpoint's profile still right: a gauge, a warning
     api.Api                  status, cancel, depth
+    reload.Reloader          the config file re-read at run time (SIGHUP, admin request)
     results.Results          final events: stored, published
 
 The maintenance tick (this module) drops queued requests past their deadline, takes
@@ -43,6 +44,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -64,6 +66,7 @@ from dispatcher.intake import Intake
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.probes import Probes
 from dispatcher.redis_limits import AsyncLimiterStore, MemoryLimiterAsync
+from dispatcher.reload import Reloader, ReloadReply
 from dispatcher.reports import WorkerReports
 from dispatcher.results import Results
 
@@ -94,7 +97,9 @@ class State(enum.Enum):
 
 class Dispatcher:
     def __init__(self, nc: NATS, config: Config, *, limiter: AsyncLimiterStore | None = None,
-                 metrics: DispatcherMetrics | None = None) -> None:
+                 metrics: DispatcherMetrics | None = None,
+                 config_path: str | Path | None = None) -> None:
+        """`config_path`: the file `config` was read from, re-read by `reload`."""
         self.nc = nc
         self.config = config
         self.options = config.dispatcher
@@ -114,6 +119,7 @@ class Dispatcher:
         self._api_calls: set[asyncio.Task[None]] = set()
         self._api_slots = asyncio.Semaphore(MAX_API_CALLS)
         self._api_calls_of: Counter[str] = Counter()  # tenant -> its calls in flight
+        self.reloader = Reloader(self, config_path)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -130,6 +136,7 @@ class Dispatcher:
         await self._stack.aclose()
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        self.reloader.start()
         await provision(self.nc.jetstream(), self.config.broker)
         results = await stack.enter_async_context(Results(self.nc, self.subjects))
         stored = await stack.enter_async_context(
@@ -162,6 +169,8 @@ class Dispatcher:
         await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self.api.on_cancel,
                               side_by_side=True)
         await self._subscribe(self.subjects.depth, self.api.on_depth)
+        await self._subscribe(self.subjects.admin_reload, self.reloader.on_request)
+        stack.push_async_callback(self.reloader.close)
         self._settled_at = time.time() + self.options.settle_s
         self.state = State.SETTLING
         # The shard consumers cover all endpoints: requests for an endpoint this config
@@ -243,6 +252,19 @@ class Dispatcher:
         await self.held.hand_back()
         await self.nc.flush()
 
+    # -- reload ----------------------------------------------------------------------------
+
+    async def reload(self) -> ReloadReply:
+        """Re-read the config file and apply its tenants, tiers and unlisted policy
+        (dispatcher/reload.py); the reply says what changed, or why nothing did."""
+        return await self.reloader.reload()
+
+    def use_config(self, config: Config) -> None:
+        """The configuration a reload applied, for every part that reads it."""
+        self.config = config
+        for part in (self.admission, self.api, self.reports):
+            part.config = config
+
     # -- glue ------------------------------------------------------------------------------
 
     def _may_dispatch(self) -> bool:
@@ -283,6 +305,7 @@ class Dispatcher:
             await asyncio.sleep(self.options.tick_s)
             now = self._ticked_at = time.time()
             await self.admission.drop_expired(self.scheduler.expire(now), now)
+            await self.reloader.end_set_aside()
             await self.reports.take_back_silent(now)
             for worker, lost in await self.probes.tick(now):
                 await self.reports.evicted(worker, lost)

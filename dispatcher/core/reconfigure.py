@@ -37,10 +37,15 @@ class ReloadError(ValueError):
     """A configuration that cannot replace the running one without a restart."""
 
 
-def restart_sections(old: Config, new: Config) -> list[str]:
-    """The sections of `new` that differ from `old` and that a reload cannot change."""
-    return [name for name in Config.__struct_fields__
-            if name not in RELOADABLE and getattr(old, name) != getattr(new, name)]
+def check_reloadable(old: Config, new: Config) -> None:
+    """A ReloadError naming the sections of `new` that differ from `old` and that a
+    reload cannot change, if any."""
+    sections = [name for name in Config.__struct_fields__
+                if name not in RELOADABLE and getattr(old, name) != getattr(new, name)]
+    if sections:
+        raise ReloadError(f"section(s) {', '.join(sections)} changed: a reload may change "
+                          f"only {', '.join(RELOADABLE)}; restart the dispatchers to apply "
+                          "the rest (the running configuration stays in force)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +73,7 @@ def reconfigure(scheduler: Scheduler, config: Config, now: float) -> list[Reques
     """Apply `config` to `scheduler` (see the module doc), or raise ReloadError and
     change nothing. Returns the queued requests of the tenants it no longer admits, in
     their queues' order."""
-    sections = restart_sections(scheduler.config, config)
-    if sections:
-        raise ReloadError(f"section(s) {', '.join(sections)} changed: a reload may change "
-                          f"only {', '.join(RELOADABLE)}; restart the dispatchers to apply "
-                          "the rest (the running configuration stays in force)")
+    check_reloadable(scheduler.config, config)
     registry = Registry(config)
     # Nothing below fails: the swap is whole.
     new_ranks = [registry.tier_rank.get(tier.name) for tier in scheduler.config.tiers]
