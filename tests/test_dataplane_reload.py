@@ -161,6 +161,8 @@ async def test_a_tenant_added_to_the_file_is_served_after_sighup(nats_url, clien
     path = tmp_path / "fairq.toml"
     write_config(path, {"acme": "enterprise"})
     async with LocalStack(load_config(path), options(), nats_url=nats_url) as stack:
+        (reply,) = await reload_all(client)
+        assert not reply["ok"] and "started without a config file" in reply["error"]
         with_config_file(stack, path)
         (before,) = await track(client, "newco", 1)
         await finished([before])
