@@ -3,9 +3,10 @@
 Settings come from the config file (`[dispatcher]`, `[broker]`); the flags below override
 single fields of `[dispatcher]`. Credentials: `broker_config.connection` (`--nkey` with
 `fairq auth`'s `fq-dispatcher.nk`, plus `--tenant-inboxes` on a broker with tenant users).
-The dispatcher provisions the broker (idempotently) on start. SIGTERM or SIGINT drains
-it (see `dispatcher.service`) and exits 0; a bad config or flag exits 2; a broker that
-cannot be reached exits 1.
+The dispatcher provisions the broker (idempotently) on start. SIGHUP (or `fairq reload`)
+re-reads the config file's tenants, tiers and limits (dispatcher/reload.py). SIGTERM or
+SIGINT drains it (see `dispatcher.service`) and exits 0; a bad config or flag exits 2; a
+broker that cannot be reached exits 1.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from broker_config.connection import (
 from broker_config.runtime import freeze_startup_heap
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.kv_limits import open_limiter_store
+from dispatcher.reload import install_reload_signal
 from dispatcher.redis_limits import LimiterUnavailable
 from dispatcher.service import Dispatcher
 
@@ -128,7 +130,9 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
         await nc.close()
         return 1
     try:
-        async with Dispatcher(nc, config, limiter=limiter, metrics=metrics):
+        async with Dispatcher(nc, config, limiter=limiter, metrics=metrics,
+                              config_path=args.config) as dispatcher:
+            install_reload_signal(loop, dispatcher)
             freeze_startup_heap()
             print("fairq dispatcher: running", flush=True)
             await stop.wait()

@@ -19,17 +19,19 @@ from broker_config.subjects import Subjects
 from dispatcher.reload import ReloadReply
 
 
-async def reload_dispatchers(nc: NATS, subjects: Subjects,
-                             timeout_s: float) -> list[ReloadReply]:
-    """The replies of every dispatcher that answered within `timeout_s`, in arrival
-    order; a reply that cannot be decoded comes back as a failed one that says so."""
+async def reload_dispatchers(nc: NATS, subjects: Subjects, timeout_s: float,
+                             expected: int | None = None) -> list[ReloadReply]:
+    """The replies of every dispatcher that answered within `timeout_s` (or until
+    `expected` have), in arrival order; a reply that cannot be decoded comes back as a
+    failed one that says so."""
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     replies: list[ReloadReply] = []
     try:
         await nc.publish(subjects.admin_reload, b"{}", reply=inbox)
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and (
+                expected is None or len(replies) < expected):
             try:
                 msg = await subscription.next_msg(timeout=left)
             except asyncio.TimeoutError:

@@ -16,6 +16,7 @@ COMMANDS = {
     "status": "producers.commands",
     "cancel": "producers.commands",
     "top": "producers.commands",
+    "reload": "producers.commands",
     "calibrate": "workers.calibrate",
     "front-key": "producers.openai_front.keys",
     "auth": "producers.auth_command",

@@ -256,6 +256,11 @@ class Client:
         # Reply subscriptions not yet consumed by stream(); removed on close().
         self._listening: set[Subscription] = set()
 
+    @property
+    def nc(self) -> NATS:
+        """The connection, for operator calls beside the SDK's (producers.admin)."""
+        return self._nc
+
     @staticmethod
     def connect(url: str, *, prefix: str = "fq", tenant_inboxes: str | None = None,
                 user: str | None = None, password: str | None = None,

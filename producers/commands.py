@@ -1,6 +1,7 @@
-"""`fairq submit | status | cancel | top`: the producer side of the command line.
+"""`fairq submit | status | cancel | top | reload`: the producer side of the command line.
 
-Exit codes: 0 success; 1 the request ended with an error event; 2 the command could not do
+Exit codes: 0 success; 1 the request ended with an error event (for reload: a dispatcher
+refused the file, or too few answered); 2 the command could not do
 what was asked (no server, no dispatcher, invalid input), reported as one line on stderr.
 """
 
@@ -25,7 +26,7 @@ from broker_config.connection import (
     connect_options,
     has_credentials,
 )
-from broker_config.subjects import TOKEN_PATTERN, is_token
+from broker_config.subjects import TOKEN_PATTERN, Subjects, is_token
 from broker_config.wire import (
     DepthEntry,
     DepthReply,
@@ -34,6 +35,7 @@ from broker_config.wire import (
     ErrorEvent,
     TokenEvent,
 )
+from producers.admin import reload_dispatchers
 from producers.client import (
     ApiError,
     Client,
@@ -54,13 +56,14 @@ Main = Callable[[argparse.Namespace], Awaitable[int]]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register submit, status, cancel and top (one module, four commands)."""
+    """Register submit, status, cancel, top and reload (one module, five commands)."""
     connection = _connection_options()
     tenant = _tenant_options()
     _add_submit(subparsers, [connection, tenant])
     _add_status(subparsers, [connection, tenant])
     _add_cancel(subparsers, [connection, tenant])
     _add_top(subparsers, [connection])
+    _add_reload(subparsers, [connection])
 
 
 # -- arguments -----------------------------------------------------------------------------
@@ -100,6 +103,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
@@ -166,6 +179,20 @@ def _add_top(subparsers: argparse._SubParsersAction,
                         help="seconds between refreshes (default 1)")
     parser.add_argument("--once", action="store_true", help="print one table and exit")
     parser.set_defaults(run=_runner("top", _top, interrupted=0))
+
+
+def _add_reload(subparsers: argparse._SubParsersAction,
+                parents: list[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "reload", parents=parents, help="have every dispatcher re-read its config file",
+        description="Ask every dispatcher to re-read its config file: tenants, tiers, "
+                    "weights and limits change without a restart (docs/configuration.md, "
+                    "Reloading). Prints each dispatcher's answer; exits 1 if one refused or "
+                    "fewer than --expect answered within --timeout. Broker users are "
+                    "separate: re-render them with `fairq auth` and reload nats-server.")
+    parser.add_argument("--expect", type=_positive_int, default=1, metavar="N",
+                        help="dispatchers that must answer; waits for no more (default 1)")
+    parser.set_defaults(run=_runner("reload", _reload))
 
 
 # -- running -------------------------------------------------------------------------------
@@ -384,3 +411,28 @@ async def _top(args: argparse.Namespace) -> int:
                 return 0
             _write(f"{CLEAR_SCREEN}{screen}\n")
             await asyncio.sleep(args.interval)
+
+
+# -- reload --------------------------------------------------------------------------------
+
+
+async def _reload(args: argparse.Namespace) -> int:
+    async with _connect(args) as client:
+        replies = await reload_dispatchers(client.nc, Subjects(args.prefix), args.timeout,
+                                           expected=args.expect)
+    for reply in replies:
+        if reply.ok:
+            print(f"{reply.dispatcher}: reloaded; tenants added {_names(reply.added)}, "
+                  f"removed {_names(reply.removed)}, changed {_names(reply.changed)}")
+        else:
+            print(f"{reply.dispatcher}: refused, its configuration stays: {reply.error}",
+                  file=sys.stderr)
+    if len(replies) < args.expect:
+        print(f"fairq reload: {len(replies)} of {args.expect} dispatchers answered within "
+              f"{args.timeout:g}s", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_FAILED if any(not reply.ok for reply in replies) else 0
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if names else "none"

@@ -32,6 +32,10 @@ keeps the credentials), nats-server runs with them, the dispatcher (with tenant 
 the workers and the front connect as their own users, and AUTH_DIR is printed: a tenant
 connects with `<AUTH_DIR>/<tenant>.nk`.
 
+Reload (SIGHUP to this process; `fairq reload` reaches the dispatcher alone): the config
+file's tenants, tiers, weights and limits apply without a restart; with `--auth` the
+broker users are re-rendered and nats-server reloaded first (`Reloads`).
+
 Stop order: the front first (no new requests; open ones get its drain time), then the
 workers (SIGTERM, all at once: each finishes its running requests
 within `[workers] drain_timeout_s`, and the still-running dispatcher acks them; SIGKILL
@@ -252,6 +256,10 @@ def _say(message: str) -> None:
     print(f"fairq: {message}", flush=True)
 
 
+def _names(names: list[str]) -> str:
+    return ", ".join(names) or "none"
+
+
 def _log_dir(path: Path | None) -> Path:
     if path is None:
         return Path(tempfile.mkdtemp(prefix="fairq-up-"))
@@ -286,7 +294,10 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         limiter = await open_limiter_store(args.redis_url, nc, config.broker)
         stack.push_async_callback(limiter.aclose)
         dispatcher = await stack.enter_async_context(
-            Dispatcher(nc, config, limiter=limiter, metrics=metrics))
+            Dispatcher(nc, config, limiter=limiter, metrics=metrics, config_path=args.config))
+        reloads = Reloads(server, dispatcher, config, auth)
+        loop.add_signal_handler(signal.SIGHUP, reloads.trigger)
+        stack.push_async_callback(reloads.close)
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
         launcher = WorkerLauncher(
             server.url, args.config.resolve(), args.time_scale, log_dir,
@@ -327,6 +338,57 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         _say("draining...")
     _say("stopped")
     return 0
+
+
+class Reloads:
+    """SIGHUP: the config file's tenants, tiers and limits, without a restart. With
+    `--auth` the broker users are re-rendered and nats-server reloaded first, so that a
+    tenant added to the file can connect by the time the dispatcher admits it."""
+
+    def __init__(self, server: EmbeddedNatsServer, dispatcher: Dispatcher, config: Config,
+                 auth: RenderedAuth | None) -> None:
+        self.server = server
+        self.dispatcher = dispatcher
+        # The front's keys are made at start (the development key), not read from the file.
+        self.front_tenants = {key.tenant for key in config.front.keys}
+        self.auth = auth
+        self._running: set[asyncio.Task[None]] = set()
+
+    def trigger(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.reload())
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def close(self) -> None:
+        for task in self._running:
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def reload(self) -> None:
+        if self.auth is not None:
+            await self._render_users()
+        reply = await self.dispatcher.reload()
+        if reply.ok:
+            _say(f"reloaded {self.dispatcher.reloader.path}: tenants added "
+                 f"{_names(reply.added)}, removed {_names(reply.removed)}, changed "
+                 f"{_names(reply.changed)}")
+        else:
+            _say(f"reload refused, the running configuration stays: {reply.error}")
+
+    async def _render_users(self) -> None:
+        try:
+            config = await asyncio.to_thread(load_config, self.dispatcher.reloader.path)
+            tenants = {*registered_tenants(config), *self.front_tenants}
+            rendered = await asyncio.to_thread(render_auth_dir, self.auth.directory,
+                                               config.subjects, tenants)
+            await asyncio.to_thread(self.server.reload)
+        except (ConfigError, ValueError, OSError, EmbeddedServerError) as exc:
+            _say(f"reload: broker users unchanged: {exc}")
+            return
+        for name in rendered.added:
+            _say(f"new broker user {name}: {rendered.seeds[name]}")
+        for name in rendered.removed:
+            _say(f"broker user {name} removed")
 
 
 async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: Config,

@@ -453,3 +453,54 @@ async def test_fairq_up_auth_runs_every_part_as_its_own_broker_user(
             assert await up.wait() == 0
     finally:
         await leave_nothing_running(up, started, reader)
+
+
+async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
+        nats_binary: Path, tmp_path: Path) -> None:
+    """A tenant added to the config file of a running `fairq up --auth`: SIGHUP renders
+    its broker user, reloads nats-server and the dispatcher, and it is served without a
+    restart; `fairq reload`, as the operator user, then applies a change of its tier."""
+    config = tmp_path / "fairq.toml"
+    config.write_text((ROOT / "configs" / "example.toml").read_text())
+    up = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producers.cli", "up", "--auth", "--config", str(config),
+        "--port", "0", "--workers", "chat=1,embed=0", "--time-scale", "0.05",
+        "--metrics-port", "0", "--front-port", "0", "--log-dir", str(tmp_path / "run"),
+        cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    output = Output(up.stdout)
+    reader = asyncio.create_task(output.pump())
+    started: dict[int, list[str]] = {}
+    try:
+        url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
+        auth_dir = Path((await output.expect("AUTH_DIR=", START_S)).split("=", 1)[1])
+        await output.expect("fairq is up", START_S)
+        started = children_of(up.pid)
+        assert not (auth_dir / "newco.nk").exists()
+
+        with config.open("a") as file:
+            file.write('\n[tenants.newco]\ntier = "free"\n')
+        up.send_signal(signal.SIGHUP)
+        await output.expect("fairq: new broker user newco", REQUEST_S)
+        assert "tenants added newco," in await output.expect("fairq: reloaded", REQUEST_S)
+        async with Client.connect(url, nkey=auth_dir / "newco.nk",
+                                  tenant_inboxes="newco") as newco:
+            done = await newco.run("chat", "newco", prompt="hi", max_tokens=4,
+                                   timeout_s=REQUEST_S)
+            assert isinstance(done, DoneEvent)
+
+        config.write_text(config.read_text().replace(
+            '[tenants.newco]\ntier = "free"', '[tenants.newco]\ntier = "enterprise"'))
+        reload = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "producers.cli", "reload", "--nats", url, "--nkey",
+            str(auth_dir / "fq-operator.nk"), cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(reload.communicate(), REQUEST_S)
+        assert reload.returncode == 0, err.decode()
+        assert "changed newco" in out.decode(), out.decode()
+        up.send_signal(signal.SIGINT)
+        await output.expect("fairq: stopped", STOP_S)
+        async with asyncio.timeout(STOP_S):
+            assert await up.wait() == 0
+    finally:
+        await leave_nothing_running(up, started, reader)
