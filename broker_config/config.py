@@ -110,7 +110,8 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     autoscale: ScalingPolicy | None = None
 
 
-class Tier(msgspec.Struct, forbid_unknown_fields=True):
+# omit_defaults: written back as TOML (bench/stack.py), which has no null for an unset field.
+class Tier(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     name: Name
     weight: Positive = 1.0
     limits: Limits = msgspec.field(default_factory=Limits)
@@ -120,7 +121,7 @@ class Tier(msgspec.Struct, forbid_unknown_fields=True):
     monthly_quota_tokens: PositiveInt | None = None
 
 
-class Tenant(msgspec.Struct, forbid_unknown_fields=True):
+class Tenant(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     tier: Name
     weight: Positive | None = None
     limits: dict[Name, Limits] = msgspec.field(default_factory=dict)
@@ -391,7 +392,7 @@ def parse_config(raw: bytes | str, source: str = "<config>",
     except ValueError as exc:  # raised by __post_init__ checks, e.g. in ModelProfile
         raise ConfigError(f"{source}: {exc}") from exc
     config = _with_profile_files(config, source, base_dir or Path.cwd())
-    config = _with_tokenizer_paths(config, source, base_dir or Path.cwd())
+    config = _with_tokenizer_paths(config, base_dir or Path.cwd())
     _check_references(config, source)
     return config
 
@@ -421,18 +422,13 @@ def _with_profile_files(config: Config, source: str, base_dir: Path) -> Config:
     return msgspec.structs.replace(config, profiles=profiles, endpoints=endpoints)
 
 
-def _with_tokenizer_paths(config: Config, source: str, base_dir: Path) -> Config:
-    """Each endpoint's `tokenizer` as an absolute path to a file that exists (it is loaded
-    when the dispatcher starts; a typo is found here, with the field named)."""
-    endpoints = dict(config.endpoints)
-    for name, spec in config.endpoints.items():
-        if spec.tokenizer is None:
-            continue
-        path = (base_dir / spec.tokenizer).resolve()
-        if not path.is_file():
-            raise ConfigError(f"{source}: field `endpoints.{name}.tokenizer`: no such file "
-                              f"{str(path)!r} (value: {spec.tokenizer!r})")
-        endpoints[name] = msgspec.structs.replace(spec, tokenizer=str(path))
+def _with_tokenizer_paths(config: Config, base_dir: Path) -> Config:
+    """Each endpoint's `tokenizer` as an absolute path. Only the dispatcher reads the file
+    (dispatcher/tokens.py, at start): workers and clients parse the same config without
+    it."""
+    endpoints = {name: spec if spec.tokenizer is None else msgspec.structs.replace(
+                     spec, tokenizer=str((base_dir / spec.tokenizer).resolve()))
+                 for name, spec in config.endpoints.items()}
     return msgspec.structs.replace(config, endpoints=endpoints)
 
 

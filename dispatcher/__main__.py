@@ -137,6 +137,9 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
             print("fairq dispatcher: running", flush=True)
             await stop.wait()
             log.info("draining")
+    except ConfigError as exc:  # found at start: an endpoint's tokenizer it cannot load
+        print(f"fairq dispatcher: {args.config}: {exc}", file=sys.stderr)
+        return 2
     finally:
         await limiter.aclose()
         await nc.drain()

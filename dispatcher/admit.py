@@ -32,8 +32,9 @@ from broker_config.direct_get import DirectGetError
 from broker_config.limits import over_limits
 from broker_config.subjects import Subjects
 from dispatcher.convert import prompt_text, to_error_event, to_request, too_large_to_dispatch
+from dispatcher.core.admission import Settlement, charged, settlement
 from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.types import Decision, Outcome, Request
+from dispatcher.core.types import ADMITTED, Decision, Outcome, Request
 from dispatcher.core.workers import Key, WorkerPool
 from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
@@ -140,14 +141,19 @@ class Admission:
         worker = self.pool.running_on(key)
         if worker is not None:
             held.worker = worker
+            # Charged when a dispatcher before this one admitted it: settled on completion.
+            held.charges = charged(self.scheduler.limit_checks(await self._request(held), now))
             self.held.adopted[key] = held
             self.pool.adopt(worker, key)
             return
         if await self._over_limits(held, len(msg.data), now):
             return
-        # The wait in the stream counts against the latency target on the first delivery
-        # only: a redelivery (after a restart) was admitted once and has waited for us.
-        await self.admit(held, now, now - held.received_at if deliveries == 1 else 0.0)
+        # A redelivery (after a restart) was admitted, and charged, once and has waited
+        # for us: the wait in the stream counts against the latency target on the first
+        # delivery only, and the limiter charges it on the first delivery only.
+        first = deliveries == 1
+        await self.admit(held, now, now - held.received_at if first else 0.0,
+                         charged_before=not first)
 
     async def _over_limits(self, held: Held, body_bytes: int, now: float) -> bool:
         """End a request over `[dispatcher.input]` before its tokens are counted. Held,
@@ -170,31 +176,42 @@ class Admission:
                        now)
         return True
 
-    async def admit(self, held: Held, now: float, waited_s: float = 0.0) -> None:
-        """Admission proper: checks, the limiter store, then the scheduler's queue."""
+    async def admit(self, held: Held, now: float, waited_s: float = 0.0, *,
+                    charged_before: bool = False) -> None:
+        """Admission proper: checks, the limiter store, then the scheduler's queue.
+
+        `charged_before`: a dispatcher admitted it before (a redelivery, an adopted
+        request whose worker was lost), so the limiter is not asked again; what it was
+        charged, as computed now, is settled on completion or given back on a rejection.
+        """
         sub = held.submission
         if await self._cancelled_meanwhile(held, now):
             return
-        spec = self.config.endpoints.get(sub.endpoint)
-        request = (to_request(sub, held.received_at, 1, held) if spec is None else
-                   to_request(sub, held.received_at, spec.max_tokens_cap, held,
-                              spec.affinity_block_tokens,
-                              await self.input_counter.count(sub.endpoint,
-                                                             prompt_text(sub.request))))
+        request = await self._request(held)
         result = self.scheduler.check(
             request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
-        if isinstance(result, list):
+        if charged_before:
+            checks = result if isinstance(result, list) else self.scheduler.limit_checks(
+                request, now)
+            held.charges = charged(checks)
+            if isinstance(result, list):
+                result = ADMITTED
+        elif isinstance(result, list):
             try:
-                result = await self.limiter.apply(result, now)
+                decision = await self.limiter.apply(result, now)
             except LimiterUnavailable as exc:
                 log.error("rate limiter unavailable: %s", exc)
                 await self.end(held, wire.ErrorEvent(
                     sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0), now)
                 self.metrics.child(self.metrics.admissions, sub.endpoint, "internal").inc()
                 return
+            if decision.admitted:
+                held.charges = charged(result)
+            result = decision
+        request.charges = held.charges
         if await self._cancelled_meanwhile(held, now):  # while the limiter answered
             return
-        endpoint_label = sub.endpoint if spec is not None else "unknown"
+        endpoint_label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
         self.metrics.child(self.metrics.admissions, endpoint_label, result.outcome.value).inc()
         if result.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
             counts = self.counts.setdefault((sub.endpoint, sub.tenant), Decisions())
@@ -204,6 +221,17 @@ class Admission:
             return
         self.scheduler.enqueue(request, now)
         self.held.admitted[held.key] = held
+
+    async def _request(self, held: Held) -> Request:
+        """The core's view of a held request, its input counted by the endpoint's
+        tokenizer if it has one."""
+        sub = held.submission
+        spec = self.config.endpoints.get(sub.endpoint)
+        if spec is None:
+            return to_request(sub, held.received_at, 1, held)
+        return to_request(sub, held.received_at, spec.max_tokens_cap, held,
+                          spec.affinity_block_tokens,
+                          await self.input_counter.count(sub.endpoint, prompt_text(sub.request)))
 
     def adopt_running(self) -> None:
         """Adopt the queued requests a worker's heartbeat says it runs: after a restart,
@@ -246,8 +274,20 @@ class Admission:
                            "sent" if error.reply else "none").inc()
 
     async def reject(self, held: Held, decision: Decision, now: float) -> None:
-        """End a held request with `decision`'s error (it was never sent to a worker)."""
+        """End a held request with `decision`'s error (it was never sent to a worker);
+        the token limits it was charged are given back, since it used none."""
+        charges, held.charges = held.charges, ()
+        await self.settle(settlement(charges, 0), now)
         await self.end(held, to_error_event(held.submission.id, decision), now)
+
+    async def settle(self, settled: Settlement, now: float) -> None:
+        """Settle token limits at real usage; a store that fails loses only the
+        correction (logged), never the request."""
+        if settled:
+            try:
+                await self.limiter.settle(settled, now)
+            except LimiterUnavailable as exc:
+                log.warning("token limits not settled at real usage: %s", exc)
 
     async def end(self, held: Held, event: wire.FinalEvent,
                   now: float) -> wire.FinalEvent | None:

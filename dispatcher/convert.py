@@ -31,12 +31,14 @@ def to_request(submission: wire.Submission, received_at: float, max_tokens_cap: 
                counted_input: int | None = None) -> Request:
     """The core's view of a submitted request. `max_tokens_cap` stands in for an absent
     `max_tokens` (the scheduler then caps either to the endpoint's own limit).
-    `counted_input`: the input's tokens as the dispatcher counted them, over any count
-    the client declared."""
+    `counted_input`: the input's tokens as the dispatcher counted them with a tokenizer,
+    over any count the client declared. Without one a declared count stands, but never
+    below the rough count of the text (`approx_tokens`): a client cannot get a long
+    prompt admitted as a short one (the engine's real count settles the rest)."""
     body = submission.request
     text = prompt_text(body)
     input_tokens = (counted_input if counted_input is not None else
-                    body.input_tokens if body.input_tokens is not None else approx_tokens(text))
+                    max(body.input_tokens or 0, approx_tokens(text)))
     # The leading block: a chat's system prompt and first message, or the prompt.
     leading = text if body.messages is None else "".join(m.content for m in body.messages[:2])
     return Request(submission.id, submission.tenant, submission.endpoint, received_at,

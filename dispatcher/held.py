@@ -17,6 +17,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from broker_config import wire
+from dispatcher.core.admission import Check
 from dispatcher.core.workers import Key
 
 
@@ -29,6 +30,9 @@ class Held:
     worker: str | None = None  # the worker running it
     # An adopted request's worker reported output: it cannot run again from scratch.
     streamed: bool = False
+    # The limiter checks its admission charged (dispatcher.core.admission.charged):
+    # given back if it ends without running, else settled on completion.
+    charges: tuple[Check, ...] = ()
 
     @property
     def key(self) -> Key:

@@ -16,15 +16,18 @@ so the same contract tests hold) and keeps each quota counter in the KV bucket
 
 What this costs: a kill -9 loses at most the last `flush_s` of charges (a graceful
 stop writes everything first), and dispatchers sharing one bucket may together admit
-up to one flush period's worth past a quota. The Redis store has neither gap.
+up to one flush period's worth past a quota. A write whose acknowledgement is lost
+(the broker stored it, the answer timed out) is written again, counting that change
+twice; the tenant is overcharged, never undercharged. The Redis store has none of these
+gaps.
 
-Drain order on exit (`aclose`): stop the flush loop, then write what is pending.
+Drain order on exit (`aclose`): the flush loop ends after one last round, which writes
+what is pending.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -79,6 +82,7 @@ class KvLimiterStore:
         self._pending: dict[str, tuple[float, float]] = {}
         self._load_lock = asyncio.Lock()
         self._flush_lock = asyncio.Lock()
+        self._stopping = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
 
     @classmethod
@@ -112,44 +116,54 @@ class KvLimiterStore:
         self._note(quotas, before, now)
 
     async def aclose(self) -> None:
+        self._stopping.set()
         if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-        await self.flush()
+            await self._flusher  # its last round writes what is pending
+        else:
+            await self.flush()
         if self._pending:
             log.error("monthly usage of %d quota counters could not be stored",
                       len(self._pending))
 
     async def flush(self) -> None:
-        """Add each counter's pending change to its stored value."""
+        """Add each counter's pending change to its stored value; what could not be
+        written (an error, or the flush cancelled) stays pending."""
         async with self._flush_lock:
             pending, self._pending = self._pending, {}
             items = list(pending.items())
-            for first in range(0, len(items), FLUSH_CONCURRENCY):
-                await asyncio.gather(*(self._flush_one(key, change, expires_at) for
-                                       key, (change, expires_at) in
-                                       items[first:first + FLUSH_CONCURRENCY]))
+            written: set[str] = set()
+            try:
+                for first in range(0, len(items), FLUSH_CONCURRENCY):
+                    await asyncio.gather(*(
+                        self._flush_one(key, change, expires_at, written)
+                        for key, (change, expires_at) in items[first:first + FLUSH_CONCURRENCY]))
+            finally:
+                for key, (change, expires_at) in items:
+                    if key not in written:
+                        self._add_pending(key, change, expires_at)
 
-    async def _flush_one(self, key: str, change: float, expires_at: float) -> None:
+    async def _flush_one(self, key: str, change: float, expires_at: float,
+                         written: set[str]) -> None:
         try:
             stored = await self._add_stored(key, change, expires_at)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # kept pending by the caller, written next round
             log.warning("quota counter %s not stored yet: %r", key, exc)
-            self._add_pending(key, change, expires_at)
             return
+        written.add(key)
         # The stored value has every dispatcher's usage; this one's since the swap is
         # still pending, and counts here too.
         self._memory.set_quota_used(
             key, stored + self._pending.get(key, (0.0, 0.0))[0], expires_at)
 
     async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._flush_s)
+        stopped = False
+        while not stopped:
             try:
-                await self.flush()
-            except Exception:
-                log.exception("writing monthly usage failed; retried next round")
+                await asyncio.wait_for(self._stopping.wait(), self._flush_s)
+                stopped = True
+            except TimeoutError:
+                pass
+            await self.flush()
             self._forget_ended(time.time())
 
     def _forget_ended(self, now: float) -> None:

@@ -29,13 +29,13 @@ from broker_config.config import Config
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects
 from costmodel.units import Usage
 from dispatcher.admit import Admission
-from dispatcher.core.scheduler import Completed, Scheduler
+from dispatcher.core.admission import Settlement, request_tokens, settlement
+from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
 from dispatcher.core.workers import Lost, Worker, WorkerPool
 from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.probes import Probes
-from dispatcher.redis_limits import AsyncLimiterStore, LimiterUnavailable
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -43,15 +43,13 @@ log = logging.getLogger("fairq.dispatcher")
 class WorkerReports:
     def __init__(self, config: Config, subjects: Subjects, scheduler: Scheduler,
                  pool: WorkerPool, held: HeldRequests, admission: Admission,
-                 limiter: AsyncLimiterStore, metrics: DispatcherMetrics,
-                 wake: asyncio.Event, probes: Probes) -> None:
+                 metrics: DispatcherMetrics, wake: asyncio.Event, probes: Probes) -> None:
         self.config = config
         self.subjects = subjects
         self.scheduler = scheduler
         self.pool = pool
         self.held = held
         self.admission = admission
-        self.limiter = limiter
         self.metrics = metrics
         self.wake = wake
         self.probes = probes
@@ -140,7 +138,7 @@ class WorkerReports:
             else:
                 held.worker = None
                 self.metrics.child(self.metrics.redispatched, held.submission.endpoint).inc()
-                await self.admission.admit(held, now)
+                await self.admission.admit(held, now, charged_before=True)
         return streamed
 
     async def _settle_streamed(self, request: Request, now: float) -> Held | None:
@@ -152,7 +150,7 @@ class WorkerReports:
                                           request.other_units))
         completed = self.scheduler.complete(request.tenant, request.id, usage, now)
         if completed is not None:
-            await self._settle(completed)
+            await self.admission.settle(completed.settlement, now)
         return self.held.admitted.pop((request.tenant, request.id), None)
 
     async def _fail_all(self, streamed: list[Held]) -> None:
@@ -191,29 +189,42 @@ class WorkerReports:
         self.scheduler.endpoints[endpoint].set_serving(serving, time.time())
 
     async def on_completions(self, msg: Msg) -> None:
+        settlements = []
         async with self._lock:
             for done in wire.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
                 if not done.probe:
-                    await self._complete(done)
+                    settlements.append(await self._complete(done))
                 elif (eviction := await self.probes.answered(done, time.time())) is not None:
                     await self.evicted(*eviction)
         self.wake.set()
+        # Outside the lock: a slow limiter store must not hold up heartbeats.
+        now = time.time()
+        for settled in settlements:
+            await self.admission.settle(settled, now)
 
-    async def _complete(self, done: wire.Completion) -> None:
+    async def _complete(self, done: wire.Completion) -> Settlement:
+        """Release a finished request; the settlement of its token limits, for the
+        caller to apply (every way it was held has one)."""
         key = (done.tenant, done.id)
         self.pool.complete(done.worker_id, key, time.time())
         completed = self.scheduler.complete(done.tenant, done.id, done.usage, time.time())
+        used = request_tokens(done.usage.input_tokens, done.usage.output_tokens)
+        settled = Settlement()
         if completed is not None:
             held = self.held.admitted.pop(key, None)
-        elif self.scheduler.cancel(*key) is not None:
+            settled = completed.settlement
+        elif (queued := self.scheduler.cancel(*key)) is not None:
             # It finished on a worker while queued here again (taken back from a worker
             # thought lost, or redelivered after a restart before that worker's first
             # heartbeat): the result stands, the queued copy must not run.
             held = self.held.admitted.pop(key, None)
+            settled = settlement(queued.charges, used)
         else:
             held = self.held.adopted.pop(key, None)
-            if held is not None and done.endpoint in self.scheduler.endpoints:
-                self.scheduler.endpoints[done.endpoint].count_completed(done.usage)
+            if held is not None:
+                settled = settlement(held.charges, used)
+                if done.endpoint in self.scheduler.endpoints:
+                    self.scheduler.endpoints[done.endpoint].count_completed(done.usage)
         if held is not None:
             if done.stored:
                 await held.msg.ack()
@@ -221,11 +232,9 @@ class WorkerReports:
                     await self._abort_rerun(held.worker, done)
             else:
                 await held.msg.nak()  # the final event is not stored: run it again
-        if completed is None:
-            return
-        await self._settle(completed)
-        if done.code is None and done.first_token_at is not None:
+        if completed is not None and done.code is None and done.first_token_at is not None:
             self._observe(completed.request.endpoint, completed.request.arrival, done)
+        return settled
 
     async def _abort_rerun(self, worker_id: str, done: wire.Completion) -> None:
         """It finished on a worker thought lost while it runs again on `worker_id`: stop
@@ -235,12 +244,6 @@ class WorkerReports:
         await self.admission.results.abort(done.endpoint, (done.tenant, done.id),
                                            wire.ErrorCode.INTERNAL)
 
-    async def _settle(self, completed: Completed) -> None:
-        if completed.settlement:
-            try:
-                await self.limiter.settle(completed.settlement, time.time())
-            except LimiterUnavailable as exc:
-                log.warning("token limits not settled at real usage: %s", exc)
 
     def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
         self.metrics.child(self.metrics.input_tokens, endpoint).inc(done.usage.input_tokens)

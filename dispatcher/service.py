@@ -154,7 +154,7 @@ class Dispatcher:
         self.drift = DriftWatch(self.options, self.scheduler, self.pool, self.metrics,
                                 self.dispatch.wake)
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
-                                     self.held, self.admission, self.limiter, self.metrics,
+                                     self.held, self.admission, self.metrics,
                                      self.dispatch.wake, self.probes)
         self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
                        self.admission, results, parked, stored, self._backlog)

@@ -17,15 +17,15 @@ from collections.abc import Mapping
 
 from tokenizers import Tokenizer
 
-from broker_config.config import Endpoint
+from broker_config.config import ConfigError, Endpoint
 
 # Below this many characters counting takes well under a millisecond: inline is cheaper
 # than a thread hop.
 INLINE_CHARS = 4096
 
 
-class TokenizerError(ValueError):
-    """An endpoint's tokenizer file that cannot be loaded."""
+class TokenizerError(ConfigError):
+    """An endpoint's tokenizer file that cannot be loaded: the dispatcher cannot start."""
 
 
 class InputCounter:
@@ -45,10 +45,14 @@ class InputCounter:
 
 def _load(endpoint: str, path: str) -> Tokenizer:
     try:
-        return Tokenizer.from_file(path)
+        tokenizer = Tokenizer.from_file(path)
     except Exception as exc:  # the library raises bare Exceptions for unreadable files
-        raise TokenizerError(f"endpoint {endpoint!r}: cannot load tokenizer {path!r}: "
-                             f"{exc}") from exc
+        raise TokenizerError(f"field `endpoints.{endpoint}.tokenizer`: cannot load "
+                             f"{path!r}: {exc}") from exc
+    # A tokenizer.json saved for training may truncate or pad: either would miscount.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def _count(tokenizer: Tokenizer, text: str) -> int:

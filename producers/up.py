@@ -245,6 +245,8 @@ def run_up(args: argparse.Namespace) -> int:
         return asyncio.run(_up(args, config, dev_key, log_dir, auth))
     except (EmbeddedServerError, SupervisorError, StartError) as exc:
         return _fail(str(exc), 1)
+    except ConfigError as exc:  # found at start: an endpoint's tokenizer it cannot load
+        return _fail(f"{args.config}: {exc}", 2)
 
 
 def _fail(message: str, code: int) -> int:

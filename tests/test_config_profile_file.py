@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from bench.stack import benchmark_config
 from broker_config.config import EXAMPLE_CONFIG, ConfigError, Registry, load_config
 from costmodel.units import ModelProfile, dump_profile
 from workers.__main__ import _from_fairq_config
@@ -68,3 +69,20 @@ def test_a_profile_file_may_not_redefine_a_named_profile_differently(tmp_path) -
     path = config_naming(tmp_path, "clash.toml")
     with pytest.raises(ConfigError, match="differs from the one of that name"):
         load_config(path)
+
+
+def test_a_loaded_config_written_back_out_reads_the_same(tmp_path) -> None:
+    """bench/stack.py and bench/chaos.py write a loaded config out for their processes:
+    every optional field left unset (a tier's or tenant's quota, a tenant's weight) must
+    survive TOML, which has no null, and a tokenizer stays where it was."""
+    (tmp_path / "tok.json").write_text("{}")
+    path = config_with(tmp_path, 'tokenizer = "tok.json"')
+    config = load_config(path)
+    assert config.endpoints["chat"].tokenizer == str(tmp_path / "tok.json")
+    written = tmp_path / "written.toml"
+    written.write_bytes(msgspec.toml.encode(config))
+    assert load_config(written) == config
+    assert load_config(EXAMPLE_CONFIG) == msgspec.toml.decode(
+        msgspec.toml.encode(load_config(EXAMPLE_CONFIG)), type=type(config))
+    weighted = benchmark_config({"acme": 2.0, "globex": 1.0})
+    assert msgspec.toml.decode(msgspec.toml.encode(weighted), type=type(config)) == weighted

@@ -491,3 +491,26 @@ def test_max_image_pixels_comes_from_the_dispatcher_input_table():
     assert config.dispatcher.input.max_image_pixels == 1_000_000
     with pytest.raises(ConfigError, match="max_image_pixels"):
         parse_config(MINIMAL + "[dispatcher.input]\nmax_image_pixels = 0")
+
+
+def test_a_request_larger_than_the_tpm_bucket_settles_against_what_it_was_charged():
+    """Admission takes at most a full bucket; settlement starts from that, not from the
+    request's size, so a large request pays for what it used and gets back only what it
+    was charged and did not use."""
+    scheduler = Scheduler(make_config(limits="tpm = 600, tpm_burst = 100"))
+    store = MemoryLimiterStore()
+    assert scheduler.admit(req("a", 1, input_tokens=300, max_tokens=10), 0.0, store).admitted
+    assert scheduler.admit(req("b", 2, input_tokens=300, max_tokens=10), 0.0, store).admitted
+    scheduler.next_batch("ep", ONE_SLOT, 0.0)
+    scheduler.next_batch("ep", ONE_SLOT, 0.0)
+    used_all = scheduler.complete("a", "1", Usage(300, 10, 320.0), 1.0).settlement
+    assert [(c.key, c.cost) for c in used_all.charge] == [("tpm:ep:a", 210.0)]
+    used_little = scheduler.complete("b", "2", Usage(30, 2, 34.0), 1.0).settlement
+    assert [(c.key, c.cost) for c in used_little.refund] == [("tpm:ep:b", 68.0)]
+    # The month a quota is settled in is the one it was charged in, whatever `now` is.
+    monthly = Scheduler(make_config(limits="monthly_quota_tokens = 1000"))
+    late = req("a", 3, input_tokens=10, max_tokens=10)
+    assert monthly.admit(late, 1_706_745_599.0, store).admitted  # 2024-01-31T23:59:59Z
+    monthly.next_batch("ep", ONE_SLOT, 1_706_745_599.0)
+    settled = monthly.complete("a", "3", Usage(10, 2, 14.0), 1_706_745_700.0).settlement
+    assert [c.key for c in settled.refund] == ["quota:ep:a:2024-01"]

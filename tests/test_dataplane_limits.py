@@ -1,17 +1,20 @@
 """Honest token accounting end to end: real nats-server, dispatcher, simulated workers,
 both limiter stores (the embedded one, its monthly usage in NATS KV; and Redis).
 
-A tenant that declares 1 input token for a 500-token prompt is charged the truth: at
-admission where the endpoint has a tokenizer, on completion where it has none; a tenant
-quota holds across endpoints; monthly usage outlives a dispatcher restart, and with
-Redis (append-only) a Redis crash.
+A tenant that declares 1 input token for a 500-token prompt is charged the truth at
+admission: counted by the endpoint's tokenizer, or without one never below its text's
+rough count; what admission still counted short is charged when the request finishes,
+at the engine's count. A tenant quota holds across endpoints; monthly usage outlives a
+dispatcher restart, and with Redis (append-only) a Redis crash.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -21,7 +24,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from broker_config.config import Config, DispatcherOptions, WorkerOptions, parse_config
 from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
-from broker_config.wire import ErrorCode
+from broker_config.wire import DoneEvent, ErrorCode
 from dispatcher.core.admission import month_key
 from dispatcher.kv_limits import StoredUsage
 from dispatcher.redis_limits import DEFAULT_PREFIX
@@ -43,7 +46,8 @@ FAST = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=3.0, grace_
 
 @pytest.fixture
 def tokenizer_file(tmp_path: Path) -> Path:
-    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "abc": 1}, unk_token="[UNK]"))
+    vocabulary = {"[UNK]": 0, "abc": 1, "abcdefg": 2}
+    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     path = tmp_path / "tokenizer.json"
     tokenizer.save(str(path))
@@ -69,7 +73,9 @@ def limits_config(tokenizer: Path, limits: str, tenant_quota: int | None = None)
     config = parse_config(f"""
         [endpoints.chat]
         tokenizer = "{tokenizer}"
+        latency_target_s = 1e6
         [endpoints.code]
+        latency_target_s = 1e6
         [[tiers]]
         name = "free"
         limits = {{ {limits} }}
@@ -117,18 +123,46 @@ async def test_a_tokenizer_charges_a_liar_as_if_it_told_the_truth(
         refused_honest.event.retry_after_s, abs=2.0)
 
 
-async def test_without_a_tokenizer_the_liar_pays_the_truth_when_its_requests_finish(
+async def test_without_a_tokenizer_a_liar_is_charged_its_texts_length(
         tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    """Without a tokenizer a declared count is taken, but never below the text's rough
+    count (4 characters a token): a liar sending its requests all at once gets no more
+    in than one that tells the truth."""
     config, liar, honest = limits_config(tokenizer_file, f"tpm = 6, tpm_burst = {BURST}")
     async with LocalStack(config, stack_options(redis)) as stack:
         fq = Client(stack.nc)
-        ran_honest, _ = await run_until_refused(fq, honest, ["code"], declared=WORDS)
-        ran_liar, refused = await run_until_refused(fq, liar, ["code"], declared=1)
-    # Admission saw 2 tokens per request; each completion charged the other 499. So the
-    # liar gets at most the one request that admission could not know was too large.
-    assert ran_honest == 3
-    assert ran_liar in (3, 4)
-    assert refused.code is ErrorCode.RATE_LIMITED
+        outcomes = {}
+        for tenant, declared in ((honest, WORDS), (liar, 1)):
+            results = await asyncio.gather(*(
+                fq.run("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                       input_tokens=declared, timeout_s=10) for _ in range(8)),
+                return_exceptions=True)
+            outcomes[tenant] = sorted("done" if isinstance(result, DoneEvent) else
+                                      result.code.value for result in results)
+    assert outcomes[honest] == outcomes[liar] == ["done"] * 3 + ["rate_limited"] * 5
+
+
+async def test_what_admission_counted_short_is_charged_when_the_request_finishes(
+        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    """The endpoint's tokenizer reads each 7-letter word as one token; the engine reads
+    two (it counts 4 characters a token): admission charges 251 a request, completion the
+    other 250. So the fourth request gets in on credit and then the debt holds."""
+    config, tenant, _ = limits_config(tokenizer_file, f"tpm = 6, tpm_burst = {BURST}",
+                                      tenant_quota=10_000)
+    prompt = " ".join(["abcdefg"] * (WORDS // 2))
+    async with LocalStack(config, stack_options(redis)) as stack:
+        fq = Client(stack.nc)
+        ran = 0
+        with pytest.raises(RequestFailed) as refused:
+            for ran in range(6):
+                done = await fq.run("chat", tenant, prompt=prompt, max_tokens=MAX_TOKENS,
+                                    timeout_s=10)
+                assert done.usage.input_tokens == WORDS
+        if redis is None:
+            await stack.dispatcher.limiter.flush()
+        used = await stored_usage(stack, redis, tenant)
+    assert ran == 4 and refused.value.code is ErrorCode.RATE_LIMITED
+    assert used == 4 * REAL  # the quota holds what ran, not what admission counted
 
 
 async def test_a_tenant_quota_holds_across_endpoints_and_counts_the_truth(
@@ -146,10 +180,8 @@ async def test_a_tenant_quota_holds_across_endpoints_and_counts_the_truth(
     assert ran_honest == 3
     assert refused_honest.code is refused_liar.code is ErrorCode.QUOTA_EXCEEDED
     assert "monthly quota of 2000 tokens" in refused_liar.event.message
-    # The liar's 4th request (to `code`, admitted at 2 tokens) slipped in; every one it
-    # ran is charged in full.
-    assert ran_liar in (3, 4)
-    assert used == ran_liar * REAL
+    assert ran_liar == 3
+    assert used == 3 * REAL
 
 
 async def test_monthly_usage_outlives_a_dispatcher_restart_and_a_redis_crash(
@@ -187,3 +219,57 @@ async def stored_usage(stack: LocalStack, redis: EmbeddedRedisServer | None,
     finally:
         await client.aclose()
 
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        pytest.fail(f"not {what} within {timeout_s}s")
+
+
+async def test_requests_that_never_run_give_their_tokens_back(
+        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    """A queued request cancelled, and one whose deadline passes in the queue (`code`
+    has no worker here), are given back what admission charged."""
+    config, tenant, _ = limits_config(tokenizer_file, "", tenant_quota=1500)
+    options = dataclasses.replace(stack_options(redis), endpoints=("chat",))
+    async with LocalStack(config, options) as stack:
+        fq = Client(stack.nc)
+        kept = await fq.submit("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                               reply=False)
+        await fq.submit("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                        deadline=time.time() + 1.0, reply=False)
+        await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 2, "queued")
+        assert (await fq.cancel(tenant, kept.id)).cancelled
+        await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 0, "expired")
+        # 1,002 tokens were charged and given back: two requests of 501 fit in 1,500.
+        for _ in range(2):
+            await fq.run("chat", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS, timeout_s=10)
+        if redis is None:
+            await stack.dispatcher.limiter.flush()
+        assert await stored_usage(stack, redis, tenant) == 2 * REAL
+
+
+async def test_requests_queued_across_a_restart_are_charged_once(
+        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    """The dispatcher that admitted them stops (handing them back) before they run; the
+    next one runs them without charging them again and settles what they used."""
+    config, tenant, _ = limits_config(tokenizer_file, "", tenant_quota=10_000)
+    async with EmbeddedNatsServer() as server:
+        no_code_worker = dataclasses.replace(stack_options(redis), endpoints=("chat",))
+        async with LocalStack(config, no_code_worker, nats_url=server.url) as stack:
+            fq = Client(stack.nc)
+            for _ in range(3):
+                await fq.submit("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                reply=False)
+            await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 3,
+                        "queued")
+        async with LocalStack(config, stack_options(redis), nats_url=server.url) as stack:
+            await until(lambda: stack.counted(stack.metrics.input_tokens, "code") == 3 * WORDS,
+                        "completed")
+            if redis is None:
+                await stack.dispatcher.limiter.flush()
+            assert await stored_usage(stack, redis, tenant) == 3 * REAL

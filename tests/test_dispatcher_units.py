@@ -95,7 +95,7 @@ async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_
     admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
                           RefusingResults(error), metrics, dict)
     reports = WorkerReports(config, SUBJECTS, SimpleNamespace(endpoints={}), None, held,
-                            admission, None, metrics, asyncio.Event(), None)
+                            admission, metrics, asyncio.Event(), None)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
     await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
     # Naked, a little later than at once: redelivered, it runs again rather than vanish,

@@ -108,3 +108,24 @@ async def test_an_unreachable_bucket_is_an_error_not_a_decision() -> None:
         # A counter already read decides from memory; its write waits for the broker.
         assert await store.apply([spend(10, "known")], NOW) == ADMITTED
         await store.aclose()
+
+
+async def test_a_stop_during_a_slow_write_loses_nothing(nats_url: str) -> None:
+    """Closing the store while its flush loop waits on the broker: the write completes
+    (or stays pending and is written by the last round), it is not dropped."""
+    nc = await nats.connect(nats_url)
+    store = await KvLimiterStore.open(nc, BrokerSettings(), flush_s=0.01)
+    slow = store._kv.create
+
+    async def slow_create(key: str, value: bytes) -> int:
+        await asyncio.sleep(0.2)
+        return await slow(key, value)
+
+    store._kv.create = slow_create
+    try:
+        assert await store.apply([spend(70)], NOW) == ADMITTED
+        await asyncio.sleep(0.05)  # the loop's flush is waiting on the slow create
+        await store.aclose()
+        assert (await stored(nc, spend(0))).used == 70
+    finally:
+        await nc.close()

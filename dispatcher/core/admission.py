@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import msgspec
@@ -155,14 +156,28 @@ class Settlement:
         return bool(self.charge or self.refund)
 
 
-def settlement(tenant: str, endpoint: str, limits: Limits, total_quota: int | None,
-               charged_tokens: int, used_tokens: int, arrival: float) -> Settlement:
-    """Settle a request charged `charged_tokens` at admission (in the month of `arrival`)
-    that really used `used_tokens`."""
-    difference = used_tokens - charged_tokens
-    checks = tuple(token_checks(tenant, endpoint, limits, abs(difference), arrival,
-                                total_quota)) if difference else ()
-    return Settlement(charge=checks) if difference > 0 else Settlement(refund=checks)
+def charged(checks: Sequence[Check]) -> tuple[Check, ...]:
+    """What applying `checks` took: a rate check at most a full bucket (`gcra`)."""
+    return tuple(replace(check, cost=min(check.cost, check.burst))
+                 if isinstance(check, RateCheck) else check for check in checks)
+
+
+def settlement(charges: Sequence[Check], used_tokens: float) -> Settlement:
+    """Settle the token limits of a request that admission charged `charges` (as
+    `charged` returns them) and that really used `used_tokens` (0: it never ran). Each
+    limit is settled against what it took, in its own period, whatever the limits are
+    now; requests per minute stay charged."""
+    charge: list[Check] = []
+    refund: list[Check] = []
+    for check in charges:
+        if isinstance(check, RateCheck) and not check.key.startswith("tpm:"):
+            continue
+        difference = used_tokens - check.cost
+        if difference > 0:
+            charge.append(replace(check, cost=difference))
+        elif difference < 0:
+            refund.append(replace(check, cost=-difference))
+    return Settlement(tuple(charge), tuple(refund))
 
 
 def _default_burst(per_minute: float) -> float:

@@ -22,7 +22,7 @@ from typing import Literal
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
-from dispatcher.core.admission import (Check, LimiterStore, Settlement, limit_checks,
+from dispatcher.core.admission import (Check, LimiterStore, Settlement, charged, limit_checks,
                                        request_tokens, settlement, throttle)
 from dispatcher.core.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
@@ -123,8 +123,19 @@ class Scheduler(SchedulerView):
                             now, endpoint.spec.latency_target_s, request.deadline, waited_s)
         if not decision.admitted:
             return decision
-        tokens = request_tokens(request.input_tokens, request.max_tokens)
-        return limit_checks(request.tenant, request.endpoint, limits, tokens, now,
+        return self.limit_checks(request, now)
+
+    def limit_checks(self, request: Request, now: float) -> list[Check]:
+        """The limiter checks `request` must pass at `now` (none for an unknown endpoint
+        or a tenant the registry turns away); nothing else is decided or recorded."""
+        endpoint = self.endpoints.get(request.endpoint)
+        policy = self.registry.tenant(request.tenant)
+        if endpoint is None or policy is None:
+            return []
+        tokens = request_tokens(request.input_tokens,
+                                min(request.max_tokens, endpoint.spec.max_tokens_cap))
+        return limit_checks(request.tenant, request.endpoint,
+                            policy.limits_for(request.endpoint), tokens, now,
                             policy.monthly_quota_tokens)
 
     def admit(self, request: Request, now: float, store: LimiterStore,
@@ -135,6 +146,7 @@ class Scheduler(SchedulerView):
             return result
         decision = store.apply(result, now)
         if decision.admitted:
+            request.charges = charged(result)
             self.enqueue(request, now)
         return decision
 
@@ -251,7 +263,8 @@ class Scheduler(SchedulerView):
         self._stop(endpoint, flow, request)
         self.estimator.observe((tenant, request.endpoint), usage.output_tokens,
                                request.max_tokens)
-        return Completed(request, self._settlement(request, usage))
+        return Completed(request, settlement(
+            request.charges, request_tokens(usage.input_tokens, usage.output_tokens)))
 
     def progress(self, reports: Iterable[tuple[RequestKey, int]]) -> None:
         """Running requests' output so far, (key, output tokens), from the workers'
@@ -381,12 +394,3 @@ class Scheduler(SchedulerView):
         endpoint.took_queued(flow)
         endpoint.mark_absent_if_idle(flow)
 
-    def _settlement(self, request: Request, usage: Usage) -> Settlement:
-        policy = self.registry.tenant(request.tenant)
-        if policy is None:  # removed from the registry meanwhile: its limits are gone
-            return Settlement()
-        return settlement(request.tenant, request.endpoint, policy.limits_for(request.endpoint),
-                          policy.monthly_quota_tokens,
-                          request_tokens(request.input_tokens, request.max_tokens),
-                          request_tokens(usage.input_tokens, usage.output_tokens),
-                          request.arrival)
