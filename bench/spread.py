@@ -5,13 +5,13 @@
 
 Replicas: two of configs/engine.toml (a 7B-class model on one GPU) and one with twice
 its sequences, KV cache, prefill budget and prefill speed, and a full batch's decode
-step as fast (the same model on a GPU twice the size). Traffic: steady Poisson
-arrivals, prompts of 100-2,000 tokens and answers of 50-500 (uniform), at --load times the fleet's throughput on that mix, in
-two runs: requests without an affinity key (least utilised routing), and requests of
-400 conversations (affinity with bounded load). The fleet's throughput is measured
-first, by keeping one base replica full of the same mix. Reported per replica: its share of the
-model units served against its share of the fleet's size; the goal is every share
-within +-10% (relative) of its share of capacity.
+step as fast (the same model on a GPU twice the size). Traffic: steady Poisson arrivals,
+prompts of 100-2,000 tokens and answers of 50-500 (uniform), at --load times the fleet's
+throughput on that mix, in two runs: requests without an affinity key (least utilised
+routing), and requests of 400 conversations (affinity with bounded load). The fleet's
+throughput is measured first, by keeping one base replica full of the same mix. Reported
+per replica: its share of the model units served against its share of the fleet's size;
+the goal is every share within +-10% (relative) of its share of capacity.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _connection_options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("connection")
-    group.add_argument("--nats", metavar="URL", default=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
+    group.add_argument("--nats", metavar="URL",
+                       default=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
                        help="NATS server (default: $NATS_URL, else %(default)s)")
     add_connection_args(group)
     group.add_argument("--prefix", type=_token, default="fq", help="subject prefix (default fq)")
@@ -122,7 +123,8 @@ def _messages(text: str) -> list[object]:
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
     if not isinstance(value, list):
-        raise argparse.ArgumentTypeError('must be a JSON list like [{"role":"user","content":"Hi"}]')
+        raise argparse.ArgumentTypeError(
+            'must be a JSON list like [{"role":"user","content":"Hi"}]')
     return value
 
 
