@@ -41,6 +41,9 @@ _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_REPLY = "Fq-Reply"
 HDR_CONTENT_TYPE = "Content-Type"
+# On `<prefix>.admin.*` calls: what is asked. A message the broker or a service publishes
+# on a subject some caller named as its reply (a PubAck, an API answer) carries none.
+HDR_ADMIN_OP = "Fq-Admin-Op"
 
 
 def message_bytes(payload: bytes, headers: Mapping[str, str] | None = None) -> int:

@@ -77,7 +77,7 @@ class Api:
             request_id = wire.STATUS_REQUEST.decode(msg.data or b"{}").id
         except (ValueError, wire.WireError):
             request_id = ""
-        await _respond(msg, wire.ErrorEvent(request_id, wire.ErrorCode.RATE_LIMITED, message,
+        await self._respond(msg, wire.ErrorEvent(request_id, wire.ErrorCode.RATE_LIMITED, message,
                                             retry_after_s))
 
     # -- status ----------------------------------------------------------------------------
@@ -90,7 +90,7 @@ class Api:
             reply = await self.status((tenant, query.id))
         except BROKER_ERRORS as exc:
             reply = _unavailable(query.id, exc)
-        await _respond(msg, reply)
+        await self._respond(msg, reply)
 
     async def status(self, key: Key) -> wire.StatusReply:
         request_id = key[1]
@@ -123,7 +123,7 @@ class Api:
             reply = wire.CancelReply(query.id, await self.cancel((tenant, query.id)))
         except BROKER_ERRORS as exc:
             reply = _unavailable(query.id, exc)
-        await _respond(msg, reply)
+        await self._respond(msg, reply)
 
     async def cancel(self, key: Key) -> bool:
         """Calls are handled side by side: concurrent cancels of one request share one
@@ -205,7 +205,7 @@ class Api:
             entries.append(wire.DepthEntry(
                 key[0], tier, key[1], row.queued if row else 0, row.running if row else 0,
                 row.oldest_wait_s if row else 0.0, admitted, rejected))
-        await _respond(msg, wire.DepthReply(sorted(
+        await self._respond(msg, wire.DepthReply(sorted(
             entries, key=lambda e: (e.endpoint, e.tier, e.tenant))))
 
     def depth_rows(self, now: float) -> list[DepthRow]:
@@ -232,7 +232,7 @@ class Api:
         query = await self._decode(msg, codec)
         tenant = self.subjects.tenant_of(msg.subject)
         if query is not None and tenant is None:
-            await _respond(msg, wire.ErrorEvent(
+            await self._respond(msg, wire.ErrorEvent(
                 query.id, wire.ErrorCode.INVALID_REQUEST,
                 f"invalid tenant in subject {msg.subject[:200]!r}"))
             return "", None
@@ -243,8 +243,21 @@ class Api:
         try:
             return codec.decode_or_invalid(msg.data or b"{}")
         except wire.WireError as error:
-            await _respond(msg, error.to_event())
+            await self._respond(msg, error.to_event())
             return None
+
+    async def _respond(self, msg: Msg, reply: Any) -> None:
+        """Answer on the caller's reply subject, unless it names fairq's own subjects or the
+        server's (`$JS`, `$KV`): a caller picks its reply subject freely, and the broker
+        checks it against nobody's permissions, so it must not make the dispatcher publish
+        there (docs/security.md)."""
+        if not msg.reply:  # a cancel may be published without waiting for the answer
+            return
+        if msg.reply.startswith(("$", f"{self.subjects.prefix}.")):
+            log.warning("an API call on %s asked for its answer on %s; not answered",
+                        msg.subject, msg.reply)
+            return
+        await msg.respond(wire.encode(reply))
 
 
 def _unavailable(request_id: str, exc: Exception) -> wire.ErrorEvent:
@@ -254,8 +267,3 @@ def _unavailable(request_id: str, exc: Exception) -> wire.ErrorEvent:
     return wire.ErrorEvent(request_id, wire.ErrorCode.INTERNAL,
                            f"the broker did not answer a lookup ({exc}); try again",
                            LOOKUP_RETRY_AFTER_S)
-
-
-async def _respond(msg: Msg, reply: Any) -> None:
-    if msg.reply:  # a cancel may be published without waiting for the answer
-        await msg.respond(wire.encode(reply))

@@ -214,7 +214,7 @@ class KvLimiterStore:
             self._revisions[key] = (0, 0.0)
             return None
         stored = _decode(key, entry.value)
-        self._revisions[key] = (entry.revision, stored.used if stored is not None else 0.0)
+        self._revisions[key] = (entry.revision, stored.used)
         return stored
 
     async def _add_stored(self, key: str, change: float, expires_at: float) -> float:
@@ -253,9 +253,12 @@ def _kv_key(key: str) -> str:
     return key.replace(":", ".")
 
 
-def _decode(key: str, value: bytes | None) -> StoredUsage | None:
+def _decode(key: str, value: bytes | None) -> StoredUsage:
+    """A stored counter. One that is not (written by something else) is an error, never
+    read as 0: that would hand its tenant a fresh quota."""
     try:
         return msgspec.json.decode(value or b"", type=StoredUsage)
-    except msgspec.DecodeError:
-        log.error("quota counter %s holds %r, not usage; counted from 0", key, value)
-        return None
+    except msgspec.DecodeError as exc:
+        log.error("quota counter %s holds %r, not usage: its tenant's admissions fail "
+                  "until an operator deletes or fixes it", key, (value or b"")[:100])
+        raise LimiterUnavailable(f"quota counter {key} is unreadable") from exc

@@ -36,6 +36,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from broker_config.config import Config, ConfigError, load_config
+from broker_config.subjects import HDR_ADMIN_OP
 from dispatcher.core.reconfigure import (RELOADABLE, ReloadError, check_reloadable,
                                          tenant_changes)
 from dispatcher.core.types import Decision, Outcome, Request
@@ -155,14 +156,23 @@ class Reloader:
             await self.end_removed(requests)
 
     async def on_request(self, msg: Msg) -> None:
-        """`<prefix>.admin.reload`: an empty body or a JSON object (no fields yet)."""
-        try:
-            if msg.data.strip() and not isinstance(msgspec.json.decode(msg.data), dict):
-                raise msgspec.DecodeError("expected a JSON object")
-        except msgspec.DecodeError as exc:
-            reply = self._refused(f"invalid reload request: {exc}; send an empty body or {{}}")
+        """`<prefix>.admin.reload`: the header `Fq-Admin-Op: reload`, and an empty body or
+        a JSON object (no fields yet). The header keeps out what lands here without being
+        asked for: a PubAck or an API answer whose caller named this as its reply."""
+        if (msg.headers or {}).get(HDR_ADMIN_OP) != "reload":
+            log.warning("a message on %s without %s: reload; ignored", msg.subject,
+                        HDR_ADMIN_OP)
+            reply = self._refused(f"not a reload request: send the header {HDR_ADMIN_OP}: "
+                                  "reload")
         else:
-            reply = await self.reload()
+            try:
+                if msg.data.strip() and not isinstance(msgspec.json.decode(msg.data), dict):
+                    raise msgspec.DecodeError("expected a JSON object")
+            except msgspec.DecodeError as exc:
+                reply = self._refused(f"invalid reload request: {exc}; send an empty body "
+                                      "or {}")
+            else:
+                reply = await self.reload()
         if msg.reply:
             await msg.respond(msgspec.json.encode(reply))
 

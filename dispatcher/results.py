@@ -15,8 +15,10 @@ puts still waiting, then the reader closes.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -27,6 +29,8 @@ from broker_config.direct_get import DirectBatchGet, DirectGetError
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from dispatcher.core.workers import Key
+
+log = logging.getLogger("fairq.dispatcher")
 
 STORE_ATTEMPTS = 3  # create-only puts of one result, when its key looks empty but is not
 # What a broker that is unreachable or slow raises from the calls below.
@@ -59,8 +63,14 @@ class Results:
         """The stored results among `keys`, in one round trip. Raises DirectGetError."""
         subjects = {self._subject(key): key for key in keys}
         found = await self._reader.last(list(subjects))
-        return {subjects[subject]: wire.STORED_RESULT.decode(data)
-                for subject, data in found.items()}
+        results = {}
+        for subject, data in found.items():
+            try:
+                results[subjects[subject]] = wire.STORED_RESULT.decode(data)
+            except msgspec.DecodeError:  # one bad entry must not fail the whole batch
+                log.error("results bucket: %s holds no stored result (%d bytes); treated as "
+                          "absent", subject, len(data))
+        return results
 
     async def get(self, key: Key) -> wire.StoredResult | None:
         return (await self.lookup([key])).get(key)

@@ -15,7 +15,7 @@ import time
 import msgspec
 from nats.aio.client import Client as NATS
 
-from broker_config.subjects import Subjects
+from broker_config.subjects import HDR_ADMIN_OP, Subjects
 from dispatcher.reload import ReloadReply
 
 
@@ -28,7 +28,8 @@ async def reload_dispatchers(nc: NATS, subjects: Subjects, timeout_s: float,
     subscription = await nc.subscribe(inbox)
     replies: list[ReloadReply] = []
     try:
-        await nc.publish(subjects.admin_reload, b"{}", reply=inbox)
+        await nc.publish(subjects.admin_reload, b"{}", reply=inbox,
+                         headers={HDR_ADMIN_OP: "reload"})
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0 and (
                 expected is None or len(replies) < expected):

@@ -189,11 +189,13 @@ def _add_reload(subparsers: argparse._SubParsersAction,
         "reload", parents=parents, help="have every dispatcher re-read its config file",
         description="Ask every dispatcher to re-read its config file: tenants, tiers, "
                     "weights and limits change without a restart (docs/configuration.md, "
-                    "Reloading). Prints each dispatcher's answer; exits 1 if one refused or "
-                    "fewer than --expect answered within --timeout. Broker users are "
-                    "separate: re-render them with `fairq auth` and reload nats-server.")
-    parser.add_argument("--expect", type=_positive_int, default=1, metavar="N",
-                        help="dispatchers that must answer; waits for no more (default 1)")
+                    "Reloading). Prints the answer of every dispatcher that answers within "
+                    "--timeout; exits 1 if one refused, none answered, or fewer than "
+                    "--expect. Broker users are separate: re-render them with `fairq auth` "
+                    "and reload nats-server first.")
+    parser.add_argument("--expect", type=_positive_int, metavar="N",
+                        help="how many dispatchers run: stop waiting once N answered, and "
+                             "fail if fewer did (default: wait the whole --timeout)")
     parser.set_defaults(run=_runner("reload", _reload))
 
 
@@ -429,9 +431,9 @@ async def _reload(args: argparse.Namespace) -> int:
         else:
             print(f"{reply.dispatcher}: refused, its configuration stays: {reply.error}",
                   file=sys.stderr)
-    if len(replies) < args.expect:
-        print(f"fairq reload: {len(replies)} of {args.expect} dispatchers answered within "
-              f"{args.timeout:g}s", file=sys.stderr)
+    if len(replies) < (args.expect or 1):
+        print(f"fairq reload: {len(replies)} of {args.expect or 'at least 1'} dispatchers "
+              f"answered within {args.timeout:g}s", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_FAILED if any(not reply.ok for reply in replies) else 0
 

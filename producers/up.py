@@ -33,8 +33,9 @@ the workers and the front connect as their own users, and AUTH_DIR is printed: a
 connects with `<AUTH_DIR>/<tenant>.nk`.
 
 Reload (SIGHUP to this process; `fairq reload` reaches the dispatcher alone): the config
-file's tenants, tiers, weights and limits apply without a restart; with `--auth` the
-broker users are re-rendered and nats-server reloaded first (`Reloads`).
+file's tenants, tiers, weights and limits apply without a restart, and with `--auth` the
+broker users follow (`Reloads`). So closing the terminal does not stop it; Ctrl-C or
+SIGTERM do.
 
 Stop order: the front first (no new requests; open ones get its drain time), then the
 workers (SIGTERM, all at once: each finishes its running requests
@@ -343,9 +344,11 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
 
 
 class Reloads:
-    """SIGHUP: the config file's tenants, tiers and limits, without a restart. With
-    `--auth` the broker users are re-rendered and nats-server reloaded first, so that a
-    tenant added to the file can connect by the time the dispatcher admits it."""
+    """SIGHUP: the config file's tenants, tiers and limits, without a restart, one reload
+    at a time. With `--auth` the broker users follow the tenants: a new tenant's user is
+    rendered (and nats-server reloaded) before the dispatcher admits it, a removed
+    tenant's only after the dispatcher has ended its queued requests (so it can still
+    read why), and none change when the dispatcher refuses the file."""
 
     def __init__(self, server: EmbeddedNatsServer, dispatcher: Dispatcher, config: Config,
                  auth: RenderedAuth | None) -> None:
@@ -353,7 +356,9 @@ class Reloads:
         self.dispatcher = dispatcher
         # The front's keys are made at start (the development key), not read from the file.
         self.front_tenants = {key.tenant for key in config.front.keys}
+        self.tenants = {*registered_tenants(config), *self.front_tenants}
         self.auth = auth
+        self._lock = asyncio.Lock()
         self._running: set[asyncio.Task[None]] = set()
 
     def trigger(self) -> None:
@@ -367,9 +372,14 @@ class Reloads:
         await asyncio.gather(*self._running, return_exceptions=True)
 
     async def reload(self) -> None:
-        if self.auth is not None:
-            await self._render_users()
-        reply = await self.dispatcher.reload()
+        async with self._lock:
+            wanted = await self._tenants_in_file() if self.auth is not None else None
+            if wanted is not None:
+                await self._render_users(self.tenants | wanted)
+            reply = await self.dispatcher.reload()
+            if wanted is not None:
+                self.tenants = wanted if reply.ok else self.tenants
+                await self._render_users(self.tenants)
         if reply.ok:
             _say(f"reloaded {self.dispatcher.reloader.path}: tenants added "
                  f"{_names(reply.added)}, removed {_names(reply.removed)}, changed "
@@ -377,14 +387,22 @@ class Reloads:
         else:
             _say(f"reload refused, the running configuration stays: {reply.error}")
 
-    async def _render_users(self) -> None:
+    async def _tenants_in_file(self) -> set[str] | None:
+        """The tenants that get broker users by the file; None when it cannot be read
+        (the dispatcher's reload then says why)."""
         try:
             config = await asyncio.to_thread(load_config, self.dispatcher.reloader.path)
-            tenants = {*registered_tenants(config), *self.front_tenants}
+        except ConfigError:
+            return None
+        return {*registered_tenants(config), *self.front_tenants}
+
+    async def _render_users(self, tenants: set[str]) -> None:
+        try:
             rendered = await asyncio.to_thread(render_auth_dir, self.auth.directory,
-                                               config.subjects, tenants)
-            await asyncio.to_thread(self.server.reload)
-        except (ConfigError, ValueError, OSError, EmbeddedServerError) as exc:
+                                               self.dispatcher.config.subjects, tenants)
+            if rendered.added or rendered.removed:
+                await asyncio.to_thread(self.server.reload)
+        except (ValueError, OSError, EmbeddedServerError) as exc:
             _say(f"reload: broker users unchanged: {exc}")
             return
         for name in rendered.added:

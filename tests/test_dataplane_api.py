@@ -411,3 +411,27 @@ async def test_unlisted_tenants_that_came_once_leave_no_state_behind(nats_url, c
         assert all(dispatcher.scheduler.flow("chat", tenant) is None for tenant in once)
         depth = await api(client, S.depth, {})
         assert not {row["tenant"] for row in depth["queues"]} & set(once)
+
+
+async def test_an_api_answer_never_goes_to_fairqs_own_or_the_servers_subjects(client):
+    """A caller names its reply subject freely and the broker checks it against no
+    permission: the dispatcher (full access) must not publish into `fq.*` or `$KV.*` for
+    it. An ordinary inbox is answered."""
+    probe = await client.subscribe(">")
+    async with Dispatcher(client, config_with(FAST)):
+        answer = await api(client, S.status("acme"), {"id": "r1"})
+        assert answer["state"] == "unknown"
+        for reply in ("fq.admin.reload", f"$KV.{S.results_bucket}.acme.r1",
+                      f"$KV.{S.limits_bucket}.quota-total.acme.x"):
+            await client.publish(S.status("acme"), b'{"id": "r1"}', reply=reply)
+        await client.flush()
+        await asyncio.sleep(0.5)
+    landed = []
+    while True:
+        try:
+            msg = await probe.next_msg(timeout=0.01)
+        except nats.errors.TimeoutError:
+            break
+        landed.append(msg.subject)
+    await probe.unsubscribe()
+    assert not [s for s in landed if s.startswith(("fq.admin", "$KV"))], landed

@@ -117,9 +117,17 @@ async def test_a_deep_backlog_does_not_delay_a_tenant_of_the_same_shard(client):
 
         # Memory stays bounded once the moves that reached the newcomer are done.
         await eventually(acme_held_within_bound, what="acme holding at most twice its window")
-        in_streams = ((await js.stream_info(SUBJECTS.requests_stream)).state.messages
-                      + (await js.stream_info(SUBJECTS.parked_stream)).state.messages)
-        assert in_streams == 5_001  # nothing lost, nothing copied twice
+        async def in_streams() -> int:
+            return ((await js.stream_info(SUBJECTS.requests_stream)).state.messages
+                    + (await js.stream_info(SUBJECTS.parked_stream)).state.messages)
+
+        # Nothing lost, nothing copied twice, once the moves in flight are done (a move
+        # is stored in the parked stream before its original is acked: for a moment both
+        # count; on a loaded machine that moment was seen as 16 extra).
+        async def exactly_once() -> bool:
+            return await in_streams() == 5_001
+
+        await eventually(exactly_once, what="every request in exactly one stream")
 
         async def depth_counts_the_streams():
             rows = (await api(client, SUBJECTS.depth, {}))["queues"]

@@ -230,9 +230,15 @@ async def test_a_bad_file_leaves_the_old_config_in_force_and_the_reply_says_why(
         (reply,) = await reload_all(client)
         assert not reply["ok"] and "tenants.acme.tier" in reply["error"], reply
         # A malformed request is answered, and the subscription keeps serving.
-        answer = await client.request("fq.admin.reload", b"[1, 2]", timeout=5.0)
+        answer = await client.request("fq.admin.reload", b"[1, 2]", timeout=5.0,
+                                      headers={"Fq-Admin-Op": "reload"})
         refused = json.loads(answer.data)
         assert not refused["ok"] and "invalid reload request" in refused["error"]
+        # Without its header nothing is reloaded: what a caller directs here as its reply
+        # (a PubAck, an API answer) is not a reload request.
+        answer = await client.request("fq.admin.reload", b"{}", timeout=5.0)
+        refused = json.loads(answer.data)
+        assert not refused["ok"] and "Fq-Admin-Op" in refused["error"]
         assert dispatcher.config is config
         (rejected,) = await track(client, "newco", 1)
         await finished([rejected])

@@ -129,3 +129,19 @@ async def test_a_stop_during_a_slow_write_loses_nothing(nats_url: str) -> None:
         assert (await stored(nc, spend(0))).used == 70
     finally:
         await nc.close()
+
+
+async def test_a_counter_that_is_not_usage_fails_closed(nats_url: str) -> None:
+    """Something else written over a counter is never read as a fresh quota: the tenant's
+    admissions fail (`internal`, retryable) until an operator fixes it."""
+    nc = await nats.connect(nats_url)
+    store = await KvLimiterStore.open(nc, BrokerSettings())
+    try:
+        kv = await nc.jetstream().key_value(BrokerSettings().subjects.limits_bucket)
+        await kv.put(spend(0, "victim").key.replace(":", "."), b'{"id":"zz","state":"x"}')
+        with pytest.raises(LimiterUnavailable, match="unreadable"):
+            await store.apply([spend(10, "victim")], NOW)
+        assert await store.apply([spend(10, "other")], NOW) == ADMITTED
+    finally:
+        await store.aclose()
+        await nc.close()

@@ -173,6 +173,19 @@ def test_requests_of_a_removed_tenant_that_reach_a_queue_after_the_reload_are_se
     assert scheduler.endpoints["ep"].present_flows == 0
 
 
+def test_a_lost_request_of_a_tenant_removed_and_added_back_runs_again():
+    tenants = {"a": ("gold", 1.0), "b": ("silver", 1.0)}
+    scheduler = Scheduler(make_config(tenants=tenants))
+    admit(scheduler, [req("a", 1)])
+    assert dispatch_one(scheduler, complete=False) == "a/1"
+    scheduler.reconfigure(make_config(tenants={"b": ("silver", 1.0)}), 1.0)
+    scheduler.reconfigure(make_config(tenants=tenants), 2.0)  # back, with a new flow
+    assert scheduler.requeue("a", "1").id == "1"  # its worker was lost
+    assert scheduler.removed == []
+    assert dispatch_one(scheduler, 2.0) == "a/1"
+    assert_counts_consistent(scheduler)
+
+
 def test_unlisted_tenants_turned_away_by_a_reload_are_removed():
     text = make_config_text(unlisted="admit")
     scheduler = Scheduler(parse_config(text))

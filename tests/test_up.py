@@ -493,11 +493,24 @@ async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
             '[tenants.newco]\ntier = "free"', '[tenants.newco]\ntier = "enterprise"'))
         reload = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "producers.cli", "reload", "--nats", url, "--nkey",
-            str(auth_dir / "fq-operator.nk"), cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+            str(auth_dir / "fq-operator.nk"), "--expect", "1", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(reload.communicate(), REQUEST_S)
         assert reload.returncode == 0, err.decode()
         assert "changed newco" in out.decode(), out.decode()
+
+        # Removing newco together with a change a reload cannot make: refused whole, and
+        # newco keeps its broker user and its service.
+        config.write_text(config.read_text().replace('[tenants.newco]\ntier = "enterprise"',
+                                                     "").replace("max_tokens_cap = ",
+                                                                 "max_tokens_cap = 1", 1))
+        up.send_signal(signal.SIGHUP)
+        assert "endpoints" in await output.expect("fairq: reload refused", REQUEST_S)
+        assert (auth_dir / "newco.nk").exists()
+        async with Client.connect(url, nkey=auth_dir / "newco.nk",
+                                  tenant_inboxes="newco") as newco:
+            assert isinstance(await newco.run("chat", "newco", prompt="hi", max_tokens=4,
+                                              timeout_s=REQUEST_S), DoneEvent)
         up.send_signal(signal.SIGINT)
         await output.expect("fairq: stopped", STOP_S)
         async with asyncio.timeout(STOP_S):

@@ -293,9 +293,11 @@ class Scheduler(SchedulerView):
         flow.served_cost -= request.charged_cost
         self._stop(endpoint, flow, request)
         request.dispatched_at, request.output_charged = None, 0
-        if endpoint.flows.get(tenant) is not flow:  # its tenant was removed by a reload
-            self.removed.append(request)
-            return request
+        if endpoint.flows.get(tenant) is not flow:  # a reload removed its tenant (and may
+            flow = self._flow(endpoint, tenant)    # have added it back: a new flow)
+            if flow is None:
+                self.removed.append(request)
+                return request
         self._estimate(endpoint, request)
         endpoint.mark_present(flow)
         flow.queue.push(request)
