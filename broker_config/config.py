@@ -231,6 +231,11 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     tick_s: PositiveSeconds = 0.25
     # The broker runs with per-tenant users: `Fq-Reply` must lie in the tenant's inbox.
     tenant_inboxes: bool = False
+    # Without Redis: how often monthly usage is written to the limits bucket
+    # (dispatcher/kv_limits.py). A kill -9 loses at most this much of it; each write of
+    # 1,000 busy tenants' counters costs the dispatcher about 0.1 s of CPU
+    # (docs/benchmarks.md, "Limiter stores").
+    usage_flush_s: PositiveSeconds = 2.0
     # When a profile's capacity counts as off from what the workers really do
     # (`fairq_model_unit_drift`, and a warning in the log).
     drift: DriftPolicy = msgspec.field(default_factory=DriftPolicy)

@@ -124,7 +124,7 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
         print(f"fairq dispatcher: cannot reach NATS at {args.nats}: {exc}", file=sys.stderr)
         return 1
     try:
-        limiter = await open_limiter_store(args.redis_url, nc, config.broker)
+        limiter = await open_limiter_store(args.redis_url, nc, config)
     except LimiterUnavailable as exc:
         print(f"fairq dispatcher: {exc}", file=sys.stderr)
         await nc.close()

@@ -39,7 +39,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from broker_config.config import BrokerSettings
+from broker_config.config import BrokerSettings, Config
 from broker_config.streams import ProvisionError, apply_key_value, limits_bucket_config
 from dispatcher.core.admission import (
     Check,
@@ -57,7 +57,6 @@ from dispatcher.redis_limits import (
 
 log = logging.getLogger("fairq.dispatcher")
 
-FLUSH_S = 0.5
 # Compare-and-set rounds per counter and write before it waits for the next flush.
 MAX_CAS_ATTEMPTS = 8
 # Counters written at once: bounds the acks in flight with many tenants.
@@ -70,7 +69,7 @@ class StoredUsage(msgspec.Struct, frozen=True):
 
 
 class KvLimiterStore:
-    def __init__(self, kv: KeyValue, *, flush_s: float = FLUSH_S) -> None:
+    def __init__(self, kv: KeyValue, *, flush_s: float) -> None:
         self._kv = kv
         self._flush_s = flush_s
         self._memory = MemoryLimiterStore()
@@ -87,7 +86,7 @@ class KvLimiterStore:
 
     @classmethod
     async def open(cls, nc: NATS, settings: BrokerSettings, *,
-                   flush_s: float = FLUSH_S) -> Self:
+                   flush_s: float) -> Self:
         """Create or update the bucket, and start writing behind."""
         try:
             kv = await apply_key_value(nc.jetstream(), limits_bucket_config(settings))
@@ -240,12 +239,14 @@ class KvLimiterStore:
 
 
 async def open_limiter_store(redis_url: str | None, nc: NATS,
-                             settings: BrokerSettings) -> AsyncLimiterStore:
+                             config: Config) -> AsyncLimiterStore:
     """The Redis store for a redis:// (rediss://, unix://) URL, shared atomically by
-    dispatchers; without one, this embedded store, its monthly usage kept in NATS."""
+    dispatchers; without one, this embedded store, its monthly usage kept in NATS and
+    written every `[dispatcher] usage_flush_s`."""
     if redis_url is not None:
         return RedisLimiterStore.from_url(redis_url)
-    return await KvLimiterStore.open(nc, settings)
+    return await KvLimiterStore.open(nc, config.broker,
+                                     flush_s=config.dispatcher.usage_flush_s)
 
 
 def _kv_key(key: str) -> str:

@@ -294,7 +294,7 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
             port=args.port, config_file=auth.config if auth else None))
         nc = await nats.connect(server.url, name="fairq-up", **_seed(auth, DISPATCHER_USER))
         stack.push_async_callback(nc.drain)
-        limiter = await open_limiter_store(args.redis_url, nc, config.broker)
+        limiter = await open_limiter_store(args.redis_url, nc, config)
         stack.push_async_callback(limiter.aclose)
         dispatcher = await stack.enter_async_context(
             Dispatcher(nc, config, limiter=limiter, metrics=metrics, config_path=args.config))

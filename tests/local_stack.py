@@ -77,8 +77,7 @@ class LocalStack:
                 self.nats_url = self.server.url
             self.nc = await nats.connect(self.nats_url, name="fairq-local")
             stack.push_async_callback(self.nc.drain)
-            limiter = await open_limiter_store(self.options.redis_url, self.nc,
-                                               self.config.broker)
+            limiter = await open_limiter_store(self.options.redis_url, self.nc, self.config)
             stack.push_async_callback(limiter.aclose)
             self.dispatcher = await stack.enter_async_context(Dispatcher(
                 self.nc, self.config, limiter=limiter, metrics=self.metrics))

@@ -36,13 +36,13 @@ async def stored(nc: nats.NATS, check: QuotaCheck) -> StoredUsage:
 async def test_monthly_usage_outlives_the_store(nats_url: str) -> None:
     nc = await nats.connect(nats_url)
     try:
-        first = await KvLimiterStore.open(nc, BrokerSettings())
+        first = await KvLimiterStore.open(nc, BrokerSettings(), flush_s=0.5)
         assert await first.apply([spend(600)], NOW) == ADMITTED
         await first.settle(Settlement(refund=(spend(100),)), NOW)  # used: 500
         await first.aclose()  # a graceful stop writes what is pending
         assert (await stored(nc, spend(0))).used == 500
 
-        second = await KvLimiterStore.open(nc, BrokerSettings())
+        second = await KvLimiterStore.open(nc, BrokerSettings(), flush_s=0.5)
         assert await second.apply([spend(500)], NOW) == ADMITTED
         refused = await second.apply([spend(1)], NOW)
         assert refused.outcome is Outcome.QUOTA_EXCEEDED
@@ -100,7 +100,7 @@ async def test_dispatchers_sharing_the_bucket_add_up(nats_url: str) -> None:
 async def test_an_unreachable_bucket_is_an_error_not_a_decision() -> None:
     async with EmbeddedNatsServer() as server:
         nc = await nats.connect(server.url, max_reconnect_attempts=0)
-        store = await KvLimiterStore.open(nc, BrokerSettings())
+        store = await KvLimiterStore.open(nc, BrokerSettings(), flush_s=0.5)
         assert await store.apply([spend(10, "known")], NOW) == ADMITTED
         await nc.close()
         with pytest.raises(LimiterUnavailable, match="limits bucket unavailable"):
@@ -135,7 +135,7 @@ async def test_a_counter_that_is_not_usage_fails_closed(nats_url: str) -> None:
     """Something else written over a counter is never read as a fresh quota: the tenant's
     admissions fail (`internal`, retryable) until an operator fixes it."""
     nc = await nats.connect(nats_url)
-    store = await KvLimiterStore.open(nc, BrokerSettings())
+    store = await KvLimiterStore.open(nc, BrokerSettings(), flush_s=0.5)
     try:
         kv = await nc.jetstream().key_value(BrokerSettings().subjects.limits_bucket)
         await kv.put(spend(0, "victim").key.replace(":", "."), b'{"id":"zz","state":"x"}')

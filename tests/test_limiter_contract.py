@@ -17,7 +17,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from broker_config.config import BrokerSettings
+from broker_config.config import BrokerSettings, load_config
 
 from broker_config.server import EmbeddedRedisServer
 from dispatcher.core.admission import (
@@ -436,14 +436,14 @@ async def test_redis_crash_raises_then_recovers(redis_binary: Path) -> None:
 async def test_the_redis_url_picks_the_store(nats_url: str) -> None:
     nc = await nats.connect(nats_url)
     try:
-        embedded = await open_limiter_store(None, nc, BrokerSettings())
+        embedded = await open_limiter_store(None, nc, load_config())
         assert isinstance(embedded, KvLimiterStore)
         await embedded.aclose()
-        store = await open_limiter_store("redis://127.0.0.1:1/0", nc, BrokerSettings())
+        store = await open_limiter_store("redis://127.0.0.1:1/0", nc, load_config())
         assert isinstance(store, RedisLimiterStore)
         await store.aclose()
         with pytest.raises(ValueError, match="scheme"):
-            await open_limiter_store("http://127.0.0.1:6379", nc, BrokerSettings())
+            await open_limiter_store("http://127.0.0.1:6379", nc, load_config())
     finally:
         await nc.close()
     with pytest.raises(ValueError, match="expiry_grace_s"):
