@@ -328,7 +328,15 @@ class EmbeddedNatsServer(_ServerProcess):
     def reload(self, timeout_s: float = 10.0) -> None:
         """Have the server re-read its config file (SIGHUP, as `nats-server --signal
         reload` sends) and wait until it says it did; EmbeddedServerError if it refuses
-        the new config (it then keeps the old one) or does not answer in time."""
+        the new config (it then keeps the old one) or does not answer in time.
+
+        It reloads twice: an account that a reload adds (a new tenant's, `fairq auth`)
+        gets no working service imports until the next one (nats-server 2.15;
+        tests/test_auth_deployment.py)."""
+        for _ in range(2):
+            self._reload_once(timeout_s)
+
+    def _reload_once(self, timeout_s: float) -> None:
         process = self._process
         if process is None or process.poll() is not None:
             raise EmbeddedServerError("nats server is not running: nothing to reload")

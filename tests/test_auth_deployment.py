@@ -12,6 +12,7 @@ import json
 import os
 import stat
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,8 +26,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from broker_config.auth import (
+    AUTH_CONF,
     DISPATCHER_USER,
+    FAIRQ_ACCOUNT,
     FRONT_USER,
+    LOCK_FILE,
+    MANIFEST,
     OPERATOR_USER,
     WORKER_USER,
     NkeyUser,
@@ -54,59 +59,156 @@ REQUEST_S = 20.0
 # -- rendering ----------------------------------------------------------------------------------
 
 
-def users_in(conf: Path) -> dict[str, dict]:
-    """auth.conf's entries by the user name on the comment line above each."""
-    lines = [line.strip() for line in conf.read_text().splitlines()]
-    return {lines[i - 1].removeprefix("# "): json.loads(line)
-            for i, line in enumerate(lines) if line.startswith("{")}
+def accounts_in(conf: Path) -> dict[str, dict]:
+    """auth.conf's `accounts` block (JSON after the comment lines)."""
+    return json.loads(conf.read_text().split("\naccounts: ", 1)[1])
 
 
-def test_render_gives_each_user_its_permissions_and_a_private_seed(tmp_path: Path) -> None:
+def keys_in(conf: Path) -> dict[str, str]:
+    """Each user's public key, from the comment line naming it."""
+    return dict(line[2:].split(": ") for line in conf.read_text().splitlines()[1:]
+                if line.startswith("# "))
+
+
+def public_key(seed: Path) -> str:
+    return nkeys.from_seed(bytearray(seed.read_bytes().strip())).public_key.decode()
+
+
+def test_render_puts_each_tenant_and_the_front_in_an_account_of_its_own(
+        tmp_path: Path) -> None:
     out = tmp_path / "auth"
     rendered = render_auth_dir(out, S, ["globex", "acme", "acme"])
     assert rendered.added == ("acme", "globex", DISPATCHER_USER, WORKER_USER, OPERATOR_USER,
                               FRONT_USER) and rendered.removed == ()
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["auth.conf", *(f"{name}.nk" for name in rendered.added)])
+        [AUTH_CONF, MANIFEST, LOCK_FILE, *(f"{name}.nk" for name in rendered.added)])
     for seed in rendered.seeds.values():
         assert stat.S_IMODE(seed.stat().st_mode) == 0o600
         assert seed.read_text().startswith("SU")  # a user's seed
-    entries = users_in(rendered.config)
-    assert set(entries) == set(rendered.seeds)
+    keys = keys_in(rendered.config)
+    assert keys == {name: public_key(seed) for name, seed in rendered.seeds.items()}
+    assert len(set(keys.values())) == len(keys)
+    accounts = accounts_in(rendered.config)
+    assert list(accounts) == [FAIRQ_ACCOUNT, "acme", "globex", FRONT_USER]
+
+    fairq = accounts[FAIRQ_ACCOUNT]
+    assert fairq["jetstream"] == "enabled"
+    assert fairq["users"] == [{"nkey": keys[name]}  # full access in its own account
+                              for name in (DISPATCHER_USER, WORKER_USER, OPERATOR_USER)]
+    shared = {name: [("service", f"fq.req.*.{name}"), ("service", f"fq.api.*.{name}"),
+                     ("stream", f"_INBOX_{name}.>")] for name in ("acme", "globex")}
+    assert fairq["exports"] == [{kind: subject, "accounts": [name, FRONT_USER]}
+                                for name in ("acme", "globex") for kind, subject in shared[name]]
+
+    def imports(*tenants: str) -> list[dict]:
+        return [{kind: {"account": FAIRQ_ACCOUNT, "subject": subject}}
+                for name in tenants for kind, subject in shared[name]]
+
     for name in ("acme", "globex"):
         own = tenant_permissions(S, name)
-        assert entries[name]["permissions"] == {"publish": {"allow": list(own.publish)},
-                                                "subscribe": {"allow": list(own.subscribe)}}
-    for name in (DISPATCHER_USER, WORKER_USER, OPERATOR_USER):
-        assert "permissions" not in entries[name]
+        assert accounts[name] == {
+            "users": [{"nkey": keys[name], "permissions": {
+                "publish": {"allow": list(own.publish)},
+                "subscribe": {"allow": list(own.subscribe)}}}],
+            "imports": imports(name)}
+        assert "jetstream" not in accounts[name]
     front = front_permissions(S, FRONT_USER, ["acme", "globex"])
-    assert entries[FRONT_USER]["permissions"]["publish"]["allow"] == list(front.publish)
-    assert entries[FRONT_USER]["permissions"]["subscribe"]["allow"] == list(front.subscribe)
+    assert accounts[FRONT_USER] == {
+        "users": [{"nkey": keys[FRONT_USER], "permissions": {
+            "publish": {"allow": list(front.publish)},
+            "subscribe": {"allow": list(front.subscribe)}}}],
+        "imports": imports("acme", "globex")}
     conf = rendered.config.read_text()
     assert not any(seed.read_text().strip() in conf for seed in rendered.seeds.values())
-    assert len({e["nkey"] for e in entries.values()}) == len(entries)
+
+
+def test_render_uses_the_configured_subject_prefix(tmp_path: Path) -> None:
+    rendered = render_auth_dir(tmp_path, Subjects("stage"), ["acme"])
+    accounts = accounts_in(rendered.config)
+    assert [list(e.values())[0] for e in accounts[FAIRQ_ACCOUNT]["exports"]] == [
+        "stage.req.*.acme", "stage.api.*.acme", "_INBOX_acme.>"]
+    assert accounts["acme"]["users"][0]["permissions"]["publish"]["allow"] == [
+        "stage.req.*.acme", "stage.api.*.acme"]
 
 
 def test_rerender_keeps_seeds_and_adds_and_removes_tenants(tmp_path: Path) -> None:
     first = render_auth_dir(tmp_path, S, ["acme", "globex"])
     seeds = {name: path.read_bytes() for name, path in first.seeds.items()}
-    keys = {name: entry["nkey"] for name, entry in users_in(first.config).items()}
+    keys = keys_in(first.config)
     second = render_auth_dir(tmp_path, S, ["acme", "initech"])
     assert second.added == ("initech",) and second.removed == ("globex",)
     assert not (tmp_path / "globex.nk").exists()
     for name, path in second.seeds.items():
         if name != "initech":
             assert path.read_bytes() == seeds[name]
-    after = {name: entry["nkey"] for name, entry in users_in(second.config).items()}
-    assert "globex" not in after
+    after = keys_in(second.config)
+    assert "globex" not in after and "globex" not in accounts_in(second.config)
     assert all(after[name] == keys[name] for name in after if name != "initech")
+
+
+def test_rerender_removes_only_the_seeds_it_made(tmp_path: Path) -> None:
+    render_auth_dir(tmp_path, S, ["acme", "globex"])
+    mine = tmp_path / "mine.nk"  # the operator's own key, kept next to them
+    mine.write_text("SU-not-fairqs")
+    second = render_auth_dir(tmp_path, S, ["acme"])
+    assert second.removed == ("globex",) and not (tmp_path / "globex.nk").exists()
+    assert mine.read_text() == "SU-not-fairqs"
+    assert "mine" not in keys_in(second.config)
+
+
+def test_render_refuses_a_directory_that_is_not_its_own(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "prod.nk").write_text("SU-someone-elses")
+    with pytest.raises(ValueError, match="not rendered by fairq auth"):
+        render_auth_dir(other, S, ["acme"])
+    assert [p.name for p in other.iterdir() if p.name != LOCK_FILE] == ["prod.nk"]
+    (other / AUTH_CONF).write_text("authorization { users = [] }\n")  # not ours either
+    with pytest.raises(ValueError, match="not rendered by fairq auth"):
+        render_auth_dir(other, S, ["acme"])
+
+
+def test_render_of_a_directory_from_before_the_manifest_removes_its_users(
+        tmp_path: Path) -> None:
+    render_auth_dir(tmp_path, S, ["acme", "globex"])
+    (tmp_path / MANIFEST).unlink()  # as rendered by an older fairq: users in auth.conf only
+    assert render_auth_dir(tmp_path, S, ["acme"]).removed == ("globex",)
+
+
+def test_concurrent_renders_agree_on_every_seed(tmp_path: Path) -> None:
+    """Two renders at once, each adding the same tenant: without the lock, one's seed
+    and the other's auth.conf could disagree (seen 4 times in 100)."""
+    for trial in range(30):
+        out = tmp_path / str(trial)
+        render_auth_dir(out, S, ["acme"])
+        start = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def render() -> None:
+            start.wait()
+            try:
+                render_auth_dir(out, S, ["acme", "newco"])
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=render) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+        keys = keys_in(out / AUTH_CONF)
+        assert keys["newco"] == public_key(out / "newco.nk"), trial
+        assert accounts_in(out / AUTH_CONF)["newco"]["users"][0]["nkey"] == keys["newco"]
 
 
 def test_render_refuses_reserved_names_and_broken_seeds(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="reserved"):
         render_auth_dir(tmp_path / "a", S, ["acme", FRONT_USER])
-    (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match="reserved"):
+        render_auth_dir(tmp_path / "a", S, [FAIRQ_ACCOUNT])
+    render_auth_dir(tmp_path / "b", S, ["acme"])
     (tmp_path / "b" / "acme.nk").write_text("not a seed")
     with pytest.raises(ValueError, match="acme.nk: not a readable nkey seed"):
         render_auth_dir(tmp_path / "b", S, ["acme"])
