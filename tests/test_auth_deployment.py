@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 import nkeys
 import pytest
 from nats.aio.client import Client as NATS
@@ -388,6 +389,62 @@ async def test_tenants_cannot_act_as_each_other(nats_binary: Path, tmp_path: Pat
         finally:
             await nc.close()
             await globex.close()
+
+
+@pytest.mark.integration
+async def test_a_reply_subject_cannot_reach_into_fairqs_account(nats_binary: Path,
+                                                                 tmp_path: Path) -> None:
+    """nats-server checks no one's permissions against a reply subject. The PubAck of a
+    submit and the dispatcher's answer to a status call go there; with the tenants in
+    accounts of their own, they go back into the caller's account, never into FAIRQ's
+    (a KV key, another tenant's results or inbox, the dispatchers' reload subject)."""
+    async with deployment(nats_binary, tmp_path, ["acme", "globex"]) as d:
+        targets = [f"$KV.{S.limits_bucket}.quota-total.acme.2026-01",
+                   f"$KV.{S.results_bucket}.globex.victim", S.admin_reload,
+                   f"{S.inbox_prefix('globex')}.stolen"]
+        operator = await nats.connect(d.server.url, nkeys_seed=str(d.seed(OPERATOR_USER)),
+                                      max_reconnect_attempts=0)
+        globex_errors, errors = Errors(), Errors()
+        globex = await tenant_connection(d, "globex", globex_errors)
+        acme = await tenant_connection(d, "acme", errors)
+        try:
+            spies = {target: await operator.subscribe(target) for target in targets}
+            # The control: what acme sends does arrive in FAIRQ, on its own subject.
+            arrived = await operator.subscribe(S.tenant_requests("acme"))
+            globex_inbox = await globex.subscribe(f"{S.inbox_prefix('globex')}.>")
+            await operator.flush()
+            await globex.flush()
+            for n, target in enumerate(targets):
+                await acme.publish(S.request("chat", "acme"), b'{"prompt":"hi","max_tokens":4}',
+                                   reply=target, headers={
+                                       HDR_MSG_ID: f"attack-{n}",
+                                       HDR_REPLY: f"{S.inbox_prefix('acme')}.r{n}"})
+                await acme.publish(S.status("acme"), b'{"id":"attack-0"}', reply=target)
+            await acme.flush()
+            assert (await arrived.next_msg(timeout=5)).subject == S.request("chat", "acme")
+            await asyncio.sleep(1.0)  # time for a PubAck or an answer to go astray
+            for target, spy in spies.items():
+                with pytest.raises(nats.errors.TimeoutError):
+                    msg = await spy.next_msg(timeout=0.2)
+                    pytest.fail(f"{target} got {msg.data!r} (reply of {msg.subject})")
+            with pytest.raises(nats.errors.TimeoutError):
+                await globex_inbox.next_msg(timeout=0.2)
+            results = await operator.jetstream().key_value(S.results_bucket)
+            with pytest.raises(nats.js.errors.KeyNotFoundError):
+                await results.get("globex.victim")
+            assert not errors.seen and not globex_errors.seen
+            # The requests themselves were taken, as any of acme's: the hole is closed,
+            # not the service.
+            async with Client(acme, tenant_inboxes="acme", api_timeout_s=5.0) as client:
+                for _ in range(100):
+                    status = await client.status("acme", "attack-0")
+                    if status.state == "done":
+                        break
+                    await asyncio.sleep(0.1)
+                assert status.state == "done", status
+        finally:
+            for nc in (acme, globex, operator):
+                await nc.close()
 
 
 @pytest.mark.integration
