@@ -301,8 +301,8 @@ def merged_with_auth() -> dict[str, Any]:
         merged = services.setdefault(name, {})
         for key, value in spec.items():
             if key == "volumes":
-                mounts = {str(v).split(":")[1]: v for v in merged.get("volumes", [])}
-                mounts |= {str(v).split(":")[1]: v for v in value}
+                mounts = {mount(v)["target"]: v for v in merged.get("volumes", [])}
+                mounts |= {mount(v)["target"]: v for v in value}
                 merged["volumes"] = list(mounts.values())
             elif key == "depends_on":
                 merged["depends_on"] = depends_on(merged) | depends_on(spec)
@@ -312,12 +312,20 @@ def merged_with_auth() -> dict[str, Any]:
                                               **(over.get("volumes") or {})}}
 
 
-def auth_mount(service: dict[str, Any], volumes: dict[str, Any]) -> str:
-    """Where `service` mounts the shared auth volume."""
-    (target,) = [str(v).split(":")[1] for v in service.get("volumes", [])
-                 if str(v).split(":")[0] == "auth"]
+def mount(volume: str | dict[str, Any]) -> dict[str, Any]:
+    """A `volumes` entry in the long syntax's terms (source, target, read_only, subpath)."""
+    if isinstance(volume, dict):
+        return {"source": volume["source"], "target": volume["target"],
+                "read_only": volume.get("read_only", False),
+                "subpath": volume.get("volume", {}).get("subpath")}
+    source, target, *mode = volume.split(":")
+    return {"source": source, "target": target, "read_only": mode == ["ro"], "subpath": None}
+
+
+def auth_mounts(service: dict[str, Any], volumes: dict[str, Any]) -> list[dict[str, Any]]:
+    """How `service` mounts the auth volume."""
     assert "auth" in volumes
-    return target
+    return [m for m in map(mount, service.get("volumes", [])) if m["source"] == "auth"]
 
 
 def test_auth_variant_renders_users_before_nats_starts_with_them() -> None:
@@ -327,13 +335,17 @@ def test_auth_variant_renders_users_before_nats_starts_with_them() -> None:
     argv = command_argv(init)
     assert argv[:2] == ["fairq", "auth"]
     args = cli.build_parser("auth").parse_args(argv[1:])
-    out = auth_mount(init, volumes)
-    assert str(args.out) == out and not str(init["volumes"][0]).endswith(":ro")
+    (out,) = auth_mounts(init, volumes)
+    assert out == {"source": "auth", "target": str(args.out), "read_only": False,
+                   "subpath": None}
     assert registered_tenants(load_config(repo_path(args.config)))
     nats = services["nats"]
     assert depends_on(nats)["fairq-auth"]["condition"] == "service_completed_successfully"
     nats_argv = command_argv(nats)
-    assert nats_argv[nats_argv.index("-c") + 1] == f"{auth_mount(nats, volumes)}/{AUTH_CONF}"
+    # nats-server reads auth.conf alone (public keys), none of the seeds next to it.
+    (conf,) = auth_mounts(nats, volumes)
+    assert conf["subpath"] == AUTH_CONF and conf["read_only"]
+    assert nats_argv[nats_argv.index("-c") + 1] == conf["target"]
     assert "-js" in nats_argv and "nats-data:/data" in nats["volumes"]
 
 
@@ -345,10 +357,24 @@ def test_auth_variant_runs_each_service_as_its_own_user(name: str, user: str) ->
     service = compose["services"][name]
     args = parse_python_command(service, PYTHON_SERVICES[name])
     load_config(repo_path(args.config))
-    assert str(args.nkey) == f"{auth_mount(service, compose['volumes'])}/{user}{SEED_SUFFIX}"
-    assert str(service["volumes"][-1]).endswith(":ro")
+    # Its own seed file and nothing else of the auth volume, read-only.
+    (seed,) = auth_mounts(service, compose["volumes"])
+    assert seed == {"source": "auth", "target": str(args.nkey), "read_only": True,
+                    "subpath": f"{user}{SEED_SUFFIX}"}
     if name == "dispatcher":
         assert args.tenant_inboxes is True
     # The merge keeps what the plain stack checks (dependencies, hosts).
     assert depends_on(service) == depends_on(yaml.safe_load(
         COMPOSE_FILE.read_text())["services"][name])
+
+
+def test_only_the_auth_init_service_mounts_the_whole_auth_volume() -> None:
+    compose = merged_with_auth()
+    whole = [name for name, service in compose["services"].items()
+             for m in auth_mounts(service, compose["volumes"]) if m["subpath"] is None]
+    assert whole == ["fairq-auth"]
+
+
+def test_secrets_stay_out_of_the_image() -> None:
+    ignored = (REPO / ".dockerignore").read_text().splitlines()
+    assert {"**/*.nk", "**/*.creds", "auth/"} <= set(ignored)
