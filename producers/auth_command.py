@@ -1,11 +1,12 @@
 """`fairq auth --config C.toml --out DIR`: the broker's nkey users for a deployment.
 
-Writes DIR/auth.conf (a nats-server config include: `authorization { users = [...] }`
-with public keys only) and one seed file DIR/<user>.nk (mode 0600) per user: one per
-tenant of the config (`[tenants]` and the front's keys), `fq-dispatcher`, `fq-worker`,
-`fq-operator` and `fq-front` (broker_config.auth). Running it again keeps existing seeds
-and adds or removes tenants' users; then `nats-server --signal reload` applies it.
-Exit codes: 0 written, 2 a bad config, tenant name or seed file.
+Writes DIR/auth.conf (a nats-server config include: `accounts { ... }`, one account per
+tenant and one for the front beside fairq's own, public keys only), DIR/users.json and one
+seed file DIR/<user>.nk (mode 0600) per user: one per tenant of the config (`[tenants]`
+and the front's keys), `fq-dispatcher`, `fq-worker`, `fq-operator` and `fq-front`
+(broker_config.auth). Running it again keeps existing seeds and adds or removes tenants'
+users; then reload nats-server twice and the dispatchers (docs/security.md).
+Exit codes: 0 written, 2 a bad config, tenant name, seed file or a directory not its own.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "auth", help="render the broker's users (nkeys) from the config's tenants",
         description="Write a nats-server config include with one nkey user per tenant and "
-                    "per fairq service, and their seed files, into a directory. Existing "
-                    "seeds are kept; include the file in nats-server's config (or run it "
-                    f"with `-c DIR/{AUTH_CONF}`) and reload nats-server after a re-render.")
+                    "per fairq service, each tenant and the front in a NATS account of its "
+                    "own, and their seed files, into a directory. Existing seeds are kept; "
+                    "include the file in nats-server's config (or run it with "
+                    f"`-c DIR/{AUTH_CONF} -js`). After a re-render, reload nats-server twice "
+                    "(a new tenant's imports work after the second), then the dispatchers "
+                    "(`fairq reload`).")
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR",
                         help="the directory to write (made mode 0700 if missing)")
