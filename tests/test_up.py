@@ -493,8 +493,8 @@ async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
             '[tenants.newco]\ntier = "free"', '[tenants.newco]\ntier = "enterprise"'))
         reload = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "producers.cli", "reload", "--nats", url, "--nkey",
-            str(auth_dir / "fq-operator.nk"), "--expect", "1", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
+            str(auth_dir / "fq-operator.nk"), "--expect", "1", cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(reload.communicate(), REQUEST_S)
         assert reload.returncode == 0, err.decode()
         assert "changed newco" in out.decode(), out.decode()
