@@ -28,6 +28,7 @@ what is pending.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -117,9 +118,8 @@ class KvLimiterStore:
     async def aclose(self) -> None:
         self._stopping.set()
         if self._flusher is not None:
-            await self._flusher  # its last round writes what is pending
-        else:
-            await self.flush()
+            await self._flusher  # never cancelled: a write under way completes
+        await self.flush()  # what was charged while the loop's last round ran
         if self._pending:
             log.error("monthly usage of %d quota counters could not be stored",
                       len(self._pending))
@@ -155,13 +155,9 @@ class KvLimiterStore:
             key, stored + self._pending.get(key, (0.0, 0.0))[0], expires_at)
 
     async def _flush_loop(self) -> None:
-        stopped = False
-        while not stopped:
-            try:
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):  # a period passed: write what is pending
                 await asyncio.wait_for(self._stopping.wait(), self._flush_s)
-                stopped = True
-            except TimeoutError:
-                pass
             await self.flush()
             self._forget_ended(time.time())
 

@@ -34,8 +34,8 @@ connects with `<AUTH_DIR>/<tenant>.nk`.
 
 Reload (SIGHUP to this process; `fairq reload` reaches the dispatcher alone): the config
 file's tenants, tiers, weights and limits apply without a restart, and with `--auth` the
-broker users follow (`Reloads`). So closing the terminal does not stop it; Ctrl-C or
-SIGTERM do.
+broker users follow (`producers.reloads`). So closing the terminal does not stop it;
+Ctrl-C or SIGTERM do.
 
 Stop order: the front first (no new requests; open ones get its drain time), then the
 workers (SIGTERM, all at once: each finishes its running requests
@@ -90,6 +90,7 @@ from producers.client import Client
 from producers.openai_front.app import Front
 from producers.openai_front.keys import KeyRing, with_dev_key
 from producers.openai_front.server import FrontServer
+from producers.reloads import Reloads
 from producers.scaling import ScaleFollower, with_autoscaling
 from producers.supervisor import (
     Backoff,
@@ -259,10 +260,6 @@ def _say(message: str) -> None:
     print(f"fairq: {message}", flush=True)
 
 
-def _names(names: list[str]) -> str:
-    return ", ".join(names) or "none"
-
-
 def _log_dir(path: Path | None) -> Path:
     if path is None:
         return Path(tempfile.mkdtemp(prefix="fairq-up-"))
@@ -298,7 +295,7 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         stack.push_async_callback(limiter.aclose)
         dispatcher = await stack.enter_async_context(
             Dispatcher(nc, config, limiter=limiter, metrics=metrics, config_path=args.config))
-        reloads = Reloads(server, dispatcher, config, auth)
+        reloads = Reloads(server, dispatcher, config, auth, _say)
         loop.add_signal_handler(signal.SIGHUP, reloads.trigger)
         stack.push_async_callback(reloads.close)
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
@@ -341,74 +338,6 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         _say("draining...")
     _say("stopped")
     return 0
-
-
-class Reloads:
-    """SIGHUP: the config file's tenants, tiers and limits, without a restart, one reload
-    at a time. With `--auth` the broker users follow the tenants: a new tenant's user is
-    rendered (and nats-server reloaded) before the dispatcher admits it, a removed
-    tenant's only after the dispatcher has ended its queued requests (so it can still
-    read why), and none change when the dispatcher refuses the file."""
-
-    def __init__(self, server: EmbeddedNatsServer, dispatcher: Dispatcher, config: Config,
-                 auth: RenderedAuth | None) -> None:
-        self.server = server
-        self.dispatcher = dispatcher
-        # The front's keys are made at start (the development key), not read from the file.
-        self.front_tenants = {key.tenant for key in config.front.keys}
-        self.tenants = {*registered_tenants(config), *self.front_tenants}
-        self.auth = auth
-        self._lock = asyncio.Lock()
-        self._running: set[asyncio.Task[None]] = set()
-
-    def trigger(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.reload())
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
-    async def close(self) -> None:
-        for task in self._running:
-            task.cancel()
-        await asyncio.gather(*self._running, return_exceptions=True)
-
-    async def reload(self) -> None:
-        async with self._lock:
-            wanted = await self._tenants_in_file() if self.auth is not None else None
-            if wanted is not None:
-                await self._render_users(self.tenants | wanted)
-            reply = await self.dispatcher.reload()
-            if wanted is not None:
-                self.tenants = wanted if reply.ok else self.tenants
-                await self._render_users(self.tenants)
-        if reply.ok:
-            _say(f"reloaded {self.dispatcher.reloader.path}: tenants added "
-                 f"{_names(reply.added)}, removed {_names(reply.removed)}, changed "
-                 f"{_names(reply.changed)}")
-        else:
-            _say(f"reload refused, the running configuration stays: {reply.error}")
-
-    async def _tenants_in_file(self) -> set[str] | None:
-        """The tenants that get broker users by the file; None when it cannot be read
-        (the dispatcher's reload then says why)."""
-        try:
-            config = await asyncio.to_thread(load_config, self.dispatcher.reloader.path)
-        except ConfigError:
-            return None
-        return {*registered_tenants(config), *self.front_tenants}
-
-    async def _render_users(self, tenants: set[str]) -> None:
-        try:
-            rendered = await asyncio.to_thread(render_auth_dir, self.auth.directory,
-                                               self.dispatcher.config.subjects, tenants)
-            if rendered.added or rendered.removed:
-                await asyncio.to_thread(self.server.reload)
-        except (ValueError, OSError, EmbeddedServerError) as exc:
-            _say(f"reload: broker users unchanged: {exc}")
-            return
-        for name in rendered.added:
-            _say(f"new broker user {name}: {rendered.seeds[name]}")
-        for name in rendered.removed:
-            _say(f"broker user {name} removed")
 
 
 async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: Config,

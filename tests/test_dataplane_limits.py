@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -30,6 +30,7 @@ from dispatcher.kv_limits import StoredUsage
 from dispatcher.redis_limits import DEFAULT_PREFIX
 from producers.client import Client, RequestFailed
 from tests.local_stack import LocalStack, StackOptions
+from tests.wire_support import until
 
 pytestmark = pytest.mark.integration
 
@@ -219,15 +220,6 @@ async def stored_usage(stack: LocalStack, redis: EmbeddedRedisServer | None,
     finally:
         await client.aclose()
 
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not condition():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        pytest.fail(f"not {what} within {timeout_s}s")
 
 
 async def test_requests_that_never_run_give_their_tokens_back(

@@ -13,7 +13,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import nats
@@ -26,6 +25,7 @@ from broker_config.wire import DoneEvent
 from producers.client import Client, ConnectionFailed
 from producers.scaling import ScaleFollower
 from producers.supervisor import Backoff, Child, Supervisor, SupervisorError
+from tests.wire_support import until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,15 +77,6 @@ STUBBORN = ("import signal, time\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             "print('ready', flush=True)\n"
             "time.sleep(60)")
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not condition():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        pytest.fail(f"not within {timeout_s}s: {what}")
 
 
 async def until_ready(child: Child) -> None:
@@ -178,6 +169,16 @@ class Output:
         pytest.fail(f"no line {prefix!r}: {reason}; output:\n" + "\n".join(self.lines))
 
 
+async def start_up(*flags: str) -> tuple[asyncio.subprocess.Process, Output, asyncio.Task]:
+    """`fairq up` on free ports with `flags`; its output read as it comes."""
+    up = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "producers.cli", "up", "--port", "0", "--metrics-port", "0",
+        *flags, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    output = Output(up.stdout)
+    return up, output, asyncio.create_task(output.pump())
+
+
 async def submit(nc: nats.NATS, request_id: str) -> list[dict]:
     """One chat request for tenant acme over plain NATS; its events up to the final one."""
     reply = nc.new_inbox()
@@ -242,13 +243,8 @@ async def leave_nothing_running(up: asyncio.subprocess.Process,
 
 async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         nats_binary: Path, tmp_path: Path) -> None:
-    up = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.cli", "up", "--port", "0", "--workers", "1",
-        "--time-scale", "0.05", "--metrics-port", "0", "--log-dir", str(tmp_path), cwd=ROOT,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
-    output = Output(up.stdout)
-    reader = asyncio.create_task(output.pump())
+    up, output, reader = await start_up("--workers", "1", "--time-scale", "0.05",
+                                        "--log-dir", str(tmp_path))
     started: dict[int, list[str]] = {}  # what it ran, to check (or clean) after it exits
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
@@ -334,13 +330,8 @@ async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after
     every request of the burst ends with exactly one final event, `done`."""
     config = tmp_path / "autoscaled.toml"
     config.write_text((ROOT / "configs" / "example.toml").read_text() + AUTOSCALED)
-    up = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.cli", "up", "--port", "0", "--autoscale",
-        "--config", str(config), "--time-scale", "0.2", "--metrics-port", "0",
-        "--log-dir", str(tmp_path / "logs"), cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    output = Output(up.stdout)
-    reader = asyncio.create_task(output.pump())
+    up, output, reader = await start_up("--autoscale", "--config", str(config),
+                                        "--time-scale", "0.2", "--log-dir", str(tmp_path / "logs"))
     started: dict[int, list[str]] = {}
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
@@ -415,13 +406,9 @@ async def test_fairq_up_auth_runs_every_part_as_its_own_broker_user(
         nats_binary: Path, tmp_path: Path) -> None:
     """`--auth`: nats-server refuses anonymous clients, the workers and the front serve
     with their own users, and a tenant connects with the seed file under AUTH_DIR."""
-    up = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.cli", "up", "--auth", "--port", "0", "--workers",
-        "chat=1,embed=0", "--time-scale", "0.05", "--metrics-port", "0", "--front-port", "0",
-        "--log-dir", str(tmp_path), cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    output = Output(up.stdout)
-    reader = asyncio.create_task(output.pump())
+    up, output, reader = await start_up("--auth", "--workers", "chat=1,embed=0",
+                                        "--time-scale", "0.05", "--front-port", "0",
+                                        "--log-dir", str(tmp_path))
     started: dict[int, list[str]] = {}
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
@@ -462,14 +449,9 @@ async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
     restart; `fairq reload`, as the operator user, then applies a change of its tier."""
     config = tmp_path / "fairq.toml"
     config.write_text((ROOT / "configs" / "example.toml").read_text())
-    up = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.cli", "up", "--auth", "--config", str(config),
-        "--port", "0", "--workers", "chat=1,embed=0", "--time-scale", "0.05",
-        "--metrics-port", "0", "--front-port", "0", "--log-dir", str(tmp_path / "run"),
-        cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
-    output = Output(up.stdout)
-    reader = asyncio.create_task(output.pump())
+    up, output, reader = await start_up("--auth", "--config", str(config), "--workers",
+                                        "chat=1,embed=0", "--time-scale", "0.05",
+                                        "--front-port", "0", "--log-dir", str(tmp_path / "run"))
     started: dict[int, list[str]] = {}
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")

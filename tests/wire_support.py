@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import pytest
 from PIL import Image
 
 T = TypeVar("T")
@@ -28,6 +29,16 @@ async def api(nc, subject: str, body: dict, timeout: float = 5.0) -> dict:
     """A request/reply API call (status, cancel, depth), JSON both ways."""
     reply = await nc.request(subject, json.dumps(body).encode(), timeout=timeout)
     return json.loads(reply.data)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Poll a plain `condition` until it holds; fail naming `what` after `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        pytest.fail(f"not within {timeout_s}s: {what}")
 
 
 async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 10.0,
