@@ -54,6 +54,8 @@ CANCELLED = Decision(Outcome.CANCELLED, "cancelled by the client")
 # An unlisted tenant without a flow keeps its depth-API counts this long after its last
 # decision.
 COUNTS_MEMORY_S = 600.0
+# Limiter checks settled in one call of the store (one Redis script).
+SETTLE_BATCH = 512
 
 
 @dataclass(slots=True)
@@ -148,12 +150,12 @@ class Admission:
             return
         if await self._over_limits(held, len(msg.data), now):
             return
-        # A redelivery (after a restart) was admitted, and charged, once and has waited
-        # for us: the wait in the stream counts against the latency target on the first
-        # delivery only, and the limiter charges it on the first delivery only.
-        first = deliveries == 1
-        await self.admit(held, now, now - held.received_at if first else 0.0,
-                         charged_before=not first)
+        # The wait in the stream counts against the latency target on the first delivery
+        # only: a redelivery (after a restart) was admitted once and has waited for us.
+        # The limiter is asked every time: a dispatcher that hands a request back gives
+        # its charge back first (`give_back_queued`), one that crashed cannot (the request
+        # is then charged twice, never not at all).
+        await self.admit(held, now, now - held.received_at if deliveries == 1 else 0.0)
 
     async def _over_limits(self, held: Held, body_bytes: int, now: float) -> bool:
         """End a request over `[dispatcher.input]` before its tokens are counted. Held,
@@ -180,9 +182,10 @@ class Admission:
                     charged_before: bool = False) -> None:
         """Admission proper: checks, the limiter store, then the scheduler's queue.
 
-        `charged_before`: a dispatcher admitted it before (a redelivery, an adopted
-        request whose worker was lost), so the limiter is not asked again; what it was
-        charged, as computed now, is settled on completion or given back on a rejection.
+        `charged_before`: an adopted request whose worker was lost, admitted and charged
+        by a dispatcher before this one: the limiter is not asked again, and what it was
+        charged (as recorded at its adoption) is settled on completion or given back on a
+        rejection.
         """
         sub = held.submission
         if await self._cancelled_meanwhile(held, now):
@@ -191,9 +194,9 @@ class Admission:
         result = self.scheduler.check(
             request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
         if charged_before:
-            checks = result if isinstance(result, list) else self.scheduler.limit_checks(
-                request, now)
-            held.charges = charged(checks)
+            if not held.charges:
+                held.charges = charged(result if isinstance(result, list) else
+                                       self.scheduler.limit_checks(request, now))
             if isinstance(result, list):
                 result = ADMITTED
         elif isinstance(result, list):
@@ -279,6 +282,19 @@ class Admission:
         charges, held.charges = held.charges, ()
         await self.settle(settlement(charges, 0), now)
         await self.end(held, to_error_event(held.submission.id, decision), now)
+
+    async def give_back_queued(self, now: float) -> None:
+        """Before a stop hands its queued requests back: give back what they were
+        charged, since the dispatcher that takes them next charges them at admission.
+        (Running ones keep their charge: the next dispatcher adopts them, uncharged.)"""
+        refunds = []
+        for held in self.held.admitted.values():
+            if held.worker is None and held.charges:
+                refunds.extend(settlement(held.charges, 0).refund)
+                held.charges = ()
+        for first in range(0, len(refunds), SETTLE_BATCH):
+            await self.settle(Settlement(refund=tuple(refunds[first:first + SETTLE_BATCH])),
+                              now)
 
     async def settle(self, settled: Settlement, now: float) -> None:
         """Settle token limits at real usage; a store that fails loses only the

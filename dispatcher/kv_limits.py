@@ -186,10 +186,13 @@ class KvLimiterStore:
         return {check.key: self._memory.quota_used(check.key, now) for check in quotas}
 
     def _note(self, quotas: list[QuotaCheck], before: dict[str, float], now: float) -> None:
-        for check in quotas:
-            change = self._memory.quota_used(check.key, now) - before[check.key]
+        """Pend what the decision changed, once per counter (several settled requests
+        may name the same one)."""
+        periods = {check.key: check.expires_at for check in quotas}
+        for key, expires_at in periods.items():
+            change = self._memory.quota_used(key, now) - before[key]
             if change:
-                self._add_pending(check.key, change, check.expires_at)
+                self._add_pending(key, change, expires_at)
 
     def _add_pending(self, key: str, change: float, expires_at: float) -> None:
         earlier, _ = self._pending.get(key, (0.0, expires_at))

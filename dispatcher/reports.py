@@ -197,10 +197,10 @@ class WorkerReports:
                 elif (eviction := await self.probes.answered(done, time.time())) is not None:
                     await self.evicted(*eviction)
         self.wake.set()
-        # Outside the lock: a slow limiter store must not hold up heartbeats.
-        now = time.time()
-        for settled in settlements:
-            await self.admission.settle(settled, now)
+        # Outside the lock, in one call: a slow limiter store must not hold up heartbeats.
+        await self.admission.settle(Settlement(
+            tuple(check for settled in settlements for check in settled.charge),
+            tuple(check for settled in settlements for check in settled.refund)), time.time())
 
     async def _complete(self, done: wire.Completion) -> Settlement:
         """Release a finished request; the settlement of its token limits, for the

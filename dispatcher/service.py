@@ -30,7 +30,9 @@ DRAINING -> STOPPED. Drain order on exit (SIGTERM):
 3. wait up to `grace_s` for running requests to complete (completions are still
    processed and acked);
 4. stop the dispatch and maintenance tasks;
-5. nak everything still held, so another dispatcher gets it at once;
+5. give back the token limits the queued requests were charged (the next dispatcher
+   charges them again), then nak everything still held, so another dispatcher gets it
+   at once;
 6. unsubscribe; end the status and cancel calls still waiting on a lookup in the streams
    (unanswered: their callers ask again); close the results reader and writer, flush.
 """
@@ -249,6 +251,7 @@ class Dispatcher:
         for task in tasks:
             task.cancel()
         self.state = State.STOPPED
+        await self.admission.give_back_queued(time.time())
         await self.held.hand_back()
         await self.nc.flush()
 

@@ -18,11 +18,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import nats
 import pytest
 import redis.asyncio as aioredis
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from broker_config.config import Config, DispatcherOptions, WorkerOptions, parse_config
+from broker_config.config import (
+    BrokerSettings,
+    Config,
+    DispatcherOptions,
+    WorkerOptions,
+    parse_config,
+)
 from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
 from broker_config.wire import DoneEvent, ErrorCode
 from dispatcher.core.admission import month_key
@@ -161,7 +168,7 @@ async def test_what_admission_counted_short_is_charged_when_the_request_finishes
                 assert done.usage.input_tokens == WORDS
         if redis is None:
             await stack.dispatcher.limiter.flush()
-        used = await stored_usage(stack, redis, tenant)
+        used = await stored_usage(stack.nc, redis, tenant)
     assert ran == 4 and refused.value.code is ErrorCode.RATE_LIMITED
     assert used == 4 * REAL  # the quota holds what ran, not what admission counted
 
@@ -177,7 +184,7 @@ async def test_a_tenant_quota_holds_across_endpoints_and_counts_the_truth(
                                                          declared=1)
         if redis is None:
             await stack.dispatcher.limiter.flush()  # written behind: now, not in a moment
-        used = await stored_usage(stack, redis, liar)
+        used = await stored_usage(stack.nc, redis, liar)
     assert ran_honest == 3
     assert refused_honest.code is refused_liar.code is ErrorCode.QUOTA_EXCEEDED
     assert "monthly quota of 2000 tokens" in refused_liar.event.message
@@ -207,16 +214,20 @@ async def test_monthly_usage_outlives_a_dispatcher_restart_and_a_redis_crash(
                          timeout_s=10)
 
 
-async def stored_usage(stack: LocalStack, redis: EmbeddedRedisServer | None,
+async def stored_usage(nc: nats.NATS, redis: EmbeddedRedisServer | None,
                        tenant: str) -> float:
+    """The tenant's usage across endpoints this month, as the store keeps it."""
     key = f"quota-total:{tenant}:{month_key(time.time())}"
     if redis is None:
-        kv = await stack.nc.jetstream().key_value(stack.config.subjects.limits_bucket)
-        entry = await kv.get(key.replace(":", "."))
+        kv = await nc.jetstream().key_value(BrokerSettings().subjects.limits_bucket)
+        try:
+            entry = await kv.get(key.replace(":", "."))
+        except nats.js.errors.KeyNotFoundError:
+            return 0.0
         return msgspec.json.decode(entry.value, type=StoredUsage).used
     client = aioredis.Redis.from_url(redis.url)
     try:
-        return float(await client.hget(f"{DEFAULT_PREFIX}used:{key}", "used"))
+        return float(await client.hget(f"{DEFAULT_PREFIX}used:{key}", "used") or 0.0)
     finally:
         await client.aclose()
 
@@ -242,26 +253,41 @@ async def test_requests_that_never_run_give_their_tokens_back(
             await fq.run("chat", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS, timeout_s=10)
         if redis is None:
             await stack.dispatcher.limiter.flush()
-        assert await stored_usage(stack, redis, tenant) == 2 * REAL
+        assert await stored_usage(stack.nc, redis, tenant) == 2 * REAL
 
 
-async def test_requests_queued_across_a_restart_are_charged_once(
+async def test_requests_handed_over_at_a_stop_are_charged_once_by_whoever_holds_them(
         tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
-    """The dispatcher that admitted them stops (handing them back) before they run; the
-    next one runs them without charging them again and settles what they used."""
+    """A dispatcher that stops hands its queued requests back and gives their charge
+    back; the next one charges them again at admission (a redelivery is never taken as
+    paid) and settles them at what they used, unused max_tokens included."""
     config, tenant, _ = limits_config(tokenizer_file, "", tenant_quota=10_000)
+    charge = WORDS + 50  # input + max_tokens at admission
     async with EmbeddedNatsServer() as server:
         no_code_worker = dataclasses.replace(stack_options(redis), endpoints=("chat",))
-        async with LocalStack(config, no_code_worker, nats_url=server.url) as stack:
-            fq = Client(stack.nc)
-            for _ in range(3):
-                await fq.submit("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                reply=False)
-            await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 3,
-                        "queued")
+        ids = []
+        for holder in range(2):  # two dispatchers in turn hold them queued, then stop
+            async with LocalStack(config, no_code_worker, nats_url=server.url) as stack:
+                fq = Client(stack.nc)
+                for _ in range(3 if holder == 0 else 0):
+                    ids.append((await fq.submit("code", tenant, prompt=PROMPT, max_tokens=50,
+                                                reply=False)).id)
+                await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 3,
+                            "queued")
+                if redis is None:
+                    await stack.dispatcher.limiter.flush()
+                assert await stored_usage(stack.nc, redis, tenant) == 3 * charge
+            async with await nats.connect(server.url) as nc:  # given back at the stop
+                assert await stored_usage(nc, redis, tenant) == 0
         async with LocalStack(config, stack_options(redis), nats_url=server.url) as stack:
             await until(lambda: stack.counted(stack.metrics.input_tokens, "code") == 3 * WORDS,
                         "completed")
+            fq = Client(stack.nc)
+            used = 0
+            for request_id in ids:
+                usage = (await fq.status(tenant, request_id)).result.usage
+                used += usage.input_tokens + usage.output_tokens
             if redis is None:
                 await stack.dispatcher.limiter.flush()
-            assert await stored_usage(stack, redis, tenant) == 3 * REAL
+            assert used < 3 * charge  # some max_tokens went unused, and came back
+            assert await stored_usage(stack.nc, redis, tenant) == used

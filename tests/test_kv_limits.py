@@ -144,3 +144,20 @@ async def test_a_counter_that_is_not_usage_fails_closed(nats_url: str) -> None:
     finally:
         await store.aclose()
         await nc.close()
+
+
+async def test_a_settlement_naming_one_counter_many_times_is_stored_once_each(
+        nats_url: str) -> None:
+    """Several requests settled in one call (a completions message, a stop giving back
+    what its queue was charged) often name the same counter."""
+    nc = await nats.connect(nats_url)
+    store = await KvLimiterStore.open(nc, BrokerSettings(), flush_s=3600)
+    try:
+        for _ in range(3):
+            assert await store.apply([spend(100)], NOW) == ADMITTED
+        await store.settle(Settlement(refund=(spend(20), spend(30))), NOW)
+        await store.flush()
+        assert (await stored(nc, spend(0))).used == 250
+    finally:
+        await store.aclose()
+        await nc.close()
