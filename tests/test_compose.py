@@ -378,3 +378,17 @@ def test_only_the_auth_init_service_mounts_the_whole_auth_volume() -> None:
 def test_secrets_stay_out_of_the_image() -> None:
     ignored = (REPO / ".dockerignore").read_text().splitlines()
     assert {"**/*.nk", "**/*.creds", "auth/"} <= set(ignored)
+
+
+def test_every_fairq_service_reads_the_hosts_config_so_tenants_reload(
+        services: dict[str, dict[str, Any]]) -> None:
+    """Tenants change by editing configs/ on the host and reloading the dispatcher; a
+    config baked into the image could not change without a rebuild."""
+    with_auth = merged_with_auth()["services"]
+    for name in ("dispatcher", "worker-1", "worker-2", "front"):
+        assert mounted(services[name], "/app/configs") == COMPOSE_FILE.parent / "configs"
+        assert mounted(with_auth[name], "/app/configs") == COMPOSE_FILE.parent / "configs"
+    assert mounted(with_auth["fairq-auth"], "/app/configs") == COMPOSE_FILE.parent / "configs"
+    for name in ("dispatcher", "fairq-auth"):
+        assert mount(next(v for v in with_auth[name]["volumes"]
+                          if mount(v)["target"] == "/app/configs"))["read_only"]
