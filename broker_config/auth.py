@@ -34,7 +34,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import msgspec
 import nkeys
 
 from broker_config.config import Config
-from broker_config.subjects import TOKEN_PATTERN, Subjects, check_token
+from broker_config.subjects import Subjects, check_token
 
 # The service and front users `render_auth_dir` makes besides one user per tenant.
 DISPATCHER_USER = "fq-dispatcher"
@@ -147,17 +146,14 @@ def _check_users(users: list[NatsUser | NkeyUser]) -> None:
                              "printable ASCII")
 
 
-def render_auth_config(users: list[NatsUser | NkeyUser]) -> str:
-    """nats-server config text with an `authorization` block for `users`.
+def render_auth_config(users: list[NatsUser]) -> str:
+    """nats-server config text with an `authorization` block for password `users`.
 
     The config format accepts JSON values, so every string is JSON-quoted: passwords
-    with quotes, `$`, `#` or braces need no further escaping. An nkey user's name is
-    not part of nats-server's entry; a comment line above it names it.
+    with quotes, `$`, `#` or braces need no further escaping.
     """
     _check_users(users)
-    body = "\n".join(f"    # {user.name}\n    {json.dumps(_user_entry(user))}"
-                     if isinstance(user, NkeyUser) else f"    {json.dumps(_user_entry(user))}"
-                     for user in users)
+    body = "\n".join(f"    {json.dumps(_user_entry(user))}" for user in users)
     return (f"{AUTH_HEADER}\n"
             f"authorization {{\n  users = [\n{body}\n  ]\n}}\n")
 
@@ -317,20 +313,10 @@ def _previous_users(directory: Path) -> list[str]:
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ValueError(f"{manifest}: unreadable ({exc}); fix or remove it") from exc
         return [check_token(name, "user") for name in users]
-    try:
-        conf = (directory / AUTH_CONF).read_text()
-    except (OSError, UnicodeDecodeError):
-        conf = ""
-    if conf.startswith(AUTH_HEADER):  # rendered before there was a manifest
-        return _CONF_USER_RE.findall(conf)
     if any(path.name != LOCK_FILE for path in directory.iterdir()):
         raise ValueError(f"{directory}: not empty and not rendered by fairq auth (no "
                          f"{AUTH_CONF} or {MANIFEST} of ours): give an empty or new directory")
     return []
-
-
-# The comment line naming a user in auth.conf: `# <name>: <key>` (before: `    # <name>`).
-_CONF_USER_RE = re.compile(rf"^\s*# ({TOKEN_PATTERN})(?::.*)?$", re.MULTILINE)
 
 
 class _Manifest(msgspec.Struct, forbid_unknown_fields=True):

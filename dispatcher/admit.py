@@ -31,7 +31,7 @@ from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectGetError
 from broker_config.limits import over_limits
 from broker_config.subjects import Subjects
-from dispatcher.convert import prompt_text, to_error_event, to_request, too_large_to_dispatch
+from dispatcher.convert import to_error_event, to_request, too_large_to_dispatch
 from dispatcher.core.admission import Settlement, charged, settlement
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import ADMITTED, Decision, Outcome, Request
@@ -234,7 +234,7 @@ class Admission:
             return to_request(sub, held.received_at, 1, held)
         return to_request(sub, held.received_at, spec.max_tokens_cap, held,
                           spec.affinity_block_tokens,
-                          await self.input_counter.count(sub.endpoint, prompt_text(sub.request)))
+                          await self.input_counter.count(sub.endpoint, sub.request))
 
     def adopt_running(self) -> None:
         """Adopt the queued requests a worker's heartbeat says it runs: after a restart,

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 
 from tokenizers import Tokenizer
 
+from broker_config import wire
 from broker_config.config import ConfigError, Endpoint
+from dispatcher.convert import prompt_text
 
 # Below this many characters counting takes well under a millisecond: inline is cheaper
 # than a thread hop.
@@ -33,11 +35,12 @@ class InputCounter:
         self._tokenizers = {name: _load(name, spec.tokenizer)
                             for name, spec in endpoints.items() if spec.tokenizer}
 
-    async def count(self, endpoint: str, text: str) -> int | None:
+    async def count(self, endpoint: str, body: wire.SubmitRequest) -> int | None:
         """The input's tokens by the endpoint's tokenizer; None when it has none."""
         tokenizer = self._tokenizers.get(endpoint)
         if tokenizer is None:
             return None
+        text = prompt_text(body)
         if len(text) <= INLINE_CHARS:
             return _count(tokenizer, text)
         return await asyncio.to_thread(_count, tokenizer, text)

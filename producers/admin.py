@@ -44,3 +44,11 @@ async def reload_dispatchers(nc: NATS, subjects: Subjects, timeout_s: float,
     finally:
         await subscription.unsubscribe()
     return replies
+
+
+def tenant_changes(reply: ReloadReply) -> str:
+    """What a dispatcher's reload changed, for people."""
+    def names(tenants: list[str]) -> str:
+        return ", ".join(tenants) or "none"
+    return (f"tenants added {names(reply.added)}, removed {names(reply.removed)}, "
+            f"changed {names(reply.changed)}")

@@ -35,7 +35,7 @@ from broker_config.wire import (
     ErrorEvent,
     TokenEvent,
 )
-from producers.admin import reload_dispatchers
+from producers.admin import reload_dispatchers, tenant_changes
 from producers.client import (
     ApiError,
     Client,
@@ -426,8 +426,7 @@ async def _reload(args: argparse.Namespace) -> int:
                                            expected=args.expect)
     for reply in replies:
         if reply.ok:
-            print(f"{reply.dispatcher}: reloaded; tenants added {_names(reply.added)}, "
-                  f"removed {_names(reply.removed)}, changed {_names(reply.changed)}")
+            print(f"{reply.dispatcher}: reloaded; {tenant_changes(reply)}")
         else:
             print(f"{reply.dispatcher}: refused, its configuration stays: {reply.error}",
                   file=sys.stderr)
@@ -436,7 +435,3 @@ async def _reload(args: argparse.Namespace) -> int:
               f"answered within {args.timeout:g}s", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_FAILED if any(not reply.ok for reply in replies) else 0
-
-
-def _names(names: list[str]) -> str:
-    return ", ".join(names) if names else "none"

@@ -10,6 +10,7 @@ from broker_config.auth import RenderedAuth, registered_tenants, render_auth_dir
 from broker_config.config import Config, ConfigError, load_config
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from dispatcher.service import Dispatcher
+from producers.admin import tenant_changes
 
 
 class Reloads:
@@ -51,9 +52,7 @@ class Reloads:
                 self.tenants = wanted if reply.ok else self.tenants
                 await self._render_users(self.tenants)
         if reply.ok:
-            self.say(f"reloaded {self.dispatcher.reloader.path}: tenants added "
-                 f"{_names(reply.added)}, removed {_names(reply.removed)}, changed "
-                 f"{_names(reply.changed)}")
+            self.say(f"reloaded {self.dispatcher.reloader.path}: {tenant_changes(reply)}")
         else:
             self.say(f"reload refused, the running configuration stays: {reply.error}")
 
@@ -79,7 +78,3 @@ class Reloads:
             self.say(f"new broker user {name}: {rendered.seeds[name]}")
         for name in rendered.removed:
             self.say(f"broker user {name} removed")
-
-
-def _names(names: list[str]) -> str:
-    return ", ".join(names) or "none"

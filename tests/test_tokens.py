@@ -12,6 +12,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from broker_config.config import Endpoint
+from broker_config.wire import ChatMessage, SubmitRequest
+from dispatcher.convert import prompt_text
 from dispatcher.tokens import INLINE_CHARS, InputCounter, TokenizerError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +40,9 @@ async def test_counts_are_the_words_whatever_the_file_was_saved_with(tmp_path: P
         "padding": Endpoint(tokenizer=str(word_tokenizer(tmp_path / "p.json", pad_to=512))),
         "none": Endpoint(),
     })
-    short, long = "word " * 10, "word " * 3000  # the long one is counted in a thread
-    assert len(long) > INLINE_CHARS
+    short = SubmitRequest(prompt="word " * 10)
+    long = SubmitRequest(messages=[ChatMessage("user", "word " * 1500)] * 2)
+    assert len(prompt_text(long)) > INLINE_CHARS  # counted in a thread
     for endpoint in ("plain", "truncating", "padding"):
         assert await counter.count(endpoint, short) == 10
         assert await counter.count(endpoint, long) == 3000
