@@ -179,6 +179,17 @@ async def start_up(*flags: str) -> tuple[asyncio.subprocess.Process, Output, asy
     return up, output, asyncio.create_task(output.pump())
 
 
+async def stop_cleanly(up: asyncio.subprocess.Process, output: Output, *,
+                       draining: bool = False) -> None:
+    """Ctrl-C: `fairq up` says it stopped (after draining, if asked) and exits 0."""
+    up.send_signal(signal.SIGINT)
+    if draining:
+        await output.expect("fairq: draining...", STOP_S)
+    await output.expect("fairq: stopped", STOP_S)
+    async with asyncio.timeout(STOP_S):
+        assert await up.wait() == 0
+
+
 async def submit(nc: nats.NATS, request_id: str) -> list[dict]:
     """One chat request for tenant acme over plain NATS; its events up to the final one."""
     reply = nc.new_inbox()
@@ -301,11 +312,7 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         # Both new processes of chat-w1 (after SIGKILL, after SIGSTOP) are counted.
         assert 'fairq_worker_replacements_total{endpoint="chat"} 2.0' in exported
 
-        up.send_signal(signal.SIGINT)
-        await output.expect("fairq: draining...", STOP_S)
-        await output.expect("fairq: stopped", STOP_S)
-        async with asyncio.timeout(STOP_S):
-            assert await up.wait() == 0
+        await stop_cleanly(up, output, draining=True)
         left = still_running(started)
         assert not left, {pid: started[pid] for pid in left}
     finally:
@@ -367,10 +374,7 @@ async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after
                        for events in finals.values()), finals
         finally:
             await nc.close()
-        up.send_signal(signal.SIGINT)
-        await output.expect("fairq: stopped", STOP_S)
-        async with asyncio.timeout(STOP_S):
-            assert await up.wait() == 0
+        await stop_cleanly(up, output)
         ups = [line for line in output.lines if "scaled chat up" in line]
         downs = [line for line in output.lines if "scaled chat down" in line]
         assert len(downs) == len(ups) >= 1, output.lines  # back to the one it started with
@@ -434,10 +438,7 @@ async def test_fairq_up_auth_runs_every_part_as_its_own_broker_user(
             "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         answer = await asyncio.to_thread(urllib.request.urlopen, request, timeout=REQUEST_S)
         assert json.loads(answer.read())["choices"][0]["message"]["content"]
-        up.send_signal(signal.SIGINT)
-        await output.expect("fairq: stopped", STOP_S)
-        async with asyncio.timeout(STOP_S):
-            assert await up.wait() == 0
+        await stop_cleanly(up, output)
     finally:
         await leave_nothing_running(up, started, reader)
 
@@ -493,9 +494,6 @@ async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
                                   tenant_inboxes="newco") as newco:
             assert isinstance(await newco.run("chat", "newco", prompt="hi", max_tokens=4,
                                               timeout_s=REQUEST_S), DoneEvent)
-        up.send_signal(signal.SIGINT)
-        await output.expect("fairq: stopped", STOP_S)
-        async with asyncio.timeout(STOP_S):
-            assert await up.wait() == 0
+        await stop_cleanly(up, output)
     finally:
         await leave_nothing_running(up, started, reader)
