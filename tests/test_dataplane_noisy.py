@@ -32,24 +32,33 @@ from dispatcher.core.fairness import percentile
 
 pytestmark = pytest.mark.integration
 
-# A stays backlogged through the small tenants' 30 s (it drains in about 80 engine
-# seconds). Time runs 5x faster than the engine model: the fixed wall-clock cost of
-# ingesting the flood (about 0.1 s here) then weighs 5x, not the 10x of the benchmark.
-SETTINGS = Settings(noisy_requests=1_000, small_rate=1.0, duration_s=30.0, workers=1,
-                    time_scale=0.2, timeout_s=120.0, small_delay_s=1.0)
+# A stays backlogged through the small tenants' 30 s (it drains in about 37 engine
+# seconds; checked below). Time runs 2x faster than the engine model: what the two cores
+# add in wall time (a scheduling delay, a pause) weighs 2x in engine seconds, not the 5x
+# at which it made the ratio wander across the bound (docs/benchmarks.md).
+SETTINGS = Settings(noisy_requests=300, small_rate=1.0, duration_s=30.0, workers=1,
+                    time_scale=0.5, timeout_s=120.0, small_delay_s=1.0)
 SEEDS = tuple(range(1, 11))
 BESIDE = Run("beside", "fairq", "well-behaved")
 FLOOD = Run("fairq", "fairq", "flood")
 NAIVE = Run("naive", "naive", "flood")
 
 
-def small_ttfts(result: Replay) -> list[float]:
+def small_ttfts(result: Replay, settings: Settings = SETTINGS) -> list[float]:
     """The small tenants' times to first token in engine-model seconds, sorted; every
     request of the run must have finished."""
     assert result.counts() == {"done": len(result.measured)}, result.counts()
-    records = [m.request_record(SETTINGS.time_scale) for m in result.measured
+    records = [m.request_record(settings.time_scale) for m in result.measured
                if m.tenant != NOISY]
     return sorted(r.first_token - r.arrival for r in records)
+
+
+def a_outlasts_the_small_tenants(result: Replay) -> bool:
+    """A had requests waiting until the small tenants' last one arrived: the engine was
+    as busy in both kinds of run all along."""
+    records = [m.request_record(SETTINGS.time_scale) for m in result.measured]
+    return max(r.dispatched for r in records if r.tenant == NOISY) > max(
+        r.arrival for r in records if r.tenant != NOISY)
 
 
 @pytest.mark.timeout(900)  # twenty runs of the stack, about 25 s each
@@ -60,6 +69,7 @@ async def test_a_flood_costs_the_small_tenants_no_more_than_an_equally_busy_engi
         settings = replace(SETTINGS, seed=seed)
         for run in (BESIDE, FLOOD):
             result = await scenario_noisy.run_one(run, settings, tmp_path / str(seed))
+            assert a_outlasts_the_small_tenants(result), (seed, run.name)
             ttfts[run.name] += small_ttfts(result)
     beside, flood = (percentile(sorted(ttfts[run.name]), 95) for run in (BESIDE, FLOOD))
     print(f"small tenants' p95 TTFT over seeds {SEEDS}: next to the well-behaved A "
@@ -67,13 +77,16 @@ async def test_a_flood_costs_the_small_tenants_no_more_than_an_equally_busy_engi
     assert flood <= 1.2 * beside
 
 
+@pytest.mark.timeout(300)
 async def test_the_naive_queue_is_far_from_the_equally_busy_reference(
         nats_binary: Path, tmp_path: Path) -> None:
-    """Behind the naive shared queue the small tenants wait for A's whole backlog."""
+    """Behind the naive shared queue the small tenants wait for A's whole backlog (1,000
+    requests here, so that it lasts through their 30 s in the naive queue too)."""
+    settings = replace(SETTINGS, noisy_requests=1_000)
     p95 = {}
     for run in (BESIDE, NAIVE):
-        result = await scenario_noisy.run_one(run, SETTINGS, tmp_path)
-        p95[run.name] = percentile(small_ttfts(result), 95)
+        result = await scenario_noisy.run_one(run, settings, tmp_path)
+        p95[run.name] = percentile(small_ttfts(result, settings), 95)
     beside, naive = p95[BESIDE.name], p95[NAIVE.name]
     print(f"small tenants' p95 TTFT: next to the well-behaved A {beside:.3f} s, "
           f"behind the naive queue's flood {naive:.3f} s ({naive / beside:.0f}x)")
