@@ -225,6 +225,11 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # After a (re)start, wait this long for heartbeats before dispatching, so requests
     # still running on workers are recognised instead of run twice.
     settle_s: Seconds = 1.5
+    # `python -m dispatcher` takes the deployment's lease before dispatching, renews it
+    # every quarter of this and stands by while another process holds it; a holder that
+    # dies is replaced after at most this long (broker_config/lease.py). 0: no lease (one
+    # dispatcher only, its batches unfenced).
+    lease_ttl_s: Seconds = 2.0
     # On SIGTERM, how long running requests may finish before the rest is handed back.
     grace_s: Seconds = 30.0
     # Period of the maintenance loop (deadlines, silent workers, ack-wait extensions).

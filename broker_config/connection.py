@@ -1,7 +1,10 @@
 """NATS credentials on every fairq command line: one set of flags, one check.
 
     add_connection_args(parser)             # --user --password --creds --nkey
-    nc = await nats.connect(url, **connect_options(args))
+    nc = await nats.connect(server_urls(url), **connect_options(args))
+
+A URL may name several servers, comma-separated (the nodes of a cluster): the client
+connects to any and reconnects to another when one goes away.
 
 A broker with users takes one of: a user and password, a `.creds` file (a user JWT and
 its nkey seed, as `nsc` writes them: NATS operator mode), or an nkey seed file (what
@@ -19,6 +22,11 @@ from typing import Any
 
 ENV = {"user": "FAIRQ_NATS_USER", "password": "FAIRQ_NATS_PASSWORD",
        "creds": "FAIRQ_NATS_CREDS", "nkey": "FAIRQ_NATS_NKEY"}
+
+
+def server_urls(url: str) -> list[str]:
+    """`nats://a:4222,nats://b:4222` as nats-py takes it: one entry per server."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 class ConnectionOptionsError(ValueError):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 
+import nats.errors
 from nats.aio.msg import Msg
+from nats.js.errors import APIError, ServiceUnavailableError
 
 # Headers of status messages (a message with no payload and a `Status` header).
 STATUS = "Status"
@@ -41,6 +43,13 @@ def status_of(msg: Msg) -> tuple[str | None, str]:
 
 
 # -- KV buckets ------------------------------------------------------------------------------
+
+
+def unanswered(exc: BaseException) -> bool:
+    """The broker did not answer (a timeout, no responders, no JetStream leader during a
+    cluster's election): worth asking again soon, unlike a setting it refused."""
+    return isinstance(exc, nats.errors.Error) and (
+        isinstance(exc, ServiceUnavailableError) or not isinstance(exc, APIError))
 
 
 def kv_stream(bucket: str) -> str:

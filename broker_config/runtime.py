@@ -1,8 +1,10 @@
-"""Process-wide tuning shared by fairq's long-running services."""
+"""Process-wide tuning and waiting shared by fairq's long-running services."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+from collections.abc import Awaitable
 
 
 def freeze_startup_heap() -> None:
@@ -13,3 +15,14 @@ def freeze_startup_heap() -> None:
     p99 latency spike every time). Call once, when the service is up."""
     gc.collect()
     gc.freeze()
+
+
+async def first_of(*waits: Awaitable[object]) -> None:
+    """Wait until the first of `waits` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -400,7 +400,7 @@ class EmbeddedRedisServer(_ServerProcess):
         # A given port, or the one kept from the first start, is not worth retrying.
         attempts = 1 if self.port else self._ATTEMPTS
         for attempt in range(attempts):
-            port = self.port or _free_port()
+            port = self.port or free_port()
             persistence = (["--appendonly", "yes", "--appendfsync", "always"]
                            if self.append_only else ["--appendonly", "no"])
             self._spawn(["--port", str(port), "--bind", HOST, "--save", "", *persistence,
@@ -415,7 +415,7 @@ class EmbeddedRedisServer(_ServerProcess):
             return
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]

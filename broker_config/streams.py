@@ -40,7 +40,7 @@ from nats.js.api import (
     StreamInfo,
     SubjectTransform,
 )
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from broker_config import jetstream
@@ -158,10 +158,22 @@ async def remove_retired_consumers(js: JetStreamContext, settings: BrokerSetting
                 await js.delete_consumer(stream, info.name)
 
 
+async def reset_consumers(js: JetStreamContext, settings: BrokerSettings) -> None:
+    """Delete every consumer of the requests and parked streams, so that what a dispatcher
+    that died (or was paused past its lease) held but had not acked is delivered again at
+    once to the consumers made next, not after the ack wait."""
+    for stream in (settings.subjects.requests_stream, settings.subjects.parked_stream):
+        for info in await js.consumers_info(stream):
+            with contextlib.suppress(NotFoundError):
+                await js.delete_consumer(stream, info.name)
+
+
 async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
     """Create the stream, or update it in place if it exists with another config."""
     try:
         return await js.add_stream(config)
+    except ServiceUnavailableError:
+        raise  # no JetStream leader at the moment (a cluster's election): not a setting
     except APIError as exc:
         if exc.err_code != jetstream.ERR_STREAM_NAME_IN_USE:
             raise ProvisionError(f"stream {config.name}: cannot create: {exc.description}") from exc
@@ -179,6 +191,8 @@ async def apply_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyVa
     """
     try:
         return await js.create_key_value(config)
+    except ServiceUnavailableError:
+        raise
     except APIError as exc:
         if exc.err_code != jetstream.ERR_STREAM_NAME_IN_USE:
             raise ProvisionError(
@@ -259,6 +273,8 @@ async def ensure_consumer(js: JetStreamContext, stream: str, spec: ConsumerSpec)
     """
     try:
         return await js.add_consumer(stream, spec.config())
+    except ServiceUnavailableError:
+        raise
     except APIError as exc:
         hint = (f" (another consumer's filter overlaps {spec.filter_subject}: on a work-queue "
                 "stream consumer filters must not overlap)"

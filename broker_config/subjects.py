@@ -268,6 +268,10 @@ class Subjects:
         return f"{self.prefix.upper()}_LIMITS"
 
     @property
+    def leases_bucket(self) -> str:
+        return f"{self.prefix.upper()}_LEASES"
+
+    @property
     def parked_stream(self) -> str:
         return f"{self.prefix.upper()}_PARKED"
 

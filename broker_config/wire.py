@@ -310,6 +310,9 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str
     items: list[BatchItem]
     sent_at: float
+    # The sending dispatcher's lease epoch (broker_config/lease.py); workers refuse an
+    # older one than they have seen. 0: a dispatcher run without a lease.
+    epoch: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
@@ -320,6 +323,7 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     ids: list[str]
     code: ErrorCode = ErrorCode.CANCELLED
+    epoch: int = 0  # as in Batch
 
 
 class Evict(msgspec.Struct, frozen=True, kw_only=True):
@@ -331,6 +335,7 @@ class Evict(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str
     worker_id: str
     started_at: float
+    epoch: int = 0  # as in Batch
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,12 +7,17 @@ The dispatcher provisions the broker (idempotently) on start. SIGHUP (or `fairq 
 re-reads the config file's tenants, tiers and limits (dispatcher/reload.py). SIGTERM or
 SIGINT drains it (see `dispatcher.service`) and exits 0; a bad config or flag exits 2; a
 broker that cannot be reached exits 1.
+
+Any number may run: each takes the deployment's lease before dispatching
+(`[dispatcher] lease_ttl_s`, dispatcher/lease.py) and stands by while another holds it.
+One that loses its lease (it was paused past it) drains at once and stands by again.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -34,15 +39,20 @@ from broker_config.connection import (
     ConnectionOptionsError,
     add_connection_args,
     connect_options,
+    server_urls,
 )
-from broker_config.runtime import freeze_startup_heap
+from broker_config.runtime import first_of, freeze_startup_heap
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.kv_limits import open_limiter_store
 from dispatcher.reload import install_reload_signal
 from dispatcher.redis_limits import LimiterUnavailable
-from dispatcher.service import Dispatcher
+from dispatcher.lease import Lease, holder_id
+from dispatcher.service import Dispatcher, State
 
 log = logging.getLogger("fairq.dispatcher")
+
+# After the broker failed a running dispatcher, it starts again after this long.
+RESTART_AFTER_S = 1.0
 
 # Flag -> the `[dispatcher]` field it overrides.
 OVERRIDES = {
@@ -118,7 +128,7 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        nc = await nats.connect(args.nats, name="fairq-dispatcher", connect_timeout=5,
+        nc = await nats.connect(server_urls(args.nats), name="fairq-dispatcher", connect_timeout=5,
                                 max_reconnect_attempts=-1, **connect_options(args))
     except (OSError, nats.errors.NoServersError) as exc:
         print(f"fairq dispatcher: cannot reach NATS at {args.nats}: {exc}", file=sys.stderr)
@@ -129,14 +139,24 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
         print(f"fairq dispatcher: {exc}", file=sys.stderr)
         await nc.close()
         return 1
+    lease_ttl_s = config.dispatcher.lease_ttl_s
+    lease = Lease(holder_id(), ttl_s=lease_ttl_s) if lease_ttl_s else None
+    heard: dict[str, float] = {}  # workers' last heartbeats, across dispatchers
     try:
-        async with Dispatcher(nc, config, limiter=limiter, metrics=metrics,
-                              config_path=args.config) as dispatcher:
+        while not stop.is_set():
+            dispatcher = Dispatcher(nc, config, limiter=limiter, metrics=metrics,
+                                    config_path=args.config, lease=lease, heard=heard)
             install_reload_signal(loop, dispatcher)
-            freeze_startup_heap()
-            print("fairq dispatcher: running", flush=True)
-            await stop.wait()
-            log.info("draining")
+            try:
+                await _tenure(dispatcher, stop)
+            except nats.errors.Error as exc:
+                # The broker failed under it (a cluster electing a new leader answers
+                # nothing for a few seconds): what it held comes back; start again.
+                log.error("the broker failed the dispatcher (%r); starting again in %.0f s",
+                          exc, RESTART_AFTER_S, exc_info=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), RESTART_AFTER_S)
+            config = dispatcher.config  # as reloaded
     except ConfigError as exc:  # found at start: an endpoint's tokenizer it cannot load
         print(f"fairq dispatcher: {args.config}: {exc}", file=sys.stderr)
         return 2
@@ -145,6 +165,30 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
         await nc.drain()
         metrics.close()
     return 0
+
+
+async def _tenure(dispatcher: Dispatcher, stop: asyncio.Event) -> None:
+    """One dispatcher's run; a stop while it stands by (or starts) ends it at once."""
+    held = asyncio.create_task(_hold(dispatcher, stop))
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([held, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not held.done() and dispatcher.state in (State.STARTING, State.STANDBY):
+            held.cancel()  # nothing to drain
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+    finally:
+        stopped.cancel()
+
+
+async def _hold(dispatcher: Dispatcher, stop: asyncio.Event) -> None:
+    """Run `dispatcher` (standing by first, with a lease) until a stop or until its lease
+    is lost."""
+    async with dispatcher:
+        freeze_startup_heap()
+        print("fairq dispatcher: running", flush=True)
+        await first_of(stop.wait(), dispatcher.lease_lost())
+        log.info("draining" if stop.is_set() else "draining: the lease is lost")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,7 +153,7 @@ class Admission:
         # The wait in the stream counts against the latency target on the first delivery
         # only: a redelivery (after a restart) was admitted once and has waited for us.
         # The limiter is asked every time: a dispatcher that hands a request back gives
-        # its charge back first (`give_back_queued`), one that crashed cannot (the request
+        # its charge back first (`hand_back_queued`), one that crashed cannot (the request
         # is then charged twice, never not at all).
         await self.admit(held, now, now - held.received_at if deliveries == 1 else 0.0)
 
@@ -283,18 +283,21 @@ class Admission:
         await self.settle(settlement(charges, 0), now)
         await self.end(held, to_error_event(held.submission.id, decision), now)
 
-    async def give_back_queued(self, now: float) -> None:
-        """Before a stop hands its queued requests back: give back what they were
-        charged, since the dispatcher that takes them next charges them at admission.
-        (Running ones keep their charge: the next dispatcher adopts them, uncharged.)"""
+    async def hand_back_queued(self, now: float) -> None:
+        """A stop hands its queued requests back (nak), out of the scheduler, after giving
+        back what they were charged, since the dispatcher that takes them next charges
+        them at admission. (Running ones keep their charge: the next dispatcher adopts
+        them, uncharged.)"""
         refunds = []
         for held in self.held.admitted.values():
-            if held.worker is None and held.charges:
+            if held.worker is None:
+                self.scheduler.cancel(*held.key)
                 refunds.extend(settlement(held.charges, 0).refund)
                 held.charges = ()
         for first in range(0, len(refunds), SETTLE_BATCH):
             await self.settle(Settlement(refund=tuple(refunds[first:first + SETTLE_BATCH])),
                               now)
+        await self.held.hand_back(queued_only=True)
 
     async def settle(self, settled: Settlement, now: float) -> None:
         """Settle token limits at real usage; a store that fails loses only the

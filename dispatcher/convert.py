@@ -67,14 +67,14 @@ BATCH_SLACK_BYTES = 64
 
 
 def encode_batches(worker_id: str, endpoint: str, items: list[wire.BatchItem], sent_at: float,
-                   max_payload: int) -> list[bytes]:
+                   max_payload: int, epoch: int = 0) -> list[bytes]:
     """The items as batch messages that the broker takes (each, with BATCH_HEADERS, at
     most its `max_payload`), in order: one message unless images make them large. An
     item too large for a message of its own stays alone in one (admission refuses such
     requests, `too_large_to_dispatch`)."""
     def encoded(chunk: list[wire.BatchItem]) -> bytes:
         return wire.encode(wire.Batch(worker_id=worker_id, endpoint=endpoint, items=chunk,
-                                      sent_at=sent_at), BATCH_ENCODING)
+                                      sent_at=sent_at, epoch=epoch), BATCH_ENCODING)
 
     max_bytes = max_payload - message_bytes(b"", BATCH_HEADERS)
     whole = encoded(items)

@@ -43,9 +43,13 @@ class Dispatch:
         self.metrics = metrics
         self.top_up = top_up  # intake pulls more for a tenant whose window has room
         self.wake = asyncio.Event()
+        self.epoch = 0  # the lease epoch batches carry
+        # Checked again just before each send: a lease that lapsed stops the pass.
+        self.may_send: Callable[[], bool] = lambda: True
 
     async def run(self, may_dispatch: Callable[[], bool]) -> None:
         """Pass after pass, whenever woken; `may_dispatch` says whether passes may send."""
+        self.may_send = may_dispatch
         while True:
             await self.wake.wait()
             self.wake.clear()
@@ -54,6 +58,8 @@ class Dispatch:
 
     async def once(self, now: float) -> None:
         for name, endpoint in self.scheduler.endpoints.items():
+            if not self.may_send():
+                return
             room = self.pool.placement(name, endpoint.spec.affinity_load_bound,
                                        affinity=endpoint.spec.affinity)
             if room is None:
@@ -81,7 +87,7 @@ class Dispatch:
             self.metrics.watch.waited(request.endpoint, request.tenant, waited, now)
         subject = self.subjects.work(worker.endpoint, worker.worker_id)
         for message in encode_batches(worker.worker_id, worker.endpoint, items, now,
-                                      self.nc.max_payload):
+                                      self.nc.max_payload, self.epoch):
             try:
                 await self.nc.publish(subject, message, headers=BATCH_HEADERS)
             except nats.errors.MaxPayloadError:

@@ -61,10 +61,13 @@ class HeldRequests:
             with contextlib.suppress(nats.errors.Error):  # the next extension retries
                 await held.msg.in_progress()
 
-    async def hand_back(self) -> None:
-        """Nak everything (shutdown): another dispatcher gets it without waiting."""
+    async def hand_back(self, *, queued_only: bool = False) -> None:
+        """Nak everything (shutdown), or what no worker runs: another dispatcher gets it
+        without waiting."""
         for held in self:
+            if queued_only and held.worker is not None:
+                continue
             with contextlib.suppress(nats.errors.Error):  # else redelivered after the ack wait
                 await held.msg.nak()
-        self.admitted.clear()
-        self.adopted.clear()
+            table = self.adopted if held.key in self.adopted else self.admitted
+            del table[held.key]

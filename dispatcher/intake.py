@@ -50,8 +50,8 @@ from dispatcher.pulls import Pull, StandingPulls
 
 log = logging.getLogger("fairq.intake")
 
-# A shard whose consumer could not be made is tried again after this long.
-CONSUMER_RETRY_S = 30.0
+# A shard whose consumer could not be made is tried again (sooner if the broker was mute).
+CONSUMER_RETRY_S, BROKER_RETRY_S = 30.0, 2.0
 # How often the shards that are not being read are listed for new tenants.
 STALLED_POLL_S = 0.1
 # The server removes a parked tenant's consumer after this long without pulls.
@@ -161,19 +161,20 @@ class Intake:
     # -- consumers -----------------------------------------------------------------------
 
     async def _add_shard(self, key: str, *, strict: bool = False) -> None:
-        """Make the shard's consumer and pull. `strict` (at start): a failure raises;
-        otherwise the shard is tried again after CONSUMER_RETRY_S by the tick."""
+        """Make the shard's consumer and pull; on a failure it is tried again later by the
+        tick, or, `strict` (at start), a refused setting raises."""
         spec = ConsumerSpec.for_shard(self.subjects, key, self.limits)
         pull = self.shards.setdefault(key, Pull(spec.durable, self.subjects.requests_stream,
                                                 spec.filter_subject, gone=True))
         try:
             await ensure_consumer(self.js, self.subjects.requests_stream, spec)
         except Exception as exc:
-            if strict:
+            if strict and not jetstream.unanswered(exc):
                 raise
-            pull.retry_at = self.clock() + CONSUMER_RETRY_S
-            log.error("cannot make the consumer of shard %s (trying again in %gs): %s", key,
-                      CONSUMER_RETRY_S, exc)
+            retry_s = BROKER_RETRY_S if jetstream.unanswered(exc) else CONSUMER_RETRY_S
+            pull.retry_at = self.clock() + retry_s
+            log.error("cannot make the consumer of shard %s (trying again in %gs): %r", key,
+                      retry_s, exc)
             return
         self._pulls.add(pull)
         await self._pull(pull)

@@ -39,6 +39,7 @@ class Probes:
         self.pool = pool
         self.options = options
         self.metrics = metrics
+        self.epoch = 0  # the lease epoch probes and evictions carry
         # Unique over this dispatcher's life; a restarted dispatcher's start time makes
         # them unique across runs, so no worker's late answer is taken for a new probe.
         self._ids = (f"probe-{int(time.time() * 1000)}-{n}" for n in itertools.count())
@@ -78,7 +79,7 @@ class Probes:
                   len(lost.requests) + len(lost.adopted))
         self.metrics.child(self.metrics.evictions, worker.endpoint).inc()
         evict = wire.Evict(endpoint=worker.endpoint, worker_id=worker.worker_id,
-                           started_at=worker.started_at)
+                           started_at=worker.started_at, epoch=self.epoch)
         await self.nc.publish(self.subjects.evict(worker.endpoint, worker.worker_id),
                               wire.encode(evict, PROBE_ENCODING),
                               headers={HDR_CONTENT_TYPE: PROBE_ENCODING.content_type})
@@ -92,7 +93,7 @@ class Probes:
                               request=body, max_tokens=1, enqueued_at=now,
                               dispatched_at=now, probe=True)
         batch = wire.Batch(worker_id=worker.worker_id, endpoint=worker.endpoint,
-                           items=[item], sent_at=now)
+                           items=[item], sent_at=now, epoch=self.epoch)
         self.pool.probe_sent(worker, probe_id, now)
         self.metrics.child(self.metrics.probes, worker.endpoint).inc()
         await self.nc.publish(self.subjects.work(worker.endpoint, worker.worker_id),

@@ -53,6 +53,9 @@ class WorkerReports:
         self.metrics = metrics
         self.wake = wake
         self.probes = probes
+        # Worker id -> when its last heartbeat came (unix seconds); may outlive this
+        # dispatcher, for the next one in the process to settle on (dispatcher/service.py).
+        self.heard: dict[str, float] = {}
         # Held across a whole completions message: a worker's last heartbeat, which
         # follows its last completions, must not take back requests being completed.
         self._lock = asyncio.Lock()
@@ -77,6 +80,7 @@ class WorkerReports:
                 continue
             in_flight.add(parsed)
             generated.append((parsed, count))
+        self.heard[beat.worker_id] = time.time()
         known = self.pool.get(beat.worker_id)
         if known is not None and known.started_at != beat.started_at:
             self.metrics.child(self.metrics.replacements, beat.endpoint).inc()

@@ -42,6 +42,7 @@ class Results:
         self.nc = nc
         self.subjects = subjects
         self.bucket = subjects.results_bucket
+        self.epoch = 0  # the lease epoch aborts carry (broker_config/lease.py)
         self._stack = contextlib.AsyncExitStack()
         self._reader: DirectBatchGet | None = None
         self._writer: KeyValueWriter | None = None
@@ -103,7 +104,8 @@ class Results:
     async def abort(self, endpoint: str, key: Key, code: wire.ErrorCode) -> None:
         """Stop a running request wherever it runs: its worker ends it with `code` (and
         stores that only if it has no result yet)."""
-        abort = wire.Abort(endpoint=endpoint, tenant=key[0], ids=[key[1]], code=code)
+        abort = wire.Abort(endpoint=endpoint, tenant=key[0], ids=[key[1]], code=code,
+                           epoch=self.epoch)
         await self.nc.publish(self.subjects.abort(endpoint), wire.encode(abort),
                               headers={HDR_CONTENT_TYPE: wire.Encoding.JSON.content_type})
 

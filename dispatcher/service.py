@@ -20,20 +20,25 @@ The maintenance tick (this module) drops queued requests past their deadline, ta
 back the work of silent workers, feeds autoscaling and the drift watch, extends the ack
 wait of held messages and exports the queue-depth gauges.
 
-States: STARTING (subscribing) -> SETTLING (for `settle_s` after start, waiting for
-heartbeats so requests still running on workers are adopted, not run twice) -> RUNNING ->
-DRAINING -> STOPPED. Drain order on exit (SIGTERM):
+States: STARTING (subscribing) -> STANDBY (with a lease, dispatcher/lease.py: until
+this process holds it, listening to heartbeats only) -> SETTLING (until `settle_s` after
+heartbeats were first heard, and until every worker heard lately has been heard again
+since the lease was taken, so requests still running on workers are adopted, not run
+twice) -> RUNNING -> DRAINING -> STOPPED. A dispatcher that takes the lease from one
+that did not release it first has JetStream deliver at once what that one held
+(`streams.reset_consumers`). Drain order on exit (SIGTERM):
 
 1. stop intake: stop listing the stream, finish the batch being admitted, nak what
    arrived but was not admitted;
 2. stop dispatching (DRAINING);
-3. wait up to `grace_s` for running requests to complete (completions are still
+3. give back the token limits the queued requests were charged (the next dispatcher
+   charges them again) and nak them, so another dispatcher gets them at once;
+4. release the lease: a standby takes over now (a dispatcher that lost its lease skips
+   this and step 5: the new holder adopts what runs);
+5. wait up to `grace_s` for running requests to complete (completions are still
    processed and acked);
-4. stop the dispatch and maintenance tasks;
-5. give back the token limits the queued requests were charged (the next dispatcher
-   charges them again), then nak everything still held, so another dispatcher gets it
-   at once;
-6. unsubscribe; end the status and cancel calls still waiting on a lookup in the streams
+6. stop the dispatch and maintenance tasks; nak everything still held;
+7. unsubscribe; end the status and cancel calls still waiting on a lookup in the streams
    (unanswered: their callers ask again); close the results reader and writer, flush.
 """
 
@@ -51,10 +56,17 @@ from pathlib import Path
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from broker_config.config import Config
 from broker_config.direct_get import DirectBatchGet
-from broker_config.streams import ConsumerLimits, provision
+from broker_config.lease import leases_bucket_config
+from broker_config.streams import (
+    ConsumerLimits,
+    apply_key_value,
+    provision,
+    reset_consumers,
+)
 from broker_config.subjects import ApiKind
 from dispatcher.admit import Admission
 from dispatcher.api import Api
@@ -65,6 +77,7 @@ from dispatcher.dispatch import Dispatch
 from dispatcher.drift import DriftWatch
 from dispatcher.held import HeldRequests
 from dispatcher.intake import Intake
+from dispatcher.lease import Lease
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.probes import Probes
 from dispatcher.redis_limits import AsyncLimiterStore, MemoryLimiterAsync
@@ -91,6 +104,7 @@ LIVE_TICKS = 20
 
 class State(enum.Enum):
     STARTING = "starting"
+    STANDBY = "standby"
     SETTLING = "settling"
     RUNNING = "running"
     DRAINING = "draining"
@@ -100,8 +114,13 @@ class State(enum.Enum):
 class Dispatcher:
     def __init__(self, nc: NATS, config: Config, *, limiter: AsyncLimiterStore | None = None,
                  metrics: DispatcherMetrics | None = None,
-                 config_path: str | Path | None = None) -> None:
-        """`config_path`: the file `config` was read from, re-read by `reload`."""
+                 config_path: str | Path | None = None,
+                 lease: Lease | None = None,
+                 heard: dict[str, float] | None = None) -> None:
+        """`config_path`: the file `config` was read from, re-read by `reload`. `lease`:
+        makes this dispatcher's lease from the leases bucket; it dispatches only while
+        holding it (None: no lease, unfenced); one process's dispatchers share one. `heard`: when each worker was last heard,
+        kept by the process across its dispatchers (updated here)."""
         self.nc = nc
         self.config = config
         self.options = config.dispatcher
@@ -122,6 +141,10 @@ class Dispatcher:
         self._api_slots = asyncio.Semaphore(MAX_API_CALLS)
         self._api_calls_of: Counter[str] = Counter()  # tenant -> its calls in flight
         self.reloader = Reloader(self, config_path)
+        self.lease = lease
+        self._heard = heard if heard is not None else {}
+        self._tenure_at = 0.0  # when it took the lease (or started, without one)
+        self._reconnects = nc.stats["reconnects"]
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -139,7 +162,8 @@ class Dispatcher:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         self.reloader.start()
-        await provision(self.nc.jetstream(), self.config.broker)
+        js = self.nc.jetstream()
+        await provision(js, self.config.broker)
         results = await stack.enter_async_context(Results(self.nc, self.subjects))
         stored = await stack.enter_async_context(
             DirectBatchGet(self.nc, self.subjects.requests_stream))
@@ -158,12 +182,20 @@ class Dispatcher:
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
                                      self.held, self.admission, self.metrics,
                                      self.dispatch.wake, self.probes)
+        self.reports.heard = self._heard
         self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
                        self.admission, results, parked, stored, self._backlog)
         stack.push_async_callback(self.api.close)  # before the readers close
         stack.push_async_callback(self._end_api_calls)  # before the API closes
         for endpoint in self.config.endpoints:
-            await self._subscribe(self.subjects.heartbeats(endpoint), self.reports.on_heartbeat)
+            await self._subscribe(self.subjects.heartbeats(endpoint), self._on_heartbeat)
+        await self._subscribe(self.subjects.admin_reload, self.reloader.on_request)
+        stack.push_async_callback(self.reloader.close)
+        self._settled_at = time.time() + self.options.settle_s
+        if self.lease is not None:
+            await self._take_lease(self.lease, js, stack, results)
+        self._tenure_at = time.time()
+        for endpoint in self.config.endpoints:
             await self._subscribe(self.subjects.completions(endpoint),
                                   self.reports.on_completions)
         await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self.api.on_status,
@@ -171,10 +203,8 @@ class Dispatcher:
         await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self.api.on_cancel,
                               side_by_side=True)
         await self._subscribe(self.subjects.depth, self.api.on_depth)
-        await self._subscribe(self.subjects.admin_reload, self.reloader.on_request)
-        stack.push_async_callback(self.reloader.close)
-        self._settled_at = time.time() + self.options.settle_s
         self.state = State.SETTLING
+        self._ticked_at = time.time()  # the maintenance loop starts now
         # The shard consumers cover all endpoints: requests for an endpoint this config
         # does not know are still answered (unknown_endpoint), not stranded.
         self.intake = Intake(
@@ -193,6 +223,19 @@ class Dispatcher:
         tasks = [group.create_task(self.dispatch.run(self._may_dispatch), name="dispatch"),
                  group.create_task(self._maintenance_loop(), name="maintenance")]
         stack.push_async_callback(self._drain, tasks)
+
+    async def _take_lease(self, lease: Lease, js: JetStreamContext,
+                          stack: contextlib.AsyncExitStack, results: Results) -> None:
+        """Stand by until this process holds the lease; then fence what it sends with the
+        lease's epoch and take back at once what another holder left unacked."""
+        kv = await apply_key_value(js, leases_bucket_config(self.config.broker,
+                                                            self.options.lease_ttl_s))
+        stack.push_async_callback(lease.release)  # if the drain did not
+        self.state = State.STANDBY
+        take_back = await lease.acquire(kv)
+        results.epoch = self.dispatch.epoch = self.probes.epoch = lease.epoch
+        if take_back:
+            await reset_consumers(js, self.config.broker)
 
     async def _subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], *,
                          side_by_side: bool = False) -> None:
@@ -242,16 +285,19 @@ class Dispatcher:
         await asyncio.gather(*calls, return_exceptions=True)
 
     async def _drain(self, tasks: list[asyncio.Task[None]]) -> None:
-        """Steps 1-5 of the drain order (step 6 is the exit stack unwinding further)."""
+        """Steps 1-6 of the drain order (step 7 is the exit stack unwinding further)."""
         await self.intake.close()
         self.state = State.DRAINING
-        deadline = time.monotonic() + self.options.grace_s
+        await self.admission.hand_back_queued(time.time())
+        lost = self.lease is not None and self.lease.lost.is_set()
+        if self.lease is not None and not lost:
+            await self.lease.release()
+        deadline = time.monotonic() + (0.0 if lost else self.options.grace_s)
         while self.held.running() and time.monotonic() < deadline:
             await asyncio.sleep(self.options.tick_s)
         for task in tasks:
             task.cancel()
         self.state = State.STOPPED
-        await self.admission.give_back_queued(time.time())
         await self.held.hand_back()
         await self.nc.flush()
 
@@ -270,11 +316,30 @@ class Dispatcher:
 
     # -- glue ------------------------------------------------------------------------------
 
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        reconnects = self.nc.stats["reconnects"]
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            self.pool.sent_again(time.time())
+        await self.reports.on_heartbeat(msg)
+
     def _may_dispatch(self) -> bool:
-        if self.state is State.SETTLING and time.time() >= self._settled_at:
+        if self.state is State.SETTLING and self._settled(time.time()):
             self.admission.adopt_running()
             self.state = State.RUNNING
-        return self.state is State.RUNNING
+        return self.state is State.RUNNING and (self.lease is None or self.lease.valid())
+
+    def _settled(self, now: float) -> bool:
+        """Heartbeats show what runs: `settle_s` passed, and each worker heard within the
+        worker timeout before this tenure began was heard since (what the last holder
+        sent it is in that heartbeat), or the timeout passed (it is gone)."""
+        if now < self._settled_at:
+            return False
+        timeout = self.options.worker_timeout_s
+        if now >= self._tenure_at + timeout:
+            return True
+        return all(at >= self._tenure_at for at in self._heard.values()
+                   if at >= self._tenure_at - timeout)
 
     def _backlog(self) -> dict[tuple[str, str], int]:
         return self.intake.backlog if self.intake is not None else {}
@@ -293,8 +358,15 @@ class Dispatcher:
 
     # -- maintenance -------------------------------------------------------------------------
 
+    async def lease_lost(self) -> None:
+        """Returns once this dispatcher's lease is lost (never, without a lease)."""
+        await (self.lease.lost.wait() if self.lease is not None else asyncio.Event().wait())
+
     def live(self) -> bool:
-        """Its maintenance loop ran lately (for /healthz: a wedged loop fails it)."""
+        """Standing by, or its maintenance loop ran lately (for /healthz: a wedged loop
+        fails it)."""
+        if self.state in (State.STARTING, State.STANDBY):
+            return True
         return (self.state is not State.STOPPED
                 and time.time() - self._ticked_at < LIVE_TICKS * self.options.tick_s + 5.0)
 

@@ -41,7 +41,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
-from broker_config.connection import ConnectionOptionsError, credentials
+from broker_config.connection import ConnectionOptionsError, credentials, server_urls
 from broker_config.streams import is_backlog_full
 from broker_config.subjects import (
     HDR_CONTENT_TYPE,
@@ -293,7 +293,7 @@ class Client:
                 # nats-py tries a server at least twice before giving up; make it quick.
                 options |= {"max_reconnect_attempts": 1, "reconnect_time_wait": 0}
             try:
-                nc = await nats.connect(url, **secrets, connect_timeout=connect_timeout_s,
+                nc = await nats.connect(server_urls(url), **secrets, connect_timeout=connect_timeout_s,
                                         allow_reconnect=allow_reconnect, error_cb=errors.record,
                                         **options)
             except (TimeoutError, OSError, nats.errors.Error) as exc:

@@ -80,11 +80,13 @@ from broker_config.config import (
     ConfigError,
     load_config,
 )
+from broker_config.runtime import first_of
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
 from dispatcher.core.workers import WorkerPool
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.kv_limits import open_limiter_store
+from dispatcher.lease import Lease, holder_id
 from dispatcher.service import Dispatcher
 from producers.client import Client
 from producers.openai_front.app import Front
@@ -293,8 +295,11 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         stack.push_async_callback(nc.drain)
         limiter = await open_limiter_store(args.redis_url, nc, config)
         stack.push_async_callback(limiter.aclose)
-        dispatcher = await stack.enter_async_context(
-            Dispatcher(nc, config, limiter=limiter, metrics=metrics, config_path=args.config))
+        # With the lease, a `python -m dispatcher` started against this broker stands by.
+        ttl_s = config.dispatcher.lease_ttl_s
+        dispatcher = await stack.enter_async_context(Dispatcher(
+            nc, config, limiter=limiter, metrics=metrics, config_path=args.config,
+            lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None))
         reloads = Reloads(server, dispatcher, config, auth, _say)
         loop.add_signal_handler(signal.SIGHUP, reloads.trigger)
         stack.push_async_callback(reloads.close)
@@ -332,9 +337,12 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
                   f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
             replacing = asyncio.create_task(_replace_unhealthy(dispatcher.pool, supervisor))
             try:
-                await stop.wait()
+                await first_of(stop.wait(), dispatcher.lease_lost())
             finally:
                 replacing.cancel()
+            if not stop.is_set():
+                _say("the dispatcher lost its lease (another dispatcher holds it); stopping")
+                return 1
         _say("draining...")
     _say("stopped")
     return 0

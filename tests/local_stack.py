@@ -35,6 +35,27 @@ from workers.service import WorkerService
 from workers.sim_engine import SimEngine
 
 
+# One endpoint `chat`, every tenant admitted, no rate limits, a latency target far off:
+# for the tests of delivery (crashes, failovers), where only what arrives counts.
+DELIVERY_CONFIG = """
+[profiles.p]
+name = "p"
+alpha = 0.000125
+beta = 0.025
+capacity_mu_per_s = 30.0
+[endpoints.chat]
+profile = "p"
+cost = "model_units"
+quantum = 8.0
+latency_target_s = 600.0
+[[tiers]]
+name = "all"
+[unlisted_tenants]
+policy = "admit"
+tier = "all"
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class StackOptions:
     workers: int = 2

@@ -449,8 +449,8 @@ def test_embedded_redis_retries_a_port_taken_meanwhile(redis_binary: Path,
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        ports = iter([taken.getsockname()[1], server_module._free_port()])
-        monkeypatch.setattr(server_module, "_free_port", lambda: next(ports))
+        ports = iter([taken.getsockname()[1], server_module.free_port()])
+        monkeypatch.setattr(server_module, "free_port", lambda: next(ports))
         with EmbeddedRedisServer(binary=redis_binary) as server:
             assert server.port != taken.getsockname()[1]
             assert "Address already in use" in server.log_tail(50)

@@ -44,8 +44,10 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "producers.openai_front": front_main.build_parser,
 }
 # Python service -> the module its command runs.
-PYTHON_SERVICES = {"dispatcher": "dispatcher", "worker-1": "workers", "worker-2": "workers",
+PYTHON_SERVICES = {"dispatcher": "dispatcher", "dispatcher-standby": "dispatcher",
+                   "worker-1": "workers", "worker-2": "workers",
                    "front": "producers.openai_front"}
+DISPATCHERS = [name for name, module in PYTHON_SERVICES.items() if module == "dispatcher"]
 WORKERS = [name for name, module in PYTHON_SERVICES.items() if module == "workers"]
 
 
@@ -157,7 +159,8 @@ def test_depends_on_references_exist(services: dict[str, dict[str, Any]]) -> Non
             assert dependency in services and dependency != name, (name, dependency)
             if options.get("condition") == "service_healthy":
                 assert "healthcheck" in services[dependency], (name, dependency)
-    assert set(depends_on(services["dispatcher"])) == {"nats", "redis"}
+    for name in DISPATCHERS:
+        assert set(depends_on(services[name])) == {"nats", "redis"}
     for name in WORKERS:
         assert "dispatcher" in depends_on(services[name])
 
@@ -263,8 +266,9 @@ def test_prometheus_scrapes_the_dispatchers_metrics_port(
     config = yaml.safe_load(mounted(services["prometheus"],
                                     "/etc/prometheus/prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
-    args = parse_python_command(services["dispatcher"], "dispatcher")
-    assert job["static_configs"][0]["targets"] == [f"dispatcher:{args.metrics_port}"]
+    targets = [f"{name}:{parse_python_command(services[name], 'dispatcher').metrics_port}"
+               for name in DISPATCHERS]
+    assert job["static_configs"][0]["targets"] == targets  # the standby, once it serves
 
 
 def test_grafana_is_provisioned_with_the_prometheus_and_the_dashboard(
@@ -350,7 +354,8 @@ def test_auth_variant_renders_users_before_nats_starts_with_them() -> None:
 
 
 @pytest.mark.parametrize("name, user", [
-    ("dispatcher", DISPATCHER_USER), ("worker-1", WORKER_USER), ("worker-2", WORKER_USER),
+    ("dispatcher", DISPATCHER_USER), ("dispatcher-standby", DISPATCHER_USER),
+    ("worker-1", WORKER_USER), ("worker-2", WORKER_USER),
     ("front", FRONT_USER)])
 def test_auth_variant_runs_each_service_as_its_own_user(name: str, user: str) -> None:
     compose = merged_with_auth()
@@ -361,7 +366,7 @@ def test_auth_variant_runs_each_service_as_its_own_user(name: str, user: str) ->
     (seed,) = auth_mounts(service, compose["volumes"])
     assert seed == {"source": "auth", "target": str(args.nkey), "read_only": True,
                     "subpath": f"{user}{SEED_SUFFIX}"}
-    if name == "dispatcher":
+    if name in DISPATCHERS:
         assert args.tenant_inboxes is True
     # The merge keeps what the plain stack checks (dependencies, hosts).
     assert depends_on(service) == depends_on(yaml.safe_load(
@@ -385,7 +390,7 @@ def test_every_fairq_service_reads_the_hosts_config_so_tenants_reload(
     """Tenants change by editing configs/ on the host and reloading the dispatcher; a
     config baked into the image could not change without a rebuild."""
     with_auth = merged_with_auth()["services"]
-    for name in ("dispatcher", "worker-1", "worker-2", "front"):
+    for name in PYTHON_SERVICES:
         assert mounted(services[name], "/app/configs") == COMPOSE_FILE.parent / "configs"
         assert mounted(with_auth[name], "/app/configs") == COMPOSE_FILE.parent / "configs"
     assert mounted(with_auth["fairq-auth"], "/app/configs") == COMPOSE_FILE.parent / "configs"

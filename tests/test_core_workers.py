@@ -228,6 +228,19 @@ def test_a_heartbeat_within_the_lag_of_the_send_does_not_count() -> None:
     assert beat(pool, "w", 3.0).requests == [r]
 
 
+def test_after_a_reconnect_what_was_sent_before_counts_from_the_reconnect() -> None:
+    """A batch sent while the dispatcher's connection was down waits in its client's
+    buffer: heartbeats before the reconnect (and its lag) must not take it back."""
+    pool = new_pool("w")
+    r = request("1")
+    pool.assign(pool.get("w"), r, 0.0)
+    assert not beat(pool, "w", 2.0)  # one miss counted
+    pool.sent_again(5.0)  # the connection came back: the batch leaves only now
+    assert not beat(pool, "w", 5.5)
+    assert not beat(pool, "w", 6.5)  # the earlier miss no longer counts
+    assert beat(pool, "w", 7.5).requests == [r]  # two misses after the lag: lost
+
+
 def test_a_request_listed_again_starts_its_count_over() -> None:
     pool = new_pool("w")
     r = request("1")

@@ -30,6 +30,7 @@ from broker_config.wire import STORED_RESULT, ErrorCode, ErrorEvent
 from costmodel.engine_model import load_engine_params
 from dispatcher.service import Dispatcher
 from workers.service import WorkerService
+from tests.local_stack import DELIVERY_CONFIG
 from workers.sim_engine import SimEngine
 
 pytestmark = pytest.mark.integration
@@ -38,24 +39,7 @@ REQUESTS = 500
 FAST_HEARTBEATS = WorkerOptions(heartbeat_interval_s=0.2)
 
 
-# The example's endpoint and tenants without rate limits: this test is about delivery.
-CONFIG = """
-[profiles.p]
-name = "p"
-alpha = 0.000125
-beta = 0.025
-capacity_mu_per_s = 30.0
-[endpoints.chat]
-profile = "p"
-cost = "model_units"
-quantum = 8.0
-latency_target_s = 600.0
-[[tiers]]
-name = "all"
-[unlisted_tenants]
-policy = "admit"
-tier = "all"
-"""
+CONFIG = DELIVERY_CONFIG
 
 
 def start_dispatcher(nats_url: str, config: Path, ack_wait_s: float = 2.0) -> subprocess.Popen:
@@ -63,9 +47,20 @@ def start_dispatcher(nats_url: str, config: Path, ack_wait_s: float = 2.0) -> su
         [sys.executable, "-m", "dispatcher", "--nats", nats_url, "--config", str(config),
          "--ack-wait", str(ack_wait_s), "--grace", "1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = process.stdout.readline()  # "running" once provisioned and subscribed
-    assert "running" in line, line + process.stdout.read()
+    wait_for_line(process, "fairq dispatcher: running")  # provisioned, holds the lease
     return process
+
+
+def wait_for_line(process: subprocess.Popen, wanted: str, lines: int = 50) -> list[str]:
+    """Read the process's output until a line with `wanted` (log lines come first)."""
+    seen = []
+    for _ in range(lines):
+        line = process.stdout.readline()
+        seen.append(line)
+        if wanted in line:
+            return seen
+        assert line, "".join(seen) + "(the process ended)"
+    raise AssertionError("".join(seen))
 
 
 async def test_kill_9_of_the_dispatcher_loses_nothing(nats_url, tmp_path):

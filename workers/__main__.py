@@ -47,9 +47,11 @@ from broker_config.connection import (
     ConnectionOptionsError,
     add_connection_args,
     connect_options,
+    server_urls,
 )
 from broker_config.health import HealthServer
 from broker_config.kv_writer import KeyValueWriter
+from broker_config.lease import EpochWatch
 from broker_config.runtime import freeze_startup_heap
 from broker_config.subjects import SubjectError, Subjects, check_token
 from costmodel.engine_model import EngineParams, load_engine_params
@@ -255,7 +257,7 @@ async def serving(options: Options, stop: asyncio.Event) -> AsyncIterator[tuple[
     try:
         # nats-py retries a failed first connect; the wait bounds it (NATS may start later).
         async with asyncio.timeout(options.connect_wait_s):
-            nc = await nats.connect(options.nats_url, name=f"fairq-worker-{options.endpoint}-"
+            nc = await nats.connect(server_urls(options.nats_url), name=f"fairq-worker-{options.endpoint}-"
                                     f"{options.worker_id}", connect_timeout=CONNECT_TIMEOUT_S,
                                     error_cb=on_error, closed_cb=on_closed,
                                     **options.credentials)
@@ -287,6 +289,7 @@ async def _service(nc: nats.NATS, options: Options) -> AsyncIterator[WorkerServi
     async with contextlib.AsyncExitStack() as stack:
         # Entered first, left last: the service stores its final events while draining.
         writer = await stack.enter_async_context(KeyValueWriter(nc, bucket))
+        fence = await stack.enter_async_context(EpochWatch(nc.jetstream(), options.subjects))
         try:
             engine = await stack.enter_async_context(options.engine)
         except (EngineError, ImportError) as exc:
@@ -295,7 +298,7 @@ async def _service(nc: nats.NATS, options: Options) -> AsyncIterator[WorkerServi
         service = await stack.enter_async_context(WorkerService(
             nc, engine, endpoint=options.endpoint, worker_id=options.worker_id,
             subjects=options.subjects, results=writer, profile=options.profile,
-            settings=options.settings, embed=options.embed))
+            settings=options.settings, embed=options.embed, fence=fence))
         log.info("worker %s serving endpoint %s", options.worker_id, options.endpoint)
         yield service
         log.info("worker %s draining", options.worker_id)

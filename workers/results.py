@@ -30,9 +30,11 @@ from broker_config.wire import STORED_RESULT, BatchItem, FinalEvent, StoredResul
 log = logging.getLogger(__name__)
 
 # Storing a final event: attempts, and the backoff before each retry (doubling, capped).
-STORE_ATTEMPTS = 5
+# Together about 13 s: longer than a cluster takes to elect the bucket's new leader after
+# losing a node, so that a finished request is not run again for want of patience.
+STORE_ATTEMPTS = 12
 STORE_BACKOFF_S = 0.05
-STORE_BACKOFF_MAX_S = 1.0
+STORE_BACKOFF_MAX_S = 2.0
 
 
 class ResultStore(Protocol):

@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from broker_config.config import WorkerOptions
+from broker_config.lease import EpochWatch
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
 from broker_config.wire import (
     ABORT,
@@ -107,7 +108,9 @@ class WorkerService:
 
     def __init__(self, nc: Client, engine: Engine, *, endpoint: str, worker_id: str,
                  subjects: Subjects, results: ResultStore, profile: ModelProfile | None = None,
-                 settings: WorkerOptions = WorkerOptions(), embed: bool = False) -> None:
+                 settings: WorkerOptions = WorkerOptions(), embed: bool = False,
+                 fence: EpochWatch | None = None) -> None:
+        """`fence`: the dispatchers' lease epoch; what carries an older one is refused."""
         check_token(endpoint, "endpoint")
         check_token(worker_id, "worker id")
         self.endpoint = endpoint
@@ -120,6 +123,7 @@ class WorkerService:
         self._results = FinalResults(nc, subjects, results)
         self._profile = profile
         self._embed = embed  # an embedding endpoint's worker
+        self._fence = fence
         self._heartbeat_interval_s = settings.heartbeat_interval_s
         self._drain_timeout_s = settings.drain_timeout_s
         # Started at the first image: a worker that sees only text runs no extra process.
@@ -240,7 +244,7 @@ class WorkerService:
 
     async def _on_batch(self, msg: Msg) -> None:
         batch = _decode_or_log(msg, "batch", BATCH.decode)
-        if batch is None:
+        if batch is None or not self._admits(batch.epoch, "a batch"):
             return
         if self.evicted.is_set():
             log.warning("evicted: skipping a batch of %d requests", len(batch.items))
@@ -251,6 +255,14 @@ class WorkerService:
             return
         for item in batch.items:
             self._start(item)
+
+    def _admits(self, epoch: int, what: str) -> bool:
+        """A dispatcher that lost its lease (paused past it) is fenced off."""
+        if self._fence is None or self._fence.admits(epoch):
+            return True
+        log.warning("refusing %s from a dispatcher whose lease ended (epoch %d; the lease "
+                    "is at %d)", what, epoch, self._fence.epoch)
+        return False
 
     def _start(self, item: BatchItem) -> None:
         if item.probe:  # no result, no events, not in flight: only the engine's answer
@@ -279,7 +291,8 @@ class WorkerService:
 
     async def _on_evict(self, msg: Msg) -> None:
         evict = _decode_or_log(msg, "eviction", EVICT.decode)
-        if evict is None or self.evicted.is_set() or (
+        if evict is None or not self._admits(evict.epoch, "an eviction") or (
+                self.evicted.is_set()) or (
                 evict.endpoint, evict.worker_id, evict.started_at) != (
                 self.endpoint, self.worker_id, self.started_at):
             return
@@ -295,7 +308,8 @@ class WorkerService:
 
     async def _on_abort(self, msg: Msg) -> None:
         abort = _decode_or_log(msg, "abort", ABORT.decode)
-        if abort is None or abort.endpoint != self.endpoint:
+        if (abort is None or not self._admits(abort.epoch, "an abort")
+                or abort.endpoint != self.endpoint):
             return
         message = ("cancelled" if abort.code is ErrorCode.CANCELLED
                    else f"aborted by the dispatcher ({abort.code})")

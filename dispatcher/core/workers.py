@@ -217,6 +217,16 @@ class WorkerPool:
             return lost.add(worker._lose_all())
         return lost.add(self._find_lost(worker, now))
 
+    def sent_again(self, now: float) -> None:
+        """The dispatcher's connection to the broker came back: batches it sent before may
+        have waited in its client's buffer until now, so heartbeats that do not list them
+        count only from now (else a delayed batch looks lost, runs again elsewhere, and
+        also where it arrives)."""
+        for worker in self.workers.values():
+            worker.assigned = {key: (request, max(sent_at, now))
+                               for key, (request, sent_at) in worker.assigned.items()}
+            worker.missing.clear()
+
     def _find_lost(self, worker: Worker, now: float) -> Lost:
         lost = Lost()
         for key, (_, sent_at) in list(worker.assigned.items()):

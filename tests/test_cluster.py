@@ -1,0 +1,153 @@
+"""A 3-node NATS cluster (broker_config/cluster.py) with every stream and bucket at 3
+replicas: kill -9 of one node, the requests stream's leader, under load costs no
+request, runs none twice to completion, and every part reconnects on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+
+from broker_config.cluster import EmbeddedNatsCluster
+from broker_config.config import EXAMPLE_ENGINE, WorkerOptions
+from broker_config.connection import server_urls
+from broker_config.lease import EpochWatch
+from broker_config.subjects import Subjects
+from costmodel.engine_model import load_engine_params
+from workers.service import WorkerService
+from tests.local_stack import DELIVERY_CONFIG
+from workers.sim_engine import SimEngine
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+SUBJECTS = Subjects()
+# An ack sent while the stream's leader is being elected is lost; its request is then
+# redelivered after the ack wait and answered from its stored result (not run again).
+ACK_WAIT_S = 10.0
+
+CONFIG = "[broker]\nreplicas = 3\n" + DELIVERY_CONFIG
+
+
+class CountingEngine(SimEngine):
+    """Counts the runs of each request that the engine finished."""
+
+    def __init__(self, *args, finished: Counter, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.finished = finished
+
+    async def generate(self, request):
+        async for delta in super().generate(request):
+            if delta.finished:
+                self.finished[request.id] += 1
+            yield delta
+
+
+def start_dispatcher(url: str, config: Path) -> tuple[subprocess.Popen, list[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dispatcher", "--nats", url, "--config", str(config),
+         "--grace", "5", "--ack-wait", str(ACK_WAIT_S)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    return process, lines
+
+
+async def publish(js, rid: str, tenant: str, timeout: float = 60.0) -> None:
+    """Until the cluster acknowledges it (a leader election makes publishes fail for a
+    while): the same message id, so a retry the stream stored already is not stored
+    again within its window, and the dispatcher de-duplicates by id beyond it."""
+    body = json.dumps({"prompt": f"request {rid}", "max_tokens": 16}).encode()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await js.publish(f"fq.req.chat.{tenant}", body, timeout=2,
+                             headers={"Nats-Msg-Id": rid})
+            return
+        except (nats.errors.Error, asyncio.TimeoutError):
+            assert time.monotonic() < deadline, f"{rid} was never acknowledged"
+            await asyncio.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+async def test_killing_the_stream_leaders_node_under_load_costs_no_request(tmp_path):
+    config = tmp_path / "fairq.toml"
+    config.write_text(CONFIG)
+    async with EmbeddedNatsCluster(3) as cluster:
+        dispatcher, output = start_dispatcher(cluster.url, config)
+        nc = await nats.connect(server_urls(cluster.url), max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.2)
+        finished: Counter = Counter()
+        try:
+            deadline = time.monotonic() + 30
+            while not any("fairq dispatcher: running" in line for line in output):
+                assert dispatcher.poll() is None and time.monotonic() < deadline, output
+                await asyncio.sleep(0.05)
+            js = nc.jetstream()
+            results = await js.key_value(SUBJECTS.results_bucket)
+            params = load_engine_params(EXAMPLE_ENGINE)
+            async with EpochWatch(js, SUBJECTS) as fence, \
+                    CountingEngine(params, time_scale=0.5, seed=1, finished=finished) as e1, \
+                    CountingEngine(params, time_scale=0.5, seed=2, finished=finished) as e2, \
+                    WorkerService(nc, e1, endpoint="chat", worker_id="w1", subjects=SUBJECTS,
+                                  results=results, fence=fence,
+                                  settings=WorkerOptions(heartbeat_interval_s=0.2)), \
+                    WorkerService(nc, e2, endpoint="chat", worker_id="w2", subjects=SUBJECTS,
+                                  results=results, fence=fence,
+                                  settings=WorkerOptions(heartbeat_interval_s=0.2)):
+                ids = []
+                for i in range(600):
+                    rid = f"c{i}"
+                    await publish(js, rid, ("acme", "globex", "initech")[i % 3])
+                    ids.append(rid)
+                    if i == 200:
+                        info = await js.stream_info(SUBJECTS.requests_stream)
+                        assert info.config.num_replicas == 3
+                        leader = info.cluster.leader
+                        await asyncio.to_thread(cluster.node(leader).kill)
+                        killed_at = time.monotonic()
+                    await asyncio.sleep(0.005)
+                deadline = time.monotonic() + 120
+                missing = set(ids)
+                while missing:
+                    assert time.monotonic() < deadline, (
+                        f"{len(missing)} have no result\n" + "".join(output[-60:]))
+                    for rid in list(missing):
+                        key = SUBJECTS.result_key(("acme", "globex", "initech")[int(rid[1:]) % 3],
+                                                  rid)
+                        try:
+                            entry = await results.get(key)
+                        except nats.js.errors.NotFoundError:
+                            continue
+                        event = json.loads(entry.value)["event"]
+                        assert event["type"] == "done", event
+                        missing.discard(rid)
+                    print(f"{time.monotonic() - killed_at:.1f} {len(missing)}")
+                    await asyncio.sleep(0.2)
+            results_at = time.monotonic()
+            assert dispatcher.poll() is None, "".join(output[-30:])
+            twice = {rid: n for rid, n in finished.items() if n > 1}
+            assert not twice, twice
+            # Every request acked once finished (none stranded in the stream).
+            deadline = time.monotonic() + 3 * ACK_WAIT_S
+            while left := (await js.stream_info(SUBJECTS.requests_stream)).state.messages:
+                assert time.monotonic() < deadline, f"{left} requests left in the stream"
+                await asyncio.sleep(0.2)
+            print(f"results {results_at - killed_at:.1f} s after the kill, stream empty "
+                  f"{time.monotonic() - killed_at:.1f} s after;",
+                  "".join(line for line in output if "fairq.lease" in line
+                          or "failed" in line or "back" in line or "intake" in line
+                          or "cannot" in line))
+        finally:
+            dispatcher.terminate()
+            await asyncio.to_thread(dispatcher.wait, 20)
+            await nc.close()
+            (tmp_path / "dispatcher.log").write_text("".join(output))
