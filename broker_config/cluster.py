@@ -1,5 +1,6 @@
-"""A NATS cluster of embedded nats-server processes on 127.0.0.1, for `fairq up --cluster`
-and the tests: each node with JetStream and a store of its own, routes to every other.
+"""A NATS cluster of embedded nats-server processes on 127.0.0.1, for the tests and for
+trying a cluster on one machine: each node with JetStream and a store of its own, routes
+to every other.
 
     with EmbeddedNatsCluster(3) as cluster:
         cluster.url                 # "nats://127.0.0.1:p1,nats://127.0.0.1:p2,..."

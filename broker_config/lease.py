@@ -25,19 +25,23 @@ import contextlib
 import logging
 
 import msgspec
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from broker_config.config import BrokerSettings
+from broker_config.jetstream import kv_stream
+from broker_config.streams import apply_key_value
 from broker_config.subjects import Subjects
 
 log = logging.getLogger("fairq.lease")
 
 LEASE_KEY = "dispatch"
-# A lease watch that ended is made again after this long.
+# A lease watch that ended is made again after this long; a missing bucket looked for.
 WATCH_RETRY_S = 1.0
+BUCKET_POLL_S = 5.0
 
 
 class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +57,22 @@ def epoch_of(value: bytes | None, revision: int) -> int:
     except msgspec.DecodeError:
         return 0
     return record.epoch or revision
+
+
+async def ensure_leases_bucket(js: JetStreamContext, settings: BrokerSettings,
+                               ttl_s: float) -> tuple[KeyValue, float]:
+    """The leases bucket and the TTL its key really has. Made with `ttl_s` if missing,
+    its TTL raised to `ttl_s` if lower, never lowered: a standby configured with a
+    shorter TTL must not make the holder's key age out before the holder thinks it
+    could (to lower it, delete the bucket while no dispatcher runs)."""
+    config = leases_bucket_config(settings, ttl_s)
+    try:
+        info = await js.stream_info(kv_stream(config.bucket))
+    except NotFoundError:
+        return await apply_key_value(js, config), ttl_s
+    if info.config.max_age is not None and info.config.max_age >= ttl_s:
+        return await js.key_value(config.bucket), info.config.max_age
+    return await apply_key_value(js, config), ttl_s
 
 
 def leases_bucket_config(settings: BrokerSettings, ttl_s: float) -> KeyValueConfig:
@@ -73,8 +93,9 @@ class EpochWatch:
         async with EpochWatch(js, subjects) as fence:
             if fence.admits(batch.epoch): ...
 
-    A deployment without the bucket (dispatchers run without a lease) is watched for
-    nothing: every epoch is admitted until one is seen."""
+    Until the bucket exists (a worker started before any dispatcher made it, or
+    dispatchers without a lease) it is looked for every BUCKET_POLL_S, and every epoch
+    is admitted until one is seen."""
 
     def __init__(self, js: JetStreamContext, subjects: Subjects) -> None:
         self.js = js
@@ -83,14 +104,7 @@ class EpochWatch:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> EpochWatch:
-        try:
-            kv = await self.js.key_value(self.bucket)
-        except (BucketNotFoundError, NotFoundError):
-            return self
-        with contextlib.suppress(NotFoundError):
-            entry = await kv.get(LEASE_KEY)
-            self.admits(epoch_of(entry.value, entry.revision or 0))
-        self._task = asyncio.create_task(self._watch(kv), name="lease-epoch-watch")
+        self._task = asyncio.create_task(self._watch(), name="lease-epoch-watch")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -105,9 +119,19 @@ class EpochWatch:
         self.epoch = epoch
         return True
 
-    async def _watch(self, kv: KeyValue) -> None:
+    async def _watch(self) -> None:
         while True:
             try:
+                kv = await self.js.key_value(self.bucket)
+            except (BucketNotFoundError, NotFoundError):
+                await asyncio.sleep(BUCKET_POLL_S)
+                continue
+            except nats.errors.Error as exc:  # a cluster electing a leader: ask again
+                log.warning("cannot open the dispatchers' lease bucket: %r", exc)
+                await asyncio.sleep(WATCH_RETRY_S)
+                continue
+            try:
+                # The watch delivers the current record first.
                 watcher = await kv.watch(LEASE_KEY, ignore_deletes=True)
                 try:
                     async for entry in watcher:

@@ -163,9 +163,10 @@ async def reset_consumers(js: JetStreamContext, settings: BrokerSettings) -> Non
     that died (or was paused past its lease) held but had not acked is delivered again at
     once to the consumers made next, not after the ack wait."""
     for stream in (settings.subjects.requests_stream, settings.subjects.parked_stream):
-        for info in await js.consumers_info(stream):
-            with contextlib.suppress(NotFoundError):
-                await js.delete_consumer(stream, info.name)
+        while infos := await js.consumers_info(stream):  # a page at a time (256)
+            for info in infos:
+                with contextlib.suppress(NotFoundError):
+                    await js.delete_consumer(stream, info.name)
 
 
 async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:

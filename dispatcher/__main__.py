@@ -149,11 +149,12 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
             install_reload_signal(loop, dispatcher)
             try:
                 await _tenure(dispatcher, stop)
-            except nats.errors.Error as exc:
+            except* nats.errors.Error as failed:
                 # The broker failed under it (a cluster electing a new leader answers
-                # nothing for a few seconds): what it held comes back; start again.
+                # nothing for a few seconds), at start or in a task of its: what it held
+                # comes back; start again.
                 log.error("the broker failed the dispatcher (%r); starting again in %.0f s",
-                          exc, RESTART_AFTER_S, exc_info=True)
+                          failed.exceptions, RESTART_AFTER_S, exc_info=failed)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), RESTART_AFTER_S)
             config = dispatcher.config  # as reloaded

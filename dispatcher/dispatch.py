@@ -44,8 +44,9 @@ class Dispatch:
         self.top_up = top_up  # intake pulls more for a tenant whose window has room
         self.wake = asyncio.Event()
         self.epoch = 0  # the lease epoch batches carry
-        # Checked again just before each send: a lease that lapsed stops the pass.
+        # Checked again before each endpoint's placement: a lease that lapsed ends a pass.
         self.may_send: Callable[[], bool] = lambda: True
+        self.passing = asyncio.Lock()  # held through a pass (a drain waits for it)
 
     async def run(self, may_dispatch: Callable[[], bool]) -> None:
         """Pass after pass, whenever woken; `may_dispatch` says whether passes may send."""
@@ -53,8 +54,9 @@ class Dispatch:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            if may_dispatch():
-                await self.once(time.time())
+            async with self.passing:
+                if may_dispatch():
+                    await self.once(time.time())
 
     async def once(self, now: float) -> None:
         for name, endpoint in self.scheduler.endpoints.items():

@@ -69,5 +69,6 @@ class HeldRequests:
                 continue
             with contextlib.suppress(nats.errors.Error):  # else redelivered after the ack wait
                 await held.msg.nak()
-            table = self.adopted if held.key in self.adopted else self.admitted
-            del table[held.key]
+            # Popped, not deleted: a completion may have taken it while the nak waited.
+            self.adopted.pop(held.key, None)
+            self.admitted.pop(held.key, None)

@@ -73,11 +73,14 @@ class Lease:
         self._renewals: asyncio.Task[None] | None = None
         self._lost_it = False  # this process held the lease last and lost it
 
-    async def acquire(self, kv: KeyValue) -> bool:
+    async def acquire(self, kv: KeyValue, ttl_s: float | None = None) -> bool:
         """Wait until the lease is this process's; True if what its last holder held must
-        be taken back (see the module doc)."""
+        be taken back (see the module doc). `ttl_s`: the TTL the bucket really has, if
+        not this lease's own (`broker_config.lease.ensure_leases_bucket`)."""
         self.kv = kv
+        self.ttl_s = ttl_s or self.ttl_s
         self.lost = asyncio.Event()
+        self.epoch = 0
         waiting_since = self.clock()
         logged = False
         while True:

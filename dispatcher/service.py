@@ -60,13 +60,8 @@ from nats.js import JetStreamContext
 
 from broker_config.config import Config
 from broker_config.direct_get import DirectBatchGet
-from broker_config.lease import leases_bucket_config
-from broker_config.streams import (
-    ConsumerLimits,
-    apply_key_value,
-    provision,
-    reset_consumers,
-)
+from broker_config.lease import ensure_leases_bucket
+from broker_config.streams import ConsumerLimits, provision, reset_consumers
 from broker_config.subjects import ApiKind
 from dispatcher.admit import Admission
 from dispatcher.api import Api
@@ -228,11 +223,10 @@ class Dispatcher:
                           stack: contextlib.AsyncExitStack, results: Results) -> None:
         """Stand by until this process holds the lease; then fence what it sends with the
         lease's epoch and take back at once what another holder left unacked."""
-        kv = await apply_key_value(js, leases_bucket_config(self.config.broker,
-                                                            self.options.lease_ttl_s))
+        kv, ttl_s = await ensure_leases_bucket(js, self.config.broker, self.options.lease_ttl_s)
         stack.push_async_callback(lease.release)  # if the drain did not
         self.state = State.STANDBY
-        take_back = await lease.acquire(kv)
+        take_back = await lease.acquire(kv, ttl_s)
         results.epoch = self.dispatch.epoch = self.probes.epoch = lease.epoch
         if take_back:
             await reset_consumers(js, self.config.broker)
@@ -288,7 +282,8 @@ class Dispatcher:
         """Steps 1-6 of the drain order (step 7 is the exit stack unwinding further)."""
         await self.intake.close()
         self.state = State.DRAINING
-        await self.admission.hand_back_queued(time.time())
+        async with self.dispatch.passing:  # a pass under way places requests: let it end
+            await self.admission.hand_back_queued(time.time())
         lost = self.lease is not None and self.lease.lost.is_set()
         if self.lease is not None and not lost:
             await self.lease.release()
@@ -298,6 +293,8 @@ class Dispatcher:
         for task in tasks:
             task.cancel()
         self.state = State.STOPPED
+        # Requests taken back from lost workers during the wait went back to the queue.
+        await self.admission.hand_back_queued(time.time())
         await self.held.hand_back()
         await self.nc.flush()
 
@@ -382,8 +379,9 @@ class Dispatcher:
             await self.admission.drop_expired(self.scheduler.expire(now), now)
             await self.reloader.end_set_aside()
             await self.reports.take_back_silent(now)
-            for worker, lost in await self.probes.tick(now):
-                await self.reports.evicted(worker, lost)
+            if self._may_dispatch():  # probes and evictions are the lease holder's
+                for worker, lost in await self.probes.tick(now):
+                    await self.reports.evicted(worker, lost)
             self.admission.forget_old_cancels(now)
             await self.autoscaling.tick(now)
             self.drift.tick(now)

@@ -341,7 +341,8 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
             finally:
                 replacing.cancel()
             if not stop.is_set():
-                _say("the dispatcher lost its lease (another dispatcher holds it); stopping")
+                _say("the dispatcher lost its lease (its renewals failed, or another "
+                     "dispatcher took it); stopping")
                 return 1
         _say("draining...")
     _say("stopped")

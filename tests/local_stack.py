@@ -12,6 +12,7 @@ connection and the server stop.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
@@ -54,6 +55,21 @@ name = "all"
 policy = "admit"
 tier = "all"
 """
+
+
+class CountingEngine(SimEngine):
+    """A simulated engine that counts, per request, the runs it finished (to tell a
+    request run twice to completion from one whose result was delivered twice)."""
+
+    def __init__(self, *args, finished: Counter[str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.finished = finished
+
+    async def generate(self, request):
+        async for delta in super().generate(request):
+            if delta.finished:
+                self.finished[request.id] += 1
+            yield delta
 
 
 @dataclass(frozen=True, slots=True)

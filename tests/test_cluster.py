@@ -24,8 +24,7 @@ from broker_config.lease import EpochWatch
 from broker_config.subjects import Subjects
 from costmodel.engine_model import load_engine_params
 from workers.service import WorkerService
-from tests.local_stack import DELIVERY_CONFIG
-from workers.sim_engine import SimEngine
+from tests.local_stack import DELIVERY_CONFIG, CountingEngine
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,20 +34,6 @@ SUBJECTS = Subjects()
 ACK_WAIT_S = 10.0
 
 CONFIG = "[broker]\nreplicas = 3\n" + DELIVERY_CONFIG
-
-
-class CountingEngine(SimEngine):
-    """Counts the runs of each request that the engine finished."""
-
-    def __init__(self, *args, finished: Counter, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.finished = finished
-
-    async def generate(self, request):
-        async for delta in super().generate(request):
-            if delta.finished:
-                self.finished[request.id] += 1
-            yield delta
 
 
 def start_dispatcher(url: str, config: Path) -> tuple[subprocess.Popen, list[str]]:

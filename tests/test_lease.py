@@ -10,7 +10,14 @@ import nats
 import pytest
 
 from broker_config.config import BrokerSettings
-from broker_config.lease import LEASE_KEY, EpochWatch, LeaseRecord, leases_bucket_config
+from broker_config import lease as lease_module
+from broker_config.lease import (
+    LEASE_KEY,
+    EpochWatch,
+    LeaseRecord,
+    ensure_leases_bucket,
+    leases_bucket_config,
+)
 from broker_config.streams import apply_key_value
 from dispatcher.lease import VALID_SHARE, Lease
 
@@ -140,6 +147,39 @@ async def test_without_a_leases_bucket_every_epoch_is_admitted_until_one_is_seen
         async with EpochWatch(nc.jetstream(), BrokerSettings(prefix="nolease").subjects) as f:
             assert f.admits(0) and f.admits(7)
             assert not f.admits(6)
+    finally:
+        await nc.drain()
+
+
+async def test_a_worker_started_before_the_bucket_exists_is_fenced_once_it_does(
+        nats_url, monkeypatch):
+    monkeypatch.setattr(lease_module, "BUCKET_POLL_S", 0.1)
+    nc = await nats.connect(nats_url)
+    settings = BrokerSettings(prefix="late")
+    try:
+        async with EpochWatch(nc.jetstream(), settings.subjects) as fence:
+            await asyncio.sleep(0.3)  # looked for, not there yet
+            kv, ttl_s = await ensure_leases_bucket(nc.jetstream(), settings, TTL_S)
+            first = Lease("first", ttl_s=TTL_S)
+            await first.acquire(kv, ttl_s)
+            await within(3, _until(lambda: fence.epoch == first.epoch))
+            assert not fence.admits(first.epoch - 1)
+            await first.release()
+    finally:
+        await nc.drain()
+
+
+async def test_a_standby_with_a_shorter_ttl_never_shortens_the_holders(kv, nats_url):
+    """The bucket's TTL is raised, never lowered: else the holder's key would age out
+    while it still counts on it, and two dispatchers would dispatch."""
+    nc = await nats.connect(nats_url)
+    try:
+        _, ttl_s = await ensure_leases_bucket(nc.jetstream(), BrokerSettings(), TTL_S / 4)
+        assert ttl_s == TTL_S
+        _, ttl_s = await ensure_leases_bucket(nc.jetstream(), BrokerSettings(), 2 * TTL_S)
+        assert ttl_s == 2 * TTL_S
+        info = await nc.jetstream().stream_info(f"KV_{BrokerSettings().subjects.leases_bucket}")
+        assert info.config.max_age == 2 * TTL_S
     finally:
         await nc.drain()
 

@@ -124,6 +124,7 @@ class WorkerService:
         self._profile = profile
         self._embed = embed  # an embedding endpoint's worker
         self._fence = fence
+        self.fenced = 0  # messages refused for an older lease epoch
         self._heartbeat_interval_s = settings.heartbeat_interval_s
         self._drain_timeout_s = settings.drain_timeout_s
         # Started at the first image: a worker that sees only text runs no extra process.
@@ -260,6 +261,7 @@ class WorkerService:
         """A dispatcher that lost its lease (paused past it) is fenced off."""
         if self._fence is None or self._fence.admits(epoch):
             return True
+        self.fenced += 1
         log.warning("refusing %s from a dispatcher whose lease ended (epoch %d; the lease "
                     "is at %d)", what, epoch, self._fence.epoch)
         return False
