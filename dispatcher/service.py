@@ -113,9 +113,9 @@ class Dispatcher:
                  lease: Lease | None = None,
                  heard: dict[str, float] | None = None) -> None:
         """`config_path`: the file `config` was read from, re-read by `reload`. `lease`:
-        makes this dispatcher's lease from the leases bucket; it dispatches only while
-        holding it (None: no lease, unfenced); one process's dispatchers share one. `heard`: when each worker was last heard,
-        kept by the process across its dispatchers (updated here)."""
+        it dispatches only while holding it (None: no lease, unfenced); one process's
+        dispatchers share one. `heard`: when each worker was last heard, kept by the
+        process across its dispatchers (updated here)."""
         self.nc = nc
         self.config = config
         self.options = config.dispatcher

@@ -293,7 +293,8 @@ class Client:
                 # nats-py tries a server at least twice before giving up; make it quick.
                 options |= {"max_reconnect_attempts": 1, "reconnect_time_wait": 0}
             try:
-                nc = await nats.connect(server_urls(url), **secrets, connect_timeout=connect_timeout_s,
+                nc = await nats.connect(server_urls(url), **secrets,
+                                        connect_timeout=connect_timeout_s,
                                         allow_reconnect=allow_reconnect, error_cb=errors.record,
                                         **options)
             except (TimeoutError, OSError, nats.errors.Error) as exc:

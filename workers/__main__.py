@@ -257,8 +257,9 @@ async def serving(options: Options, stop: asyncio.Event) -> AsyncIterator[tuple[
     try:
         # nats-py retries a failed first connect; the wait bounds it (NATS may start later).
         async with asyncio.timeout(options.connect_wait_s):
-            nc = await nats.connect(server_urls(options.nats_url), name=f"fairq-worker-{options.endpoint}-"
-                                    f"{options.worker_id}", connect_timeout=CONNECT_TIMEOUT_S,
+            nc = await nats.connect(server_urls(options.nats_url),
+                                    name=f"fairq-worker-{options.endpoint}-{options.worker_id}",
+                                    connect_timeout=CONNECT_TIMEOUT_S,
                                     error_cb=on_error, closed_cb=on_closed,
                                     **options.credentials)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
