@@ -263,10 +263,12 @@ def test_http_limits_answer_413_and_close_idle_connections(up: Up) -> None:
 
 
 async def test_a_client_that_leaves_mid_stream_cancels_its_request(up: Up) -> None:
+    """The output is drawn to be 1,000 tokens or more (1.2 s at this time scale): an
+    unseeded draw from the id can be a few tokens, done before the client leaves."""
     client = up.async_client()
     stream = await client.chat.completions.create(
-        model="chat", messages=[{"role": "user", "content": "long"}], max_tokens=1000,
-        stream=True, extra_body={"fairq": {"metadata": {"test": "leave"}}})
+        **chat(max_tokens=1024, seed=await long_output_seed(1000)), stream=True,
+        extra_body={"fairq": {"metadata": {"test": "leave"}}})
     first = await anext(aiter(stream))
     request_id = first.id.removeprefix("chatcmpl-")
     await stream.close()
