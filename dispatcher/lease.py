@@ -157,7 +157,8 @@ class Lease:
                 self._renewed_at = sent
             except KeyWrongLastSequenceError:
                 if not await self._still_ours():
-                    self._lose("another dispatcher took the lease", to_another=True)
+                    self._lose("it expired (this process did not run for its TTL) or "
+                               "another dispatcher took it", to_another=True)
                     return
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 if not self.valid():

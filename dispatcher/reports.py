@@ -7,6 +7,9 @@
   JetStream message, or naks it when the worker could not store the final event.
 - `take_back_silent` (from the maintenance tick): workers silent for the pool's timeout
   leave rotation, and their work is taken back.
+  Only while this dispatcher holds its lease: one that wakes from a pause finds every
+  worker "silent" for as long as it slept, and the requests it would end are the new
+  holder's, still streaming.
 - `evicted`: a worker that failed its health probes (`dispatcher.probes`) leaves
   rotation too, and its work is taken back.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
@@ -43,7 +47,8 @@ log = logging.getLogger("fairq.dispatcher")
 class WorkerReports:
     def __init__(self, config: Config, subjects: Subjects, scheduler: Scheduler,
                  pool: WorkerPool, held: HeldRequests, admission: Admission,
-                 metrics: DispatcherMetrics, wake: asyncio.Event, probes: Probes) -> None:
+                 metrics: DispatcherMetrics, wake: asyncio.Event, probes: Probes,
+                 holds_lease: Callable[[], bool] = lambda: True) -> None:
         self.config = config
         self.subjects = subjects
         self.scheduler = scheduler
@@ -53,6 +58,7 @@ class WorkerReports:
         self.metrics = metrics
         self.wake = wake
         self.probes = probes
+        self.holds_lease = holds_lease
         # Worker id -> when its last heartbeat came (unix seconds); may outlive this
         # dispatcher, for the next one in the process to settle on (dispatcher/service.py).
         self.heard: dict[str, float] = {}
@@ -110,6 +116,8 @@ class WorkerReports:
         self.wake.set()
 
     async def take_back_silent(self, now: float) -> None:
+        if not self.holds_lease():
+            return
         for worker, lost in self.pool.silent(now):
             log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
                         now - worker.last_seen)
@@ -160,7 +168,11 @@ class WorkerReports:
     async def _fail_all(self, streamed: list[Held]) -> None:
         """End streamed requests with `internal` and a retry hint, their stores at once.
         A result a worker stored first stands and is what the client is sent; one the
-        broker cannot store is handed back (it runs again: a second stream)."""
+        broker cannot store is handed back (it runs again: a second stream). Without the
+        lease, none: the holder adopted them from the workers' heartbeats, and this
+        dispatcher's drain hands their messages back to it."""
+        if not self.holds_lease():
+            return
         now = time.time()
         await asyncio.gather(*(self._fail(held, now) for held in streamed))
 

@@ -176,7 +176,8 @@ class Dispatcher:
                                 self.dispatch.wake)
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
                                      self.held, self.admission, self.metrics,
-                                     self.dispatch.wake, self.probes)
+                                     self.dispatch.wake, self.probes,
+                                     lambda: self.lease is None or self.lease.valid())
         self.reports.heard = self._heard
         self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
                        self.admission, results, parked, stored, self._backlog)

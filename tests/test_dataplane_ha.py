@@ -31,10 +31,13 @@ import pytest
 from broker_config.config import EXAMPLE_ENGINE, WorkerOptions
 from broker_config.lease import LEASE_KEY, EpochWatch, LeaseRecord
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from broker_config.wire import BATCH, Batch, BatchItem, Encoding, SubmitRequest, encode
+from broker_config.wire import (BATCH, Batch, BatchItem, Encoding, Sampling, SubmitRequest,
+                                encode)
 from costmodel.engine_model import load_engine_params
 from tests.local_stack import DELIVERY_CONFIG, CountingEngine
+from workers.engine import EngineRequest
 from workers.service import WorkerService
+from workers.sim_engine import SimEngine
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,13 +280,52 @@ async def test_a_standby_takes_over_from_a_dispatcher_killed_with_9(nats_url, tm
         assert pid_of(await parts.holder()) == parts.second.process.pid
 
 
+async def long_output_seeds(tokens: int, count: int) -> list[int]:
+    """Seeds for which LONG_PROMPT gives at least `tokens` output tokens on either test
+    worker's engine (engine seeds 0 and 1): a seeded output is drawn from the prompt."""
+    found = []
+    async with SimEngine(time_scale=0, seed=0) as first, \
+            SimEngine(time_scale=0, seed=1) as second:
+        for seed in range(400):
+            lengths = []
+            for engine in (first, second):
+                request = EngineRequest(f"probe-{seed}", LONG_MAX_TOKENS, prompt=LONG_PROMPT,
+                                        sampling=Sampling(seed=seed))
+                *_, final = [delta async for delta in engine.generate(request)]
+                lengths.append(final.output_tokens)
+            if min(lengths) >= tokens:
+                found.append(seed)
+                if len(found) == count:
+                    return found
+    raise AssertionError(f"fewer than {count} seeds below 400 give {tokens} tokens")
+
+
+LONG_PROMPT = "a long story"
+LONG_MAX_TOKENS = 2000
+
+
 @pytest.mark.timeout(180)
 async def test_a_dispatcher_paused_past_its_lease_is_fenced_off(nats_url, tmp_path):
     async with system(nats_url, tmp_path) as parts:
-        ids = await parts.publish("p", 300)
+        # Still streaming when the paused dispatcher wakes (1,200 tokens take over 14 s
+        # here): it must not end them as if their workers were lost; they are the new
+        # holder's now.
+        ids = set()
+        for seed in await long_output_seeds(1200, 4):
+            rid = f"long{seed}"
+            ids.add(rid)
+            body = {"prompt": LONG_PROMPT, "max_tokens": LONG_MAX_TOKENS,
+                    "sampling": {"seed": seed}}
+            await parts.js.publish("fq.req.chat.acme", json.dumps(body).encode(),
+                                   headers={"Nats-Msg-Id": rid, "Fq-Reply": f"_INBOX.ha.{rid}"})
+        ids |= await parts.publish("p", 300)
         await parts.until_finished(30)
+        longs = {rid for rid in ids if rid.startswith("long")}
+        await until(lambda: longs <= set(parts.observed.first_token), timeout=30)
+        await asyncio.sleep(1.0)  # heartbeats tell the dispatcher they streamed output
         old_epoch = max(epoch for _, epoch in parts.observed.batches)
         parts.first.process.send_signal(signal.SIGSTOP)
+        paused_at = time.monotonic()
         await parts.second.wait_for(RUNNING, timeout=10)
         ids |= await parts.publish("q", 100)
         # A batch the paused process had in its socket's buffer, delivered as it wakes:
@@ -296,6 +338,9 @@ async def test_a_dispatcher_paused_past_its_lease_is_fenced_off(nats_url, tmp_pa
                                        dispatched_at=time.time())])
         await parts.nc.publish(SUBJECTS.work("chat", "w1"), encode(stale, Encoding.MSGPACK),
                                headers={HDR_CONTENT_TYPE: Encoding.MSGPACK.content_type})
+        # Paused past the dispatcher's worker timeout (5 s): on waking, it has heard no
+        # worker for longer than that.
+        await asyncio.sleep(max(0.0, paused_at + 6.5 - time.monotonic()))
         parts.first.process.send_signal(signal.SIGCONT)
         await parts.first.wait_for("lost the lease", timeout=10)
         await parts.first.wait_for(STANDING_BY, timeout=20)  # and stands by again
