@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -41,18 +40,14 @@ from broker_config.connection import (
     connect_options,
     server_urls,
 )
-from broker_config.runtime import first_of, freeze_startup_heap
+from broker_config.runtime import freeze_startup_heap
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.kv_limits import open_limiter_store
 from dispatcher.reload import install_reload_signal
 from dispatcher.redis_limits import LimiterUnavailable
 from dispatcher.lease import Lease, holder_id
-from dispatcher.service import Dispatcher, State
-
-log = logging.getLogger("fairq.dispatcher")
-
-# After the broker failed a running dispatcher, it starts again after this long.
-RESTART_AFTER_S = 1.0
+from dispatcher.service import Dispatcher
+from dispatcher.tenures import Tenures
 
 # Flag -> the `[dispatcher]` field it overrides.
 OVERRIDES = {
@@ -140,24 +135,12 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
         await nc.close()
         return 1
     lease_ttl_s = config.dispatcher.lease_ttl_s
-    lease = Lease(holder_id(), ttl_s=lease_ttl_s) if lease_ttl_s else None
-    heard: dict[str, float] = {}  # workers' last heartbeats, across dispatchers
+    tenures = Tenures(nc, config, lease=Lease(holder_id(), ttl_s=lease_ttl_s) if lease_ttl_s
+                      else None, on_running=_running, limiter=limiter, metrics=metrics,
+                      config_path=args.config)
+    install_reload_signal(loop, lambda: tenures.current)
     try:
-        while not stop.is_set():
-            dispatcher = Dispatcher(nc, config, limiter=limiter, metrics=metrics,
-                                    config_path=args.config, lease=lease, heard=heard)
-            install_reload_signal(loop, dispatcher)
-            try:
-                await _tenure(dispatcher, stop)
-            except* nats.errors.Error as failed:
-                # The broker failed under it (a cluster electing a new leader answers
-                # nothing for a few seconds), at start or in a task of its: what it held
-                # comes back; start again.
-                log.error("the broker failed the dispatcher (%r); starting again in %.0f s",
-                          failed.exceptions, RESTART_AFTER_S, exc_info=failed)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), RESTART_AFTER_S)
-            config = dispatcher.config  # as reloaded
+        await tenures.run(stop)
     except ConfigError as exc:  # found at start: an endpoint's tokenizer it cannot load
         print(f"fairq dispatcher: {args.config}: {exc}", file=sys.stderr)
         return 2
@@ -168,28 +151,9 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-async def _tenure(dispatcher: Dispatcher, stop: asyncio.Event) -> None:
-    """One dispatcher's run; a stop while it stands by (or starts) ends it at once."""
-    held = asyncio.create_task(_hold(dispatcher, stop))
-    stopped = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait([held, stopped], return_when=asyncio.FIRST_COMPLETED)
-        if not held.done() and dispatcher.state in (State.STARTING, State.STANDBY):
-            held.cancel()  # nothing to drain
-        with contextlib.suppress(asyncio.CancelledError):
-            await held
-    finally:
-        stopped.cancel()
-
-
-async def _hold(dispatcher: Dispatcher, stop: asyncio.Event) -> None:
-    """Run `dispatcher` (standing by first, with a lease) until a stop or until its lease
-    is lost."""
-    async with dispatcher:
-        freeze_startup_heap()
-        print("fairq dispatcher: running", flush=True)
-        await first_of(stop.wait(), dispatcher.lease_lost())
-        log.info("draining" if stop.is_set() else "draining: the lease is lost")
+def _running(_: Dispatcher) -> None:
+    freeze_startup_heap()
+    print("fairq dispatcher: running", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -177,6 +177,8 @@ class Reloader:
             await msg.respond(msgspec.json.encode(reply))
 
 
-def install_reload_signal(loop: asyncio.AbstractEventLoop, dispatcher: Dispatcher) -> None:
-    """SIGHUP reloads the dispatcher's config file (for the process entry points)."""
-    loop.add_signal_handler(signal.SIGHUP, dispatcher.reloader.trigger)
+def install_reload_signal(loop: asyncio.AbstractEventLoop,
+                          current: Callable[[], Dispatcher]) -> None:
+    """SIGHUP reloads the config file of the `current()` dispatcher (for the process entry
+    points, whose dispatcher is a new one after each tenure)."""
+    loop.add_signal_handler(signal.SIGHUP, lambda: current().reloader.trigger())

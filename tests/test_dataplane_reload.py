@@ -169,7 +169,7 @@ async def test_a_tenant_added_to_the_file_is_served_after_sighup(nats_url, clien
         assert before.final["type"] == "error" and before.final["code"] == "unknown_tenant"
         write_config(path, {"acme": "enterprise", "newco": "free"})
         loop = asyncio.get_running_loop()
-        install_reload_signal(loop, stack.dispatcher)
+        install_reload_signal(loop, lambda: stack.dispatcher)
         try:
             os.kill(os.getpid(), signal.SIGHUP)
             await eventually(
