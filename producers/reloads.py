@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from broker_config.auth import RenderedAuth, registered_tenants, render_auth_dir
 from broker_config.config import Config, ConfigError, load_config
-from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
+from broker_config.server import EmbeddedServerError
 from dispatcher.service import Dispatcher
 from producers.admin import tenant_changes
 
@@ -20,9 +20,14 @@ class Reloads:
     tenant's only after the dispatcher has ended its queued requests (so it can still
     read why), and none change when the dispatcher refuses the file."""
 
-    def __init__(self, server: EmbeddedNatsServer, dispatcher: Dispatcher, config: Config,
-                 auth: RenderedAuth | None, say: Callable[[str], None]) -> None:
-        self.server = server
+    def __init__(self, dispatcher: Callable[[], Dispatcher], config: Config,
+                 auth: RenderedAuth | None, say: Callable[[str], None], *,
+                 reload_broker: Callable[[], None] | None) -> None:
+        """`dispatcher`: the one serving; `reload_broker`: nats-server re-reads its users
+        (needed with `auth`)."""
+        if auth is not None and reload_broker is None:
+            raise ValueError("broker users need a broker to reload")
+        self.reload_broker = reload_broker
         self.say = say
         self.dispatcher = dispatcher
         # The front's keys are made at start (the development key), not read from the file.
@@ -47,12 +52,12 @@ class Reloads:
             wanted = await self._tenants_in_file() if self.auth is not None else None
             if wanted is not None:
                 await self._render_users(self.tenants | wanted)
-            reply = await self.dispatcher.reload()
+            reply = await self.dispatcher().reload()
             if wanted is not None:
                 self.tenants = wanted if reply.ok else self.tenants
                 await self._render_users(self.tenants)
         if reply.ok:
-            self.say(f"reloaded {self.dispatcher.reloader.path}: {tenant_changes(reply)}")
+            self.say(f"reloaded {self.dispatcher().reloader.path}: {tenant_changes(reply)}")
         else:
             self.say(f"reload refused, the running configuration stays: {reply.error}")
 
@@ -60,7 +65,7 @@ class Reloads:
         """The tenants that get broker users by the file; None when it cannot be read
         (the dispatcher's reload then says why)."""
         try:
-            config = await asyncio.to_thread(load_config, self.dispatcher.reloader.path)
+            config = await asyncio.to_thread(load_config, self.dispatcher().reloader.path)
         except ConfigError:
             return None
         return {*registered_tenants(config), *self.front_tenants}
@@ -68,9 +73,9 @@ class Reloads:
     async def _render_users(self, tenants: set[str]) -> None:
         try:
             rendered = await asyncio.to_thread(render_auth_dir, self.auth.directory,
-                                               self.dispatcher.config.subjects, tenants)
+                                               self.dispatcher().config.subjects, tenants)
             if rendered.added or rendered.removed:
-                await asyncio.to_thread(self.server.reload)
+                await asyncio.to_thread(self.reload_broker)
         except (ValueError, OSError, EmbeddedServerError) as exc:
             self.say(f"reload: broker users unchanged: {exc}")
             return

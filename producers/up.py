@@ -14,8 +14,8 @@ back to 0.5 s after a run of 10 s; every exit and restart is printed. The dispat
 sees the new `started_at` in the new process's heartbeats and takes back what the dead
 one was running (docs/protocol.md: what a client sees). A worker process the dispatcher
 holds unhealthy (silent, e.g. stopped with SIGSTOP; evicted by its health probes and not
-exiting; its engine failed) is killed, once it has run `REPLACE_GRACE_S`, so that it is
-restarted the same way.
+exiting; its engine failed) is killed once it has run 15 s (`producers.local_workers`),
+so that it is restarted the same way.
 
 Autoscaling (`--autoscale`, `producers.scaling`): each endpoint starts with its policy's
 `min_replicas` workers, and the dispatcher's scale events start more (lowest free
@@ -31,6 +31,13 @@ Auth (`--auth`, docs/security.md): the broker's nkey users are rendered into
 keeps the credentials), nats-server runs with them, the dispatcher (with tenant inboxes),
 the workers and the front connect as their own users, and AUTH_DIR is printed: a tenant
 connects with `<AUTH_DIR>/<tenant>.nk`.
+
+Cluster (`--cluster`, docs/operations.md): three nats-server nodes on 127.0.0.1
+(`EmbeddedNatsCluster`, stores in `<log dir>/nats`, `sync_interval: always`) instead of
+one, the requests stream and every bucket at 3 replicas; NATS_URL lists every node, and
+every part reconnects to another node when one dies. The dispatcher runs in tenures
+(`dispatcher.tenures`): one whose lease renewals failed while the cluster elected new
+leaders stands by and serves again, fairq up keeps running.
 
 Reload (SIGHUP to this process; `fairq reload` reaches the dispatcher alone): the config
 file's tenants, tiers, weights and limits apply without a restart, and with `--auth` the
@@ -53,14 +60,11 @@ import contextlib
 import signal
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import nats
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
 from broker_config.auth import (
     DISPATCHER_USER,
@@ -75,79 +79,39 @@ from broker_config.auth import (
 )
 from broker_config.config import (
     EXAMPLE_CONFIG,
-    EXAMPLE_ENGINE,
     Config,
     ConfigError,
     load_config,
 )
-from broker_config.runtime import first_of
+from broker_config.cluster import EmbeddedNatsCluster
+from broker_config.connection import server_urls
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
-from dispatcher.core.workers import WorkerPool
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.kv_limits import open_limiter_store
 from dispatcher.lease import Lease, holder_id
-from dispatcher.service import Dispatcher
+from dispatcher.tenures import Tenures
 from producers.client import Client
+from producers.local_workers import (
+    STOP_MARGIN_S,
+    StartError,
+    WorkerLauncher,
+    replace_unhealthy,
+    until_serving,
+)
 from producers.openai_front.app import Front
 from producers.openai_front.keys import KeyRing, with_dev_key
 from producers.openai_front.server import FrontServer
 from producers.reloads import Reloads
 from producers.scaling import ScaleFollower, with_autoscaling
-from producers.supervisor import (
-    Backoff,
-    Child,
-    Supervisor,
-    SupervisorError,
-    describe_exit,
-)
+from producers.supervisor import Supervisor, SupervisorError
 
 DEV_TENANT = "acme"
-# Where `python -m workers` resolves to the same code as this process.
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-WORKER_RESTART = Backoff(first_s=0.5, max_s=30.0, stable_s=10.0)
-# A worker gets its drain timeout plus this to exit on SIGTERM before it is killed.
-STOP_MARGIN_S = 5.0
-# Bound on the workers' start: interpreter, imports, connection, first heartbeat.
-START_TIMEOUT_S = 60.0
-_POLL_S = 0.1
-# A worker process gets this long after its start before being held unhealthy kills it
-# (a new run is unhealthy in the pool until its first heartbeat).
-REPLACE_GRACE_S = 15.0
-REPLACE_CHECK_S = 1.0
 # `--autoscale` for endpoints without their own policy: local processes start in a few
 # seconds, and a demo should see a lull give workers back within a minute.
+CLUSTER_SIZE = 3
 LOCAL_SCALING = ScalingPolicy(min_replicas=1, max_replicas=4, cold_start_s=5.0,
                               scale_down_after_s=60.0, rate_window_s=10.0, drain_s=10.0)
-
-
-class StartError(RuntimeError):
-    """The system did not come up; the message says which part and why."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLauncher:
-    """How `fairq up` runs a simulated worker: all but its endpoint and number. Adding,
-    draining or replacing one is `Supervisor.add(launcher.child(ep, n))`, `.stop(id)`,
-    `.replace(id)`."""
-
-    nats_url: str
-    config_path: Path
-    time_scale: float
-    log_dir: Path
-    stop_timeout_s: float
-    credentials: tuple[str, ...] = ()  # e.g. ("--nkey", seed file)
-
-    def child(self, endpoint: str, n: int) -> Child:
-        """Worker `<endpoint>-w<n>` (n from 1); engine seed n - 1, as in the test stack."""
-        worker_id = f"{endpoint}-w{n}"
-        argv = [sys.executable, "-m", "workers", "--nats", self.nats_url,
-                "--endpoint", endpoint, "--worker-id", worker_id,
-                "--config", str(self.config_path), "--engine", "sim",
-                "--engine-config", str(EXAMPLE_ENGINE), "--time-scale", repr(self.time_scale),
-                "--seed", str(n - 1), *self.credentials]
-        return Child(worker_id, argv, self.log_dir / f"{worker_id}.log", cwd=PACKAGE_ROOT,
-                     stop_timeout_s=self.stop_timeout_s, restart=WORKER_RESTART)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -190,6 +154,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="run with broker users: one nkey user per tenant and per part, "
                              "rendered into LOG_DIR/auth (printed as AUTH_DIR), and the "
                              "dispatcher's tenant inbox check (docs/security.md)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="run a 3-node NATS cluster on 127.0.0.1 instead of one server "
+                             "(free ports, stores in LOG_DIR/nats, every stream and bucket at "
+                             "3 replicas, fsync on every write); NATS_URL lists the nodes")
     parser.add_argument("--log-dir", type=Path,
                         help="workers' output, one <worker id>.log each (default: a new "
                              "temporary directory, printed as LOG_DIR and kept)")
@@ -237,6 +205,15 @@ def run_up(args: argparse.Namespace) -> int:
         config, dev_key = with_dev_key(config, tenant)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    if args.cluster and args.auth:
+        return _fail("--cluster and --auth cannot be combined yet: the broker users are "
+                     "rendered for one server; run the cluster with `fairq auth` by hand "
+                     "(docs/operations.md)", 2)
+    if args.cluster and args.port:
+        return _fail("--cluster picks a free port for each node; leave out --port", 2)
+    if args.cluster:
+        config = msgspec.structs.replace(config, broker=msgspec.structs.replace(
+            config.broker, replicas=CLUSTER_SIZE))
     log_dir = _log_dir(args.log_dir)
     auth = None
     if args.auth:
@@ -289,18 +266,22 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         except OSError:  # the default port is taken: any free one, printed below
             metrics_port = metrics.serve(0)
         stack.callback(metrics.close)
-        server = await stack.enter_async_context(EmbeddedNatsServer(
-            port=args.port, config_file=auth.config if auth else None))
-        nc = await nats.connect(server.url, name="fairq-up", **_seed(auth, DISPATCHER_USER))
+        server = await stack.enter_async_context(
+            EmbeddedNatsCluster(CLUSTER_SIZE, store_root=log_dir / "nats", sync="always")
+            if args.cluster else
+            EmbeddedNatsServer(port=args.port, config_file=auth.config if auth else None))
+        nc = await nats.connect(server_urls(server.url), name="fairq-up",
+                                max_reconnect_attempts=-1, **_seed(auth, DISPATCHER_USER))
         stack.push_async_callback(nc.drain)
         limiter = await open_limiter_store(args.redis_url, nc, config)
         stack.push_async_callback(limiter.aclose)
         # With the lease, a `python -m dispatcher` started against this broker stands by.
         ttl_s = config.dispatcher.lease_ttl_s
-        dispatcher = await stack.enter_async_context(Dispatcher(
-            nc, config, limiter=limiter, metrics=metrics, config_path=args.config,
-            lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None))
-        reloads = Reloads(server, dispatcher, config, auth, _say)
+        tenures = Tenures(nc, config, lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None,
+                          limiter=limiter, metrics=metrics, config_path=args.config)
+        await stack.enter_async_context(_dispatching(tenures))
+        reloads = Reloads(lambda: tenures.current, config, auth, _say,
+                          reload_broker=None if args.cluster else server.reload)
         loop.add_signal_handler(signal.SIGHUP, reloads.trigger)
         stack.push_async_callback(reloads.close)
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
@@ -316,7 +297,7 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         if args.autoscale:
             await stack.enter_async_context(
                 ScaleFollower(nc, config, supervisor, launcher.child, _say))
-        await _until_serving(nc, config, supervisor, stop, log_dir)
+        await until_serving(nc, config, supervisor, stop, log_dir)
         if not stop.is_set():
             front = await _serve_front(stack, server.url, config, args.front_port, auth)
             print(f"NATS_URL={server.url}", flush=True)
@@ -335,15 +316,11 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
                      f"{auth.seeds[OPERATOR_USER]}")
             print(f"fairq is up: {len(supervisor.children)} simulated workers on "
                   f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
-            replacing = asyncio.create_task(_replace_unhealthy(dispatcher.pool, supervisor))
+            replacing = asyncio.create_task(replace_unhealthy(tenures, supervisor))
             try:
-                await first_of(stop.wait(), dispatcher.lease_lost())
+                await stop.wait()
             finally:
                 replacing.cancel()
-            if not stop.is_set():
-                _say("the dispatcher lost its lease (its renewals failed, or another "
-                     "dispatcher took it); stopping")
-                return 1
         _say("draining...")
     _say("stopped")
     return 0
@@ -367,45 +344,23 @@ async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: 
         return await stack.enter_async_context(FrontServer(front, config.front, 0))
 
 
-async def _replace_unhealthy(pool: WorkerPool, supervisor: Supervisor) -> None:
-    """Kill the worker processes the dispatcher holds unhealthy, for their restart: a
-    stopped or wedged process never exits by itself."""
-    while True:
-        await asyncio.sleep(REPLACE_CHECK_S)
-        for worker in list(pool):
-            child = supervisor.children.get(worker.worker_id)
-            if (child is None or worker.healthy or not child.running
-                    or time.monotonic() - child.started_at < REPLACE_GRACE_S):
-                continue
-            why = ("evicted after failed health probes" if worker.evicted
-                   else "silent or unhealthy in its heartbeats")
-            supervisor.kill(worker.worker_id, f"the dispatcher holds it {why}")
-
-
-async def _until_serving(nc: NATS, config: Config, supervisor: Supervisor,
-                         stop: asyncio.Event, log_dir: Path) -> None:
-    """Until every worker has sent a heartbeat (connected, serving), or `stop` is set.
-    Raises StartError if a worker exits first or the start takes too long."""
-    waiting = set(supervisor.children)
-
-    async def on_heartbeat(msg: Msg) -> None:
-        waiting.discard(msg.subject.rsplit(".", 1)[1])  # <prefix>.int.hb.<endpoint>.<worker>
-
-    subscriptions = [await nc.subscribe(config.subjects.heartbeats(endpoint), cb=on_heartbeat)
-                     for endpoint in config.endpoints]
+@contextlib.asynccontextmanager
+async def _dispatching(tenures: Tenures) -> AsyncIterator[None]:
+    """The dispatcher's tenures in a task, entered once the first one dispatches; left
+    (the last one drains) when the stack unwinds to here, after the workers stopped. A
+    dispatcher that lost its lease (its renewals failed while a cluster elected a new
+    leader) stands by and serves again, as `python -m dispatcher` does."""
+    stop = asyncio.Event()
+    running = asyncio.create_task(tenures.run(stop))
+    serving = asyncio.create_task(tenures.serving.wait())
     try:
-        async with asyncio.timeout(START_TIMEOUT_S):
-            while waiting and not stop.is_set():
-                for name in sorted(waiting):
-                    child = supervisor.children[name]
-                    if child.last_crash is not None:
-                        raise StartError(
-                            f"worker {name} {describe_exit(child.last_crash)} before it "
-                            f"served; the end of {child.log_path}:\n{child.log_tail()}")
-                await asyncio.sleep(_POLL_S)
-    except TimeoutError:
-        raise StartError(f"no heartbeat within {START_TIMEOUT_S:g}s from "
-                         f"{', '.join(sorted(waiting))}; their logs are in {log_dir}") from None
+        await asyncio.wait([running, serving], return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            running.result()  # its error, e.g. a tokenizer it could not load
+        yield
     finally:
-        for subscription in subscriptions:
-            await subscription.unsubscribe()
+        serving.cancel()
+        stop.set()
+        await running
+
+

@@ -21,6 +21,8 @@ from nats.aio.subscription import Subscription
 
 from bench.procstat import children_of, processes, worker_pid
 from broker_config.config import load_config
+from broker_config.connection import server_urls
+from broker_config.subjects import Subjects
 from broker_config.wire import DoneEvent
 from producers.client import Client, ConnectionFailed
 from producers.scaling import ScaleFollower
@@ -29,6 +31,7 @@ from tests.wire_support import until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
+SUBJECTS = Subjects()
 
 START_S = 30.0  # fairq up: nats-server, dispatcher, worker interpreters, first heartbeats
 REQUEST_S = 10.0
@@ -190,14 +193,22 @@ async def stop_cleanly(up: asyncio.subprocess.Process, output: Output, *,
         assert await up.wait() == 0
 
 
-async def submit(nc: nats.NATS, request_id: str) -> list[dict]:
-    """One chat request for tenant acme over plain NATS; its events up to the final one."""
+async def submit(nc: nats.NATS, request_id: str, publish_tries: int = 1) -> list[dict]:
+    """One chat request for tenant acme over plain NATS; its events up to the final one.
+    The publish is tried again (same message id) while a cluster elects a leader."""
     reply = nc.new_inbox()
     events = await nc.subscribe(reply)
     try:
-        await nc.jetstream().publish(
-            "fq.req.chat.acme", json.dumps({"prompt": "hi", "max_tokens": 4}).encode(),
-            headers={"Nats-Msg-Id": request_id, "Fq-Reply": reply}, timeout=5)
+        for tries_left in range(publish_tries - 1, -1, -1):
+            try:
+                await nc.jetstream().publish(
+                    "fq.req.chat.acme", json.dumps({"prompt": "hi", "max_tokens": 4}).encode(),
+                    headers={"Nats-Msg-Id": request_id, "Fq-Reply": reply}, timeout=2)
+                break
+            except (nats.errors.Error, TimeoutError):
+                if not tries_left:
+                    raise
+                await asyncio.sleep(0.5)
         received = []
         async with asyncio.timeout(REQUEST_S):
             while not received or received[-1]["type"] not in ("done", "error"):
@@ -494,6 +505,39 @@ async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
                                   tenant_inboxes="newco") as newco:
             assert isinstance(await newco.run("chat", "newco", prompt="hi", max_tokens=4,
                                               timeout_s=REQUEST_S), DoneEvent)
+        await stop_cleanly(up, output)
+    finally:
+        await leave_nothing_running(up, started, reader)
+
+
+async def test_fairq_up_cluster_serves_through_the_kill_of_the_stream_leaders_node(
+        nats_binary: Path, tmp_path: Path) -> None:
+    """`--cluster`: three nodes, NATS_URL lists them; kill -9 of the node that leads the
+    requests stream (perhaps the one fairq up's own connection uses): requests published
+    after it are served, and fairq up keeps running and stops cleanly."""
+    up, output, reader = await start_up("--cluster", "--workers", "chat=1,embed=0",
+                                        "--time-scale", "0.05", "--log-dir", str(tmp_path))
+    started: dict[int, list[str]] = {}
+    try:
+        url = (await output.expect("NATS_URL=", START_S * 2)).removeprefix("NATS_URL=")
+        assert len(server_urls(url)) == 3, url
+        await output.expect("fairq is up", START_S)
+        started = children_of(up.pid)
+        nc = await nats.connect(server_urls(url), max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.2)
+        try:
+            assert_completed(await submit(nc, "before"), "before")
+            info = await nc.jetstream().stream_info(SUBJECTS.requests_stream)
+            assert info.config.num_replicas == 3
+            store = str(tmp_path / "nats" / info.cluster.leader)
+            [node] = [pid for pid, argv in started.items() if store in argv]
+            os.kill(node, signal.SIGKILL)
+            for n in range(3):
+                request_id = f"after{n}"
+                assert_completed(await submit(nc, request_id, publish_tries=30), request_id)
+            assert up.returncode is None, "\n".join(output.lines)
+        finally:
+            await nc.close()
         await stop_cleanly(up, output)
     finally:
         await leave_nothing_running(up, started, reader)
