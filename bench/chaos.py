@@ -2,6 +2,7 @@
 
     python -m bench.chaos [--smoke] [--requests 5000] [--tenants 20] [--workers 4] [--seed 1]
     python -m bench.chaos --saturate 300 [--workers 2]
+    python -m bench.chaos --ha [--smoke] [--no-faults]
 
 The real stack as a user runs it: `fairq up` (embedded nats-server, the dispatcher, and
 simulated worker processes under its supervisor) with the benchmark config (admission out
@@ -25,6 +26,12 @@ to a replacement process serving; evictions of workers that had no hang or stop.
 seconds by closed-loop tenants with long prompts and long generations; any eviction
 there is a false one. `--smoke`: 500 requests and one fault of each kind (CI).
 
+`--ha` strikes the dispatchers and the broker instead (`bench.chaos_ha`: a 3-node
+cluster, two dispatchers on one lease): kill -9, SIGSTOP and SIGTERM of the lease holder,
+kill -9 of the requests stream's leader node; reported per fault besides the above:
+seconds to the new holder's first batch, to the first new request dispatched, to every
+waiting request dispatched, and running requests sent to a worker again.
+
 Writes bench/results/chaos/<name>.json and prints a markdown digest; exits 1 if a
 request was lost, got two different results or ran twice to completion, or (saturated)
 a worker was evicted.
@@ -47,12 +54,15 @@ from typing import Any
 
 import msgspec
 import nats
+import nats.errors
 
+from bench.chaos_ha import HA_FAULTS, HaFault, ha_failures, ha_figures, ha_stack, inject
 from bench.chaos_watch import Fault, Watch, render, verdict
 from bench.machine import command_line, machine_facts, with_overrides
 from bench.procstat import worker_pid
 from bench.stack import ENDPOINT, benchmark_config
 from broker_config import jetstream, wire
+from broker_config.connection import server_urls
 from broker_config.direct_get import DirectBatchGet
 from broker_config.subjects import HDR_MSG_ID, HDR_REPLY, Subjects
 from dispatcher.core.workers import Key
@@ -65,6 +75,8 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": signal.SIGUSR
            "slow": signal.SIGUSR2}
 UP_START_S = 90.0
 UP_STOP_S = 90.0
+SUBMIT_TRY_S = 2.0
+SUBMIT_TIMEOUT_S = 60.0
 LOOKUP_BATCH = 200
 SUBJECTS = Subjects()  # the benchmark config's prefix
 # After a fault, how long the observer gets to hear of batches sent just before it.
@@ -91,9 +103,19 @@ class Settings:
     # The dispatcher's probe_stall_s and probe_idle_s (None: the defaults); a tiny value
     # probes a worker at every heartbeat that reports no new token.
     probe_stall_s: float | None = None
+    # The dispatchers' and the broker's faults (HA_FAULTS) run on `bench.chaos_ha`'s
+    # stack: a 3-node cluster, two dispatchers, the workers.
+    cluster: bool = False
+    # Requests submitted at once just before each of those faults: they fill the
+    # workers, so some wait in the dispatcher when it strikes.
+    burst_before_fault: int = 0
 
 
 SMOKE = Settings(requests=500, faults=FAULTS, rate_per_s=10.0, fault_gap_s=10.0)
+HA = Settings(requests=3_000, workers=2, faults=HA_FAULTS * 2, rate_per_s=10.0,
+              cluster=True, burst_before_fault=100)
+HA_SMOKE = Settings(requests=1_000, workers=2, faults=HA_FAULTS, rate_per_s=10.0,
+                    fault_gap_s=8.0, cluster=True, burst_before_fault=100)
 SATURATED = Settings(workers=2, faults=(), saturate_s=300.0, max_tokens=2048,
                      prompt_tokens=(2_000, 8_000))
 
@@ -171,10 +193,20 @@ def _body(rng: random.Random, settings: Settings) -> bytes:
 
 
 async def _submit(js, watch: Watch, key: Key, n: int, body: bytes) -> None:
+    """Until the broker acknowledges it, as a client does while a cluster elects a new
+    stream leader: the same message id, so a copy it stored already is not stored twice."""
     tenant, request_id = key
-    await js.publish(SUBJECTS.request(ENDPOINT, tenant), body,
-                     headers={HDR_MSG_ID: request_id, HDR_REPLY: watch.reply_for(key, n)},
-                     timeout=30)
+    headers = {HDR_MSG_ID: request_id, HDR_REPLY: watch.reply_for(key, n)}
+    deadline = time.monotonic() + SUBMIT_TIMEOUT_S
+    while True:
+        try:
+            await js.publish(SUBJECTS.request(ENDPOINT, tenant), body, headers=headers,
+                             timeout=SUBMIT_TRY_S)
+            return
+        except (nats.errors.Error, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def open_loop(js, watch: Watch, settings: Settings, rng: random.Random) -> list[Key]:
@@ -192,6 +224,20 @@ async def open_loop(js, watch: Watch, settings: Settings, rng: random.Random) ->
         tasks.append(asyncio.create_task(_submit(js, watch, key, n, _body(rng, settings))))
     await asyncio.gather(*tasks)
     return keys
+
+
+async def burst(js, watch: Watch, settings: Settings, rng: random.Random,
+                keys: list[Key]) -> None:
+    """`burst_before_fault` requests at once, from tenants by Zipf shares, added to
+    `keys` (numbered after the open loop's)."""
+    tenants = tenant_names(settings.tenants)
+    weights = zipf_weights(settings.tenants, 1.1)
+    sent = []
+    for _ in range(settings.burst_before_fault):
+        n = settings.requests + len(keys)
+        keys.append((rng.choices(tenants, weights)[0], f"b{n}"))
+        sent.append(_submit(js, watch, keys[-1], n, _body(rng, settings)))
+    await asyncio.gather(*sent)
 
 
 async def closed_loop(js, watch: Watch, settings: Settings, rng: random.Random,
@@ -265,8 +311,12 @@ async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
     # One generator each: the faults' timing must not shift the arrivals of a seed.
     rng, fault_rng = random.Random(settings.seed), random.Random(-settings.seed)
     faults: list[Fault] = []
-    async with fairq_up(settings, work_dir) as up:
-        nc = await nats.connect(up.nats_url, name="chaos")
+    ha_faults: list[HaFault] = []
+    stack = (ha_stack(settings.workers, settings.time_scale, work_dir) if settings.cluster
+             else fairq_up(settings, work_dir))
+    async with stack as up:
+        nc = await nats.connect(server_urls(up.nats_url), name="chaos",
+                                max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         try:
             watch = Watch(nc, SUBJECTS, ENDPOINT, nc.new_inbox())
             await watch.start()
@@ -276,14 +326,23 @@ async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
                 keys = await closed_loop(js, watch, settings, rng, per_tenant=max(
                     1, -(-settings.workers * 80 // settings.tenants)))
             else:
+                burst_keys: list[Key] = []
                 injector = asyncio.create_task(
-                    inject_faults(up, watch, settings, fault_rng, faults))
+                    inject(up, nc, watch, list(settings.faults), settings.first_fault_s,
+                           settings.fault_gap_s, fault_rng, ha_faults,
+                           lambda: burst(js, watch, settings, fault_rng, burst_keys))
+                    if settings.cluster
+                    else inject_faults(up, watch, settings, fault_rng, faults))
                 keys = await open_loop(js, watch, settings, rng)
                 await injector
+                keys += burst_keys
             load_s = time.monotonic() - began
             await _until_answered(watch, keys, settings.finish_timeout_s)
             stored = await _stored(nc, keys)
             figures = verdict(watch, faults, keys, stored)
+            if settings.cluster:
+                figures["ha_faults"] = ha_figures(watch, ha_faults)
+                figures["stale_batches"] = watch.stale_batches
         finally:
             await nc.drain()
     figures["load_s"] = load_s
@@ -317,7 +376,7 @@ def failures(figures: dict[str, Any], saturated: bool) -> list[str]:
         failed.append("evictions")
     if saturated and figures["redispatched"]:
         failed.append("redispatched")  # a healthy worker was thought lost
-    return failed
+    return failed + ha_failures(figures.get("ha_faults", []))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="500 requests, one fault of each kind")
     parser.add_argument("--saturate", type=float, metavar="S",
                         help="the false-kill run: no faults, every worker full for S seconds")
+    parser.add_argument("--ha", action="store_true",
+                        help="the dispatchers' and the broker's faults (dispatcher kill -9, "
+                             "SIGSTOP, handover, node kill -9) on a 3-node cluster with two "
+                             "dispatchers (bench.chaos_ha)")
     parser.add_argument("--no-faults", action="store_true",
                         help="the same load without faults: the baseline for the figures")
     parser.add_argument("--probe-stall", type=float, metavar="S",
@@ -348,6 +411,8 @@ def settings_from(args: argparse.Namespace) -> tuple[str, Settings]:
             name = "saturated-probed"
     else:
         name, settings = ("smoke", SMOKE) if args.smoke else ("full", Settings())
+        if args.ha:
+            name, settings = f"ha-{name}", HA_SMOKE if args.smoke else HA
         if args.no_faults:
             name, settings = f"{name}-no-faults", replace(settings, faults=())
     return name, with_overrides(settings, {"requests": args.requests, "tenants": args.tenants,

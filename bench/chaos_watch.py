@@ -72,6 +72,11 @@ class Watch:
         self.probe_answer_s: list[float] = []  # from the probe's batch to its answer
         self.unreadable = 0
         self.replies: dict[str, Key] = {}
+        self.submitted_at: dict[Key, float] = {}
+        # The lease's epochs (bench.chaos_ha): each one's first batch, and batches sent
+        # under an epoch older than one already seen (the workers refuse them).
+        self.epoch_first_batch: dict[int, float] = {}
+        self.stale_batches = 0
 
     async def start(self) -> None:
         s, ep = self.subjects, self.endpoint
@@ -87,6 +92,7 @@ class Watch:
     def reply_for(self, key: Key, n: int) -> str:
         reply = f"{self.inbox}.{n}"
         self.replies[reply] = key
+        self.submitted_at.setdefault(key, time.time())
         return reply
 
     # -- handlers ------------------------------------------------------------------------
@@ -95,6 +101,9 @@ class Watch:
         batch = self._decode(msg, wire.BATCH.decode)
         if batch is None:
             return
+        if self.epoch_first_batch and batch.epoch < max(self.epoch_first_batch):
+            self.stale_batches += 1
+        self.epoch_first_batch.setdefault(batch.epoch, batch.sent_at)
         for item in batch.items:  # timed by the dispatcher's clock: this one may lag
             if item.probe:
                 self.probes_sent += 1
@@ -170,6 +179,24 @@ class Watch:
                 held.add(key)
         return held
 
+    def waiting(self, at: float) -> set[Key]:
+        """Requests submitted before `at`, neither dispatched nor ended by then."""
+        return {key for key, sent in self.submitted_at.items()
+                if sent <= at and not self._dispatched_by(key, at)
+                and not self._ended_by(key, at)}
+
+    def running(self, at: float) -> set[Key]:
+        """Requests dispatched before `at`, not completed nor ended by then."""
+        return {key for key in self.dispatches
+                if self._dispatched_by(key, at) and not self._ended_by(key, at)
+                and not any(t <= at for t, _ in self.completions.get(key, ()))}
+
+    def _dispatched_by(self, key: Key, at: float) -> bool:
+        return any(d.at <= at for d in self.dispatches.get(key, ()))
+
+    def _ended_by(self, key: Key, at: float) -> bool:
+        ended = self.final_at.get(key)
+        return ended is not None and ended <= at
 
 
 def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
@@ -207,6 +234,9 @@ def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
         "ran_twice_to_completion": len(ran_twice),
         "ran_twice_ids": [list(k) for k in ran_twice[:20]],
         "outcomes": dict(outcomes),
+        "error_messages": dict(Counter(
+            e.message for key in submitted for e in [_final(watch, stored, key)]
+            if isinstance(e, wire.ErrorEvent)).most_common(5)),
         "internal_elsewhere": len(internal_elsewhere),
         "internal_elsewhere_ids": [list(k) for k in internal_elsewhere[:20]],
         "done_total_s": {f"p{q}": _quantile(totals, q / 100) for q in (50, 95, 99)},
@@ -310,6 +340,17 @@ def render(summary: dict[str, Any]) -> str:
             [[x["kind"], x["worker"], str(x["held"]), str(x["finished_where_they_were"]),
               _seconds(x["detected_s"]), _seconds(x["redispatched_s"]),
               _seconds(x["replacement_serving_s"])] for x in f["faults"]])]
+    if f.get("ha_faults"):
+        lines += ["", *table(
+            ["fault", "target", "epoch", "new holder's first batch s",
+             "first new request dispatched s", "waiting (all dispatched s)",
+             "running (sent again)"],
+            [[x["kind"], x["target"], str(x["epoch"]), _seconds(x["new_holder_s"]),
+              _seconds(x["new_request_dispatched_s"]),
+              f"{x['waiting']} ({_seconds(x['waiting_dispatched_s'])})",
+              f"{x['running']} ({x['running_sent_again']})"] for x in f["ha_faults"]]),
+            "", f"batches sent under an old epoch (refused by the workers): "
+                f"{f['stale_batches']}"]
     lines += ["", f"failed goals: {', '.join(summary['failed']) or 'none'}"]
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ itself, against real processes, is tests/test_bench_smoke.py::test_chaos_smoke."
 from __future__ import annotations
 
 from bench.chaos import failures
+from bench.chaos_ha import HaFault, ha_failures, ha_figures
 from bench.chaos_watch import Fault, Watch, _Dispatch, verdict
 from broker_config import wire
 from broker_config.subjects import Subjects
@@ -102,3 +103,34 @@ def test_a_saturated_run_fails_on_any_sign_of_a_healthy_worker_thought_lost() ->
     assert failures(clean | {"internal_elsewhere": 1}, saturated=False) == [
         "internal_elsewhere"]
     assert failures(clean | {"lost": 1}, saturated=False) == ["lost"]
+
+
+def test_ha_figures_time_the_new_holder_new_and_waiting_requests_and_count_resends() -> None:
+    watch = Watch(None, Subjects(), "chat", "_INBOX.x")
+    waiting, running, resent, new = ("A", "w"), ("A", "r"), ("A", "r2"), ("A", "n")
+    watch.submitted_at.update({waiting: 9.0, running: 5.0, resent: 5.0, new: 11.0})
+    watch.dispatches[running].append(_Dispatch(6.0, "w1"))
+    watch.dispatches[resent].append(_Dispatch(6.0, "w1"))
+    watch.dispatches[resent].append(_Dispatch(13.5, "w2"))  # sent again: a defect
+    watch.dispatches[waiting].append(_Dispatch(14.0, "w2"))
+    watch.dispatches[new].append(_Dispatch(13.0, "w1"))
+    watch.epoch_first_batch.update({1: 1.0, 2: 12.5})
+    assert watch.waiting(10.0) == {waiting}
+    assert watch.running(10.0) == {running, resent}
+    fault = HaFault("dispatcher-kill", "vm:1:x", 10.0, 1, watch.waiting(10.0),
+                    watch.running(10.0))
+    (row,) = ha_figures(watch, [fault])
+    assert row["new_holder_s"] == 2.5 and row["new_request_dispatched_s"] == 3.0
+    assert row["waiting"] == 1 and row["waiting_dispatched_s"] == 4.0
+    assert row["running"] == 2 and row["running_sent_again"] == 1
+    assert ha_failures([row]) == ["dispatcher-kill: running requests sent again"]
+    # Past the goals (5 s for new requests, 10 s for waiting ones): failed, as is a
+    # dispatcher fault after which no new request was dispatched at all.
+    late = row | {"new_request_dispatched_s": 5.5, "waiting_dispatched_s": 10.5,
+                  "running_sent_again": 0}
+    assert ha_failures([late, row | {"new_request_dispatched_s": None,
+                                     "running_sent_again": 0}]) == [
+        "dispatcher-kill: new requests", "dispatcher-kill: waiting requests",
+        "dispatcher-kill: new requests"]
+    # A node kill keeps its holder: only what it cost the requests counts.
+    assert ha_failures([late | {"kind": "node-kill"}]) == []

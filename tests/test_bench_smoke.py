@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import autoscale, chaos, scenario_noisy, scenario_rate, scenario_trace, sim_azure
+from bench.chaos_ha import HA_FAULTS
 from bench.traces import AZURE_TRACE_ENV, azure_trace
 from producers.loadgen import TraceError
 
@@ -72,6 +73,34 @@ async def test_chaos_smoke(nats_binary: Path, tmp_path: Path) -> None:
     assert faults["slow"]["replacement_serving_s"] is None
     assert faults["slow"]["held"] > 0
     assert faults["slow"]["finished_where_they_were"] == faults["slow"]["held"]
+
+
+async def test_chaos_ha_smoke(nats_binary: Path, tmp_path: Path) -> None:
+    """1,000 requests on a 3-node cluster with two dispatchers while the lease holder is
+    killed, paused and stopped and the requests stream's leader node is killed: nothing
+    lost or run twice, no result changed, every request done, new requests flowing."""
+    summary = await chaos.run_named("ha-smoke", chaos.HA_SMOKE, tmp_path,
+                                    "tests/test_bench_smoke.py")
+    print(chaos.render(summary))
+    figures = summary["figures"]
+    assert summary["failed"] == [], summary["failed"]
+    settings = chaos.HA_SMOKE
+    assert figures["submitted"] == (settings.requests
+                                    + len(HA_FAULTS) * settings.burst_before_fault)
+    assert figures["outcomes"] == {"done": figures["submitted"]}, figures["error_messages"]
+    assert figures["unreadable_messages"] == 0
+    faults = {f["kind"]: f for f in figures["ha_faults"]}
+    assert set(faults) == set(HA_FAULTS)
+    for kind, fault in faults.items():
+        assert fault["running"] > 0, f"{kind}: nothing ran; the run proves little"
+        assert fault["running_sent_again"] == 0, fault
+        # Goals (checked by `failed`): 5 s to new requests after a dispatcher fault. A
+        # node kill (an election, clients reconnecting) gets 30 s on a loaded machine.
+        assert fault["new_request_dispatched_s"] is not None
+        assert fault["new_request_dispatched_s"] < 30, fault
+    for kind in ("dispatcher-kill", "dispatcher-stop", "handover"):
+        assert faults[kind]["new_holder_s"] is not None, faults[kind]
+    assert faults["handover"]["new_holder_s"] < 5, faults["handover"]
 
 
 async def test_chaos_saturated_smoke(nats_binary: Path, tmp_path: Path) -> None:
