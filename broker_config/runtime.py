@@ -12,7 +12,10 @@ def freeze_startup_heap() -> None:
 
     A full collection scans every tracked object; with the 40,000 or so that imports and
     startup leave in the dispatcher, each paused its event loop 10-20 ms under load (a
-    p99 latency spike every time). Call once, when the service is up."""
+    p99 latency spike every time). Call when the service is up; called again (a new
+    dispatcher tenure in the process), it first unfreezes what the last call froze, so
+    that the objects of the service that ended can be collected."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 

@@ -79,8 +79,9 @@ class Reloader:
         self._triggered: set[asyncio.Task[ReloadReply]] = set()
 
     def start(self) -> None:
-        """Read the file once at start, as the reference for the first reload."""
-        if self.path is not None:
+        """Read the file once at start, as the reference for the first reload (unless
+        given one: a later tenure of a process keeps its predecessor's, dispatcher.tenures)."""
+        if self.path is not None and self.file_config is None:
             self.file_config = load_config(self.path)
 
     async def close(self) -> None:
@@ -109,9 +110,11 @@ class Reloader:
         return reply
 
     async def _reload(self) -> ReloadReply:
-        if self.path is None or self.file_config is None:
+        if self.path is None:
             return self._refused("this dispatcher was started without a config file "
                                  "(--config): there is nothing to reload")
+        if self.file_config is None:
+            return self._refused("this dispatcher is still starting; reload once it runs")
         try:
             read = await asyncio.to_thread(load_config, self.path)
         except ConfigError as exc:

@@ -7,16 +7,21 @@
   JetStream message, or naks it when the worker could not store the final event.
 - `take_back_silent` (from the maintenance tick): workers silent for the pool's timeout
   leave rotation, and their work is taken back.
-  Only while this dispatcher holds its lease: one that wakes from a pause finds every
-  worker "silent" for as long as it slept, and the requests it would end are the new
-  holder's, still streaming.
 - `evicted`: a worker that failed its health probes (`dispatcher.probes`) leaves
   rotation too, and its work is taken back.
 
 Taking work back is the same whichever way a worker was lost: a request that streamed
-no token yet (as far as the worker's heartbeats said) runs again elsewhere, keeping its
-place by arrival (an adopted one is admitted again); one that streamed ends here with
-`internal` and a retry hint, since a stream cannot take back text a client has seen.
+no token yet (as far as the worker's heartbeats said) is handed back to JetStream and
+admitted again, keeping its place by arrival, so that one that finished with its
+completion lost is answered from its stored result rather than run twice; one that
+streamed ends here with `internal` and a retry hint, since a stream cannot take back
+text a client has seen.
+
+Only a dispatcher whose lease is valid takes work back: one that wakes from a pause finds
+every worker "silent" for as long as it slept, and the requests it would end are the new
+holder's, still streaming. What a heartbeat says is gone meanwhile waits in `_deferred`:
+taken back once the lease is valid again, or handed back with everything else held if
+the lease is lost (the drain).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class WorkerReports:
         self.wake = wake
         self.probes = probes
         self.holds_lease = holds_lease
+        self._deferred: list[Lost] = []  # lost while the lease was not valid
         # Worker id -> when its last heartbeat came (unix seconds); may outlive this
         # dispatcher, for the next one in the process to settle on (dispatcher/service.py).
         self.heard: dict[str, float] = {}
@@ -118,6 +124,9 @@ class WorkerReports:
     async def take_back_silent(self, now: float) -> None:
         if not self.holds_lease():
             return
+        deferred, self._deferred = self._deferred, []
+        for lost in deferred:
+            await self._fail_all(await self._take_back(lost))
         for worker, lost in self.pool.silent(now):
             log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
                         now - worker.last_seen)
@@ -131,7 +140,11 @@ class WorkerReports:
 
     async def _take_back(self, lost: Lost) -> list[Held]:
         """Work a worker no longer has: what streamed nothing yet runs again elsewhere;
-        the rest is settled here and returned, for `_fail_all` to end."""
+        the rest is settled here and returned, for `_fail_all` to end. Without a valid
+        lease, nothing yet (see the module doc)."""
+        if not self.holds_lease():
+            self._deferred.append(lost)
+            return []
         now = time.time()
         streamed = []
         for request in lost.requests:
@@ -139,8 +152,10 @@ class WorkerReports:
                 if (held := await self._settle_streamed(request, now)) is not None:
                     streamed.append(held)
             elif self.scheduler.requeue(request.tenant, request.id) is not None:
-                request.payload.worker = None
-                self.metrics.child(self.metrics.redispatched, request.endpoint).inc()
+                # Out of the scheduler, its tenant's DRR charge given back.
+                self.scheduler.cancel(request.tenant, request.id)
+                if (held := self.held.admitted.pop((request.tenant, request.id), None)):
+                    await self._run_again(held, now)
         for key in lost.adopted:
             held = self.held.adopted.pop(key, None)
             if held is None:
@@ -148,10 +163,16 @@ class WorkerReports:
             if held.streamed:
                 streamed.append(held)
             else:
-                held.worker = None
-                self.metrics.child(self.metrics.redispatched, held.submission.endpoint).inc()
-                await self.admission.admit(held, now, charged_before=True)
+                await self._run_again(held, now)
         return streamed
+
+    async def _run_again(self, held: Held, now: float) -> None:
+        """A request that streamed nothing (as far as the heartbeats said) may still have
+        finished between two of them, its completion lost with a broker node: it goes
+        back through admission, which answers it from its stored result if so, and else
+        queues it at its place by arrival (its publish time)."""
+        self.metrics.child(self.metrics.redispatched, held.submission.endpoint).inc()
+        await self.admission.hand_back(held, now)
 
     async def _settle_streamed(self, request: Request, now: float) -> Held | None:
         """Settle a streamed request of a lost worker at what it generated; its held
@@ -168,11 +189,7 @@ class WorkerReports:
     async def _fail_all(self, streamed: list[Held]) -> None:
         """End streamed requests with `internal` and a retry hint, their stores at once.
         A result a worker stored first stands and is what the client is sent; one the
-        broker cannot store is handed back (it runs again: a second stream). Without the
-        lease, none: the holder adopted them from the workers' heartbeats, and this
-        dispatcher's drain hands their messages back to it."""
-        if not self.holds_lease():
-            return
+        broker cannot store is handed back (it runs again: a second stream)."""
         now = time.time()
         await asyncio.gather(*(self._fail(held, now) for held in streamed))
 

@@ -156,7 +156,6 @@ class Dispatcher:
         await self._stack.aclose()
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
-        self.reloader.start()
         js = self.nc.jetstream()
         await provision(js, self.config.broker)
         results = await stack.enter_async_context(Results(self.nc, self.subjects))
@@ -185,6 +184,7 @@ class Dispatcher:
         stack.push_async_callback(self._end_api_calls)  # before the API closes
         for endpoint in self.config.endpoints:
             await self._subscribe(self.subjects.heartbeats(endpoint), self._on_heartbeat)
+        self.reloader.start()  # once what a reload changes exists
         await self._subscribe(self.subjects.admin_reload, self.reloader.on_request)
         stack.push_async_callback(self.reloader.close)
         self._settled_at = time.time() + self.options.settle_s

@@ -33,8 +33,8 @@ RESTART_AFTER_S = 1.0
 class Tenures:
     """`run(stop)` until `stop` is set: a stop while a dispatcher stands by (or starts)
     ends it at once, one while it runs drains it. `on_running` is called as each one
-    starts dispatching, and `serving` is set while one does; `current` is the one
-    serving or standing by."""
+    has taken the lease and started, and `serving` is set from then until its drain;
+    `current` is the one serving or standing by."""
 
     def __init__(self, nc: NATS, config: Config, *, lease: Lease | None,
                  on_running: Callable[[Dispatcher], None] = lambda _: None,
@@ -45,11 +45,17 @@ class Tenures:
         self._options = dispatcher_options  # Dispatcher's keyword arguments
         self._heard: dict[str, float] = {}
         self.serving = asyncio.Event()
-        self.current = self._next(config)
+        self.current = Dispatcher(nc, config, lease=lease, heard=self._heard,
+                                  **dispatcher_options)
 
-    def _next(self, config: Config) -> Dispatcher:
-        return Dispatcher(self._nc, config, lease=self._lease, heard=self._heard,
-                          **self._options)
+    def _next(self) -> Dispatcher:
+        """The next tenure's, with the config as running (reloads included) and the file
+        as last read: the file is not read again (it may be mid-edit)."""
+        previous = self.current
+        dispatcher = Dispatcher(self._nc, previous.config, lease=self._lease,
+                                heard=self._heard, **self._options)
+        dispatcher.reloader.file_config = previous.reloader.file_config
+        return dispatcher
 
     async def run(self, stop: asyncio.Event) -> None:
         while True:
@@ -62,7 +68,7 @@ class Tenures:
                     await asyncio.wait_for(stop.wait(), RESTART_AFTER_S)
             if stop.is_set():
                 return
-            self.current = self._next(self.current.config)  # as reloaded
+            self.current = self._next()
 
     async def _tenure(self, dispatcher: Dispatcher, stop: asyncio.Event) -> None:
         held = asyncio.create_task(self._hold(dispatcher, stop))

@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import pytest
 from nats.aio.msg import Msg
 
-from broker_config.config import BrokerSettings, DispatcherOptions, load_config
+from broker_config.config import BrokerSettings, ConfigError, DispatcherOptions, load_config
 from broker_config.direct_get import DirectGetError
 from broker_config.kv_writer import PutError
 from broker_config.wire import Encoding, SubmitRequest, Submission
 from costmodel.units import NO_CAPACITY, Capacity
+from dispatcher.__main__ import build_parser, with_flags
 from dispatcher.admit import HAND_BACK_S, Admission
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.workers import Lost, Worker, WorkerPool
@@ -105,6 +106,32 @@ async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_
     assert metrics.child(metrics.failed_by_lost_worker, "chat")._value.get() == 0
 
 
+async def test_work_lost_while_the_lease_is_not_valid_waits_for_it_to_be_valid_again():
+    """A dispatcher whose lease lapsed (it was paused, its renewals failed) ends and moves
+    nothing: those requests may be the next holder's. Valid again, it takes them back."""
+    config = load_config()
+    metrics = DispatcherMetrics(list(config.endpoints))
+    held = HeldRequests()
+    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), None,
+                            Encoding.JSON)
+    msg = HandedBack()
+    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1", streamed=True)
+    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
+                          RefusingResults(PutError("results: no responders")), metrics, dict)
+    lease_valid = False
+    reports = WorkerReports(config, SUBJECTS, SimpleNamespace(endpoints={}),
+                            WorkerPool(timeout_s=math.inf), held, admission, metrics,
+                            asyncio.Event(), None, lambda: lease_valid)
+    worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
+    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    await reports.take_back_silent(1.0)
+    assert msg.settled == [] and held.get(("acme", "r1")) is not None
+    lease_valid = True
+    await reports.take_back_silent(2.0)
+    assert msg.settled == [("nak", HAND_BACK_S)]  # its end could not be stored: handed back
+    assert held.get(("acme", "r1")) is None
+
+
 def test_an_endpoint_is_at_its_limits_only_without_room_outside_a_held_reserve():
     """The drift reading counts only while the workers run at their limits: work waits
     that no worker has room for, the newcomer reserve's room not counted while it may be
@@ -137,3 +164,13 @@ def test_a_worker_without_a_sensible_capacity_counts_at_its_profiles():
                           (math.inf, profile.capacity_mu_per_s)):
         worker.mu_per_s = said
         assert advertised_mu_per_s(worker, profile) == counted
+
+
+def test_flags_override_single_fields_and_a_bad_value_is_named():
+    config = load_config()
+    changed = with_flags(config, build_parser().parse_args(["--replicas", "3", "--grace", "5"]))
+    assert changed.broker.replicas == 3 and changed.dispatcher.grace_s == 5.0
+    assert changed.broker.prefix == config.broker.prefix
+    assert changed.dispatcher.ack_wait_s == config.dispatcher.ack_wait_s
+    with pytest.raises(ConfigError, match="replicas"):
+        with_flags(config, build_parser().parse_args(["--replicas", "9"]))
