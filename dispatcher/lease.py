@@ -72,6 +72,7 @@ class Lease:
         self._renewed_at = float("-inf")
         self._renewals: asyncio.Task[None] | None = None
         self._lost_it = False  # this process held the lease last and lost it
+        self._standing_by = False  # said so since the lease was last unreadable
 
     async def acquire(self, kv: KeyValue, ttl_s: float | None = None) -> bool:
         """Wait until the lease is this process's; True if what its last holder held must
@@ -82,14 +83,11 @@ class Lease:
         self.lost = asyncio.Event()
         self.epoch = 0
         waiting_since = self.clock()
-        logged = False
+        self._standing_by = False
         while True:
             sent = self.clock()
             taken = await self._take()
             if taken is None:
-                if not logged:
-                    log.info("standing by: another dispatcher holds the lease")
-                    logged = True
                 await asyncio.sleep(self.poll_s)
                 continue
             revision, released = taken
@@ -131,6 +129,9 @@ class Lease:
             entry = await self.kv.get(LEASE_KEY)
             if _holder(entry.value) != self.holder:
                 self._lost_it = False  # someone else held it since
+            if not self._standing_by:
+                log.info("standing by: another dispatcher holds the lease")
+                self._standing_by = True
             return None
         except NotFoundError as exc:
             # nats-py reports a delete marker as not found, with the marker as its entry.
@@ -138,6 +139,7 @@ class Lease:
             last, released = (marker.revision or 0, True) if marker else (0, False)
         except nats.errors.Error as exc:
             log.warning("could not read the lease: %r", exc)
+            self._standing_by = False  # said again once it can be read
             return None
         try:
             # Compare-and-set on what was read: taken by another standby meanwhile, it fails.
