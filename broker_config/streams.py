@@ -170,7 +170,9 @@ async def reset_consumers(js: JetStreamContext, settings: BrokerSettings) -> Non
 
 
 async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
-    """Create the stream, or update it in place if it exists with another config."""
+    """Create the stream, or update it in place if it exists with another config.
+
+    Its replicas are raised, never lowered (`_replicas`)."""
     try:
         return await js.add_stream(config)
     except ServiceUnavailableError:
@@ -179,7 +181,9 @@ async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo
         if exc.err_code != jetstream.ERR_STREAM_NAME_IN_USE:
             raise ProvisionError(f"stream {config.name}: cannot create: {exc.description}") from exc
     try:
-        return await js.update_stream(config)
+        current = (await js.stream_info(config.name)).config
+        return await js.update_stream(config.evolve(
+            num_replicas=_replicas(current.num_replicas, config.num_replicas)))
     except APIError as exc:
         raise ProvisionError(f"stream {config.name}: cannot update: {exc.description}") from exc
 
@@ -188,7 +192,8 @@ async def apply_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyVa
     """Create the bucket, or update its limits in place if it exists with others.
 
     nats-py has no KV update, so the update edits the bucket's backing stream, keeping
-    every KV convention nats-py set on it and changing only the limits.
+    every KV convention nats-py set on it and changing only the limits, and its replicas
+    as a stream's (`_replicas`).
     """
     try:
         return await js.create_key_value(config)
@@ -208,10 +213,18 @@ async def apply_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyVa
             max_bytes=config.max_bytes,
             duplicate_window=window,
             allow_direct=config.direct,
+            num_replicas=_replicas(current.num_replicas, config.replicas),
         ))
     except APIError as exc:
         raise ProvisionError(f"bucket {config.bucket}: cannot update: {exc.description}") from exc
     return await js.key_value(config.bucket)
+
+
+def _replicas(current: int | None, configured: int | None) -> int:
+    """Raised, never lowered: a part started with a one-node config (a standby given the
+    default file) must not thin out a cluster's copies; fewer is an operator's decision
+    (`nats stream edit`)."""
+    return max(current or 1, configured or 1)
 
 
 # -- consumers -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import nats.errors
 from broker_config.config import (
     DEFAULT_NATS_URL,
     EXAMPLE_CONFIG,
+    BrokerSettings,
     Config,
     ConfigError,
     DispatcherOptions,
@@ -96,21 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
                              "is refused invalid_request: for brokers with per-tenant users "
                              "(`fairq auth`) (default: [dispatcher] tenant_inboxes, "
                              f"{str(defaults.tenant_inboxes).lower()})")
+    parser.add_argument("--replicas", type=int, metavar="N",
+                        help="copies of the requests stream and of every bucket, one per "
+                             "node of a NATS cluster (3 on three nodes; raised, never "
+                             "lowered, on streams that exist) (default: [broker] replicas, "
+                             f"{BrokerSettings().replicas})")
     return parser
 
 
 def with_flags(config: Config, args: argparse.Namespace) -> Config:
-    """`config` with the `[dispatcher]` fields the flags set. Raises ConfigError."""
+    """`config` with the `[dispatcher]` and `[broker]` fields the flags set. Raises
+    ConfigError."""
     fields = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
               if getattr(args, flag) is not None}
-    if not fields:
-        return config
     try:
-        options = msgspec.convert(msgspec.to_builtins(config.dispatcher) | fields,
-                                  DispatcherOptions)
+        if fields:
+            config = msgspec.structs.replace(config, dispatcher=msgspec.convert(
+                msgspec.to_builtins(config.dispatcher) | fields, DispatcherOptions))
+        if args.replicas is not None:
+            config = msgspec.structs.replace(config, broker=msgspec.convert(
+                msgspec.to_builtins(config.broker) | {"replicas": args.replicas},
+                BrokerSettings))
     except (msgspec.ValidationError, ValueError) as exc:
         raise ConfigError(f"command line: {exc}") from exc
-    return msgspec.structs.replace(config, dispatcher=options)
+    return config
 
 
 async def serve(args: argparse.Namespace, config: Config) -> int:

@@ -18,9 +18,12 @@ import nats.errors
 import pytest
 
 from broker_config.cluster import EmbeddedNatsCluster
-from broker_config.config import EXAMPLE_ENGINE, WorkerOptions
+from broker_config.config import EXAMPLE_ENGINE, BrokerSettings, WorkerOptions
 from broker_config.connection import server_urls
 from broker_config.lease import EpochWatch
+from broker_config.jetstream import kv_stream
+from broker_config.streams import (apply_key_value, apply_stream, requests_stream_config,
+                                   results_bucket_config)
 from broker_config.subjects import Subjects
 from costmodel.engine_model import load_engine_params
 from workers.service import WorkerService
@@ -119,7 +122,7 @@ async def test_killing_the_stream_leaders_node_under_load_costs_no_request(tmp_p
             results_at = time.monotonic()
             assert dispatcher.poll() is None, "".join(output[-30:])
             twice = {rid: n for rid, n in finished.items() if n > 1}
-            assert not twice, twice
+            assert not twice, (twice, "".join(output[-80:]))
             # Every request acked once finished (none stranded in the stream).
             deadline = time.monotonic() + 3 * ACK_WAIT_S
             while left := (await js.stream_info(SUBJECTS.requests_stream)).state.messages:
@@ -129,6 +132,32 @@ async def test_killing_the_stream_leaders_node_under_load_costs_no_request(tmp_p
                   f"the stream empty {time.monotonic() - killed_at:.1f} s after it")
         finally:
             dispatcher.terminate()
-            await asyncio.to_thread(dispatcher.wait, 20)
+            try:
+                await asyncio.to_thread(dispatcher.wait, 20)
+            finally:
+                (tmp_path / "dispatcher.log").write_text("".join(output))
+                dispatcher.kill()
+                await nc.close()
+
+
+async def test_a_part_given_a_one_replica_config_does_not_thin_out_the_cluster(tmp_path):
+    """A standby started with the default file (1 replica) provisions the requests stream
+    and the buckets too: their copies stay at 3; fewer is an operator's decision."""
+    async with EmbeddedNatsCluster(3, store_root=tmp_path / "nats") as cluster:
+        nc = await nats.connect(server_urls(cluster.url))
+        try:
+            js = nc.jetstream()
+            await apply_stream(js, requests_stream_config(BrokerSettings(replicas=3)))
+            info = await apply_stream(js, requests_stream_config(BrokerSettings()))
+            assert info.config.num_replicas == 3
+            assert (await js.stream_info(SUBJECTS.requests_stream)).config.num_replicas == 3
+            # A bucket made with one copy gets three once a part's config says so.
+            await apply_key_value(js, results_bucket_config(BrokerSettings()))
+            await apply_key_value(js, results_bucket_config(BrokerSettings(replicas=3)))
+            info = await js.stream_info(kv_stream(SUBJECTS.results_bucket))
+            assert info.config.num_replicas == 3
+            await apply_key_value(js, results_bucket_config(BrokerSettings()))
+            info = await js.stream_info(kv_stream(SUBJECTS.results_bucket))
+            assert info.config.num_replicas == 3
+        finally:
             await nc.close()
-            (tmp_path / "dispatcher.log").write_text("".join(output))

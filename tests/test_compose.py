@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import subprocess
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -36,6 +37,9 @@ from workers import __main__ as workers_main
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "compose.yaml"
 AUTH_FILE = REPO / "compose.auth.yaml"  # merged over COMPOSE_FILE: broker users
+CLUSTER_FILE = REPO / "compose.cluster.yaml"  # merged over COMPOSE_FILE: 3 NATS nodes
+NODES = ["nats", "nats-2", "nats-3"]
+CLUSTER_CONF = REPO / "deploy" / "nats" / "cluster.conf"
 APP_ROOT = PurePosixPath("/app")  # where the Dockerfile copies the repo
 
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
@@ -296,10 +300,14 @@ def test_grafana_is_provisioned_with_the_prometheus_and_the_dashboard(
 
 
 def merged_with_auth() -> dict[str, Any]:
-    """compose.yaml with compose.auth.yaml over it, as `docker compose -f A -f B` merges
-    them: `command` replaced, `volumes` merged by mount point, `depends_on` joined."""
+    return merged_with(AUTH_FILE)
+
+
+def merged_with(override: Path) -> dict[str, Any]:
+    """compose.yaml with `override` over it, as `docker compose -f A -f B` merges them:
+    `command` replaced, `volumes` merged by mount point, `depends_on` joined."""
     base = yaml.safe_load(COMPOSE_FILE.read_text())
-    over = yaml.safe_load(AUTH_FILE.read_text())
+    over = yaml.safe_load(override.read_text())
     services = {name: dict(spec) for name, spec in base["services"].items()}
     for name, spec in over["services"].items():
         merged = services.setdefault(name, {})
@@ -397,3 +405,45 @@ def test_every_fairq_service_reads_the_hosts_config_so_tenants_reload(
     for name in ("dispatcher", "fairq-auth"):
         assert mount(next(v for v in with_auth[name]["volumes"]
                           if mount(v)["target"] == "/app/configs"))["read_only"]
+
+
+# -- compose.cluster.yaml: a 3-node NATS cluster ---------------------------------------------
+
+
+def test_cluster_variant_runs_three_nodes_routed_to_each_other(nats_binary: Path,
+                                                               tmp_path: Path) -> None:
+    compose = merged_with(CLUSTER_FILE)
+    services, volumes = compose["services"], compose["volumes"]
+    names, stores = [], []
+    for node in NODES:
+        service = services[node]
+        argv = command_argv(service)
+        mounts = {m["target"]: m for m in map(mount, service["volumes"])}
+        conf = mounts[argv[argv.index("-c") + 1]]
+        assert conf["read_only"] and (REPO / conf["source"]).resolve() == CLUSTER_CONF
+        names.append(argv[argv.index("--server_name") + 1])
+        stores.append(mounts["/data"]["source"])
+        assert "healthcheck" in service
+    assert len(set(names)) == len(set(stores)) == len(NODES)
+    assert set(stores) <= set(volumes)
+    text = CLUSTER_CONF.read_text()
+    assert "store_dir: /data" in text and "sync_interval: always" in text
+    assert text.count("nats-route://") == len(NODES)
+    for node in NODES:
+        assert f"nats-route://{node}:6222" in text
+    # The real nats-server takes the file (hosts are resolved only when it runs).
+    checked = subprocess.run([str(nats_binary), "-c", str(CLUSTER_CONF), "--server_name", "n1",
+                              "-t"], capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.parametrize("name", list(PYTHON_SERVICES))
+def test_cluster_variant_services_list_every_node(name: str) -> None:
+    compose = merged_with(CLUSTER_FILE)
+    service = compose["services"][name]
+    args = parse_python_command(service, PYTHON_SERVICES[name])
+    urls = [urlsplit(url) for url in args.nats.split(",")]
+    assert [(url.hostname, url.port) for url in urls] == [(node, 4222) for node in NODES]
+    if name in DISPATCHERS:
+        assert args.replicas == len(NODES)
+        assert set(NODES) | {"redis"} <= set(depends_on(service))
