@@ -85,6 +85,7 @@ from broker_config.config import (
 )
 from broker_config.cluster import EmbeddedNatsCluster
 from broker_config.connection import server_urls
+from broker_config.runtime import first_of
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
 from dispatcher.metrics import DispatcherMetrics
@@ -93,6 +94,7 @@ from dispatcher.lease import Lease, holder_id
 from dispatcher.tenures import Tenures
 from producers.client import Client
 from producers.local_workers import (
+    START_TIMEOUT_S,
     STOP_MARGIN_S,
     StartError,
     WorkerLauncher,
@@ -109,9 +111,9 @@ from producers.supervisor import Supervisor, SupervisorError
 DEV_TENANT = "acme"
 # `--autoscale` for endpoints without their own policy: local processes start in a few
 # seconds, and a demo should see a lull give workers back within a minute.
-CLUSTER_SIZE = 3
 LOCAL_SCALING = ScalingPolicy(min_replicas=1, max_replicas=4, cold_start_s=5.0,
                               scale_down_after_s=60.0, rate_window_s=10.0, drain_s=10.0)
+CLUSTER_SIZE = 3  # nodes of --cluster: a majority survives the loss of one
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -279,11 +281,11 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         ttl_s = config.dispatcher.lease_ttl_s
         tenures = Tenures(nc, config, lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None,
                           limiter=limiter, metrics=metrics, config_path=args.config)
-        await stack.enter_async_context(_dispatching(tenures))
         reloads = Reloads(lambda: tenures.current, config, auth, _say,
                           reload_broker=None if args.cluster else server.reload)
         loop.add_signal_handler(signal.SIGHUP, reloads.trigger)
         stack.push_async_callback(reloads.close)
+        dispatching = await stack.enter_async_context(_dispatching(tenures, stop))
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
         launcher = WorkerLauncher(
             server.url, args.config.resolve(), args.time_scale, log_dir,
@@ -318,9 +320,11 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
                   f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
             replacing = asyncio.create_task(replace_unhealthy(tenures, supervisor))
             try:
-                await stop.wait()
+                await first_of(stop.wait(), asyncio.shield(dispatching))
             finally:
                 replacing.cancel()
+            if dispatching.done():
+                dispatching.result()  # its error (a config it could no longer read, a bug)
         _say("draining...")
     _say("stopped")
     return 0
@@ -345,22 +349,29 @@ async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: 
 
 
 @contextlib.asynccontextmanager
-async def _dispatching(tenures: Tenures) -> AsyncIterator[None]:
-    """The dispatcher's tenures in a task, entered once the first one dispatches; left
-    (the last one drains) when the stack unwinds to here, after the workers stopped. A
+async def _dispatching(tenures: Tenures,
+                       stop: asyncio.Event) -> AsyncIterator[asyncio.Task[None]]:
+    """The dispatcher's tenures in a task (yielded: it ends only by an error), entered
+    once the first has taken the lease and started, or `stop` was set first; left (the
+    last one drains) when the stack unwinds to here, after the workers stopped. A
     dispatcher that lost its lease (its renewals failed while a cluster elected a new
     leader) stands by and serves again, as `python -m dispatcher` does."""
-    stop = asyncio.Event()
-    running = asyncio.create_task(tenures.run(stop))
-    serving = asyncio.create_task(tenures.serving.wait())
+    ended = asyncio.Event()
+    running = asyncio.create_task(tenures.run(ended))
+    waits = [running, asyncio.ensure_future(tenures.serving.wait()),
+             asyncio.ensure_future(stop.wait())]
     try:
-        await asyncio.wait([running, serving], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waits, timeout=START_TIMEOUT_S,
+                                     return_when=asyncio.FIRST_COMPLETED)
         if running.done():
-            running.result()  # its error, e.g. a tokenizer it could not load
-        yield
+            running.result()  # its error at start, e.g. a tokenizer it could not load
+        elif not done:
+            raise StartError(f"the dispatcher did not start within {START_TIMEOUT_S:g}s "
+                             "(the broker failed it, or another dispatcher holds the lease)")
+        yield running
     finally:
-        serving.cancel()
-        stop.set()
-        await running
-
-
+        for wait in waits[1:]:
+            wait.cancel()
+        ended.set()
+        if not running.done():
+            await running

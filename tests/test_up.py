@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import nats
@@ -160,16 +161,25 @@ class Output:
 
     async def expect(self, prefix: str, timeout_s: float) -> str:
         """The next line starting with `prefix`; fails with the output so far."""
+        return await self._expect(lambda line: line.startswith(prefix), repr(prefix),
+                                  timeout_s)
+
+    async def expect_containing(self, text: str, timeout_s: float) -> str:
+        """The next line with `text` in it (a log line); fails with the output so far."""
+        return await self._expect(lambda line: text in line, f"with {text!r}", timeout_s)
+
+    async def _expect(self, wanted: Callable[[str], bool], what: str,
+                      timeout_s: float) -> str:
         try:
             async with asyncio.timeout(timeout_s):
                 while (line := await self._queue.get()) is not None:
                     self.lines.append(line)
-                    if line.startswith(prefix):
+                    if wanted(line):
                         return line
             reason = "the process exited"
         except TimeoutError:
             reason = f"nothing within {timeout_s}s"
-        pytest.fail(f"no line {prefix!r}: {reason}; output:\n" + "\n".join(self.lines))
+        pytest.fail(f"no line {what}: {reason}; output:\n" + "\n".join(self.lines))
 
 
 async def start_up(*flags: str) -> tuple[asyncio.subprocess.Process, Output, asyncio.Task]:
@@ -540,4 +550,50 @@ async def test_fairq_up_cluster_serves_through_the_kill_of_the_stream_leaders_no
             await nc.close()
         await stop_cleanly(up, output)
     finally:
+        await leave_nothing_running(up, started, reader)
+
+
+async def test_fairq_up_paused_past_its_lease_stands_by_and_serves_again(
+        nats_binary: Path, tmp_path: Path) -> None:
+    """docs/operations.md's local takeover: `fairq up` paused (SIGSTOP) past its lease, a
+    standby `python -m dispatcher` serves; woken, fairq up's dispatcher stands by rather
+    than stopping fairq up, takes the lease back when the standby stops, serves, and
+    fairq up still stops cleanly."""
+    up, output, reader = await start_up("--workers", "chat=1,embed=0", "--time-scale", "0.05",
+                                        "--log-dir", str(tmp_path))
+    started: dict[int, list[str]] = {}
+    standby = None
+    try:
+        url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
+        await output.expect("fairq is up", START_S)
+        started = children_of(up.pid)
+        standby = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dispatcher", "--nats", url, cwd=ROOT,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        said = Output(standby.stdout)
+        standby_reader = asyncio.create_task(said.pump())
+        await said.expect_containing("standing by", START_S)
+        nc = await nats.connect(url)
+        try:
+            up.send_signal(signal.SIGSTOP)
+            try:
+                await said.expect_containing("took the lease", START_S)
+                assert_completed(await submit(nc, "paused"), "paused")
+            finally:
+                up.send_signal(signal.SIGCONT)
+            await output.expect_containing("lost the lease", START_S)
+            standby.send_signal(signal.SIGTERM)  # hands the lease over
+            async with asyncio.timeout(STOP_S):
+                assert await standby.wait() == 0
+            await standby_reader
+            assert_completed(await submit(nc, "back"), "back")  # fairq up's again
+            assert up.returncode is None
+        finally:
+            await nc.close()
+        await stop_cleanly(up, output, draining=True)
+    finally:
+        if standby is not None and standby.returncode is None:
+            standby.kill()
+            await standby.wait()
         await leave_nothing_running(up, started, reader)
