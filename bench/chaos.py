@@ -308,7 +308,8 @@ def _unslow(pid: int) -> None:
 
 async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
     work_dir.mkdir(parents=True, exist_ok=True)
-    # One generator each: the faults' timing must not shift the arrivals of a seed.
+    # One generator each: the faults' timing (and the bursts sent before them, drawn with
+    # the faults) must not shift the open loop's arrivals of a seed.
     rng, fault_rng = random.Random(settings.seed), random.Random(-settings.seed)
     faults: list[Fault] = []
     ha_faults: list[HaFault] = []
@@ -431,7 +432,11 @@ async def run_named(name: str, settings: Settings, out_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.ha and (args.saturate is not None or args.probe_stall is not None):
+        parser.error("--ha runs its own faults on a cluster; --saturate and --probe-stall "
+                     "are for the workers' runs")
     name, settings = settings_from(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_named(name, settings, args.out_dir,

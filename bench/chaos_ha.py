@@ -63,8 +63,8 @@ START_TIMEOUT_S = 90.0
 # A request's first dispatch after the fault within this many seconds, per the issue.
 NEW_REQUESTS_GOAL_S = 5.0
 WAITING_GOAL_S = 10.0
-# The faults after which a new lease holder must serve (a node kill may keep the holder).
 STANDING_BY = "standing by: another dispatcher holds the lease"
+# The faults after which a new lease holder must serve (a node kill may keep the holder).
 HOLDER_FAULTS = frozenset({"dispatcher-kill", "dispatcher-stop", "handover"})
 
 
@@ -115,7 +115,8 @@ async def ha_stack(workers: int, time_scale: float, work_dir: Path) -> AsyncIter
                     name, [sys.executable, "-m", "dispatcher", "--nats", cluster.url,
                            "--config", str(config_path)],
                     log_dir / f"{name}.log", cwd=REPO, restart=DISPATCHER_RESTART))
-                await _until(lambda: _ready(nc, config.subjects, supervisor.children[name]),
+                await _until(lambda: _ready(nc.jetstream(), config.subjects,
+                                            [supervisor.children[name]]),
                              f"{name} holding the lease" if n == 1 else f"{name} standing by",
                              supervisor)
             launcher = WorkerLauncher(cluster.url, config_path, time_scale, log_dir,
@@ -149,28 +150,23 @@ async def _until(check: Any, what: str, supervisor: Supervisor) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _ready(nc: NATS, subjects: Subjects, dispatcher: Child) -> bool:
-    """Whether `dispatcher` holds the lease, or stands by while another does."""
+async def _ready(js: JetStreamContext, subjects: Subjects, dispatchers: list[Child]) -> bool:
+    """Whether each of `dispatchers` runs and holds the lease, or stands by while another
+    does (none is still draining after a handover, or restarting): a fault then has a
+    standby to hand over to."""
     try:
-        record, _ = await lease_holder(nc.jetstream(), subjects)
+        record, _ = await lease_holder(js, subjects)
     except (nats.errors.Error, asyncio.TimeoutError):
         return False
-    return record is not None and (holder_pid(record) == dispatcher.pid
-                                   or _last_lease_line(dispatcher).endswith(STANDING_BY))
+    return record is not None and all(
+        c.running and (c.pid == holder_pid(record)
+                       or _last_lease_line(c).endswith(STANDING_BY)) for c in dispatchers)
 
 
 async def _all_ready(js: JetStreamContext, stack: HaStack) -> bool:
-    """One dispatcher holds the lease, every other stands by (none is still draining
-    after a handover, or restarting): a fault then has a standby to hand over to."""
-    try:
-        record, _ = await lease_holder(js, stack.config.subjects)
-    except (nats.errors.Error, asyncio.TimeoutError):
-        return False
-    children = [c for name, c in stack.supervisor.children.items()
-                if name.startswith("dispatcher-")]
-    return record is not None and all(
-        c.running and (c.pid == holder_pid(record)
-                       or _last_lease_line(c).endswith(STANDING_BY)) for c in children)
+    return await _ready(js, stack.config.subjects,
+                        [c for name, c in stack.supervisor.children.items()
+                         if name.startswith("dispatcher-")])
 
 
 def _last_lease_line(dispatcher: Child) -> str:
