@@ -64,14 +64,19 @@ async def ensure_leases_bucket(js: JetStreamContext, settings: BrokerSettings,
     """The leases bucket and the TTL its key really has. Made with `ttl_s` if missing,
     its TTL raised to `ttl_s` if lower, never lowered: a standby configured with a
     shorter TTL must not make the holder's key age out before the holder thinks it
-    could (to lower it, delete the bucket while no dispatcher runs)."""
+    could (to lower it, delete the bucket while no dispatcher runs). Its replicas are
+    raised as every bucket's are (`apply_key_value`)."""
     config = leases_bucket_config(settings, ttl_s)
     try:
         info = await js.stream_info(kv_stream(config.bucket))
     except NotFoundError:
         return await apply_key_value(js, config), ttl_s
-    if info.config.max_age is not None and info.config.max_age >= ttl_s:
-        return await js.key_value(config.bucket), info.config.max_age
+    kept_ttl = info.config.max_age
+    if kept_ttl is not None and kept_ttl >= ttl_s:
+        if (info.config.num_replicas or 1) >= settings.replicas:
+            return await js.key_value(config.bucket), kept_ttl
+        config = leases_bucket_config(settings, kept_ttl)  # more copies, the same TTL
+        return await apply_key_value(js, config), kept_ttl
     return await apply_key_value(js, config), ttl_s
 
 

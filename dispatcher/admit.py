@@ -34,7 +34,7 @@ from broker_config.subjects import Subjects
 from dispatcher.convert import to_error_event, to_request, too_large_to_dispatch
 from dispatcher.core.admission import Settlement, charged, settlement
 from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.types import Decision, Outcome, Request
+from dispatcher.core.types import ADMITTED, Decision, Outcome, Request
 from dispatcher.core.workers import Key, WorkerPool
 from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
@@ -178,15 +178,28 @@ class Admission:
                        now)
         return True
 
-    async def admit(self, held: Held, now: float, waited_s: float = 0.0) -> None:
-        """Admission proper: checks, the limiter store, then the scheduler's queue."""
+    async def admit(self, held: Held, now: float, waited_s: float = 0.0, *,
+                    charged_before: bool = False) -> None:
+        """Admission proper: checks, the limiter store, then the scheduler's queue.
+
+        `charged_before`: an adopted request whose worker was lost, admitted and charged
+        by a dispatcher before this one: the limiter is not asked again, and what it was
+        charged (as recorded at its adoption) is settled on completion or given back on a
+        rejection.
+        """
         sub = held.submission
         if await self._cancelled_meanwhile(held, now):
             return
         request = await self._request(held)
         result = self.scheduler.check(
             request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
-        if isinstance(result, list):
+        if charged_before:
+            if not held.charges:
+                held.charges = charged(result if isinstance(result, list) else
+                                       self.scheduler.limit_checks(request, now))
+            if isinstance(result, list):
+                result = ADMITTED
+        elif isinstance(result, list):
             try:
                 decision = await self.limiter.apply(result, now)
             except LimiterUnavailable as exc:
@@ -287,8 +300,8 @@ class Admission:
         await self.held.hand_back(queued_only=True)
 
     async def hand_back(self, held: Held, now: float) -> None:
-        """Hand one request, no longer held, back to JetStream at once, its charges given
-        back first: the admission that takes it again charges it again."""
+        """Hand one request, no longer held, back to JetStream at once, its token charges
+        given back first: the admission that takes it again charges it again."""
         await self.settle(settlement(held.charges, 0), now)
         held.charges = ()
         with contextlib.suppress(nats.errors.Error):  # else after the ack wait

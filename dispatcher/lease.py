@@ -68,6 +68,7 @@ class Lease:
         self.clock = clock
         self.epoch = 0  # 0 until acquired
         self.lost = asyncio.Event()
+        self.released = False  # given up by `release` (a planned stop), not lost
         self._revision = 0
         self._renewed_at = float("-inf")
         self._renewals: asyncio.Task[None] | None = None
@@ -81,6 +82,7 @@ class Lease:
         self.kv = kv
         self.ttl_s = ttl_s or self.ttl_s
         self.lost = asyncio.Event()
+        self.released = False
         self.epoch = 0
         waiting_since = self.clock()
         self._standing_by = False
@@ -111,6 +113,7 @@ class Lease:
         if self.lost.is_set() or not self.epoch:
             return
         self.lost.set()  # not ours from here on: nothing may be dispatched under it
+        self.released = True
         try:
             await self.kv.delete(LEASE_KEY, last=self._revision)
         except (nats.errors.Error, KeyWrongLastSequenceError) as exc:

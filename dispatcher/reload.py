@@ -75,6 +75,7 @@ class Reloader:
         self.name = dispatcher_name()
         # The file as last read (see the module doc).
         self.file_config: Config | None = None
+        self._started = False  # what a reload changes exists
         self._lock = asyncio.Lock()
         self._triggered: set[asyncio.Task[ReloadReply]] = set()
 
@@ -83,6 +84,7 @@ class Reloader:
         given one: a later tenure of a process keeps its predecessor's, dispatcher.tenures)."""
         if self.path is not None and self.file_config is None:
             self.file_config = load_config(self.path)
+        self._started = True
 
     async def close(self) -> None:
         """Stop reloads triggered by signal that are still running."""
@@ -113,7 +115,7 @@ class Reloader:
         if self.path is None:
             return self._refused("this dispatcher was started without a config file "
                                  "(--config): there is nothing to reload")
-        if self.file_config is None:
+        if not self._started:
             return self._refused("this dispatcher is still starting; reload once it runs")
         try:
             read = await asyncio.to_thread(load_config, self.path)

@@ -11,15 +11,15 @@
   rotation too, and its work is taken back.
 
 Taking work back is the same whichever way a worker was lost: a request that streamed
-no token yet (as far as the worker's heartbeats said) is handed back to JetStream and
-admitted again, keeping its place by arrival, so that one that finished with its
-completion lost is answered from its stored result rather than run twice; one that
-streamed ends here with `internal` and a retry hint, since a stream cannot take back
-text a client has seen.
+no token yet (as far as the worker's heartbeats said) runs again elsewhere, keeping its
+place by arrival (an adopted one is admitted again), unless its stored result shows it
+finished with its completion lost; one that streamed ends here with `internal` and a
+retry hint, since a stream cannot take back text a client has seen.
 
-Only a dispatcher whose lease is valid takes work back: one that wakes from a pause finds
-every worker "silent" for as long as it slept, and the requests it would end are the new
-holder's, still streaming. What a heartbeat says is gone meanwhile waits in `_deferred`:
+Only a dispatcher that answers for its work (a valid lease, or one it released for a
+planned stop) takes work back: one that wakes from a pause finds every worker "silent"
+for as long as it slept, and the requests it would end are the new holder's, still
+streaming. What a heartbeat says is gone meanwhile waits in `_deferred`:
 taken back once the lease is valid again, or handed back with everything else held if
 the lease is lost (the drain).
 """
@@ -30,23 +30,35 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
 from broker_config import wire
 from broker_config.config import Config
+from broker_config.direct_get import DirectGetError
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects
 from costmodel.units import Usage
 from dispatcher.admit import Admission
 from dispatcher.core.admission import Settlement, request_tokens, settlement
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
-from dispatcher.core.workers import Lost, Worker, WorkerPool
+from dispatcher.core.workers import Key, Lost, Worker, WorkerPool
 from dispatcher.held import Held, HeldRequests
 from dispatcher.metrics import DispatcherMetrics
 from dispatcher.probes import Probes
 
 log = logging.getLogger("fairq.dispatcher")
+
+
+@dataclass(slots=True)
+class TakenBack:
+    """What `_take_back` took from one worker: held messages of requests that streamed,
+    to end; keys of requests that streamed nothing, to run again."""
+
+    worker_id: str
+    streamed: list[Held] = field(default_factory=list)
+    quiet: list[Key] = field(default_factory=list)
 
 
 class WorkerReports:
@@ -64,7 +76,8 @@ class WorkerReports:
         self.wake = wake
         self.probes = probes
         self.holds_lease = holds_lease
-        self._deferred: list[Lost] = []  # lost while the lease was not valid
+        # (worker id, what it lost) while the lease was not valid.
+        self._deferred: list[tuple[str, Lost]] = []
         # Worker id -> when its last heartbeat came (unix seconds); may outlive this
         # dispatcher, for the next one in the process to settle on (dispatcher/service.py).
         self.heard: dict[str, float] = {}
@@ -101,11 +114,11 @@ class WorkerReports:
                                        beat.capacity, in_flight, beat.healthy, time.time(),
                                        sum(count for _, count in generated),
                                        beat.capacity_mu_per_s)
-            streamed = []
+            taken = TakenBack(beat.worker_id)
             if lost:
                 log.warning("worker %s no longer has %d requests; taking them back",
                             beat.worker_id, len(lost.requests) + len(lost.adopted))
-                streamed = await self._take_back(lost)
+                taken = await self._take_back(beat.worker_id, lost)
             # After the take-back: what went back to a queue is no longer charged here.
             self.scheduler.progress(generated)
             # The scheduler does not track adopted requests' output: marked here. Only
@@ -114,7 +127,7 @@ class WorkerReports:
                 if count and (held := self.held.adopted.get(key)) is not None:
                     held.streamed = True
         # Outside the lock: one slow store must not hold up every worker's heartbeats.
-        await self._fail_all(streamed)
+        await self._finish_taking_back(taken)
         worker = self.pool.get(beat.worker_id)
         self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
             worker.load)
@@ -125,54 +138,101 @@ class WorkerReports:
         if not self.holds_lease():
             return
         deferred, self._deferred = self._deferred, []
-        for lost in deferred:
-            await self._fail_all(await self._take_back(lost))
+        for worker_id, lost in deferred:
+            await self._finish_taking_back(await self._take_back(worker_id, lost))
         for worker, lost in self.pool.silent(now):
             log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
                         now - worker.last_seen)
-            await self._fail_all(await self._take_back(lost))
+            await self._finish_taking_back(await self._take_back(worker.worker_id, lost))
             self._update_capacity(worker.endpoint)
 
     async def evicted(self, worker: Worker, lost: Lost) -> None:
-        await self._fail_all(await self._take_back(lost))
+        await self._finish_taking_back(await self._take_back(worker.worker_id, lost))
         self._update_capacity(worker.endpoint)
         self.wake.set()
 
-    async def _take_back(self, lost: Lost) -> list[Held]:
-        """Work a worker no longer has: what streamed nothing yet runs again elsewhere;
-        the rest is settled here and returned, for `_fail_all` to end. Without a valid
+    async def _take_back(self, worker_id: str, lost: Lost) -> TakenBack:
+        """Work a worker no longer has: what streamed is settled here, for `_fail_all` to
+        end; what streamed nothing is left as it is, for `_run_again`. Without a valid
         lease, nothing yet (see the module doc)."""
+        taken = TakenBack(worker_id)
         if not self.holds_lease():
-            self._deferred.append(lost)
-            return []
+            self._deferred.append((worker_id, lost))
+            return taken
         now = time.time()
-        streamed = []
         for request in lost.requests:
             if request.output_charged > 0:
                 if (held := await self._settle_streamed(request, now)) is not None:
-                    streamed.append(held)
-            elif self.scheduler.requeue(request.tenant, request.id) is not None:
-                # Out of the scheduler, its tenant's DRR charge given back.
-                self.scheduler.cancel(request.tenant, request.id)
-                if (held := self.held.admitted.pop((request.tenant, request.id), None)):
-                    await self._run_again(held, now)
-        for key in lost.adopted:
-            held = self.held.adopted.pop(key, None)
-            if held is None:
-                continue
-            if held.streamed:
-                streamed.append(held)
+                    taken.streamed.append(held)
             else:
-                await self._run_again(held, now)
-        return streamed
+                taken.quiet.append((request.tenant, request.id))
+        for key in lost.adopted:
+            held = self.held.adopted.get(key)
+            if held is not None and held.streamed:
+                taken.streamed.append(self.held.adopted.pop(key))
+            elif held is not None:
+                taken.quiet.append(key)
+        return taken
 
-    async def _run_again(self, held: Held, now: float) -> None:
-        """A request that streamed nothing (as far as the heartbeats said) may still have
-        finished between two of them, its completion lost with a broker node: it goes
-        back through admission, which answers it from its stored result if so, and else
-        queues it at its place by arrival (its publish time)."""
-        self.metrics.child(self.metrics.redispatched, held.submission.endpoint).inc()
-        await self.admission.hand_back(held, now)
+    async def _finish_taking_back(self, taken: TakenBack) -> None:
+        await self._run_again(taken)
+        await self._fail_all(taken.streamed)
+
+    async def _run_again(self, taken: TakenBack) -> None:
+        """Requests that streamed nothing (as far as the heartbeats said) run again,
+        keeping their place by arrival; but one may have finished between two heartbeats
+        with its completion lost (a broker node died under its worker's connection): its
+        stored result, looked up first, answers it instead. If the lookup fails they go
+        back through admission, which looks again."""
+        if not taken.quiet:
+            return
+        try:
+            stored = await self.admission.results.lookup(taken.quiet)
+        except DirectGetError as exc:
+            log.error("results lookup failed (%s); %d requests handed back", exc,
+                      len(taken.quiet))
+            stored = None
+        now = time.time()
+        for key in taken.quiet:
+            held = self.held.get(key)
+            if held is None:  # completed (or ended) meanwhile
+                continue
+            endpoint = held.submission.endpoint
+            if stored is not None and (found := stored.get(key)) is not None:
+                await self._answer_stored(taken.worker_id, held, found)
+            elif (request := self.scheduler.requeue(*key)) is not None:
+                self.metrics.child(self.metrics.redispatched, endpoint).inc()
+                if stored is None:
+                    self.scheduler.cancel(*key)  # out: admitted again on its redelivery
+                    await self.admission.hand_back(self.held.admitted.pop(key), now)
+                else:
+                    request.payload.worker = None
+            elif (held := self.held.adopted.pop(key, None)) is not None:
+                self.metrics.child(self.metrics.redispatched, endpoint).inc()
+                if stored is None:
+                    await self.admission.hand_back(held, now)
+                else:
+                    held.worker = None
+                    await self.admission.admit(held, now, charged_before=True)
+
+    async def _answer_stored(self, worker_id: str, held: Held,
+                             found: wire.StoredResult) -> None:
+        """Complete a request from its stored result, as its lost completion would have,
+        and send the client its final event (the worker's may have been lost too)."""
+        event = found.event
+        done = wire.Completion(
+            id=held.submission.id, tenant=held.submission.tenant,
+            endpoint=held.submission.endpoint, worker_id=worker_id,
+            usage=event.usage if isinstance(event, wire.DoneEvent) else Usage(0, 0, 0.0),
+            code=None if isinstance(event, wire.DoneEvent) else event.code, stored=True,
+            finished_at=found.stored_at)
+        log.info("request %s of %s finished on %s, its completion lost; answered from its "
+                 "stored result", done.id, done.tenant, worker_id)
+        async with self._lock:  # as completions are
+            settled = await self._complete(done)
+        await self.admission.settle(settled, time.time())
+        await self.admission.results.publish(held.submission.reply, held.submission.encoding,
+                                             event)
 
     async def _settle_streamed(self, request: Request, now: float) -> Held | None:
         """Settle a streamed request of a lost worker at what it generated; its held

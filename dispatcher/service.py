@@ -175,8 +175,7 @@ class Dispatcher:
                                 self.dispatch.wake)
         self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
                                      self.held, self.admission, self.metrics,
-                                     self.dispatch.wake, self.probes,
-                                     lambda: self.lease is None or self.lease.valid())
+                                     self.dispatch.wake, self.probes, self._answers_for_work)
         self.reports.heard = self._heard
         self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
                        self.admission, results, parked, stored, self._backlog)
@@ -320,6 +319,13 @@ class Dispatcher:
             self._reconnects = reconnects
             self.pool.sent_again(time.time())
         await self.reports.on_heartbeat(msg)
+
+    def _answers_for_work(self) -> bool:
+        """Whether what it holds is still its own to end or run again: with a valid lease,
+        or one it released (a planned stop: no other holder took over what it holds, a
+        standby adopts only what its messages bring). One whose lease lapsed (a pause)
+        must not: the next holder runs those requests now (dispatcher/reports.py)."""
+        return self.lease is None or self.lease.valid() or self.lease.released
 
     def _may_dispatch(self) -> bool:
         if self.state is State.SETTLING and self._settled(time.time()):

@@ -20,7 +20,7 @@ import pytest
 from broker_config.cluster import EmbeddedNatsCluster
 from broker_config.config import EXAMPLE_ENGINE, BrokerSettings, WorkerOptions
 from broker_config.connection import server_urls
-from broker_config.lease import EpochWatch
+from broker_config.lease import EpochWatch, ensure_leases_bucket
 from broker_config.jetstream import kv_stream
 from broker_config.streams import (apply_key_value, apply_stream, requests_stream_config,
                                    results_bucket_config)
@@ -159,5 +159,10 @@ async def test_a_part_given_a_one_replica_config_does_not_thin_out_the_cluster(t
             await apply_key_value(js, results_bucket_config(BrokerSettings()))
             info = await js.stream_info(kv_stream(SUBJECTS.results_bucket))
             assert info.config.num_replicas == 3
+            # The leases bucket too, keeping its TTL.
+            await ensure_leases_bucket(js, BrokerSettings(), 4.0)
+            _, ttl_s = await ensure_leases_bucket(js, BrokerSettings(replicas=3), 2.0)
+            info = await js.stream_info(kv_stream(SUBJECTS.leases_bucket))
+            assert info.config.num_replicas == 3 and ttl_s == info.config.max_age == 4.0
         finally:
             await nc.close()

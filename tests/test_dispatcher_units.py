@@ -13,8 +13,9 @@ from nats.aio.msg import Msg
 from broker_config.config import BrokerSettings, ConfigError, DispatcherOptions, load_config
 from broker_config.direct_get import DirectGetError
 from broker_config.kv_writer import PutError
-from broker_config.wire import Encoding, SubmitRequest, Submission
-from costmodel.units import NO_CAPACITY, Capacity
+from broker_config.wire import (DoneEvent, Encoding, StoredResult, SubmitRequest, Submission,
+                                Timings)
+from costmodel.units import NO_CAPACITY, Capacity, Usage
 from dispatcher.__main__ import build_parser, with_flags
 from dispatcher.admit import HAND_BACK_S, Admission
 from dispatcher.core.scheduler import Scheduler
@@ -130,6 +131,70 @@ async def test_work_lost_while_the_lease_is_not_valid_waits_for_it_to_be_valid_a
     await reports.take_back_silent(2.0)
     assert msg.settled == [("nak", HAND_BACK_S)]  # its end could not be stored: handed back
     assert held.get(("acme", "r1")) is None
+
+
+class Acked(HandedBack):
+    async def ack(self) -> None:
+        self.settled.append(("ack", None))
+
+
+class StoredResults:
+    """The results bucket holding `stored`, or failing every lookup (`error`)."""
+
+    def __init__(self, stored: dict, error: Exception | None = None) -> None:
+        self.stored, self.error = stored, error
+        self.published: list[tuple[str | None, object]] = []
+
+    async def lookup(self, keys):
+        if self.error is not None:
+            raise self.error
+        return {key: self.stored[key] for key in keys if key in self.stored}
+
+    async def publish(self, reply, encoding, event) -> None:
+        self.published.append((reply, event))
+
+
+def quiet_reports(results: StoredResults) -> tuple[WorkerReports, HeldRequests, Acked]:
+    """Reports holding request r1 of acme, adopted on chat-w1, which streamed nothing."""
+    config = load_config()
+    metrics = DispatcherMetrics(list(config.endpoints))
+    held = HeldRequests()
+    msg = Acked()
+    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), "_INBOX.r1",
+                            Encoding.JSON)
+    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1")
+    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
+                          results, metrics, dict)
+    scheduler = SimpleNamespace(endpoints={}, complete=lambda *_: None, cancel=lambda *_: None,
+                                requeue=lambda *_: None)  # r1 is adopted: not in the core
+    reports = WorkerReports(config, SUBJECTS, scheduler, WorkerPool(timeout_s=math.inf), held,
+                            admission, metrics, asyncio.Event(), None)
+    return reports, held, msg
+
+
+async def test_a_quiet_request_gone_from_its_worker_is_answered_from_its_stored_result():
+    """A short request finished between two heartbeats and its completion was lost (a
+    broker node died under its worker): its stored result answers it, nothing runs it
+    again."""
+    event = DoneEvent(id="r1", seq=2, text="ok", usage=Usage(4, 8, 0.0),
+                      timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0))
+    results = StoredResults({("acme", "r1"): StoredResult(tenant="acme", endpoint="chat",
+                                                          event=event, stored_at=1.0)})
+    reports, held, msg = quiet_reports(results)
+    worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
+    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    assert msg.settled == [("ack", None)]
+    assert results.published == [("_INBOX.r1", event)]  # its final event, sent again
+    assert held.get(("acme", "r1")) is None
+
+
+async def test_a_quiet_request_whose_result_cannot_be_looked_up_goes_back_through_admission():
+    results = StoredResults({}, error=DirectGetError("batch direct get: timeout"))
+    reports, held, msg = quiet_reports(results)
+    worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
+    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    assert msg.settled == [("nak", None)]  # redelivered: admission looks again
+    assert held.get(("acme", "r1")) is None and results.published == []
 
 
 def test_an_endpoint_is_at_its_limits_only_without_room_outside_a_held_reserve():
