@@ -124,9 +124,9 @@ def test_ha_figures_time_the_new_holder_new_and_waiting_requests_and_count_resen
     assert row["waiting"] == 1 and row["waiting_dispatched_s"] == 4.0
     assert row["running"] == 2 and row["running_sent_again"] == 1
     assert ha_failures([row]) == ["dispatcher-kill: running requests sent again"]
-    # Past the goals (5 s for new requests, 10 s for waiting ones): failed, as is a
+    # Past the goals (5 s for new requests, 30 s for waiting ones): failed, as is a
     # dispatcher fault after which no new request was dispatched at all.
-    late = row | {"new_request_dispatched_s": 5.5, "waiting_dispatched_s": 10.5,
+    late = row | {"new_request_dispatched_s": 5.5, "waiting_dispatched_s": 30.5,
                   "running_sent_again": 0}
     assert ha_failures([late, row | {"new_request_dispatched_s": None,
                                      "running_sent_again": 0}]) == [
