@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.error
@@ -597,3 +598,16 @@ async def test_fairq_up_paused_past_its_lease_stands_by_and_serves_again(
             standby.kill()
             await standby.wait()
         await leave_nothing_running(up, started, reader)
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--cluster", "--auth"], "--cluster and --auth cannot be combined"),
+    (["--cluster", "--port", "4222"], "leave out --port")])
+def test_fairq_up_cluster_refuses_what_it_cannot_do_and_says_why(
+        flags: list[str], reason: str, tmp_path: Path) -> None:
+    refused = subprocess.run([sys.executable, "-m", "producers.cli", "up", *flags,
+                              "--log-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert reason in refused.stderr
+    assert not (tmp_path / "nats").exists()  # nothing started
