@@ -5,7 +5,8 @@ The stack is a deployment's: a 3-node NATS cluster (`EmbeddedNatsCluster`, every
 and bucket at 3 replicas), two `python -m dispatcher` processes on one lease and
 `--workers` simulated worker processes, all under a `Supervisor` that restarts what
 exits (as Kubernetes or systemd would). The load and the observer are `bench.chaos`'s.
-The faults, each at a random moment after the one before has been undone:
+The faults, each at a random moment after the one before has been undone and the
+backlog it left has drained:
 
 - `dispatcher-kill`: SIGKILL of the lease holder (restarted: it stands by);
 - `dispatcher-stop`: SIGSTOP of the lease holder for `STOPPED_FOR_S` (several lease
@@ -59,6 +60,11 @@ DISPATCHER_RESTART = Backoff(first_s=0.5, max_s=5.0, stable_s=10.0)
 STOPPED_FOR_S = 6.0  # three lease TTLs (2 s by default)
 NODE_DOWN_S = 15.0
 BURST_SETTLE_S = 0.5  # the dispatcher has pulled the burst, and sent what fits
+# Before each burst the backlog an earlier fault left drains to about a second of load:
+# each fault then strikes with its own burst waiting, not with every earlier one's, so
+# what its waiting requests take measures the recovery, not a backlog compounding.
+DRAINED_TO = 10
+DRAIN_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 90.0
 # A request's first dispatch after the fault within this many seconds, per the issue.
 NEW_REQUESTS_GOAL_S = 5.0
@@ -202,7 +208,7 @@ async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
                  first_s: float, gap_s: float, rng: random.Random, faults: list[HaFault],
                  burst: Callable[[], Awaitable[None]]) -> None:
     """The faults in a random order, the next `gap_s` x U(0.5, 1.5) after the last was
-    undone, each just after `burst()` has filled the workers and left requests waiting
+    undone, once its backlog drained, each just after `burst()` has filled the workers and left requests waiting
     in the dispatcher. `nc` is the observer's connection: its node is not killed."""
     js = nc.jetstream()
     kinds = list(kinds)
@@ -213,6 +219,7 @@ async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
             await asyncio.sleep(gap_s * rng.uniform(0.5, 1.5))
         await _until(lambda: _all_ready(js, stack), "every dispatcher back",
                      stack.supervisor)
+        await _drained(watch)
         await burst()
         await asyncio.sleep(BURST_SETTLE_S)
         record, epoch = await _retrying(lambda: lease_holder(js, stack.config.subjects))
@@ -242,6 +249,14 @@ async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
         elif kind == "node-kill":
             await asyncio.sleep(NODE_DOWN_S)
             await asyncio.to_thread(node.start)
+
+
+async def _drained(watch: Watch) -> None:
+    """Until at most `DRAINED_TO` requests wait; past `DRAIN_TIMEOUT_S` the fault strikes
+    anyway (its row then counts the backlog it met among its waiting requests)."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while len(watch.waiting(time.time())) > DRAINED_TO and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
 
 
 async def _retrying(call: Any, timeout_s: float = 30.0) -> Any:
