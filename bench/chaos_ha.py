@@ -208,8 +208,9 @@ async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
                  first_s: float, gap_s: float, rng: random.Random, faults: list[HaFault],
                  burst: Callable[[], Awaitable[None]]) -> None:
     """The faults in a random order, the next `gap_s` x U(0.5, 1.5) after the last was
-    undone, once its backlog drained, each just after `burst()` has filled the workers and left requests waiting
-    in the dispatcher. `nc` is the observer's connection: its node is not killed."""
+    undone, once its backlog drained, each just after `burst()` has filled the workers
+    and left requests waiting in the dispatcher. `nc` is the observer's connection: its
+    node is not killed."""
     js = nc.jetstream()
     kinds = list(kinds)
     rng.shuffle(kinds)
