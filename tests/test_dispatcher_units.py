@@ -83,21 +83,30 @@ class RefusingResults:
         raise self.error
 
 
+def reports_holding_r1(msg, results, *, streamed: bool, reply: str | None = None,
+                       scheduler=None, pool=None, holds_lease=lambda: True
+                       ) -> tuple[WorkerReports, HeldRequests, DispatcherMetrics]:
+    """Worker reports whose dispatcher holds request r1 of acme, adopted on chat-w1."""
+    config = load_config()
+    metrics = DispatcherMetrics(list(config.endpoints))
+    held = HeldRequests()
+    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), reply,
+                            Encoding.JSON)
+    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1",
+                                        streamed=streamed)
+    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
+                          results, metrics, dict)
+    reports = WorkerReports(config, SUBJECTS, scheduler or SimpleNamespace(endpoints={}), pool,
+                            held, admission, metrics, asyncio.Event(), None, holds_lease)
+    return reports, held, metrics
+
+
 @pytest.mark.parametrize("error", [PutError("results: no responders"),
                                    DirectGetError("batch direct get: timeout")])
 async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_dropped(
         error: Exception):
-    config = load_config()
-    metrics = DispatcherMetrics(list(config.endpoints))
-    held = HeldRequests()
-    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), None,
-                            Encoding.JSON)
     msg = HandedBack()
-    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1", streamed=True)
-    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
-                          RefusingResults(error), metrics, dict)
-    reports = WorkerReports(config, SUBJECTS, SimpleNamespace(endpoints={}), None, held,
-                            admission, metrics, asyncio.Event(), None)
+    reports, held, metrics = reports_holding_r1(msg, RefusingResults(error), streamed=True)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
     await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
     # Naked, a little later than at once: redelivered, it runs again rather than vanish,
@@ -110,19 +119,11 @@ async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_
 async def test_work_lost_while_the_lease_is_not_valid_waits_for_it_to_be_valid_again():
     """A dispatcher whose lease lapsed (it was paused, its renewals failed) ends and moves
     nothing: those requests may be the next holder's. Valid again, it takes them back."""
-    config = load_config()
-    metrics = DispatcherMetrics(list(config.endpoints))
-    held = HeldRequests()
-    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), None,
-                            Encoding.JSON)
     msg = HandedBack()
-    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1", streamed=True)
-    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
-                          RefusingResults(PutError("results: no responders")), metrics, dict)
     lease_valid = False
-    reports = WorkerReports(config, SUBJECTS, SimpleNamespace(endpoints={}),
-                            WorkerPool(timeout_s=math.inf), held, admission, metrics,
-                            asyncio.Event(), None, lambda: lease_valid)
+    reports, held, _ = reports_holding_r1(msg, RefusingResults(PutError("results: no responders")),
+                                          streamed=True, pool=WorkerPool(timeout_s=math.inf),
+                                          holds_lease=lambda: lease_valid)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
     await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
     await reports.take_back_silent(1.0)
@@ -156,19 +157,12 @@ class StoredResults:
 
 def quiet_reports(results: StoredResults) -> tuple[WorkerReports, HeldRequests, Acked]:
     """Reports holding request r1 of acme, adopted on chat-w1, which streamed nothing."""
-    config = load_config()
-    metrics = DispatcherMetrics(list(config.endpoints))
-    held = HeldRequests()
     msg = Acked()
-    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), "_INBOX.r1",
-                            Encoding.JSON)
-    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1")
-    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
-                          results, metrics, dict)
     scheduler = SimpleNamespace(endpoints={}, complete=lambda *_: None, cancel=lambda *_: None,
                                 requeue=lambda *_: None)  # r1 is adopted: not in the core
-    reports = WorkerReports(config, SUBJECTS, scheduler, WorkerPool(timeout_s=math.inf), held,
-                            admission, metrics, asyncio.Event(), None)
+    reports, held, _ = reports_holding_r1(msg, results, streamed=False, reply="_INBOX.r1",
+                                          scheduler=scheduler,
+                                          pool=WorkerPool(timeout_s=math.inf))
     return reports, held, msg
 
 
