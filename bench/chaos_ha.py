@@ -47,7 +47,7 @@ from bench.stack import ENDPOINT, benchmark_config
 from broker_config.cluster import EmbeddedNatsCluster
 from broker_config.config import Config
 from broker_config.connection import server_urls
-from broker_config.lease import LEASE_KEY, LeaseRecord
+from broker_config.lease import LEASE_KEY, LeaseRecord, epoch_of
 from broker_config.subjects import Subjects
 from dispatcher.core.workers import Key
 from producers.supervisor import Backoff, Child, Supervisor
@@ -196,8 +196,8 @@ async def lease_holder(js: JetStreamContext,
         return None, 0
     if not entry.value:
         return None, 0
-    record = msgspec.json.decode(entry.value, type=LeaseRecord)
-    return record, record.epoch or entry.revision
+    return msgspec.json.decode(entry.value, type=LeaseRecord), epoch_of(entry.value,
+                                                                         entry.revision)
 
 
 def holder_pid(record: LeaseRecord) -> int:

@@ -184,6 +184,8 @@ async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo
         current = (await js.stream_info(config.name)).config
         return await js.update_stream(config.evolve(
             num_replicas=_replicas(current.num_replicas, config.num_replicas)))
+    except ServiceUnavailableError:
+        raise  # an election, as above
     except APIError as exc:
         raise ProvisionError(f"stream {config.name}: cannot update: {exc.description}") from exc
 
@@ -215,6 +217,8 @@ async def apply_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyVa
             allow_direct=config.direct,
             num_replicas=_replicas(current.num_replicas, config.replicas),
         ))
+    except ServiceUnavailableError:
+        raise  # an election, as above
     except APIError as exc:
         raise ProvisionError(f"bucket {config.bucket}: cannot update: {exc.description}") from exc
     return await js.key_value(config.bucket)

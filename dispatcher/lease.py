@@ -84,6 +84,7 @@ class Lease:
         self.lost = asyncio.Event()
         self.released = False
         self.epoch = 0
+        self._renewed_at = float("-inf")  # not valid on the last tenure's renewals
         waiting_since = self.clock()
         self._standing_by = False
         while True:
@@ -113,12 +114,14 @@ class Lease:
         if self.lost.is_set() or not self.epoch:
             return
         self.lost.set()  # not ours from here on: nothing may be dispatched under it
-        self.released = True
         try:
             await self.kv.delete(LEASE_KEY, last=self._revision)
         except (nats.errors.Error, KeyWrongLastSequenceError) as exc:
+            # Not released: the next holder takes back what this one held.
             log.warning("could not release the lease (%r); it ages out in %.1f s", exc,
                         self.ttl_s)
+        else:
+            self.released = True
 
     # -- internals -----------------------------------------------------------------------
 

@@ -5,8 +5,10 @@
 - A completion releases the request from its worker, settles it in the scheduler (the
   tenant's DRR charge and token limits settled at the real usage) and acks its
   JetStream message, or naks it when the worker could not store the final event.
-- `take_back_silent` (from the maintenance tick): workers silent for the pool's timeout
-  leave rotation, and their work is taken back.
+- `take_back_loop` (a task of the dispatcher's): workers silent for the pool's timeout
+  leave rotation; what a heartbeat or an eviction said a worker lost, and what the silent
+  ones had, is taken back there, never in a message handler (a results lookup may wait
+  on the broker, and a handler that waits holds up every heartbeat behind it).
 - `evicted`: a worker that failed its health probes (`dispatcher.probes`) leaves
   rotation too, and its work is taken back.
 
@@ -19,18 +21,19 @@ retry hint, since a stream cannot take back text a client has seen.
 Only a dispatcher that answers for its work (a valid lease, or one it released for a
 planned stop) takes work back: one that wakes from a pause finds every worker "silent"
 for as long as it slept, and the requests it would end are the new holder's, still
-streaming. What a heartbeat says is gone meanwhile waits in `_deferred`:
-taken back once the lease is valid again, or handed back with everything else held if
-the lease is lost (the drain).
+streaming. What a worker lost waits in `_lost` meanwhile: taken back once the lease is
+valid again, or handed back with everything else held if the lease is lost (the drain).
+The lease is checked again after the lookup, the one long wait of a take-back, and
+nothing is taken out of `held` before that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
@@ -51,16 +54,6 @@ from dispatcher.probes import Probes
 log = logging.getLogger("fairq.dispatcher")
 
 
-@dataclass(slots=True)
-class TakenBack:
-    """What `_take_back` took from one worker: held messages of requests that streamed,
-    to end; keys of requests that streamed nothing, to run again."""
-
-    worker_id: str
-    streamed: list[Held] = field(default_factory=list)
-    quiet: list[Key] = field(default_factory=list)
-
-
 class WorkerReports:
     def __init__(self, config: Config, subjects: Subjects, scheduler: Scheduler,
                  pool: WorkerPool, held: HeldRequests, admission: Admission,
@@ -76,8 +69,10 @@ class WorkerReports:
         self.wake = wake
         self.probes = probes
         self.holds_lease = holds_lease
-        # (worker id, what it lost) while the lease was not valid.
-        self._deferred: list[tuple[str, Lost]] = []
+        # (worker id, what it lost), for `take_back` (with a valid lease).
+        self._lost: list[tuple[str, Lost]] = []
+        self._lost_added = asyncio.Event()
+        self._stopping = False
         # Worker id -> when its last heartbeat came (unix seconds); may outlive this
         # dispatcher, for the next one in the process to settle on (dispatcher/service.py).
         self.heard: dict[str, float] = {}
@@ -114,106 +109,137 @@ class WorkerReports:
                                        beat.capacity, in_flight, beat.healthy, time.time(),
                                        sum(count for _, count in generated),
                                        beat.capacity_mu_per_s)
-            taken = TakenBack(beat.worker_id)
             if lost:
                 log.warning("worker %s no longer has %d requests; taking them back",
                             beat.worker_id, len(lost.requests) + len(lost.adopted))
-                taken = await self._take_back(beat.worker_id, lost)
-            # After the take-back: what went back to a queue is no longer charged here.
+                self._lose(beat.worker_id, lost)
             self.scheduler.progress(generated)
             # The scheduler does not track adopted requests' output: marked here. Only
             # after a dispatcher restart are there any, so most heartbeats skip the loop.
             for key, count in generated if self.held.adopted else ():
                 if count and (held := self.held.adopted.get(key)) is not None:
                     held.streamed = True
-        # Outside the lock: one slow store must not hold up every worker's heartbeats.
-        await self._finish_taking_back(taken)
         worker = self.pool.get(beat.worker_id)
         self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
             worker.load)
         self._update_capacity(worker.endpoint)
         self.wake.set()
 
-    async def take_back_silent(self, now: float) -> None:
-        if not self.holds_lease():
-            return
-        deferred, self._deferred = self._deferred, []
-        for worker_id, lost in deferred:
-            await self._finish_taking_back(await self._take_back(worker_id, lost))
-        for worker, lost in self.pool.silent(now):
-            log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
-                        now - worker.last_seen)
-            await self._finish_taking_back(await self._take_back(worker.worker_id, lost))
-            self._update_capacity(worker.endpoint)
-
-    async def evicted(self, worker: Worker, lost: Lost) -> None:
-        await self._finish_taking_back(await self._take_back(worker.worker_id, lost))
+    def evicted(self, worker: Worker, lost: Lost) -> None:
+        self._lose(worker.worker_id, lost)
         self._update_capacity(worker.endpoint)
         self.wake.set()
 
-    async def _take_back(self, worker_id: str, lost: Lost) -> TakenBack:
-        """Work a worker no longer has: what streamed is settled here, for `_fail_all` to
-        end; what streamed nothing is left as it is, for `_run_again`. Without a valid
-        lease, nothing yet (see the module doc)."""
-        taken = TakenBack(worker_id)
+    def _lose(self, worker_id: str, lost: Lost) -> None:
+        self._lost.append((worker_id, lost))
+        self._lost_added.set()
+
+    async def take_back_loop(self, tick_s: float) -> None:
+        """Take back lost work as it is reported, and silent workers' every `tick_s`,
+        until `stop_taking_back`: a take-back is never cut halfway by the drain."""
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lost_added.wait(), tick_s)
+            self._lost_added.clear()
+            if self._stopping:
+                return
+            try:
+                await self.take_back(time.time())
+            except Exception:  # a bug in one take-back must not stop the next
+                log.exception("taking work back failed")
+
+    def stop_taking_back(self) -> None:
+        """`take_back_loop` returns after the take-back under way (the drain awaits it)."""
+        self._stopping = True
+        self._lost_added.set()
+
+    async def take_back(self, now: float) -> None:
+        """Silent workers out of rotation; what they and the lost reports had, taken back
+        with a valid lease (see the module doc), stored results looked up in one call."""
         if not self.holds_lease():
-            self._deferred.append((worker_id, lost))
-            return taken
-        now = time.time()
+            return
+        for worker, lost in self.pool.silent(now):
+            log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
+                        now - worker.last_seen)
+            self._lose(worker.worker_id, lost)
+            self._update_capacity(worker.endpoint)
+        taking, self._lost = self._lost, []
+        if not taking:
+            return
+        quiet = {key: worker_id for worker_id, lost in taking for key in self._quiet(lost)}
+        stored = await self._lookup(list(quiet))
+        if not self.holds_lease():  # lapsed during the lookup: wait for it again
+            self._lost = taking + self._lost
+            return
+        streamed = [held for _, lost in taking for held in await self._streamed(lost, now)]
+        try:
+            for key, worker_id in quiet.items():
+                try:
+                    await self._run_again(key, worker_id, stored, now)
+                except Exception:
+                    log.exception("taking back request %s of %s failed", key[1], key[0])
+        finally:
+            await self._fail_all(streamed)
+        self.wake.set()
+
+    def _quiet(self, lost: Lost) -> list[Key]:
+        """Of what a worker lost, the requests that streamed nothing (to run again)."""
+        keys = [(request.tenant, request.id) for request in lost.requests
+                if request.output_charged <= 0]
+        return keys + [key for key in lost.adopted
+                       if (held := self.held.adopted.get(key)) is not None and not held.streamed]
+
+    async def _streamed(self, lost: Lost, now: float) -> list[Held]:
+        """Of what a worker lost, the requests that streamed, settled at what they
+        generated and out of `held`: their messages, to end."""
+        ended = []
         for request in lost.requests:
             if request.output_charged > 0:
                 if (held := await self._settle_streamed(request, now)) is not None:
-                    taken.streamed.append(held)
-            else:
-                taken.quiet.append((request.tenant, request.id))
+                    ended.append(held)
         for key in lost.adopted:
             held = self.held.adopted.get(key)
             if held is not None and held.streamed:
-                taken.streamed.append(self.held.adopted.pop(key))
-            elif held is not None:
-                taken.quiet.append(key)
-        return taken
+                ended.append(self.held.adopted.pop(key))
+        return ended
 
-    async def _finish_taking_back(self, taken: TakenBack) -> None:
-        await self._run_again(taken)
-        await self._fail_all(taken.streamed)
-
-    async def _run_again(self, taken: TakenBack) -> None:
-        """Requests that streamed nothing (as far as the heartbeats said) run again,
-        keeping their place by arrival; but one may have finished between two heartbeats
-        with its completion lost (a broker node died under its worker's connection): its
-        stored result, looked up first, answers it instead. If the lookup fails they go
-        back through admission, which looks again."""
-        if not taken.quiet:
-            return
+    async def _lookup(self, keys: list[Key]) -> dict[Key, wire.StoredResult] | None:
+        """The stored results among `keys`; None if the lookup failed."""
+        if not keys:
+            return {}
         try:
-            stored = await self.admission.results.lookup(taken.quiet)
+            return await self.admission.results.lookup(keys)
         except DirectGetError as exc:
-            log.error("results lookup failed (%s); %d requests handed back", exc,
-                      len(taken.quiet))
-            stored = None
-        now = time.time()
-        for key in taken.quiet:
-            held = self.held.get(key)
-            if held is None:  # completed (or ended) meanwhile
-                continue
-            endpoint = held.submission.endpoint
-            if stored is not None and (found := stored.get(key)) is not None:
-                await self._answer_stored(taken.worker_id, held, found)
-            elif (request := self.scheduler.requeue(*key)) is not None:
-                self.metrics.child(self.metrics.redispatched, endpoint).inc()
-                if stored is None:
-                    self.scheduler.cancel(*key)  # out: admitted again on its redelivery
-                    await self.admission.hand_back(self.held.admitted.pop(key), now)
-                else:
-                    request.payload.worker = None
-            elif (held := self.held.adopted.pop(key, None)) is not None:
-                self.metrics.child(self.metrics.redispatched, endpoint).inc()
-                if stored is None:
-                    await self.admission.hand_back(held, now)
-                else:
-                    held.worker = None
-                    await self.admission.admit(held, now, charged_before=True)
+            log.error("results lookup failed (%s); %d requests handed back", exc, len(keys))
+            return None
+
+    async def _run_again(self, key: Key, worker_id: str,
+                         stored: dict[Key, wire.StoredResult] | None, now: float) -> None:
+        """A request that streamed nothing (as far as the heartbeats said) runs again,
+        keeping its place by arrival; but it may have finished between two heartbeats
+        with its completion lost (a broker node died under its worker's connection): its
+        stored result answers it instead. If the lookup failed it goes back through
+        admission, which looks again."""
+        held = self.held.get(key)
+        if held is None:  # completed (or ended) meanwhile
+            return
+        endpoint = held.submission.endpoint
+        if stored is not None and (found := stored.get(key)) is not None:
+            await self._answer_stored(worker_id, held, found)
+            return
+        self.metrics.child(self.metrics.redispatched, endpoint).inc()
+        if stored is None:  # out of the core and of `held`: admitted again on redelivery
+            if self.held.admitted.pop(key, None) is not None:
+                self.scheduler.requeue(*key)
+                self.scheduler.cancel(*key)
+            else:
+                self.held.adopted.pop(key)
+            await self.admission.hand_back(held, now)
+        elif (request := self.scheduler.requeue(*key)) is not None:
+            request.payload.worker = None
+        elif self.held.adopted.pop(key, None) is not None:  # adopted: not in the core
+            held.worker = None
+            await self.admission.admit(held, now, charged_before=True)
 
     async def _answer_stored(self, worker_id: str, held: Held,
                              found: wire.StoredResult) -> None:
@@ -288,7 +314,7 @@ class WorkerReports:
                 if not done.probe:
                     settlements.append(await self._complete(done))
                 elif (eviction := await self.probes.answered(done, time.time())) is not None:
-                    await self.evicted(*eviction)
+                    self.evicted(*eviction)
         self.wake.set()
         # Outside the lock, in one call: a slow limiter store must not hold up heartbeats.
         await self.admission.settle(Settlement(

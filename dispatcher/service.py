@@ -217,7 +217,9 @@ class Dispatcher:
         group = await stack.enter_async_context(asyncio.TaskGroup())
         tasks = [group.create_task(self.dispatch.run(self._may_dispatch), name="dispatch"),
                  group.create_task(self._maintenance_loop(), name="maintenance")]
-        stack.push_async_callback(self._drain, tasks)
+        taking_back = group.create_task(self.reports.take_back_loop(self.options.tick_s),
+                                        name="take back")
+        stack.push_async_callback(self._drain, tasks, taking_back)
 
     async def _take_lease(self, lease: Lease, js: JetStreamContext,
                           stack: contextlib.AsyncExitStack, results: Results) -> None:
@@ -278,7 +280,8 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
 
-    async def _drain(self, tasks: list[asyncio.Task[None]]) -> None:
+    async def _drain(self, tasks: list[asyncio.Task[None]],
+                     taking_back: asyncio.Task[None]) -> None:
         """Steps 1-6 of the drain order (step 7 is the exit stack unwinding further)."""
         await self.intake.close()
         self.state = State.DRAINING
@@ -290,6 +293,8 @@ class Dispatcher:
         deadline = time.monotonic() + (0.0 if lost else self.options.grace_s)
         while self.held.running() and time.monotonic() < deadline:
             await asyncio.sleep(self.options.tick_s)
+        self.reports.stop_taking_back()
+        await asyncio.wait([taking_back])  # not cut halfway: what it took out of `held`
         for task in tasks:
             task.cancel()
         self.state = State.STOPPED
@@ -385,10 +390,9 @@ class Dispatcher:
             now = self._ticked_at = time.time()
             await self.admission.drop_expired(self.scheduler.expire(now), now)
             await self.reloader.end_set_aside()
-            await self.reports.take_back_silent(now)
             if self._may_dispatch():  # probes and evictions are the lease holder's
                 for worker, lost in await self.probes.tick(now):
-                    await self.reports.evicted(worker, lost)
+                    self.reports.evicted(worker, lost)
             self.admission.forget_old_cancels(now)
             await self.autoscaling.tick(now)
             self.drift.tick(now)

@@ -13,8 +13,8 @@ from nats.aio.msg import Msg
 from broker_config.config import BrokerSettings, ConfigError, DispatcherOptions, load_config
 from broker_config.direct_get import DirectGetError
 from broker_config.kv_writer import PutError
-from broker_config.wire import (DoneEvent, Encoding, StoredResult, SubmitRequest, Submission,
-                                Timings)
+from broker_config.wire import (Completion, Completions, DoneEvent, Encoding, ErrorCode,
+                                StoredResult, SubmitRequest, Submission, Timings, encode)
 from costmodel.units import NO_CAPACITY, Capacity, Usage
 from dispatcher.__main__ import build_parser, with_flags
 from dispatcher.admit import HAND_BACK_S, Admission
@@ -84,7 +84,7 @@ class RefusingResults:
 
 
 def reports_holding_r1(msg, results, *, streamed: bool, reply: str | None = None,
-                       scheduler=None, pool=None, holds_lease=lambda: True
+                       scheduler=None, probes=None, holds_lease=lambda: True
                        ) -> tuple[WorkerReports, HeldRequests, DispatcherMetrics]:
     """Worker reports whose dispatcher holds request r1 of acme, adopted on chat-w1."""
     config = load_config()
@@ -96,8 +96,9 @@ def reports_holding_r1(msg, results, *, streamed: bool, reply: str | None = None
                                         streamed=streamed)
     admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
                           results, metrics, dict)
-    reports = WorkerReports(config, SUBJECTS, scheduler or SimpleNamespace(endpoints={}), pool,
-                            held, admission, metrics, asyncio.Event(), None, holds_lease)
+    reports = WorkerReports(config, SUBJECTS, scheduler or SimpleNamespace(endpoints={}),
+                            WorkerPool(timeout_s=math.inf), held, admission, metrics,
+                            asyncio.Event(), probes, holds_lease)
     return reports, held, metrics
 
 
@@ -108,7 +109,8 @@ async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_
     msg = HandedBack()
     reports, held, metrics = reports_holding_r1(msg, RefusingResults(error), streamed=True)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
-    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    await reports.take_back(0.0)
     # Naked, a little later than at once: redelivered, it runs again rather than vanish,
     # and a results bucket that keeps failing does not spin redeliveries.
     assert msg.settled == [("nak", HAND_BACK_S)]
@@ -122,14 +124,13 @@ async def test_work_lost_while_the_lease_is_not_valid_waits_for_it_to_be_valid_a
     msg = HandedBack()
     lease_valid = False
     reports, held, _ = reports_holding_r1(msg, RefusingResults(PutError("results: no responders")),
-                                          streamed=True, pool=WorkerPool(timeout_s=math.inf),
-                                          holds_lease=lambda: lease_valid)
+                                          streamed=True, holds_lease=lambda: lease_valid)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
-    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
-    await reports.take_back_silent(1.0)
+    reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    await reports.take_back(1.0)
     assert msg.settled == [] and held.get(("acme", "r1")) is not None
     lease_valid = True
-    await reports.take_back_silent(2.0)
+    await reports.take_back(2.0)
     assert msg.settled == [("nak", HAND_BACK_S)]  # its end could not be stored: handed back
     assert held.get(("acme", "r1")) is None
 
@@ -155,14 +156,15 @@ class StoredResults:
         self.published.append((reply, event))
 
 
-def quiet_reports(results: StoredResults) -> tuple[WorkerReports, HeldRequests, Acked]:
+def quiet_reports(results: StoredResults, probes=None, holds_lease=lambda: True
+                  ) -> tuple[WorkerReports, HeldRequests, Acked]:
     """Reports holding request r1 of acme, adopted on chat-w1, which streamed nothing."""
     msg = Acked()
     scheduler = SimpleNamespace(endpoints={}, complete=lambda *_: None, cancel=lambda *_: None,
                                 requeue=lambda *_: None)  # r1 is adopted: not in the core
     reports, held, _ = reports_holding_r1(msg, results, streamed=False, reply="_INBOX.r1",
-                                          scheduler=scheduler,
-                                          pool=WorkerPool(timeout_s=math.inf))
+                                          scheduler=scheduler, probes=probes,
+                                          holds_lease=holds_lease)
     return reports, held, msg
 
 
@@ -176,7 +178,8 @@ async def test_a_quiet_request_gone_from_its_worker_is_answered_from_its_stored_
                                                           event=event, stored_at=1.0)})
     reports, held, msg = quiet_reports(results)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
-    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    await reports.take_back(0.0)
     assert msg.settled == [("ack", None)]
     assert results.published == [("_INBOX.r1", event)]  # its final event, sent again
     assert held.get(("acme", "r1")) is None
@@ -186,9 +189,72 @@ async def test_a_quiet_request_whose_result_cannot_be_looked_up_goes_back_throug
     results = StoredResults({}, error=DirectGetError("batch direct get: timeout"))
     reports, held, msg = quiet_reports(results)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
-    await reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
+    await reports.take_back(0.0)
     assert msg.settled == [("nak", None)]  # redelivered: admission looks again
     assert held.get(("acme", "r1")) is None and results.published == []
+
+
+async def test_a_lease_that_lapses_during_the_lookup_leaves_the_work_for_when_it_is_valid():
+    """The lookup is the long wait of a take-back: a pause there may hand the lease on,
+    and what the lookup found is then the next holder's to act on."""
+    event = DoneEvent(id="r1", seq=2, text="ok", usage=Usage(4, 8, 0.0),
+                      timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0))
+    lease = {"valid": True}
+
+    class LapsingResults(StoredResults):
+        """The lease lapses during the first lookup (a pause)."""
+
+        lapsed = False
+
+        async def lookup(self, keys):
+            if not self.lapsed:
+                self.lapsed, lease["valid"] = True, False
+            return await super().lookup(keys)
+
+    results = LapsingResults({("acme", "r1"): StoredResult(tenant="acme", endpoint="chat",
+                                                           event=event, stored_at=1.0)})
+    reports, held, msg = quiet_reports(results, holds_lease=lambda: lease["valid"])
+    reports.evicted(Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0),
+                    Lost(adopted=[("acme", "r1")]))
+    await reports.take_back(0.0)
+    assert msg.settled == [] and results.published == []
+    assert held.get(("acme", "r1")) is not None
+    lease["valid"] = True
+    await reports.take_back(1.0)
+    assert msg.settled == [("ack", None)] and results.published == [("_INBOX.r1", event)]
+
+
+async def test_an_eviction_in_a_completions_message_is_taken_back_outside_its_lock():
+    """A failed probe answer in a completions message evicts its worker; taking back a
+    request answered from its stored result completes it under the completions lock,
+    which the message's handler holds: it must not wait for itself."""
+    event = DoneEvent(id="r1", seq=2, text="ok", usage=Usage(4, 8, 0.0),
+                      timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0))
+    results = StoredResults({("acme", "r1"): StoredResult(tenant="acme", endpoint="chat",
+                                                          event=event, stored_at=1.0)})
+    worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
+
+    class FailedProbe:
+        async def answered(self, done, now):
+            return worker, Lost(adopted=[("acme", "r1")])
+
+    reports, held, msg = quiet_reports(results, probes=FailedProbe())
+    probe = Completion(id="probe-1", tenant="acme", endpoint="chat", worker_id="chat-w1",
+                       usage=Usage(1, 1, 0.0), code=ErrorCode.INTERNAL, stored=False,
+                       finished_at=1.0, probe=True)
+    message = SimpleNamespace(data=encode(Completions([probe])), headers=None)
+    taking_back = asyncio.create_task(reports.take_back_loop(tick_s=0.05))
+    try:
+        await asyncio.wait_for(reports.on_completions(message), timeout=5)
+        for _ in range(100):
+            if msg.settled:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        reports.stop_taking_back()
+        await asyncio.wait_for(taking_back, timeout=5)
+    assert msg.settled == [("ack", None)] and results.published == [("_INBOX.r1", event)]
 
 
 def test_an_endpoint_is_at_its_limits_only_without_room_outside_a_held_reserve():
