@@ -25,9 +25,9 @@ from bench.affinity_workload import ChatWorkload, chat_turns
 from bench.machine import ran_on, table
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
 from costmodel.engine_model import load_engine_params
-from dispatcher.core.fairness import RequestRecord
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.sim import simulate
+from dispatcher.sim.fairness import RequestRecord
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.simulator import simulate
 
 ROUTINGS = {"affinity": True, "least-loaded": False}
 

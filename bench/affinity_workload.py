@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from dispatcher.core.trace import TraceRecord
+from dispatcher.sim.trace import TraceRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,9 +49,9 @@ from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, load_config
 from costmodel.capacity import ScalingPolicy
 from costmodel.engine_model import load_engine_params
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.sim import Simulation, simulate
-from dispatcher.core.trace import TraceRecord
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.simulator import Simulation, simulate
+from dispatcher.sim.trace import TraceRecord
 from producers.loadgen import TraceError, assign_azure_trace
 
 SLO_TTFT_S = 2.0

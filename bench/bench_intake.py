@@ -85,7 +85,7 @@ tier = "standard"
 
 # Intake stages in the profile: label -> (path suffix of the file, function name).
 STAGES: dict[str, tuple[str, str]] = {
-    "arrivals from the per-tenant pulls (TenantIntake._on_message)": ("dispatcher/intake.py",
+    "arrivals from the per-tenant pulls (TenantIntake._on_message)": ("dispatcher/intake/shards.py",
                                                                      "_on_message"),
     "parse: subject, headers, body (wire.parse_submission)": ("broker_config/wire.py",
                                                                "parse_submission"),
@@ -93,12 +93,12 @@ STAGES: dict[str, tuple[str, str]] = {
         "broker_config/wire.py", "decode_request"),
     "result-bucket lookup, one batch direct get per batch (DirectBatchGet.last)": (
         "broker_config/direct_get.py", "last"),
-    "admission + enqueue (Admission.admit)": ("dispatcher/admit.py", "admit"),
+    "admission + enqueue (Admission.admit)": ("dispatcher/admission/admit.py", "admit"),
     "  of which Scheduler.check": ("dispatcher/core/scheduler.py", "check"),
-    "  of which limiter store (MemoryLimiterAsync.apply)": ("dispatcher/redis_limits.py",
+    "  of which limiter store (MemoryLimiterAsync.apply)": ("dispatcher/admission/redis_store.py",
                                                             "apply"),
     "  of which Scheduler.enqueue": ("dispatcher/core/scheduler.py", "enqueue"),
-    "whole per-message intake (Admission._take)": ("dispatcher/admit.py", "_take"),
+    "whole per-message intake (Admission._take)": ("dispatcher/admission/admit.py", "_take"),
     # Other tasks: the KV get's socket send and its reply's parsing happen here.
     "nats-py flusher task (socket sends)": ("nats/aio/client.py", "_flusher"),
     "nats-py read loop (parse and route replies)": ("nats/aio/client.py", "_read_loop"),
@@ -228,7 +228,7 @@ async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | No
                     break
                 if now > PHASE_TIMEOUT_S:
                     admissions = {s.labels["outcome"]: s.value for m in
-                                  dispatcher.metrics.admissions.collect() for s in m.samples
+                                  dispatcher.observe.metrics.admissions.collect() for s in m.samples
                                   if s.name.endswith("_total")}
                     raise BenchError(f"dispatcher: {queued} of {expected} queued after "
                                      f"{PHASE_TIMEOUT_S}s; admissions {admissions}")

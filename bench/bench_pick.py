@@ -16,7 +16,7 @@ import platform
 import time
 
 from costmodel.units import Capacity, Usage
-from dispatcher.core.admission import MemoryLimiterStore
+from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
 from tests.core_support import make_config

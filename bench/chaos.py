@@ -65,7 +65,7 @@ from broker_config import jetstream, wire
 from broker_config.connection import server_urls
 from broker_config.direct_get import DirectBatchGet
 from broker_config.subjects import HDR_MSG_ID, HDR_REPLY, Subjects
-from dispatcher.core.workers import Key
+from dispatcher.core.pool import Key
 from producers.loadgen import tenant_names, zipf_weights
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,9 +47,9 @@ from bench.stack import ENDPOINT, benchmark_config
 from broker_config.cluster import EmbeddedNatsCluster
 from broker_config.config import Config
 from broker_config.connection import server_urls
-from broker_config.lease import LEASE_KEY, LeaseRecord, epoch_of
+from broker_config.lease_key import LEASE_KEY, LeaseRecord, epoch_of
 from broker_config.subjects import Subjects
-from dispatcher.core.workers import Key
+from dispatcher.core.pool import Key
 from producers.supervisor import Backoff, Child, Supervisor
 from producers.local_workers import WorkerLauncher
 
@@ -71,7 +71,7 @@ NEW_REQUESTS_GOAL_S = 5.0
 # What waited when the holder died is dispatched within half the 60 s ack wait: the
 # failure this catches is waiting it out. Not the 10 s: under a backlog those
 # requests wait for room on the workers as every other does (the 10 s with room is
-# tests/test_dataplane_ha.py's); the figures say how long they took.
+# tests/ha/test_dataplane_ha.py's); the figures say how long they took.
 WAITING_GOAL_S = 30.0
 STANDING_BY = "standing by: another dispatcher holds the lease"
 # The faults after which a new lease holder must serve (a node kill may keep the holder).
@@ -201,7 +201,7 @@ async def lease_holder(js: JetStreamContext,
 
 
 def holder_pid(record: LeaseRecord) -> int:
-    return int(record.holder.split(":")[1])  # dispatcher.lease.holder_id: host:pid:nonce
+    return int(record.holder.split(":")[1])  # dispatcher.ha.lease.holder_id: host:pid:nonce
 
 
 async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],

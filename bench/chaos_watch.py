@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from bench.machine import table
 from broker_config import wire
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from dispatcher.core.workers import Key
+from dispatcher.core.pool import Key
 
 # A token event on a reply subject, recognised without decoding it (most events are).
 _TOKEN_PREFIX = b'{"type":"token"'

@@ -1,7 +1,7 @@
 """Ways of reading the requests stream that only benchmarks and tests use.
 
 fairq itself reads the stream through one consumer per shard (`ConsumerSpec.for_shard`)
-with standing pulls (`dispatcher.intake`). The naive baseline (`bench.naive_worker`)
+with standing pulls (`dispatcher.intake.shards`). The naive baseline (`bench.naive_worker`)
 instead shares one consumer per endpoint among its workers, and the benchmarks and tests
 fetch batches through nats-py's pull subscription.
 """

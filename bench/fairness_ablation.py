@@ -50,8 +50,8 @@ from bench.fairness_matrix import (
 from bench.machine import command_line, machine_facts, table
 from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, Config, load_config
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.trace import TraceRecord
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.trace import TraceRecord
 from producers.loadgen import TraceError
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fairness_ablation" / "summary.json"

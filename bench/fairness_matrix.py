@@ -23,7 +23,7 @@ own seeded stream), 300 s of arrivals:
   Zipf tenants (`producers.loadgen.assign_azure_trace`), only with --trace or
   $FQ_AZURE_TRACE (the shape is skipped, and says so, otherwise).
 
-Metrics (`dispatcher.core.fairness`, VTC's definitions): the average and maximum
+Metrics (`dispatcher.sim.fairness`, VTC's definitions): the average and maximum
 service difference over 60 s windows (service = input + 2 x output tokens, per unit of
 weight), the same with service in the endpoint's model units (alpha x input + beta x
 output, what fairq charges), Jain's index on weighted max-min shares, throughput
@@ -55,11 +55,11 @@ from bench.plots import grouped_bars
 from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, Tenant, load_config
 from costmodel.engine_model import load_engine_params
-from dispatcher.core.fairness import MetricOptions, summarize
+from dispatcher.sim.fairness import MetricOptions, summarize
 from dispatcher.core.scheduler import POLICIES
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.sim import simulate
-from dispatcher.core.trace import TraceRecord
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.simulator import simulate
+from dispatcher.sim.trace import TraceRecord
 from producers.loadgen import SizeModel, TraceError, assign_azure_trace, zipf_weights
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fairness_matrix" / "summary.json"

@@ -29,7 +29,7 @@ import openai
 
 from bench.machine import command_line, machine_facts, table
 from bench.stack import REPO, Stack, StackSpec
-from dispatcher.core.fairness import percentile
+from dispatcher.sim.fairness import percentile
 from producers.client import Client
 
 RESULTS = Path(__file__).resolve().parent / "results" / "front"

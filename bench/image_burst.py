@@ -48,7 +48,7 @@ from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.server import EmbeddedNatsServer
 from costmodel.engine_model import load_engine_params
-from dispatcher.core.fairness import percentile
+from dispatcher.sim.fairness import percentile
 from producers.client import Client, NoDispatcher
 from producers.supervisor import Child
 from workers.service import WorkerService

@@ -17,7 +17,7 @@ an acked or deleted message is gone). Layouts (`LAYOUTS`):
   at most `max_ack_pending`;
 - pull-partitioned-16: 16 pull consumers over the shards the stream's subject transform
   stores tenants in (`<prefix>.q.<shard>.*.*`, one filter each: today's intake,
-  dispatcher.intake, without the moves that keep a shard's tenants apart);
+  dispatcher.intake.shards, without the moves that keep a shard's tenants apart);
 - pull-shared: one pull consumer over every stored request subject;
 - pull-mix: a dedicated consumer for each backlogged tenant (every tenth tenant in the
   rate run; the backlogged tenant in the head-of-line run, already moved out) and one

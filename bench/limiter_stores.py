@@ -28,9 +28,9 @@ import numpy as np
 from bench.machine import command_line, machine_facts, table
 from broker_config.config import BrokerSettings, Limits
 from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
-from dispatcher.core.admission import charged, limit_checks, settlement
-from dispatcher.kv_limits import KvLimiterStore
-from dispatcher.redis_limits import AsyncLimiterStore, MemoryLimiterAsync, RedisLimiterStore
+from dispatcher.core.limits import charged, limit_checks, settlement
+from dispatcher.admission.kv_store import KvLimiterStore
+from dispatcher.admission.redis_store import AsyncLimiterStore, MemoryLimiterAsync, RedisLimiterStore
 
 LIMITS = Limits(rpm=1e6, tpm=1e9, monthly_quota_tokens=10**12)
 TOTAL_QUOTA = 10**12

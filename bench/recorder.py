@@ -59,8 +59,8 @@ from broker_config.wire import (
     StoredResult,
     TokenEvent,
 )
-from dispatcher.core.fairness import RequestRecord
-from dispatcher.core.trace import TraceRecord
+from dispatcher.sim.fairness import RequestRecord
+from dispatcher.sim.trace import TraceRecord
 from producers.client import Client, FairqError, Submitted
 
 # The engine is told the input length; the prompt itself is only a placeholder.
@@ -183,7 +183,7 @@ class Measured:
         self.dispatched = first_token - (timings.ttft_s - timings.queued_s)
 
     def request_record(self, time_scale: float = 1.0) -> RequestRecord:
-        """As `dispatcher.core.fairness` records: arrival = submit, times divided by
+        """As `dispatcher.sim.fairness` records: arrival = submit, times divided by
         `time_scale` (the engine model's seconds). A done request without a token is
         recorded as not served, as in the simulator."""
         def scaled(value: float | None) -> float | None:

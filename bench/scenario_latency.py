@@ -61,7 +61,7 @@ from bench.plots import cdf_plot
 from bench.recorder import Arrival, Measured, Replay, describe_outcomes, read_stored
 from bench.stack import Mode, Stack
 from broker_config.wire import DoneEvent, StoredResult
-from dispatcher.core.fairness import latency_summary
+from dispatcher.sim.fairness import latency_summary
 
 TITLE = "End to end: latency added at half the sustained rate"
 RESULTS = Path(__file__).resolve().parent / "results" / "latency"

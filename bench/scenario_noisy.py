@@ -52,7 +52,7 @@ from bench.recorder import (
     replay,
 )
 from bench.stack import Mode, Stack, StackSpec, benchmark_config
-from dispatcher.core.fairness import DEFAULT_METRICS, tenant_summary
+from dispatcher.sim.fairness import DEFAULT_METRICS, tenant_summary
 from producers.loadgen import noisy_neighbour, tenant_names
 from producers.simulate import plot_result
 

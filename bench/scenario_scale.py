@@ -59,7 +59,7 @@ from bench.stack import Stack, StackSpec, benchmark_config
 from broker_config import jetstream
 from broker_config.config import BrokerSettings
 from broker_config.streams import ConsumerLimits, ConsumerSpec, ensure_consumer
-from dispatcher.core.fairness import latency_summary
+from dispatcher.sim.fairness import latency_summary
 from producers.client import Client
 
 TITLE = "End to end: 10, 100 and 1,000 active tenants"

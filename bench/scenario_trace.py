@@ -24,10 +24,10 @@ work queue, with the simulator's figures for the same requests beside them.
   draws a length in [1, max_tokens] from the request id (the same in both modes): on
   average about half the trace's. The simulator gets the lengths the real engine
   produced, and the same max_tokens, so both run the same work.
-- Metrics (`dispatcher.core.fairness`, the simulator's own definitions): per-tenant
+- Metrics (`dispatcher.sim.fairness`, the simulator's own definitions): per-tenant
   queue wait and TTFT percentiles from the client's submit, Jain's index and the VTC
   service difference over 60 s windows, service over time.
-- Simulator: `dispatcher.core.sim.simulate` on the same requests, policy fairq against
+- Simulator: `dispatcher.sim.simulator.simulate` on the same requests, policy fairq against
   the real fairq and fifo against the real naive queue; the table gives each tenant's p95
   TTFT in both and their difference.
 
@@ -59,10 +59,10 @@ from bench.recorder import (
 from bench.sim_azure import PLOTTED
 from bench.stack import Mode, Stack, StackSpec, benchmark_config
 from bench.traces import add_trace_argument, azure_trace
-from dispatcher.core.fairness import RequestRecord, summarize
+from dispatcher.sim.fairness import RequestRecord, summarize
 from dispatcher.core.scheduler import Policy
-from dispatcher.core.sim import SimResult, simulate
-from dispatcher.core.trace import TraceRecord
+from dispatcher.sim.simulator import SimResult, simulate
+from dispatcher.sim.trace import TraceRecord
 from producers.loadgen import TraceError, assign_azure_trace
 from producers.simulate import plot_result
 

@@ -39,8 +39,8 @@ from typing import Any
 
 from bench.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, load_config
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.sim import SimResult, simulate
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.simulator import SimResult, simulate
 from producers.loadgen import TraceError, assign_azure_trace
 from producers.simulate import plot_result, write_result
 

@@ -9,7 +9,7 @@ config with admission out of the way. Four runs per seed, same requests:
 - `alone`: B's requests only;
 - `beside`: B-E next to a well-behaved A that sends the same 10,000 requests closed
   loop, keeping every sequence slot outside the newcomer reserve busy and never
-  building a backlog (`dispatcher.core.sim.ClosedLoop`): the reference;
+  building a backlog (`dispatcher.sim.simulator.ClosedLoop`): the reference;
 - `flood`: B-E next to A's flood, fairq;
 - `fifo`: the same, the naive shared queue.
 
@@ -27,8 +27,8 @@ import msgspec
 
 from bench.machine import command_line, machine_facts, table
 from broker_config.config import Config, load_config
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.sim import ClosedLoop, SimResult, simulate
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.simulator import ClosedLoop, SimResult, simulate
 from producers.loadgen import noisy_neighbour
 
 NOISY_DURATION_S = 300.0

@@ -69,8 +69,8 @@ from bench.recorder import (
 )
 from bench.stack import Stack, StackSpec, benchmark_config
 from broker_config.wire import ErrorCode
-from dispatcher.core.fairness import latency_summary
-from dispatcher.intake import PARKED_CONSUMER_IDLE_S
+from dispatcher.sim.fairness import latency_summary
+from dispatcher.intake.shards import PARKED_CONSUMER_IDLE_S
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "soak"

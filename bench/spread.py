@@ -25,9 +25,9 @@ from pathlib import Path
 from bench.machine import ran_on, table
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.sim import simulate
-from dispatcher.core.trace import TraceRecord
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.simulator import simulate
+from dispatcher.sim.trace import TraceRecord
 
 CONVERSATIONS = 400
 MEAN_OUTPUT_TOKENS = 275.0  # of the uniform 50-500

@@ -41,7 +41,7 @@ from broker_config.streams import provision
 from broker_config.wire import HEARTBEAT
 from costmodel.engine_model import EngineParams
 from dispatcher.core.endpoint import sequences_outside_reserve
-from dispatcher.core.admission import scheduling_only
+from dispatcher.core.limits import scheduling_only
 from producers.client import Client, FairqTimeout, NoDispatcher
 from producers.supervisor import Child, ChildExited
 

@@ -162,7 +162,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_bytes: ByteLimit = -1
     max_msg_size: ByteLimit = -1
     # The requests stream stores each tenant's requests in one of this many shards, read
-    # by one consumer each (dispatcher/intake.py): nats-server's cost per message grows
+    # by one consumer each (dispatcher/intake/shards.py): nats-server's cost per message grows
     # with the number of consumers, so it is kept well below the number of tenants.
     intake_shards: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     # Consumers per stream (the parked stream has one per tenant with parked requests).
@@ -227,7 +227,7 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     settle_s: Seconds = 1.5
     # `python -m dispatcher` takes the deployment's lease before dispatching, renews it
     # every quarter of this and stands by while another process holds it; a holder that
-    # dies is replaced after at most this long (broker_config/lease.py). 0: no lease (one
+    # dies is replaced after at most this long (broker_config/lease_key.py). 0: no lease (one
     # dispatcher only, its batches unfenced).
     lease_ttl_s: Seconds = 2.0
     # On SIGTERM, how long running requests may finish before the rest is handed back.
@@ -237,7 +237,7 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # The broker runs with per-tenant users: `Fq-Reply` must lie in the tenant's inbox.
     tenant_inboxes: bool = False
     # Without Redis: how often monthly usage is written to the limits bucket
-    # (dispatcher/kv_limits.py). A kill -9 loses at most this much of it; each write of
+    # (dispatcher/admission/kv_store.py). A kill -9 loses at most this much of it; each write of
     # 1,000 busy tenants' counters costs the dispatcher about 0.1 s of CPU
     # (docs/benchmarks.md, "Limiter stores").
     usage_flush_s: PositiveSeconds = 2.0
@@ -434,7 +434,7 @@ def _with_profile_files(config: Config, source: str, base_dir: Path) -> Config:
 
 def _with_tokenizer_paths(config: Config, base_dir: Path) -> Config:
     """Each endpoint's `tokenizer` as an absolute path. Only the dispatcher reads the file
-    (dispatcher/tokens.py, at start): workers and clients parse the same config without
+    (dispatcher/admission/tokens.py, at start): workers and clients parse the same config without
     it."""
     endpoints = {name: spec if spec.tokenizer is None else msgspec.structs.replace(
                      spec, tokenizer=str((base_dir / spec.tokenizer).resolve()))

@@ -332,7 +332,7 @@ class EmbeddedNatsServer(_ServerProcess):
 
         It reloads twice: an account that a reload adds (a new tenant's, `fairq auth`)
         gets no working service imports until the next one (nats-server 2.15;
-        tests/test_auth_deployment.py)."""
+        tests/producers/test_auth_deployment.py)."""
         for _ in range(2):
             self._reload_once(timeout_s)
 

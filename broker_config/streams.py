@@ -10,11 +10,11 @@
   enforced at the publisher (see `is_backlog_full`).
 - Stream `<PREFIX>_PARKED` over `<prefix>.park.*.*`, work-queue retention: a flooding
   tenant's requests that the dispatcher moved out of a shard so that the shard's other
-  tenants are not stuck behind them (dispatcher/intake.py).
+  tenants are not stuck behind them (dispatcher/intake/shards.py).
 - KV bucket `<PREFIX>_RESULTS`: final events by `Subjects.result_key(tenant, id)`,
   history 1, kept `results_ttl_s` (24 h by default).
 - KV bucket `<PREFIX>_LIMITS`: monthly token usage per quota, for the embedded limiter
-  store (`dispatcher.kv_limits`), so that a restart keeps it.
+  store (`dispatcher.admission.kv_store`), so that a restart keeps it.
 
 `provision` is safe on every start: it creates what is missing and updates what exists
 to the current settings (a setting the server cannot change in place, such as the
@@ -120,7 +120,7 @@ LIMITS_TTL_S = 40 * 86_400.0
 def limits_bucket_config(settings: BrokerSettings) -> KeyValueConfig:
     return KeyValueConfig(
         bucket=settings.subjects.limits_bucket,
-        description="fairq monthly token usage by quota (dispatcher.kv_limits)",
+        description="fairq monthly token usage by quota (dispatcher.admission.kv_store)",
         history=1,
         ttl=LIMITS_TTL_S,
         storage=StorageType(settings.storage),

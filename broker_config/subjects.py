@@ -12,7 +12,7 @@ Stored subjects (may change): the requests stream keeps each request under
 `<prefix>.q.<shard>.<endpoint>.<tenant>`, the shard a hash of the tenant (the stream's
 subject transform, so publishers never see it), and the dispatcher moves a flooding
 tenant's excess to `<prefix>.park.<endpoint>.<tenant>` in the parked stream
-(dispatcher/intake.py explains why).
+(dispatcher/intake/shards.py explains why).
 
 Internal subjects (may change; only fairq's own services use them) live under
 `<prefix>.int.`, so one permission line covers them all:
@@ -179,7 +179,7 @@ class Subjects:
 
     @property
     def admin_reload(self) -> str:
-        """Every dispatcher re-reads its config file and answers (dispatcher/reload.py).
+        """Every dispatcher re-reads its config file and answers (dispatcher/api/reload.py).
         Outside `tenant_api` and `tenant_requests`, so no tenant user may publish it."""
         return f"{self.prefix}.admin.reload"
 

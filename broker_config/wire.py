@@ -310,7 +310,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str
     items: list[BatchItem]
     sent_at: float
-    # The sending dispatcher's lease epoch (broker_config/lease.py); workers refuse an
+    # The sending dispatcher's lease epoch (broker_config/lease_key.py); workers refuse an
     # older one than they have seen. 0: a dispatcher run without a lease.
     epoch: int = 0
 

@@ -4,12 +4,12 @@ Settings come from the config file (`[dispatcher]`, `[broker]`); the flags below
 single fields of `[dispatcher]`. Credentials: `broker_config.connection` (`--nkey` with
 `fairq auth`'s `fq-dispatcher.nk`, plus `--tenant-inboxes` on a broker with tenant users).
 The dispatcher provisions the broker (idempotently) on start. SIGHUP (or `fairq reload`)
-re-reads the config file's tenants, tiers and limits (dispatcher/reload.py). SIGTERM or
+re-reads the config file's tenants, tiers and limits (dispatcher/api/reload.py). SIGTERM or
 SIGINT drains it (see `dispatcher.service`) and exits 0; a bad config or flag exits 2; a
 broker that cannot be reached exits 1.
 
 Any number may run: each takes the deployment's lease before dispatching
-(`[dispatcher] lease_ttl_s`, dispatcher/lease.py) and stands by while another holds it.
+(`[dispatcher] lease_ttl_s`, dispatcher/ha/lease.py) and stands by while another holds it.
 One that loses its lease (it was paused past it) drains at once and stands by again.
 """
 
@@ -42,13 +42,13 @@ from broker_config.connection import (
     server_urls,
 )
 from broker_config.runtime import freeze_startup_heap
-from dispatcher.metrics import DispatcherMetrics
-from dispatcher.kv_limits import open_limiter_store
-from dispatcher.reload import install_reload_signal
-from dispatcher.redis_limits import LimiterUnavailable
-from dispatcher.lease import Lease, holder_id
+from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.admission.kv_store import open_limiter_store
+from dispatcher.api.reload import install_reload_signal
+from dispatcher.admission.redis_store import LimiterUnavailable
+from dispatcher.ha.lease import Lease, holder_id
 from dispatcher.service import Dispatcher
-from dispatcher.tenures import Tenures
+from dispatcher.ha.tenures import Tenures
 
 # Flag -> the `[dispatcher]` field it overrides.
 OVERRIDES = {

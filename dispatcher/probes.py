@@ -22,8 +22,8 @@ from nats.aio.client import Client as NATS
 from broker_config import wire
 from broker_config.config import DispatcherOptions
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from dispatcher.core.workers import Lost, Worker, WorkerPool
-from dispatcher.metrics import DispatcherMetrics
+from dispatcher.core.pool import Lost, Worker, WorkerPool
+from dispatcher.observe.metrics import DispatcherMetrics
 
 log = logging.getLogger("fairq.dispatcher")
 

@@ -20,7 +20,7 @@ The maintenance tick (this module) drops queued requests past their deadline, ta
 back the work of silent workers, feeds autoscaling and the drift watch, extends the ack
 wait of held messages and exports the queue-depth gauges.
 
-States: STARTING (subscribing) -> STANDBY (with a lease, dispatcher/lease.py: until
+States: STARTING (subscribing) -> STANDBY (with a lease, dispatcher/ha/lease.py: until
 this process holds it, listening to heartbeats only) -> SETTLING (until `settle_s` after
 heartbeats were first heard, and until every worker heard lately has been heard again
 since the lease was taken, so requests still running on workers are adopted, not run
@@ -60,25 +60,25 @@ from nats.js import JetStreamContext
 
 from broker_config.config import Config
 from broker_config.direct_get import DirectBatchGet
-from broker_config.lease import ensure_leases_bucket
+from broker_config.lease_key import ensure_leases_bucket
 from broker_config.streams import ConsumerLimits, provision, reset_consumers
 from broker_config.subjects import ApiKind
-from dispatcher.admit import Admission
-from dispatcher.api import Api
-from dispatcher.autoscale import Autoscaling
+from dispatcher.admission.admit import Admission
+from dispatcher.api.request_reply import Api
+from dispatcher.fleet.autoscale import Autoscaling
 from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.workers import WorkerPool
-from dispatcher.dispatch import Dispatch
-from dispatcher.drift import DriftWatch
-from dispatcher.held import HeldRequests
-from dispatcher.intake import Intake
-from dispatcher.lease import Lease
-from dispatcher.metrics import DispatcherMetrics
+from dispatcher.core.pool import WorkerPool
+from dispatcher.dispatch.batches import Dispatch
+from dispatcher.fleet.drift import DriftWatch
+from dispatcher.dispatch.held import HeldRequests
+from dispatcher.intake.shards import Intake
+from dispatcher.ha.lease import Lease
+from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.probes import Probes
-from dispatcher.redis_limits import AsyncLimiterStore, MemoryLimiterAsync
-from dispatcher.reload import Reloader, ReloadReply
-from dispatcher.reports import WorkerReports
-from dispatcher.results import Results
+from dispatcher.admission.redis_store import AsyncLimiterStore, MemoryLimiterAsync
+from dispatcher.api.reload import Reloader, ReloadReply
+from dispatcher.dispatch.reports import WorkerReports
+from dispatcher.dispatch.stored_results import Results
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -307,7 +307,7 @@ class Dispatcher:
 
     async def reload(self) -> ReloadReply:
         """Re-read the config file and apply its tenants, tiers and unlisted policy
-        (dispatcher/reload.py); the reply says what changed, or why nothing did."""
+        (dispatcher/api/reload.py); the reply says what changed, or why nothing did."""
         return await self.reloader.reload()
 
     def use_config(self, config: Config) -> None:
@@ -329,7 +329,7 @@ class Dispatcher:
         """Whether what it holds is still its own to end or run again: with a valid lease,
         or one it released (a planned stop: no other holder took over what it holds, a
         standby adopts only what its messages bring). One whose lease lapsed (a pause)
-        must not: the next holder runs those requests now (dispatcher/reports.py)."""
+        must not: the next holder runs those requests now (dispatcher/dispatch/reports.py)."""
         return self.lease is None or self.lease.valid() or self.lease.released
 
     def _may_dispatch(self) -> bool:

@@ -1,5 +1,5 @@
 """Operator calls on the dispatchers: `reload_dispatchers` asks every dispatcher to
-re-read its config file (`<prefix>.admin.reload`, dispatcher/reload.py) and gathers
+re-read its config file (`<prefix>.admin.reload`, dispatcher/api/reload.py) and gathers
 their replies.
 
 Every dispatcher answers the one request, so this is a request to many: the request is
@@ -16,7 +16,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from broker_config.subjects import HDR_ADMIN_OP, Subjects
-from dispatcher.reload import ReloadReply
+from dispatcher.api.reload import ReloadReply
 
 
 async def reload_dispatchers(nc: NATS, subjects: Subjects, timeout_s: float,

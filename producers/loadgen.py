@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dispatcher.core.trace import TraceRecord, TraceRecordError
+from dispatcher.sim.trace import TraceRecord, TraceRecordError
 
 REQUIRED_COLUMNS = ("tenant", "arrival_s", "input_tokens", "output_tokens")
 OPTIONAL_COLUMNS = ("priority", "deadline_s", "session", "max_tokens", "endpoint")

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from broker_config.config import EXAMPLE_ENGINE, Config
-from dispatcher.tenures import Tenures
+from dispatcher.ha.tenures import Tenures
 from producers.supervisor import Backoff, Child, Supervisor, describe_exit
 
 # Where `python -m workers` resolves to the same code as this process.

@@ -4,7 +4,7 @@
               [--replicas N] [--seed N] --out RESULT.json [--plot RESULT.png]
     fairq sim --scenario noisy-neighbour ...
 
-RESULT.json is `{"records": [...], "summary": {...}}` (see dispatcher.core.fairness for
+RESULT.json is `{"records": [...], "summary": {...}}` (see dispatcher.sim.fairness for
 every figure). The plot (matplotlib, imported only when asked for) shows per-tenant
 service over time and per-tenant TTFT CDFs.
 """
@@ -20,10 +20,10 @@ from typing import Any
 
 from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
-from dispatcher.core.fairness import RequestRecord, service_over_time
+from dispatcher.sim.fairness import RequestRecord, service_over_time
 from dispatcher.core.scheduler import POLICIES
-from dispatcher.core.admission import scheduling_only
-from dispatcher.core.sim import SimResult, simulate
+from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.simulator import SimResult, simulate
 from producers.loadgen import TraceError, noisy_neighbour, read_trace
 
 SCENARIOS = {"noisy-neighbour": noisy_neighbour}

@@ -36,7 +36,7 @@ Cluster (`--cluster`, docs/operations.md): three nats-server nodes on 127.0.0.1
 (`EmbeddedNatsCluster`, stores in `<log dir>/nats`, `sync_interval: always`) instead of
 one, the requests stream and every bucket at 3 replicas; NATS_URL lists every node, and
 every part reconnects to another node when one dies. The dispatcher runs in tenures
-(`dispatcher.tenures`): one whose lease renewals failed while the cluster elected new
+(`dispatcher.ha.tenures`): one whose lease renewals failed while the cluster elected new
 leaders stands by and serves again, fairq up keeps running.
 
 Reload (SIGHUP to this process; `fairq reload` reaches the dispatcher alone): the config
@@ -88,10 +88,10 @@ from broker_config.connection import server_urls
 from broker_config.runtime import first_of
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
-from dispatcher.metrics import DispatcherMetrics
-from dispatcher.kv_limits import open_limiter_store
-from dispatcher.lease import Lease, holder_id
-from dispatcher.tenures import Tenures
+from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.admission.kv_store import open_limiter_store
+from dispatcher.ha.lease import Lease, holder_id
+from dispatcher.ha.tenures import Tenures
 from producers.client import Client
 from producers.local_workers import (
     START_TIMEOUT_S,

@@ -29,8 +29,8 @@ from broker_config.config import (
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.server import EmbeddedNatsServer
 from costmodel.engine_model import EngineParams, load_engine_params
-from dispatcher.metrics import DispatcherMetrics
-from dispatcher.kv_limits import open_limiter_store
+from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.admission.kv_store import open_limiter_store
 from dispatcher.service import Dispatcher
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine

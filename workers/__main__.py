@@ -51,7 +51,7 @@ from broker_config.connection import (
 )
 from broker_config.health import HealthServer
 from broker_config.kv_writer import KeyValueWriter
-from broker_config.lease import EpochWatch
+from broker_config.lease_key import EpochWatch
 from broker_config.runtime import freeze_startup_heap
 from broker_config.subjects import SubjectError, Subjects, check_token
 from costmodel.engine_model import EngineParams, load_engine_params

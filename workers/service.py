@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from broker_config.config import WorkerOptions
-from broker_config.lease import EpochWatch
+from broker_config.lease_key import EpochWatch
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
 from broker_config.wire import (
     ABORT,

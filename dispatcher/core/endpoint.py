@@ -9,7 +9,7 @@ import math
 
 from broker_config.config import Endpoint
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
-from dispatcher.core.drr import TenantFlow
+from dispatcher.core.policies.drr import TenantFlow
 from dispatcher.core.tiers import Selector
 from dispatcher.core.types import Request
 

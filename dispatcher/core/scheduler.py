@@ -22,11 +22,11 @@ from typing import Literal
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
-from dispatcher.core.admission import (Check, LimiterStore, Settlement, charged, limit_checks,
+from dispatcher.core.limits import (Check, LimiterStore, Settlement, charged, limit_checks,
                                        request_tokens, settlement, throttle)
-from dispatcher.core.drr import TenantFlow
+from dispatcher.core.policies.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
-from dispatcher.core.observe import RequestKey, SchedulerView
+from dispatcher.core.view import RequestKey, SchedulerView
 from dispatcher.core.placement import BLOCKED, HELD, PLACED, Placement
 from dispatcher.core.queues import arrival_order, priority_order
 from dispatcher.core.reconfigure import reconfigure

@@ -4,7 +4,7 @@ A selector answers one question for batch assembly: which tenant's head request 
 next. `TierLadder` (fairq) asks each tier's DRR ring in strict order, so a lower tier is
 served only when no higher tier can dispatch. `FifoSelector` is the naive shared queue:
 oldest request first, whoever sent it, used as the baseline in every comparison;
-`dispatcher.core.vtc.VtcSelector` is the Virtual Token Counter baseline.
+`dispatcher.core.policies.vtc.VtcSelector` is the Virtual Token Counter baseline.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import heapq
 from typing import Protocol
 
 from costmodel.units import Usage
-from dispatcher.core.drr import DrrRing, TenantFlow
+from dispatcher.core.policies.drr import DrrRing, TenantFlow
 from dispatcher.core.types import Request
-from dispatcher.core.vtc import VtcSelector
+from dispatcher.core.policies.vtc import VtcSelector
 
 
 class Selector(Protocol):

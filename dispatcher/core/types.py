@@ -84,7 +84,7 @@ class Request:
     # engine to schedule it ahead of the rest (engine priority), so a newcomer's first
     # token does not wait behind a flooding tenant's prefills.
     expedited: bool = False
-    # The limiter checks admission charged it (dispatcher.core.admission.charged), which
+    # The limiter checks admission charged it (dispatcher.core.limits.charged), which
     # its completion settles: in their month, at what they really took.
     charges: tuple[Any, ...] = ()
 

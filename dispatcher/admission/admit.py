@@ -1,0 +1,359 @@
+"""The admission step: what intake hands over becomes queued requests or final errors.
+
+For a batch of arrived messages (`Admission.batch`, the intake's handler):
+
+1. parse each against the wire contract; a message that breaks it is answered
+   `invalid_request` where that is safe and terminated;
+2. look up stored results for the whole batch at once (one round trip);
+3. per (tenant, id): a request already held is not admitted twice (a redelivery of the
+   held message refreshes its ack token; a second publish of the same id is terminated,
+   the first answers); a request with a stored final event (it finished before a restart,
+   or was cancelled while in the stream) gets that event again and is acked; a request a
+   worker reports running is adopted (acked when it completes, never run twice);
+4. everything else goes through admission: `Scheduler.check`, the limiter store,
+   `Scheduler.enqueue`; a rejection is stored as the request's final event, sent to its
+   reply subject, and the message terminated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from broker_config import jetstream, wire
+from broker_config.config import Config, DispatcherOptions
+from broker_config.direct_get import DirectGetError
+from broker_config.limits import over_limits
+from broker_config.subjects import Subjects
+from dispatcher.dispatch.convert import to_error_event, to_request, too_large_to_dispatch
+from dispatcher.core.limits import Settlement, charged, settlement
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.types import ADMITTED, Decision, Outcome, Request
+from dispatcher.core.pool import Key, WorkerPool
+from dispatcher.dispatch.held import Held, HeldRequests
+from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.intake.park import stored_at
+from dispatcher.admission.redis_store import AsyncLimiterStore, LimiterUnavailable
+from dispatcher.dispatch.stored_results import BROKER_ERRORS, Results
+from dispatcher.admission.tokens import InputCounter
+
+log = logging.getLogger("fairq.dispatcher")
+
+# What the broker failed to look up or to end comes back this soon (not after the ack wait).
+HAND_BACK_S = 1.0
+# A request cancelled while still in the stream is refused at admission for this long
+# (its stored `cancelled` event covers it after that, and across restarts).
+CANCEL_MEMORY_S = 300.0
+CANCELLED = Decision(Outcome.CANCELLED, "cancelled by the client")
+# An unlisted tenant without a flow keeps its depth-API counts this long after its last
+# decision.
+COUNTS_MEMORY_S = 600.0
+# Limiter checks settled in one call of the store (one Redis script).
+SETTLE_BATCH = 512
+
+
+@dataclass(slots=True)
+class Decisions:
+    """A tenant's admission decisions on one endpoint, for the depth API."""
+
+    admitted: int = 0
+    rejected: int = 0
+    last_at: float = 0.0
+
+    def count(self, admitted: bool, now: float) -> None:
+        if admitted:
+            self.admitted += 1
+        else:
+            self.rejected += 1
+        self.last_at = now
+
+
+class Admission:
+    def __init__(self, config: Config, options: DispatcherOptions, subjects: Subjects,
+                 scheduler: Scheduler, limiter: AsyncLimiterStore, pool: WorkerPool,
+                 held: HeldRequests, results: Results, metrics: DispatcherMetrics,
+                 backlog: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self.config = config
+        self.options = options
+        self.subjects = subjects
+        self.scheduler = scheduler
+        self.limiter = limiter
+        self.pool = pool
+        self.held = held
+        self.results = results
+        self.metrics = metrics
+        self.backlog = backlog
+        self.input_counter = InputCounter(config.endpoints)
+        # (endpoint, tenant) -> its decisions since start, for the depth API. Only tenants
+        # the registry knows; an unlisted one's are forgotten (`forget_counts`).
+        self.counts: dict[tuple[str, str], Decisions] = {}
+        # Requests cancelled while in the stream -> when: admission may already be
+        # looking at one of them (see `Api.cancel`).
+        self.cancelled: dict[Key, float] = {}
+
+    async def batch(self, messages: list[Msg]) -> None:
+        """Parse an arrived batch, look up stored results for all of it at once, then
+        admit in arrival order."""
+        parsed: list[tuple[Msg, wire.Submission]] = []
+        for msg in messages:
+            try:
+                parsed.append((msg, wire.parse_submission(
+                    msg.subject, msg.data, msg.headers, self.subjects,
+                    tenant_inboxes=self.options.tenant_inboxes)))
+            except wire.WireError as error:
+                await _guarded(self._refuse_unparsed(msg, error), msg)
+        try:
+            stored = await self.results.lookup([(sub.tenant, sub.id) for _, sub in parsed])
+        except DirectGetError as exc:
+            log.error("results lookup failed (%s); %d requests handed back", exc, len(parsed))
+            for msg, _ in parsed:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak(delay=HAND_BACK_S)
+            return
+        for msg, submission in parsed:
+            await _guarded(self._take(msg, submission,
+                                      stored.get((submission.tenant, submission.id))), msg)
+
+    async def _take(self, msg: Msg, submission: wire.Submission,
+                    stored: wire.StoredResult | None) -> None:
+        now = time.time()
+        key = (submission.tenant, submission.id)
+        held = self.held.get(key)
+        if held is not None:
+            if (held.msg.metadata.stream, held.msg.metadata.sequence.stream) == (
+                    msg.metadata.stream, msg.metadata.sequence.stream):
+                held.msg = msg  # our own message, redelivered: keep its newest ack token
+            else:
+                await msg.term()  # the same id published again: the first one answers
+            return
+        if stored is not None:  # finished before a restart or a redelivery, or cancelled
+            await self.results.publish(submission.reply, submission.encoding, stored.event)
+            await msg.ack()
+            return
+        _, deliveries = jetstream.delivery_of(msg.reply)
+        published_at = stored_at(msg, self.subjects)
+        # Its queue wait and its place in line count from its publish, not from intake.
+        held = Held(msg, submission, min(now, published_at))
+        worker = self.pool.running_on(key)
+        if worker is not None:
+            held.worker = worker
+            # Charged when a dispatcher before this one admitted it: settled on completion.
+            held.charges = charged(self.scheduler.limit_checks(await self._request(held), now))
+            self.held.adopted[key] = held
+            self.pool.adopt(worker, key)
+            return
+        if await self._over_limits(held, len(msg.data), now):
+            return
+        # The wait in the stream counts against the latency target on the first delivery
+        # only: a redelivery (after a restart) was admitted once and has waited for us.
+        # The limiter is asked every time: a dispatcher that hands a request back gives
+        # its charge back first (`hand_back_queued`), one that crashed cannot (the request
+        # is then charged twice, never not at all).
+        await self.admit(held, now, now - held.received_at if deliveries == 1 else 0.0)
+
+    async def _over_limits(self, held: Held, body_bytes: int, now: float) -> bool:
+        """End a request over `[dispatcher.input]` before its tokens are counted. Held,
+        finished and adopted requests never get here: limits lowered across a restart
+        do not end those (a redelivered request whose worker has not reported it yet
+        is judged like a new one)."""
+        sub = held.submission
+        violation = over_limits(sub.request, body_bytes, self.options.input)
+        if violation is not None:
+            violation = f"over a limit of [dispatcher.input]: {violation}"
+        else:
+            # The broker's own limit (`nc` is the dispatcher's connection).
+            violation = too_large_to_dispatch(sub, held.received_at, body_bytes,
+                                              self.results.nc.max_payload)
+        if violation is None:
+            return False
+        label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
+        self.metrics.child(self.metrics.admissions, label, "invalid_request").inc()
+        await self.end(held, wire.ErrorEvent(sub.id, wire.ErrorCode.INVALID_REQUEST, violation),
+                       now)
+        return True
+
+    async def admit(self, held: Held, now: float, waited_s: float = 0.0, *,
+                    charged_before: bool = False) -> None:
+        """Admission proper: checks, the limiter store, then the scheduler's queue.
+
+        `charged_before`: an adopted request whose worker was lost, admitted and charged
+        by a dispatcher before this one: the limiter is not asked again, and what it was
+        charged (as recorded at its adoption) is settled on completion or given back on a
+        rejection.
+        """
+        sub = held.submission
+        if await self._cancelled_meanwhile(held, now):
+            return
+        request = await self._request(held)
+        result = self.scheduler.check(
+            request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
+        if charged_before:
+            if not held.charges:
+                held.charges = charged(result if isinstance(result, list) else
+                                       self.scheduler.limit_checks(request, now))
+            if isinstance(result, list):
+                result = ADMITTED
+        elif isinstance(result, list):
+            try:
+                decision = await self.limiter.apply(result, now)
+            except LimiterUnavailable as exc:
+                log.error("rate limiter unavailable: %s", exc)
+                await self.end(held, wire.ErrorEvent(
+                    sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0), now)
+                self.metrics.child(self.metrics.admissions, sub.endpoint, "internal").inc()
+                return
+            if decision.admitted:
+                held.charges = charged(result)
+            result = decision
+        request.charges = held.charges
+        if await self._cancelled_meanwhile(held, now):  # while the limiter answered
+            return
+        endpoint_label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
+        self.metrics.child(self.metrics.admissions, endpoint_label, result.outcome.value).inc()
+        if result.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
+            counts = self.counts.setdefault((sub.endpoint, sub.tenant), Decisions())
+            counts.count(result.admitted, now)
+        if not result.admitted:
+            await self.reject(held, result, now)
+            return
+        self.scheduler.enqueue(request, now)
+        self.held.admitted[held.key] = held
+
+    async def _request(self, held: Held) -> Request:
+        """The core's view of a held request, its input counted by the endpoint's
+        tokenizer if it has one."""
+        sub = held.submission
+        spec = self.config.endpoints.get(sub.endpoint)
+        if spec is None:
+            return to_request(sub, held.received_at, 1, held)
+        return to_request(sub, held.received_at, spec.max_tokens_cap, held,
+                          spec.affinity_block_tokens,
+                          await self.input_counter.count(sub.endpoint, sub.request))
+
+    def adopt_running(self) -> None:
+        """Adopt the queued requests a worker's heartbeat says it runs: after a restart,
+        redelivered requests can be taken in before the first heartbeats arrive. Called
+        once the dispatcher has settled, before its first dispatch, so none runs twice."""
+        for key, held in list(self.held.admitted.items()):
+            worker = self.pool.running_on(key)
+            if worker is not None and self.scheduler.cancel(*key) is not None:
+                del self.held.admitted[key]
+                held.worker = worker
+                self.held.adopted[key] = held
+                self.pool.adopt(worker, key)
+
+    async def _cancelled_meanwhile(self, held: Held, now: float) -> bool:
+        """A request cancelled while it was in the stream is never admitted."""
+        if held.key not in self.cancelled:
+            return False
+        await self.reject(held, CANCELLED, now)
+        return True
+
+    def _waiting_in_stream(self, endpoint: str, tenant: str) -> int:
+        """The tenant's requests to `endpoint` the stream holds beyond the one being
+        admitted and those already queued or running here (as of the last listing)."""
+        unfinished = self.backlog().get((endpoint, tenant), 0)
+        flow = self.scheduler.flow(endpoint, tenant) if endpoint in self.config.endpoints \
+            else None
+        here = len(flow.queue) + flow.running if flow is not None else 0
+        return max(0, unfinished - here - 1)
+
+    async def _refuse_unparsed(self, msg: Msg, error: wire.WireError) -> None:
+        """A message that is not a valid request: answer where we safely can, then drop."""
+        log.info("invalid request on %s: %s", msg.subject, error)
+        event = error.to_event()
+        tenant = self.subjects.tenant_of(msg.subject)
+        if error.request_id and tenant:  # the id is spent: its result is this error
+            await self.results.store(tenant, "", event, time.time())
+        await self.results.publish(error.reply, error.encoding, event)
+        await msg.term()
+        self.metrics.child(self.metrics.invalid_messages,
+                           "sent" if error.reply else "none").inc()
+
+    async def reject(self, held: Held, decision: Decision, now: float) -> None:
+        """End a held request with `decision`'s error (it was never sent to a worker);
+        the token limits it was charged are given back, since it used none."""
+        charges, held.charges = held.charges, ()
+        await self.settle(settlement(charges, 0), now)
+        await self.end(held, to_error_event(held.submission.id, decision), now)
+
+    async def hand_back_queued(self, now: float) -> None:
+        """A stop hands its queued requests back (nak), out of the scheduler, after giving
+        back what they were charged, since the dispatcher that takes them next charges
+        them at admission. (Running ones keep their charge: the next dispatcher adopts
+        them, uncharged.)"""
+        refunds = []
+        for held in self.held.admitted.values():
+            if held.worker is None:
+                self.scheduler.cancel(*held.key)
+                refunds.extend(settlement(held.charges, 0).refund)
+                held.charges = ()
+        for first in range(0, len(refunds), SETTLE_BATCH):
+            await self.settle(Settlement(refund=tuple(refunds[first:first + SETTLE_BATCH])),
+                              now)
+        await self.held.hand_back(queued_only=True)
+
+    async def hand_back(self, held: Held, now: float) -> None:
+        """Hand one request, no longer held, back to JetStream at once, its token charges
+        given back first: the admission that takes it again charges it again."""
+        await self.settle(settlement(held.charges, 0), now)
+        held.charges = ()
+        with contextlib.suppress(nats.errors.Error):  # else after the ack wait
+            await held.msg.nak()
+
+    async def settle(self, settled: Settlement, now: float) -> None:
+        """Settle token limits at real usage; a store that fails loses only the
+        correction (logged), never the request."""
+        if settled:
+            try:
+                await self.limiter.settle(settled, now)
+            except LimiterUnavailable as exc:
+                log.warning("token limits not settled at real usage: %s", exc)
+
+    async def end(self, held: Held, event: wire.FinalEvent,
+                  now: float) -> wire.FinalEvent | None:
+        """End a held request with `event`: the result that stands, or None if the broker
+        could not store it; then the message is handed back (naked), so the request comes
+        back rather than vanish."""
+        try:
+            return await self.results.finish(held.msg, held.submission, event, now)
+        except BROKER_ERRORS as exc:
+            log.error("could not end request %s of %s: %r; handing it back",
+                      held.submission.id, held.submission.tenant, exc)
+            # Delayed: a results bucket that keeps failing must not spin redeliveries.
+            with contextlib.suppress(nats.errors.Error):  # else after the ack wait
+                await held.msg.nak(delay=HAND_BACK_S)
+            return None
+
+    async def drop_expired(self, requests: Iterable[Request], now: float) -> None:
+        """Queued requests whose deadline passed before they were dispatched."""
+        for request in requests:
+            held = self.held.admitted.pop((request.tenant, request.id))
+            await self.reject(held, Decision(Outcome.DEADLINE_EXCEEDED,
+                                             "the deadline passed while queued"), now)
+
+    def forget_counts(self, now: float) -> None:
+        """Drop the counts of unlisted tenants the scheduler has forgotten (no flow) and
+        that had no decision for `COUNTS_MEMORY_S` (a tenant whose every request is
+        rejected never gets a flow, and stays in view while it keeps trying)."""
+        self.counts = {key: counts for key, counts in self.counts.items()
+                       if key[1] in self.config.tenants
+                       or self.scheduler.flow(*key) is not None
+                       or now - counts.last_at < COUNTS_MEMORY_S}
+
+    def forget_old_cancels(self, now: float) -> None:
+        self.cancelled = {k: at for k, at in self.cancelled.items()
+                          if now - at < CANCEL_MEMORY_S}
+
+
+async def _guarded(step: Awaitable[None], msg: Msg) -> None:
+    try:
+        await step
+    except Exception:
+        log.exception("intake of %s failed; it will be redelivered", msg.subject)

@@ -1,0 +1,1 @@
+"""fairq: dispatcher/dispatch."""

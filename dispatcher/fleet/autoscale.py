@@ -1,0 +1,67 @@
+"""The dispatcher's autoscaling decisions, for the endpoints whose config asks for them.
+
+Every maintenance tick, per autoscaled endpoint, the core's `Autoscaler` is fed the
+model units offered since the last tick (the scheduler's running total of valid
+requests, admitted or turned away) and decides from the healthy workers and the queued backlog. The
+decision is exported as gauges (`fairq_desired_replicas`, `fairq_serving_replicas`,
+`fairq_model_unit_demand`, `fairq_model_unit_utilisation`: what a KEDA or HPA scaler
+reads) and published as a `ScaleEvent` on `<prefix>.int.scale.<endpoint>` whenever the
+desired count changes, and every `REPUBLISH_S` besides, so a supervisor that starts
+late, or missed one (core NATS is at most once), learns it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from nats.aio.client import Client as NATS
+
+from broker_config import wire
+from broker_config.config import Config
+from broker_config.subjects import Subjects
+from costmodel.capacity import Autoscaler
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.pool import WorkerPool
+from dispatcher.observe.metrics import DispatcherMetrics
+
+REPUBLISH_S = 5.0
+
+
+class Autoscaling:
+    def __init__(self, nc: NATS, config: Config, subjects: Subjects, scheduler: Scheduler,
+                 pool: WorkerPool, metrics: DispatcherMetrics) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.scheduler = scheduler
+        self.pool = pool
+        self.metrics = metrics
+        self.scalers = {
+            name: Autoscaler(spec.autoscale, scheduler.endpoints[name].profile.capacity_mu_per_s)
+            for name, spec in config.endpoints.items() if spec.autoscale is not None}
+        self._counted_mu = dict.fromkeys(self.scalers, 0.0)
+        self._published: dict[str, tuple[int, float]] = {}  # endpoint -> (desired, at)
+        for name, scaler in self.scalers.items():
+            # Until a worker reports, a request waits for one to start.
+            scheduler.set_capacity(name, 0.0, startup_wait_s=scaler.policy.cold_start_s)
+
+    async def tick(self, now: float) -> None:
+        for name, scaler in self.scalers.items():
+            queues = self.scheduler.endpoints[name]
+            scaler.arrived(queues.offered_mu - self._counted_mu[name], now)
+            self._counted_mu[name] = queues.offered_mu
+            serving = self.pool.healthy_count(name)
+            decision = scaler.decide(now, serving, queues.queued_model_units())
+            for gauge, value in ((self.metrics.desired_replicas, decision.desired),
+                                 (self.metrics.serving_replicas, serving),
+                                 (self.metrics.demand, decision.demand_mu_per_s),
+                                 (self.metrics.utilisation, decision.utilisation)):
+                gauge.labels(name).set(value)
+            last = self._published.get(name)
+            if last is None or last[0] != decision.desired or now - last[1] >= REPUBLISH_S:
+                self._published[name] = (decision.desired, now)
+                event = wire.ScaleEvent(
+                    endpoint=name, desired=decision.desired, serving=serving,
+                    demand_mu_per_s=decision.demand_mu_per_s, sent_at=now,
+                    utilisation=(decision.utilisation if math.isfinite(decision.utilisation)
+                                 else None))
+                await self.nc.publish(self.subjects.scale(name), wire.encode(event))
