@@ -25,8 +25,8 @@ from bench.affinity_workload import ChatWorkload, chat_turns
 from bench.machine import ran_on, table
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
 from costmodel.engine_model import load_engine_params
-from dispatcher.sim.fairness import RequestRecord
 from dispatcher.core.limits import scheduling_only
+from dispatcher.sim.fairness import RequestRecord
 from dispatcher.sim.simulator import simulate
 
 ROUTINGS = {"affinity": True, "least-loaded": False}
@@ -61,31 +61,56 @@ def run(workload: ChatWorkload, replicas: int, seed: int) -> dict[str, dict[str,
     engine = load_engine_params(EXAMPLE_ENGINE)
     results = {}
     for name, affinity in ROUTINGS.items():
-        result = simulate(trace, config, engine, replicas=replicas, affinity=affinity,
-                          early_binding=True)
+        result = simulate(
+            trace, config, engine, replicas=replicas, affinity=affinity, early_binding=True
+        )
         results[name] = figures(result.records, result.summary)
     return results
 
 
-def report(results: dict[str, dict[str, float]], args: argparse.Namespace,
-           workload: ChatWorkload) -> str:
+def report(
+    results: dict[str, dict[str, float]], args: argparse.Namespace, workload: ChatWorkload
+) -> str:
     a, b = results["affinity"], results["least-loaded"]
-    command = (f"python -m bench.affinity --replicas {args.replicas} --sessions "
-               f"{args.sessions} --turns {args.turns} --session-rate {args.session_rate} "
-               f"--seed {args.seed}")
-    rows = [[name, f"{r['cached_token_ratio']:.1%}", f"{r['ttft_p50_s']:.2f} s",
-             f"{r['ttft_p95_s']:.2f} s", f"{r['output_tokens_per_s']:,.0f}",
-             f"{r['max_over_mean_load']:.2f}"] for name, r in results.items()]
+    command = (
+        f"python -m bench.affinity --replicas {args.replicas} --sessions "
+        f"{args.sessions} --turns {args.turns} --session-rate {args.session_rate} "
+        f"--seed {args.seed}"
+    )
+    rows = [
+        [
+            name,
+            f"{r['cached_token_ratio']:.1%}",
+            f"{r['ttft_p50_s']:.2f} s",
+            f"{r['ttft_p95_s']:.2f} s",
+            f"{r['output_tokens_per_s']:,.0f}",
+            f"{r['max_over_mean_load']:.2f}",
+        ]
+        for name, r in results.items()
+    ]
     lines = [
         f"{ran_on(command)}; {a['requests']:,} requests, system prompt "
-        f"{workload.system_tokens} tokens, {workload.system_prompts} of them.", "",
-        *table(["routing", "cached prompt tokens", "p50 TTFT", "p95 TTFT", "output tok/s",
-                "busiest replica / mean"], rows),
+        f"{workload.system_tokens} tokens, {workload.system_prompts} of them.",
+        "",
+        *table(
+            [
+                "routing",
+                "cached prompt tokens",
+                "p50 TTFT",
+                "p95 TTFT",
+                "output tok/s",
+                "busiest replica / mean",
+            ],
+            rows,
+        ),
     ]
-    lines += ["", f"Affinity / least-loaded: cached ratio "
-              f"{a['cached_token_ratio'] / max(b['cached_token_ratio'], 1e-12):.2f}x, p95 TTFT "
-              f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x, throughput "
-              f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:.3f}x."]
+    lines += [
+        "",
+        f"Affinity / least-loaded: cached ratio "
+        f"{a['cached_token_ratio'] / max(b['cached_token_ratio'], 1e-12):.2f}x, p95 TTFT "
+        f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x, throughput "
+        f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:.3f}x.",
+    ]
     return "\n".join(lines)
 
 
@@ -95,22 +120,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=2400)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--session-rate", type=float, default=0.25,
-                        help="sessions started per second per replica")
+    parser.add_argument(
+        "--session-rate", type=float, default=0.25, help="sessions started per second per replica"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/affinity"))
-    parser.add_argument("--smoke", action="store_true",
-                        help="a small run (4 replicas, 200 sessions) for CI")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a small run (4 replicas, 200 sessions) for CI"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.replicas, args.sessions = 4, 200
     if args.replicas < 1 or args.sessions < 1 or args.turns < 1 or not args.session_rate > 0:
-        print("affinity: --replicas, --sessions and --turns must be >= 1, --session-rate "
-              "> 0", file=sys.stderr)
+        print(
+            "affinity: --replicas, --sessions and --turns must be >= 1, --session-rate > 0",
+            file=sys.stderr,
+        )
         return 2
     # Sessions start over a span that keeps the fleet busy in proportion to its size.
-    workload = ChatWorkload(sessions=args.sessions, turns=args.turns, system_tokens=500,
-                            message_tokens=(100, 400), answer_tokens=(100, 400),
-                            duration_s=args.sessions / args.replicas / args.session_rate)
+    workload = ChatWorkload(
+        sessions=args.sessions,
+        turns=args.turns,
+        system_tokens=500,
+        message_tokens=(100, 400),
+        answer_tokens=(100, 400),
+        duration_s=args.sessions / args.replicas / args.session_rate,
+    )
     results = run(workload, args.replicas, args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = "smoke.json" if args.smoke else "sim.json"

@@ -74,12 +74,20 @@ name = "standard"
 policy = "admit"
 tier = "standard"
 """
-OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=30.0, grace_s=5.0,
-                            probe_stall_s=3600.0, probe_idle_s=3600.0)
+OPTIONS = DispatcherOptions(
+    settle_s=0.2,
+    tick_s=0.05,
+    worker_timeout_s=30.0,
+    grace_s=5.0,
+    probe_stall_s=3600.0,
+    probe_idle_s=3600.0,
+)
 # Short beside the conversations they start: what a worker that served a
 # conversation holds, and another does not, is its history.
-SYSTEM_PROMPTS = [f"You are a careful assistant for a team of {role} engineers. " * 2
-                  for role in ("storage", "network")]
+SYSTEM_PROMPTS = [
+    f"You are a careful assistant for a team of {role} engineers. " * 2
+    for role in ("storage", "network")
+]
 ANSWER_TOKENS = 16
 KV_CACHE_MIB = 64
 REPLY_S = 120.0
@@ -89,30 +97,42 @@ SUBJECTS = parse_config(CONFIG).subjects
 def engine_config(model: Path, kv_cache_mib: int) -> VLLMEngineConfig:
     # vLLM refuses a cache smaller than one sequence of max_model_len; the tiny model's
     # cache holds 1,024 tokens per MiB.
-    return VLLMEngineConfig(model=str(model), max_num_seqs=4,
-                            max_model_len=min(4096, kv_cache_mib * 1024),
-                            kv_cache_bytes=kv_cache_mib << 20, ignore_eos=True)
+    return VLLMEngineConfig(
+        model=str(model),
+        max_num_seqs=4,
+        max_model_len=min(4096, kv_cache_mib * 1024),
+        kv_cache_bytes=kv_cache_mib << 20,
+        ignore_eos=True,
+    )
 
 
 @contextlib.asynccontextmanager
-async def serving(nats_url: str, engines: list[VLLMEngine],
-                  affinity: bool) -> AsyncIterator[NATS]:
+async def serving(nats_url: str, engines: list[VLLMEngine], affinity: bool) -> AsyncIterator[NATS]:
     """A dispatcher (affinity on or off) and a worker per engine; yields a client."""
     config: Config = parse_config(CONFIG)
     config = msgspec.structs.replace(
-        config, dispatcher=OPTIONS, endpoints={"chat": msgspec.structs.replace(
-            config.endpoints["chat"], affinity=affinity)})
+        config,
+        dispatcher=OPTIONS,
+        endpoints={"chat": msgspec.structs.replace(config.endpoints["chat"], affinity=affinity)},
+    )
     async with contextlib.AsyncExitStack() as stack:
         nc = await nats.connect(nats_url, name="fairq-affinity-vllm")
         stack.push_async_callback(nc.drain)
         dispatcher = await stack.enter_async_context(Dispatcher(nc, config))
         results = await nc.jetstream().key_value(dispatcher.subjects.results_bucket)
         for n, engine in enumerate(engines, 1):
-            await stack.enter_async_context(WorkerService(
-                nc, engine, endpoint="chat", worker_id=f"vllm-{n}",
-                subjects=dispatcher.subjects, results=results,
-                profile=dispatcher.scheduler.endpoints["chat"].profile,
-                settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0)))
+            await stack.enter_async_context(
+                WorkerService(
+                    nc,
+                    engine,
+                    endpoint="chat",
+                    worker_id=f"vllm-{n}",
+                    subjects=dispatcher.subjects,
+                    results=results,
+                    profile=dispatcher.scheduler.endpoints["chat"].profile,
+                    settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0),
+                )
+            )
         deadline = time.monotonic() + 60
         while sum(w.healthy for w in dispatcher.pool) < len(engines):
             if time.monotonic() > deadline:
@@ -126,8 +146,11 @@ async def ask(nc: NATS, tenant: str, rid: str, body: dict[str, Any]) -> dict[str
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     try:
-        await nc.jetstream().publish(SUBJECTS.request("chat", tenant), json.dumps(body).encode(),
-                                     headers={"Nats-Msg-Id": rid, "Fq-Reply": inbox})
+        await nc.jetstream().publish(
+            SUBJECTS.request("chat", tenant),
+            json.dumps(body).encode(),
+            headers={"Nats-Msg-Id": rid, "Fq-Reply": inbox},
+        )
         async with asyncio.timeout(REPLY_S):
             while True:
                 event = json.loads((await sub.next_msg(timeout=REPLY_S)).data)
@@ -142,8 +165,9 @@ async def chats(nc: NATS, run: str, sessions: int, turns: int) -> dict[str, Any]
     workers: dict[str, str] = {}
 
     async def on_batch(msg) -> None:
-        batch = wire.BATCH.decode(msg.data, wire.Encoding.from_content_type(
-            (msg.headers or {}).get("Content-Type")))
+        batch = wire.BATCH.decode(
+            msg.data, wire.Encoding.from_content_type((msg.headers or {}).get("Content-Type"))
+        )
         workers.update((item.id, batch.worker_id) for item in batch.items)
 
     watch = await nc.subscribe(SUBJECTS.batches("chat"), cb=on_batch)
@@ -157,8 +181,12 @@ async def chats(nc: NATS, run: str, sessions: int, turns: int) -> dict[str, Any]
             await asyncio.sleep(pauses[s][turn])  # the user reads, then writes
             history += f"User: question {turn} about part {s}: " + "details " * 60 + "\n"
             rid = f"{run}-{s}-{turn}-{uuid.uuid4().hex[:6]}"
-            event = await ask(nc, f"team{s % 3}", rid, {
-                "prompt": history, "session": f"{run}-{s}", "max_tokens": ANSWER_TOKENS})
+            event = await ask(
+                nc,
+                f"team{s % 3}",
+                rid,
+                {"prompt": history, "session": f"{run}-{s}", "max_tokens": ANSWER_TOKENS},
+            )
             if event["type"] != "done":
                 raise RuntimeError(f"turn {turn} of conversation {s} failed: {event}")
             history += f"Assistant: {event['text']}\n"
@@ -183,12 +211,20 @@ async def chats(nc: NATS, run: str, sessions: int, turns: int) -> dict[str, Any]
     }
 
 
-async def compare(nats_url: str, model: Path, sessions: int, turns: int,
-                  kv_cache_mib: int = KV_CACHE_MIB, workers: int = 2) -> dict[str, Any]:
+async def compare(
+    nats_url: str,
+    model: Path,
+    sessions: int,
+    turns: int,
+    kv_cache_mib: int = KV_CACHE_MIB,
+    workers: int = 2,
+) -> dict[str, Any]:
     """Both routings on the same engines, affinity first."""
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(VLLMEngine(engine_config(model, kv_cache_mib)))
-                   for _ in range(workers)]
+        engines = [
+            await stack.enter_async_context(VLLMEngine(engine_config(model, kv_cache_mib)))
+            for _ in range(workers)
+        ]
         results = {}
         for name, affinity in (("affinity", True), ("least-loaded", False)):
             async with serving(nats_url, engines, affinity) as nc:
@@ -197,32 +233,61 @@ async def compare(nats_url: str, model: Path, sessions: int, turns: int,
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
-    rows = [[name, str(r["requests"]), f"{r['cached_token_ratio']:.1%}",
-             f"{r['ttft_p50_s']:.2f} s", f"{r['ttft_p95_s']:.2f} s",
-             f"{r['output_tokens_per_s']:.1f}", f"{r['max_over_mean_requests']:.2f}"]
-            for name, r in results.items()]
-    return "\n".join([
-        ran_on(f"python -m bench.affinity_vllm --sessions {args.sessions} "
-               f"--turns {args.turns} --workers {args.workers} "
-               f"--kv-cache-mib {args.kv_cache_mib}"), "",
-        *table(["routing", "requests", "cached prompt tokens", "p50 TTFT", "p95 TTFT",
-                "output tok/s", "busiest worker / mean"], rows)])
+    rows = [
+        [
+            name,
+            str(r["requests"]),
+            f"{r['cached_token_ratio']:.1%}",
+            f"{r['ttft_p50_s']:.2f} s",
+            f"{r['ttft_p95_s']:.2f} s",
+            f"{r['output_tokens_per_s']:.1f}",
+            f"{r['max_over_mean_requests']:.2f}",
+        ]
+        for name, r in results.items()
+    ]
+    return "\n".join(
+        [
+            ran_on(
+                f"python -m bench.affinity_vllm --sessions {args.sessions} "
+                f"--turns {args.turns} --workers {args.workers} "
+                f"--kv-cache-mib {args.kv_cache_mib}"
+            ),
+            "",
+            *table(
+                [
+                    "routing",
+                    "requests",
+                    "cached prompt tokens",
+                    "p50 TTFT",
+                    "p95 TTFT",
+                    "output tok/s",
+                    "busiest worker / mean",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fairq-affinity-") as scratch:
         model = build_tiny_model(Path(scratch) / "model")
         async with EmbeddedNatsServer() as server:
-            return await compare(server.url, model, args.sessions, args.turns,
-                                 args.kv_cache_mib, args.workers)
+            return await compare(
+                server.url, model, args.sessions, args.turns, args.kv_cache_mib, args.workers
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
-                        help="each engine's KV cache (smaller: cache pressure)")
+    parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=KV_CACHE_MIB,
+        help="each engine's KV cache (smaller: cache pressure)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/affinity"))
     args = parser.parse_args(argv)
@@ -230,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
         os.environ.setdefault(name, "1")
     if min(args.sessions, args.turns, args.workers, args.kv_cache_mib) < 1:
-        print("affinity_vllm: --sessions, --turns, --workers and --kv-cache-mib must be "
-              ">= 1", file=sys.stderr)
+        print(
+            "affinity_vllm: --sessions, --turns, --workers and --kv-cache-mib must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     results = asyncio.run(_main(args))
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -51,12 +51,19 @@ def chat_turns(workload: ChatWorkload, seed: int) -> list[TraceRecord]:
         for _ in range(workload.turns):
             message = rng.randint(*workload.message_tokens)
             answer = rng.randint(*workload.answer_tokens)
-            turns.append(TraceRecord(
-                tenant=tenant, arrival_s=at,
-                input_tokens=workload.system_tokens + history + message,
-                output_tokens=answer, max_tokens=answer, session=session,
-                prefix_id=f"system-{system}", prefix_tokens=workload.system_tokens,
-                history_tokens=history))
+            turns.append(
+                TraceRecord(
+                    tenant=tenant,
+                    arrival_s=at,
+                    input_tokens=workload.system_tokens + history + message,
+                    output_tokens=answer,
+                    max_tokens=answer,
+                    session=session,
+                    prefix_id=f"system-{system}",
+                    prefix_tokens=workload.system_tokens,
+                    history_tokens=history,
+                )
+            )
             history += message + answer
             at += rng.expovariate(1 / workload.think_s) if workload.think_s else 0.0
     turns.sort(key=lambda t: t.arrival_s)

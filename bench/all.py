@@ -17,20 +17,22 @@ from bench.scenarios import SCENARIOS
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.all",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.all", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="each scenario's quick variant")
-    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS),
-                        help="scenarios to run (default: all)")
-    parser.add_argument("--no-report", action="store_true",
-                        help="leave docs/benchmarks.md as it is")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(SCENARIOS), help="scenarios to run (default: all)"
+    )
+    parser.add_argument(
+        "--no-report", action="store_true", help="leave docs/benchmarks.md as it is"
+    )
     args = parser.parse_args(argv)
     names = args.only or list(SCENARIOS)
     for name in names:
         started = time.monotonic()
         code = SCENARIOS[name].main(["--quick"] if args.quick else [])
-        print(f"bench.all: {name} finished in {time.monotonic() - started:.0f} s",
-              file=sys.stderr)
+        print(f"bench.all: {name} finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
         if code:
             return code
     return 0 if args.no_report else report.main(["--only", *names])

@@ -85,25 +85,37 @@ tier = "standard"
 
 # Intake stages in the profile: label -> (path suffix of the file, function name).
 STAGES: dict[str, tuple[str, str]] = {
-    "arrivals from the per-tenant pulls (TenantIntake._on_message)": ("dispatcher/intake/shards.py",
-                                                                     "_on_message"),
-    "parse: subject, headers, body (wire.parse_submission)": ("broker_config/wire.py",
-                                                               "parse_submission"),
+    "arrivals from the per-tenant pulls (TenantIntake._on_message)": (
+        "dispatcher/intake/shards.py",
+        "_on_message",
+    ),
+    "parse: subject, headers, body (wire.parse_submission)": (
+        "broker_config/wire.py",
+        "parse_submission",
+    ),
     "  of which JSON decode + msgspec validation (wire.decode_request)": (
-        "broker_config/wire.py", "decode_request"),
+        "broker_config/wire.py",
+        "decode_request",
+    ),
     "result-bucket lookup, one batch direct get per batch (DirectBatchGet.last)": (
-        "broker_config/direct_get.py", "last"),
+        "broker_config/direct_get.py",
+        "last",
+    ),
     "admission + enqueue (Admission.admit)": ("dispatcher/admission/admit.py", "admit"),
     "  of which Scheduler.check": ("dispatcher/core/scheduler.py", "check"),
-    "  of which limiter store (MemoryLimiterAsync.apply)": ("dispatcher/admission/redis_store.py",
-                                                            "apply"),
+    "  of which limiter store (MemoryLimiterAsync.apply)": (
+        "dispatcher/admission/redis_store.py",
+        "apply",
+    ),
     "  of which Scheduler.enqueue": ("dispatcher/core/scheduler.py", "enqueue"),
     "whole per-message intake (Admission._take)": ("dispatcher/admission/admit.py", "_take"),
     # Other tasks: the KV get's socket send and its reply's parsing happen here.
     "nats-py flusher task (socket sends)": ("nats/aio/client.py", "_flusher"),
     "nats-py read loop (parse and route replies)": ("nats/aio/client.py", "_read_loop"),
-    "dispatcher maintenance loop (expiry, depth gauges)": ("dispatcher/service.py",
-                                                           "_maintenance_loop"),
+    "dispatcher maintenance loop (expiry, depth gauges)": (
+        "dispatcher/service.py",
+        "_maintenance_loop",
+    ),
 }
 IDLE_FUNCTION = "<method 'poll' of 'select.epoll' objects>"
 
@@ -147,11 +159,17 @@ async def publish(url: str, phases: list[list[str]]) -> float:
         start = time.perf_counter()
         for tenants in phases:
             for first in range(0, len(tenants), PUBLISH_IN_FLIGHT):
-                chunk = tenants[first:first + PUBLISH_IN_FLIGHT]
-                await asyncio.gather(*(
-                    js.publish(subjects.request(ENDPOINT, tenant), BODY,
-                               headers={HDR_MSG_ID: request_id(serial + offset)})
-                    for offset, tenant in enumerate(chunk)))
+                chunk = tenants[first : first + PUBLISH_IN_FLIGHT]
+                await asyncio.gather(
+                    *(
+                        js.publish(
+                            subjects.request(ENDPOINT, tenant),
+                            BODY,
+                            headers={HDR_MSG_ID: request_id(serial + offset)},
+                        )
+                        for offset, tenant in enumerate(chunk)
+                    )
+                )
                 serial += len(chunk)
         return time.perf_counter() - start
 
@@ -170,15 +188,17 @@ async def raw_fetch(url: str, expected: int, ack: bool, watch: str | None = None
     limits = ConsumerLimits(max_ack_pending=expected)
     spec = ConsumerSpec(RAW_CONSUMER, SETTINGS.subjects.all_stored, limits)
     async with connected(url) as nc:
-        subscription = await pull_subscription(nc.jetstream(),
-                                               SETTINGS.subjects.requests_stream, spec)
+        subscription = await pull_subscription(
+            nc.jetstream(), SETTINGS.subjects.requests_stream, spec
+        )
         received = 0
         watch_s = None
         start = time.perf_counter()
         while received < expected:
             if time.perf_counter() - start > PHASE_TIMEOUT_S:
-                raise BenchError(f"raw consumer: {received} of {expected} fetched "
-                                 f"after {PHASE_TIMEOUT_S}s")
+                raise BenchError(
+                    f"raw consumer: {received} of {expected} fetched after {PHASE_TIMEOUT_S}s"
+                )
             try:
                 messages = await subscription.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
             except nats.errors.TimeoutError:
@@ -196,19 +216,23 @@ async def raw_fetch(url: str, expected: int, ack: bool, watch: str | None = None
         return Fetched(elapsed, watch_s, finished_at)
 
 
-async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | None,
-                            profile: bool, window: int) -> dict[str, Any]:
+async def dispatcher_intake(
+    url: str, expected: int, watch: tuple[str, str] | None, profile: bool, window: int
+) -> dict[str, Any]:
     """Start a dispatcher over the backlog; time until it has queued `expected` requests
     (or, with `watch` (tenant, id), that one), with `window` waiting requests per tenant.
 
     Also when the watched request was queued, and how many others were queued by then.
     Times count from just before the dispatcher starts.
     """
-    options = DispatcherOptions(settle_s=3600.0,  # hold everything: no dispatching
-                                tenant_window=window,
-                                max_ack_pending=max(window, DispatcherOptions().max_ack_pending))
-    config = msgspec.structs.replace(parse_config(CONFIG_TOML, source="bench_intake"),
-                                     dispatcher=options)
+    options = DispatcherOptions(
+        settle_s=3600.0,  # hold everything: no dispatching
+        tenant_window=window,
+        max_ack_pending=max(window, DispatcherOptions().max_ack_pending),
+    )
+    config = msgspec.structs.replace(
+        parse_config(CONFIG_TOML, source="bench_intake"), dispatcher=options
+    )
     result: dict[str, Any] = {"watch_s": None, "queued_before_watch": None}
     async with connected(url) as nc:
         gc.collect()
@@ -227,11 +251,16 @@ async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | No
                 if queued >= expected or result["watch_s"] is not None:
                     break
                 if now > PHASE_TIMEOUT_S:
-                    admissions = {s.labels["outcome"]: s.value for m in
-                                  dispatcher.observe.metrics.admissions.collect() for s in m.samples
-                                  if s.name.endswith("_total")}
-                    raise BenchError(f"dispatcher: {queued} of {expected} queued after "
-                                     f"{PHASE_TIMEOUT_S}s; admissions {admissions}")
+                    admissions = {
+                        s.labels["outcome"]: s.value
+                        for m in dispatcher.observe.metrics.admissions.collect()
+                        for s in m.samples
+                        if s.name.endswith("_total")
+                    }
+                    raise BenchError(
+                        f"dispatcher: {queued} of {expected} queued after "
+                        f"{PHASE_TIMEOUT_S}s; admissions {admissions}"
+                    )
                 await asyncio.sleep(POLL_S)
             result["elapsed_s"] = time.perf_counter() - start
             if profiler:
@@ -245,21 +274,32 @@ async def dispatcher_intake(url: str, expected: int, watch: tuple[str, str] | No
 def summarise_profile(profiler: cProfile.Profile, wall_s: float) -> dict[str, Any]:
     """Top functions by own time (idle epoll apart), and cumulative time per stage."""
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    rows = [{"function": _describe(file, line, name), "file": file, "name": name,
-             "calls": calls, "own_s": own, "cumulative_s": cumulative}
-            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+    rows = [
+        {
+            "function": _describe(file, line, name),
+            "file": file,
+            "name": name,
+            "calls": calls,
+            "own_s": own,
+            "cumulative_s": cumulative,
+        }
+        for (file, line, name), (_, calls, own, cumulative, _) in stats.items()
+    ]
     idle = sum(r["own_s"] for r in rows if r["name"] == IDLE_FUNCTION)
-    busy = sorted((r for r in rows if r["name"] != IDLE_FUNCTION),
-                  key=lambda r: r["own_s"], reverse=True)
+    busy = sorted(
+        (r for r in rows if r["name"] != IDLE_FUNCTION), key=lambda r: r["own_s"], reverse=True
+    )
     stages = {}
     for label, (suffix, name) in STAGES.items():
         matches = [r for r in rows if r["name"] == name and r["file"].endswith(suffix)]
         stages[label] = sum(r["cumulative_s"] for r in matches)
     stages["idle, waiting on the network (epoll)"] = idle
     keep = ("function", "calls", "own_s", "cumulative_s")
-    return {"wall_s": wall_s,
-            "top": [{k: r[k] for k in keep} for r in busy[:TOP_FUNCTIONS]],
-            "stages": stages}
+    return {
+        "wall_s": wall_s,
+        "top": [{k: r[k] for k in keep} for r in busy[:TOP_FUNCTIONS]],
+        "stages": stages,
+    }
 
 
 def _describe(file: str, line: int, name: str) -> str:
@@ -271,12 +311,14 @@ def _describe(file: str, line: int, name: str) -> str:
 
 # Spawned-process entry points: plain functions returning plain data.
 
+
 def raw_fetch_job(url: str, expected: int, ack: bool, watch: str | None = None) -> Fetched:
     return asyncio.run(raw_fetch(url, expected, ack, watch))
 
 
-def intake_job(url: str, expected: int, watch: tuple[str, str] | None,
-               profile: bool, window: int) -> dict[str, Any]:
+def intake_job(
+    url: str, expected: int, watch: tuple[str, str] | None, profile: bool, window: int
+) -> dict[str, Any]:
     return asyncio.run(dispatcher_intake(url, expected, watch, profile, window))
 
 
@@ -318,23 +360,43 @@ class Runner:
             published = asyncio.run(publish(server.url, [round_robin(messages, tenants)]))
             result = self.job(intake_job, server.url, messages, None, False, messages)
         growth = (result["rss_after_kb"] - result["rss_before_kb"]) / (messages / 1000)
-        return Row("dispatcher intake", tenants, messages, messages / published,
-                   result["elapsed_s"], growth)
+        return Row(
+            "dispatcher intake",
+            tenants,
+            messages,
+            messages / published,
+            result["elapsed_s"],
+            growth,
+        )
 
     def head_of_line(self, backlog: int) -> dict[str, Any]:
         watched = ("B", request_id(backlog))  # the message published after A's backlog
         phases = [["A"] * backlog, [watched[0]]]
         with EmbeddedNatsServer() as server:
             asyncio.run(publish(server.url, phases))
-            result = self.job(intake_job, server.url, backlog + 1, watched, False,
-                              DispatcherOptions().tenant_window)
+            result = self.job(
+                intake_job,
+                server.url,
+                backlog + 1,
+                watched,
+                False,
+                DispatcherOptions().tenant_window,
+            )
         with EmbeddedNatsServer() as server:
             asyncio.run(publish(server.url, phases))
-            raw_watch_s = self.job(raw_fetch_job, server.url, backlog + 1, False,
-                                   SETTINGS.subjects.request(ENDPOINT, watched[0])).watch_s
-        return {"backlog_of_A": backlog, "B_queued_after_s": result["watch_s"],
-                "A_queued_before_B": result["queued_before_watch"],
-                "shared_consumer_reaches_B_after_s": raw_watch_s}
+            raw_watch_s = self.job(
+                raw_fetch_job,
+                server.url,
+                backlog + 1,
+                False,
+                SETTINGS.subjects.request(ENDPOINT, watched[0]),
+            ).watch_s
+        return {
+            "backlog_of_A": backlog,
+            "B_queued_after_s": result["watch_s"],
+            "A_queued_before_B": result["queued_before_watch"],
+            "shared_consumer_reaches_B_after_s": raw_watch_s,
+        }
 
     def profile(self, messages: int, tenants: int) -> dict[str, Any]:
         with EmbeddedNatsServer() as server:
@@ -346,58 +408,116 @@ class Runner:
 # -- report ------------------------------------------------------------------------------
 
 
-def render(facts: dict[str, Any], rows: list[Row], hol: dict[str, Any],
-           prof: dict[str, Any] | None) -> str:
+def render(
+    facts: dict[str, Any], rows: list[Row], hol: dict[str, Any], prof: dict[str, Any] | None
+) -> str:
     out = ["# dispatcher intake benchmark", "", f"`{facts['command']}`", ""]
     out += [f"- {key}: {value}" for key, value in facts.items() if key != "command"]
-    setup = (f"Batches of {FETCH_BATCH}, bodies `{BODY.decode()}` with Nats-Msg-Id, "
-             f"publishes {PUBLISH_IN_FLIGHT} in flight; fresh nats-server per row.")
+    setup = (
+        f"Batches of {FETCH_BATCH}, bodies `{BODY.decode()}` with Nats-Msg-Id, "
+        f"publishes {PUBLISH_IN_FLIGHT} in flight; fresh nats-server per row."
+    )
     out += ["", setup, ""]
-    out += table(["scenario", "tenants", "messages", "publish msg/s", "intake msg/s", "us/msg",
-                  "RSS growth KB per 1k queued"],
-                 [[r.scenario, str(r.tenants), str(r.messages), f"{r.publish_msgs_per_s:,.0f}",
-                   f"{r.msgs_per_s:,.0f}", f"{1e6 / r.msgs_per_s:.1f}",
-                   "" if r.rss_kb_per_1k is None else f"{r.rss_kb_per_1k:.0f}"] for r in rows])
+    out += table(
+        [
+            "scenario",
+            "tenants",
+            "messages",
+            "publish msg/s",
+            "intake msg/s",
+            "us/msg",
+            "RSS growth KB per 1k queued",
+        ],
+        [
+            [
+                r.scenario,
+                str(r.tenants),
+                str(r.messages),
+                f"{r.publish_msgs_per_s:,.0f}",
+                f"{r.msgs_per_s:,.0f}",
+                f"{1e6 / r.msgs_per_s:.1f}",
+                "" if r.rss_kb_per_1k is None else f"{r.rss_kb_per_1k:.0f}",
+            ]
+            for r in rows
+        ],
+    )
     out += ["", "Head of line: A's backlog, then 1 request of B, then the consumer starts.", ""]
-    out += table(["A backlog", "dispatcher: B queued after s", "A requests queued before B",
-                  "baseline, shared consumer in stream order: B fetched after s"],
-                 [[str(hol["backlog_of_A"]), f"{hol['B_queued_after_s']:.3f}",
-                   str(hol["A_queued_before_B"]),
-                   f"{hol['shared_consumer_reaches_B_after_s']:.3f}"]])
+    out += table(
+        [
+            "A backlog",
+            "dispatcher: B queued after s",
+            "A requests queued before B",
+            "baseline, shared consumer in stream order: B fetched after s",
+        ],
+        [
+            [
+                str(hol["backlog_of_A"]),
+                f"{hol['B_queued_after_s']:.3f}",
+                str(hol["A_queued_before_B"]),
+                f"{hol['shared_consumer_reaches_B_after_s']:.3f}",
+            ]
+        ],
+    )
     if prof is None:
         return "\n".join(out)
     wall, messages = prof["wall_s"], prof["messages"]
-    title = (f"Profile (cProfile, {messages} messages over {prof['tenants']} tenants, "
-             f"{wall:.2f} s wall under the profiler):")
+    title = (
+        f"Profile (cProfile, {messages} messages over {prof['tenants']} tenants, "
+        f"{wall:.2f} s wall under the profiler):"
+    )
     out += ["", title, ""]
-    out += table(["top own-time functions", "calls", "own s", "% of wall"],
-                 [[f"`{t['function']}`", str(t["calls"]), f"{t['own_s']:.3f}",
-                   f"{100 * t['own_s'] / wall:.0f}"] for t in prof["top"]])
+    out += table(
+        ["top own-time functions", "calls", "own s", "% of wall"],
+        [
+            [
+                f"`{t['function']}`",
+                str(t["calls"]),
+                f"{t['own_s']:.3f}",
+                f"{100 * t['own_s'] / wall:.0f}",
+            ]
+            for t in prof["top"]
+        ],
+    )
     out.append("")
-    out += table(["intake stage", "cumulative s", "% of wall", "us/msg"],
-                 [[label, f"{seconds:.3f}", f"{100 * seconds / wall:.0f}",
-                   f"{1e6 * seconds / messages:.1f}"]
-                  for label, seconds in prof["stages"].items()])
+    out += table(
+        ["intake stage", "cumulative s", "% of wall", "us/msg"],
+        [
+            [
+                label,
+                f"{seconds:.3f}",
+                f"{100 * seconds / wall:.0f}",
+                f"{1e6 * seconds / messages:.1f}",
+            ]
+            for label, seconds in prof["stages"].items()
+        ],
+    )
     return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=20_000,
-                        help="backlog size per row (at most the per-subject cap, 20000)")
+    parser.add_argument(
+        "--messages",
+        type=int,
+        default=20_000,
+        help="backlog size per row (at most the per-subject cap, 20000)",
+    )
     parser.add_argument("--tenants", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
     parser.add_argument("--json", type=Path, default=RESULTS_PATH)
     args = parser.parse_args()
     if not 1 <= args.messages <= SETTINGS.max_queued_per_subject:
-        parser.error(f"--messages must be 1..{SETTINGS.max_queued_per_subject} "
-                     "(A's backlog in the head-of-line row is one subject)")
+        parser.error(
+            f"--messages must be 1..{SETTINGS.max_queued_per_subject} "
+            "(A's backlog in the head-of-line row is one subject)"
+        )
     if any(t < 1 for t in args.tenants):
         parser.error("--tenants must be >= 1")
     facts = machine_facts(command_line("bench.bench_intake"))
     # A fresh interpreter per job (spawn, one task per child): clean heap for RSS.
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               max_tasks_per_child=1)
+    pool = ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1
+    )
     with pool:
         runner = Runner(pool)
         rows = [runner.raw(args.messages, ack=True), runner.raw(args.messages, ack=False)]
@@ -406,9 +526,12 @@ def main() -> None:
         prof = None if args.no_profile else runner.profile(args.messages, RAW_TENANTS)
     print(render(facts, rows, hol, prof))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"machine": facts,
-              "rows": [asdict(r) | {"msgs_per_s": r.msgs_per_s} for r in rows],
-              "head_of_line": hol, "profile": prof}
+    report = {
+        "machine": facts,
+        "rows": [asdict(r) | {"msgs_per_s": r.msgs_per_s} for r in rows],
+        "head_of_line": hol,
+        "profile": prof,
+    }
     args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -26,8 +26,9 @@ BATCH = 64
 
 def run(policy: str, tenants: int, picks: int) -> tuple[float, float]:
     names = {f"t{i}": ("gold", 1.0 + i % 3) for i in range(tenants)}
-    scheduler = Scheduler(make_config(cost="model_units", quantum=50.0, tenants=names),
-                          policy=policy)
+    scheduler = Scheduler(
+        make_config(cost="model_units", quantum=50.0, tenants=names), policy=policy
+    )
     store = MemoryLimiterStore()
     serial = 0
     for name in names:
@@ -58,8 +59,10 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--picks", type=int, default=200_000)
     args = parser.parse_args()
-    print(f"# pick cost, {platform.python_implementation()} {platform.python_version()}, "
-          f"{platform.machine()}, batches of {BATCH}, {args.picks} picks per row")
+    print(
+        f"# pick cost, {platform.python_implementation()} {platform.python_version()}, "
+        f"{platform.machine()}, batches of {BATCH}, {args.picks} picks per row"
+    )
     print("| policy | tenants | next_batch us/pick | full cycle us/pick |")
     print("|---|---|---|---|")
     for tenants in args.tenants:

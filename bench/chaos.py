@@ -71,8 +71,12 @@ from producers.loadgen import tenant_names, zipf_weights
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "chaos"
 FAULTS = ("kill", "stop", "hang", "slow")
-SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": signal.SIGUSR1,
-           "slow": signal.SIGUSR2}
+SIGNALS = {
+    "kill": signal.SIGKILL,
+    "stop": signal.SIGSTOP,
+    "hang": signal.SIGUSR1,
+    "slow": signal.SIGUSR2,
+}
 UP_START_S = 90.0
 UP_STOP_S = 90.0
 SUBMIT_TRY_S = 2.0
@@ -112,12 +116,26 @@ class Settings:
 
 
 SMOKE = Settings(requests=500, faults=FAULTS, rate_per_s=10.0, fault_gap_s=10.0)
-HA = Settings(requests=3_000, workers=2, faults=HA_FAULTS * 2, rate_per_s=10.0,
-              cluster=True, burst_before_fault=100)
-HA_SMOKE = Settings(requests=1_000, workers=2, faults=HA_FAULTS, rate_per_s=10.0,
-                    fault_gap_s=8.0, cluster=True, burst_before_fault=100)
-SATURATED = Settings(workers=2, faults=(), saturate_s=300.0, max_tokens=2048,
-                     prompt_tokens=(2_000, 8_000))
+HA = Settings(
+    requests=3_000,
+    workers=2,
+    faults=HA_FAULTS * 2,
+    rate_per_s=10.0,
+    cluster=True,
+    burst_before_fault=100,
+)
+HA_SMOKE = Settings(
+    requests=1_000,
+    workers=2,
+    faults=HA_FAULTS,
+    rate_per_s=10.0,
+    fault_gap_s=8.0,
+    cluster=True,
+    burst_before_fault=100,
+)
+SATURATED = Settings(
+    workers=2, faults=(), saturate_s=300.0, max_tokens=2048, prompt_tokens=(2_000, 8_000)
+)
 
 
 @dataclass(slots=True)
@@ -134,17 +152,36 @@ async def fairq_up(settings: Settings, work_dir: Path):
     config_path = work_dir / "fairq.toml"
     config = benchmark_config()
     if settings.probe_stall_s is not None:
-        config = msgspec.structs.replace(config, dispatcher=msgspec.structs.replace(
-            config.dispatcher, probe_stall_s=settings.probe_stall_s,
-            probe_idle_s=settings.probe_stall_s))
+        config = msgspec.structs.replace(
+            config,
+            dispatcher=msgspec.structs.replace(
+                config.dispatcher,
+                probe_stall_s=settings.probe_stall_s,
+                probe_idle_s=settings.probe_stall_s,
+            ),
+        )
     config_path.write_bytes(msgspec.toml.encode(config))
     log_dir = work_dir / "logs"
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.cli", "up", "--config", str(config_path),
-        "--workers", str(settings.workers), "--time-scale", repr(settings.time_scale),
-        "--metrics-port", "0", "--log-dir", str(log_dir), cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True)
+        sys.executable,
+        "-m",
+        "producers.cli",
+        "up",
+        "--config",
+        str(config_path),
+        "--workers",
+        str(settings.workers),
+        "--time-scale",
+        repr(settings.time_scale),
+        "--metrics-port",
+        "0",
+        "--log-dir",
+        str(log_dir),
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
     output: list[str] = []
     drain = None
     try:
@@ -188,8 +225,13 @@ async def _drain_output(process: asyncio.subprocess.Process, output: list[str]) 
 
 def _body(rng: random.Random, settings: Settings) -> bytes:
     low, high = settings.prompt_tokens
-    return json.dumps({"prompt": "chaos", "input_tokens": rng.randint(low, high),
-                       "max_tokens": settings.max_tokens}).encode()
+    return json.dumps(
+        {
+            "prompt": "chaos",
+            "input_tokens": rng.randint(low, high),
+            "max_tokens": settings.max_tokens,
+        }
+    ).encode()
 
 
 async def _submit(js, watch: Watch, key: Key, n: int, body: bytes) -> None:
@@ -200,8 +242,9 @@ async def _submit(js, watch: Watch, key: Key, n: int, body: bytes) -> None:
     deadline = time.monotonic() + SUBMIT_TIMEOUT_S
     while True:
         try:
-            await js.publish(SUBJECTS.request(ENDPOINT, tenant), body, headers=headers,
-                             timeout=SUBMIT_TRY_S)
+            await js.publish(
+                SUBJECTS.request(ENDPOINT, tenant), body, headers=headers, timeout=SUBMIT_TRY_S
+            )
             return
         except (nats.errors.Error, TimeoutError):
             if time.monotonic() > deadline:
@@ -226,8 +269,7 @@ async def open_loop(js, watch: Watch, settings: Settings, rng: random.Random) ->
     return keys
 
 
-async def burst(js, watch: Watch, settings: Settings, rng: random.Random,
-                keys: list[Key]) -> None:
+async def burst(js, watch: Watch, settings: Settings, rng: random.Random, keys: list[Key]) -> None:
     """`burst_before_fault` requests at once, from tenants by Zipf shares, added to
     `keys` (numbered after the open loop's)."""
     tenants = tenant_names(settings.tenants)
@@ -240,8 +282,9 @@ async def burst(js, watch: Watch, settings: Settings, rng: random.Random,
     await asyncio.gather(*sent)
 
 
-async def closed_loop(js, watch: Watch, settings: Settings, rng: random.Random,
-                      per_tenant: int) -> list[Key]:
+async def closed_loop(
+    js, watch: Watch, settings: Settings, rng: random.Random, per_tenant: int
+) -> list[Key]:
     """Each tenant keeps `per_tenant` requests in flight until `saturate_s` has passed."""
     keys: list[Key] = []
     counter = iter(range(10**9))
@@ -257,16 +300,18 @@ async def closed_loop(js, watch: Watch, settings: Settings, rng: random.Random,
             while key not in watch.finals and time.monotonic() < given_up:
                 await asyncio.sleep(0.05)  # a request never answered counts as lost
 
-    await asyncio.gather(*(tenant(name) for name in tenant_names(settings.tenants)
-                           for _ in range(per_tenant)))
+    await asyncio.gather(
+        *(tenant(name) for name in tenant_names(settings.tenants) for _ in range(per_tenant))
+    )
     return keys
 
 
 # -- faults ------------------------------------------------------------------------------
 
 
-async def inject_faults(up: Up, watch: Watch, settings: Settings, rng: random.Random,
-                        faults: list[Fault]) -> None:
+async def inject_faults(
+    up: Up, watch: Watch, settings: Settings, rng: random.Random, faults: list[Fault]
+) -> None:
     """The faults in a random order at random moments, each on a serving worker."""
     kinds = list(settings.faults)
     rng.shuffle(kinds)
@@ -276,8 +321,13 @@ async def inject_faults(up: Up, watch: Watch, settings: Settings, rng: random.Ra
         if index:
             await asyncio.sleep(settings.fault_gap_s * rng.uniform(0.5, 1.5))
         busy = {f.worker_id for f in faults if watch.current_run(f.worker_id) == f.started_at}
-        candidates = [w for w in worker_ids if w not in busy and worker_pid(
-            up.process.pid, w) is not None and watch.current_run(w) is not None]
+        candidates = [
+            w
+            for w in worker_ids
+            if w not in busy
+            and worker_pid(up.process.pid, w) is not None
+            and watch.current_run(w) is not None
+        ]
         if not candidates:
             print(f"chaos: {kind} skipped, no worker serving without a fault", flush=True)
             continue
@@ -313,27 +363,48 @@ async def run(settings: Settings, work_dir: Path) -> dict[str, Any]:
     rng, fault_rng = random.Random(settings.seed), random.Random(-settings.seed)
     faults: list[Fault] = []
     ha_faults: list[HaFault] = []
-    stack = (ha_stack(settings.workers, settings.time_scale, work_dir) if settings.cluster
-             else fairq_up(settings, work_dir))
+    stack = (
+        ha_stack(settings.workers, settings.time_scale, work_dir)
+        if settings.cluster
+        else fairq_up(settings, work_dir)
+    )
     async with stack as up:
-        nc = await nats.connect(server_urls(up.nats_url), name="chaos",
-                                max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        nc = await nats.connect(
+            server_urls(up.nats_url),
+            name="chaos",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+        )
         try:
             watch = Watch(nc, SUBJECTS, ENDPOINT, nc.new_inbox())
             await watch.start()
             js = nc.jetstream()
             began = time.monotonic()
             if settings.saturate_s > 0:
-                keys = await closed_loop(js, watch, settings, rng, per_tenant=max(
-                    1, -(-settings.workers * 80 // settings.tenants)))
+                keys = await closed_loop(
+                    js,
+                    watch,
+                    settings,
+                    rng,
+                    per_tenant=max(1, -(-settings.workers * 80 // settings.tenants)),
+                )
             else:
                 burst_keys: list[Key] = []
                 injector = asyncio.create_task(
-                    inject(up, nc, watch, list(settings.faults), settings.first_fault_s,
-                           settings.fault_gap_s, fault_rng, ha_faults,
-                           lambda: burst(js, watch, settings, fault_rng, burst_keys))
+                    inject(
+                        up,
+                        nc,
+                        watch,
+                        list(settings.faults),
+                        settings.first_fault_s,
+                        settings.fault_gap_s,
+                        fault_rng,
+                        ha_faults,
+                        lambda: burst(js, watch, settings, fault_rng, burst_keys),
+                    )
                     if settings.cluster
-                    else inject_faults(up, watch, settings, fault_rng, faults))
+                    else inject_faults(up, watch, settings, fault_rng, faults)
+                )
                 keys = await open_loop(js, watch, settings, rng)
                 await injector
                 keys += burst_keys
@@ -362,8 +433,10 @@ async def _stored(nc, keys: list[Key]) -> dict[Key, wire.StoredResult]:
     found: dict[Key, wire.StoredResult] = {}
     async with DirectBatchGet(nc, jetstream.kv_stream(bucket)) as reader:
         for start in range(0, len(keys), LOOKUP_BATCH):
-            chunk = {jetstream.kv_subject(bucket, subjects.result_key(*k)): k
-                     for k in keys[start:start + LOOKUP_BATCH]}
+            chunk = {
+                jetstream.kv_subject(bucket, subjects.result_key(*k)): k
+                for k in keys[start : start + LOOKUP_BATCH]
+            }
             for subject, data in (await reader.last(list(chunk))).items():
                 found[chunk[subject]] = wire.STORED_RESULT.decode(data)
     return found
@@ -371,8 +444,16 @@ async def _stored(nc, keys: list[Key]) -> dict[Key, wire.StoredResult]:
 
 def failures(figures: dict[str, Any], saturated: bool) -> list[str]:
     """The goals that failed: delivery always; no eviction at all when saturated."""
-    failed = [name for name in ("lost", "two_different_results", "ran_twice_to_completion",
-                                "internal_elsewhere") if figures[name]]
+    failed = [
+        name
+        for name in (
+            "lost",
+            "two_different_results",
+            "ran_twice_to_completion",
+            "internal_elsewhere",
+        )
+        if figures[name]
+    ]
     if figures["healthy_evictions"] or (saturated and figures["evictions"]):
         failed.append("evictions")
     if saturated and figures["redispatched"]:
@@ -381,22 +462,38 @@ def failures(figures: dict[str, Any], saturated: bool) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true",
-                        help="500 requests, one fault of each kind")
-    parser.add_argument("--saturate", type=float, metavar="S",
-                        help="the false-kill run: no faults, every worker full for S seconds")
-    parser.add_argument("--ha", action="store_true",
-                        help="the dispatchers' and the broker's faults (dispatcher kill -9, "
-                             "SIGSTOP, handover, node kill -9) on a 3-node cluster with two "
-                             "dispatchers (bench.chaos_ha)")
-    parser.add_argument("--no-faults", action="store_true",
-                        help="the same load without faults: the baseline for the figures")
-    parser.add_argument("--probe-stall", type=float, metavar="S",
-                        help="the dispatcher's probe_stall_s and probe_idle_s (default: its "
-                             "own); 0.05 probes a worker whenever a heartbeat shows no new "
-                             "token")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--smoke", action="store_true", help="500 requests, one fault of each kind")
+    parser.add_argument(
+        "--saturate",
+        type=float,
+        metavar="S",
+        help="the false-kill run: no faults, every worker full for S seconds",
+    )
+    parser.add_argument(
+        "--ha",
+        action="store_true",
+        help="the dispatchers' and the broker's faults (dispatcher kill -9, "
+        "SIGSTOP, handover, node kill -9) on a 3-node cluster with two "
+        "dispatchers (bench.chaos_ha)",
+    )
+    parser.add_argument(
+        "--no-faults",
+        action="store_true",
+        help="the same load without faults: the baseline for the figures",
+    )
+    parser.add_argument(
+        "--probe-stall",
+        type=float,
+        metavar="S",
+        help="the dispatcher's probe_stall_s and probe_idle_s (default: its "
+        "own); 0.05 probes a worker whenever a heartbeat shows no new "
+        "token",
+    )
     parser.add_argument("--requests", type=int)
     parser.add_argument("--tenants", type=int)
     parser.add_argument("--workers", type=int)
@@ -416,17 +513,27 @@ def settings_from(args: argparse.Namespace) -> tuple[str, Settings]:
             name, settings = f"ha-{name}", HA_SMOKE if args.smoke else HA
         if args.no_faults:
             name, settings = f"{name}-no-faults", replace(settings, faults=())
-    return name, with_overrides(settings, {"requests": args.requests, "tenants": args.tenants,
-                                           "workers": args.workers, "seed": args.seed,
-                                           "probe_stall_s": args.probe_stall})
+    return name, with_overrides(
+        settings,
+        {
+            "requests": args.requests,
+            "tenants": args.tenants,
+            "workers": args.workers,
+            "seed": args.seed,
+            "probe_stall_s": args.probe_stall,
+        },
+    )
 
 
-async def run_named(name: str, settings: Settings, out_dir: Path,
-                    command: str) -> dict[str, Any]:
+async def run_named(name: str, settings: Settings, out_dir: Path, command: str) -> dict[str, Any]:
     figures = await run(settings, out_dir / name)
-    summary = {"name": name, "machine": machine_facts(command), "settings": asdict(settings),
-               "figures": figures,
-               "failed": failures(figures, saturated=settings.saturate_s > 0)}
+    summary = {
+        "name": name,
+        "machine": machine_facts(command),
+        "settings": asdict(settings),
+        "figures": figures,
+        "failed": failures(figures, saturated=settings.saturate_s > 0),
+    }
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -435,12 +542,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.ha and (args.saturate is not None or args.probe_stall is not None):
-        parser.error("--ha runs its own faults on a cluster; --saturate and --probe-stall "
-                     "are for the workers' runs")
+        parser.error(
+            "--ha runs its own faults on a cluster; --saturate and --probe-stall "
+            "are for the workers' runs"
+        )
     name, settings = settings_from(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    summary = asyncio.run(run_named(name, settings, args.out_dir,
-                                    command_line("bench.chaos", argv)))
+    summary = asyncio.run(
+        run_named(name, settings, args.out_dir, command_line("bench.chaos", argv))
+    )
     print(render(summary))
     return 1 if summary["failed"] else 0
 

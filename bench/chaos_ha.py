@@ -50,8 +50,8 @@ from broker_config.connection import server_urls
 from broker_config.lease_key import LEASE_KEY, LeaseRecord, epoch_of
 from broker_config.subjects import Subjects
 from dispatcher.core.pool import Key
-from producers.supervisor import Backoff, Child, Supervisor
 from producers.local_workers import WorkerLauncher
+from producers.supervisor import Backoff, Child, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 HA_FAULTS = ("dispatcher-kill", "dispatcher-stop", "handover", "node-kill")
@@ -101,8 +101,9 @@ class HaStack:
 
 def cluster_config() -> Config:
     config = benchmark_config()
-    return msgspec.structs.replace(config, broker=msgspec.structs.replace(
-        config.broker, replicas=3))
+    return msgspec.structs.replace(
+        config, broker=msgspec.structs.replace(config.broker, replicas=3)
+    )
 
 
 @contextlib.asynccontextmanager
@@ -115,22 +116,43 @@ async def ha_stack(workers: int, time_scale: float, work_dir: Path) -> AsyncIter
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work_dir / "nats", ignore_errors=True)  # an earlier run's requests
-    async with EmbeddedNatsCluster(3, store_root=work_dir / "nats") as cluster, \
-            Supervisor(on_event=lambda line: print(f"chaos: {line}", flush=True)) as supervisor:
+    async with (
+        EmbeddedNatsCluster(3, store_root=work_dir / "nats") as cluster,
+        Supervisor(on_event=lambda line: print(f"chaos: {line}", flush=True)) as supervisor,
+    ):
         nc = await nats.connect(server_urls(cluster.url), max_reconnect_attempts=-1)
         try:
             for n in range(1, DISPATCHERS + 1):
                 name = f"dispatcher-{n}"
-                await supervisor.add(Child(
-                    name, [sys.executable, "-m", "dispatcher", "--nats", cluster.url,
-                           "--config", str(config_path)],
-                    log_dir / f"{name}.log", cwd=REPO, restart=DISPATCHER_RESTART))
-                await _until(lambda: _ready(nc.jetstream(), config.subjects,
-                                            [supervisor.children[name]]),
-                             f"{name} holding the lease" if n == 1 else f"{name} standing by",
-                             supervisor)
-            launcher = WorkerLauncher(cluster.url, config_path, time_scale, log_dir,
-                                      stop_timeout_s=config.workers.drain_timeout_s + 5)
+                await supervisor.add(
+                    Child(
+                        name,
+                        [
+                            sys.executable,
+                            "-m",
+                            "dispatcher",
+                            "--nats",
+                            cluster.url,
+                            "--config",
+                            str(config_path),
+                        ],
+                        log_dir / f"{name}.log",
+                        cwd=REPO,
+                        restart=DISPATCHER_RESTART,
+                    )
+                )
+                await _until(
+                    lambda: _ready(nc.jetstream(), config.subjects, [supervisor.children[name]]),  # noqa: B023 - awaited here
+                    f"{name} holding the lease" if n == 1 else f"{name} standing by",
+                    supervisor,
+                )
+            launcher = WorkerLauncher(
+                cluster.url,
+                config_path,
+                time_scale,
+                log_dir,
+                stop_timeout_s=config.workers.drain_timeout_s + 5,
+            )
             for n in range(1, workers + 1):
                 await supervisor.add(launcher.child(ENDPOINT, n))
             beating: set[str] = set()
@@ -138,8 +160,7 @@ async def ha_stack(workers: int, time_scale: float, work_dir: Path) -> AsyncIter
             async def on_heartbeat(msg: Msg) -> None:
                 beating.add(msg.subject.rsplit(".", 1)[1])
 
-            subscription = await nc.subscribe(config.subjects.heartbeats(ENDPOINT),
-                                              cb=on_heartbeat)
+            subscription = await nc.subscribe(config.subjects.heartbeats(ENDPOINT), cb=on_heartbeat)
 
             async def all_beating() -> bool:
                 return len(beating) == workers
@@ -166,17 +187,20 @@ async def _ready(js: JetStreamContext, subjects: Subjects, dispatchers: list[Chi
     standby to hand over to."""
     try:
         record, _ = await lease_holder(js, subjects)
-    except (nats.errors.Error, asyncio.TimeoutError):
+    except (TimeoutError, nats.errors.Error):
         return False
     return record is not None and all(
-        c.running and (c.pid == holder_pid(record)
-                       or _last_lease_line(c).endswith(STANDING_BY)) for c in dispatchers)
+        c.running and (c.pid == holder_pid(record) or _last_lease_line(c).endswith(STANDING_BY))
+        for c in dispatchers
+    )
 
 
 async def _all_ready(js: JetStreamContext, stack: HaStack) -> bool:
-    return await _ready(js, stack.config.subjects,
-                        [c for name, c in stack.supervisor.children.items()
-                         if name.startswith("dispatcher-")])
+    return await _ready(
+        js,
+        stack.config.subjects,
+        [c for name, c in stack.supervisor.children.items() if name.startswith("dispatcher-")],
+    )
 
 
 def _last_lease_line(dispatcher: Child) -> str:
@@ -186,8 +210,7 @@ def _last_lease_line(dispatcher: Child) -> str:
     return lines[-1] if lines else ""
 
 
-async def lease_holder(js: JetStreamContext,
-                       subjects: Subjects) -> tuple[LeaseRecord | None, int]:
+async def lease_holder(js: JetStreamContext, subjects: Subjects) -> tuple[LeaseRecord | None, int]:
     """The lease record and its epoch; (None, 0) while nobody holds it."""
     try:
         kv = await js.key_value(subjects.leases_bucket)
@@ -196,17 +219,24 @@ async def lease_holder(js: JetStreamContext,
         return None, 0
     if not entry.value:
         return None, 0
-    return msgspec.json.decode(entry.value, type=LeaseRecord), epoch_of(entry.value,
-                                                                         entry.revision)
+    return msgspec.json.decode(entry.value, type=LeaseRecord), epoch_of(entry.value, entry.revision)
 
 
 def holder_pid(record: LeaseRecord) -> int:
     return int(record.holder.split(":")[1])  # dispatcher.ha.lease.holder_id: host:pid:nonce
 
 
-async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
-                 first_s: float, gap_s: float, rng: random.Random, faults: list[HaFault],
-                 burst: Callable[[], Awaitable[None]]) -> None:
+async def inject(
+    stack: HaStack,
+    nc: NATS,
+    watch: Watch,
+    kinds: list[str],
+    first_s: float,
+    gap_s: float,
+    rng: random.Random,
+    faults: list[HaFault],
+    burst: Callable[[], Awaitable[None]],
+) -> None:
     """The faults in a random order, the next `gap_s` x U(0.5, 1.5) after the last was
     undone, once its backlog drained, each just after `burst()` has filled the workers
     and left requests waiting in the dispatcher. `nc` is the observer's connection: its
@@ -218,8 +248,7 @@ async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
     for index, kind in enumerate(kinds):
         if index:
             await asyncio.sleep(gap_s * rng.uniform(0.5, 1.5))
-        await _until(lambda: _all_ready(js, stack), "every dispatcher back",
-                     stack.supervisor)
+        await _until(lambda: _all_ready(js, stack), "every dispatcher back", stack.supervisor)
         await _drained(watch)
         await burst()
         await asyncio.sleep(BURST_SETTLE_S)
@@ -228,7 +257,8 @@ async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
         waiting, running = watch.waiting(at), watch.running(at)
         if kind == "node-kill":
             leader = await _stream_leader_away_from(
-                nc, stack.cluster, stack.config.subjects.requests_stream)
+                nc, stack.cluster, stack.config.subjects.requests_stream
+            )
             target = leader
             node = stack.cluster.node(leader)
             await asyncio.to_thread(node.kill)
@@ -237,12 +267,20 @@ async def inject(stack: HaStack, nc: NATS, watch: Watch, kinds: list[str],
                 print(f"chaos: {kind} skipped, nobody holds the lease", flush=True)
                 continue
             target = record.holder
-            os.kill(holder_pid(record), {"dispatcher-kill": signal.SIGKILL,
-                                         "dispatcher-stop": signal.SIGSTOP,
-                                         "handover": signal.SIGTERM}[kind])
+            os.kill(
+                holder_pid(record),
+                {
+                    "dispatcher-kill": signal.SIGKILL,
+                    "dispatcher-stop": signal.SIGSTOP,
+                    "handover": signal.SIGTERM,
+                }[kind],
+            )
         faults.append(HaFault(kind, target, at, epoch, waiting, running))
-        print(f"chaos: {kind} {target} (epoch {epoch}): {len(waiting)} waiting, "
-              f"{len(running)} running", flush=True)
+        print(
+            f"chaos: {kind} {target} (epoch {epoch}): {len(waiting)} waiting, "
+            f"{len(running)} running",
+            flush=True,
+        )
         if kind == "dispatcher-stop":
             await asyncio.sleep(STOPPED_FOR_S)
             with contextlib.suppress(ProcessLookupError):
@@ -266,14 +304,13 @@ async def _retrying(call: Any, timeout_s: float = 30.0) -> Any:
     while True:
         try:
             return await call()
-        except (nats.errors.Error, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.Error):
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
 
 
-async def _stream_leader_away_from(nc: NATS, cluster: EmbeddedNatsCluster,
-                                   stream: str) -> str:
+async def _stream_leader_away_from(nc: NATS, cluster: EmbeddedNatsCluster, stream: str) -> str:
     """The node leading `stream`, moved off the node `nc` is connected to first: the
     observer would miss what is said while it reconnects."""
     js = nc.jetstream()
@@ -296,23 +333,35 @@ def ha_figures(watch: Watch, faults: list[HaFault]) -> list[dict[str, Any]]:
     rows = []
     for fault, until in zip(faults, [f.at for f in faults[1:]] + [float("inf")]):
         # What happened before the next fault.
-        new_epochs = [at for epoch, at in watch.epoch_first_batch.items()
-                      if epoch > fault.epoch and fault.at < at < until]
-        later = [first - fault.at for key, sent in watch.submitted_at.items()
-                 if fault.at < sent < until
-                 for first in [_first_dispatch(watch, key, fault.at)] if first is not None]
+        new_epochs = [
+            at
+            for epoch, at in watch.epoch_first_batch.items()
+            if epoch > fault.epoch and fault.at < at < until
+        ]
+        later = [
+            first - fault.at
+            for key, sent in watch.submitted_at.items()
+            if fault.at < sent < until
+            for first in [_first_dispatch(watch, key, fault.at)]
+            if first is not None
+        ]
         waited = [_waited(watch, key, fault.at) for key in fault.waiting]
-        rows.append({
-            "kind": fault.kind, "target": fault.target, "at_s": fault.at,
-            "epoch": fault.epoch,
-            "new_holder_s": min(new_epochs) - fault.at if new_epochs else None,
-            "new_request_dispatched_s": min(later) if later else None,
-            "waiting": len(fault.waiting),
-            "waiting_dispatched_s": max(waited) if waited else None,
-            "running": len(fault.running),
-            "running_sent_again": sum(1 for key in fault.running
-                                      if _first_dispatch(watch, key, fault.at) is not None),
-        })
+        rows.append(
+            {
+                "kind": fault.kind,
+                "target": fault.target,
+                "at_s": fault.at,
+                "epoch": fault.epoch,
+                "new_holder_s": min(new_epochs) - fault.at if new_epochs else None,
+                "new_request_dispatched_s": min(later) if later else None,
+                "waiting": len(fault.waiting),
+                "waiting_dispatched_s": max(waited) if waited else None,
+                "running": len(fault.running),
+                "running_sent_again": sum(
+                    1 for key in fault.running if _first_dispatch(watch, key, fault.at) is not None
+                ),
+            }
+        )
     return rows
 
 
@@ -334,11 +383,15 @@ def ha_failures(rows: list[dict[str, Any]]) -> list[str]:
     failed = []
     for row in rows:
         kind = row["kind"]
-        if kind in HOLDER_FAULTS and not _within(row["new_request_dispatched_s"],
-                                                 NEW_REQUESTS_GOAL_S):
+        if kind in HOLDER_FAULTS and not _within(
+            row["new_request_dispatched_s"], NEW_REQUESTS_GOAL_S
+        ):
             failed.append(f"{kind}: new requests")
-        if kind in HOLDER_FAULTS and row["waiting"] and not _within(
-                row["waiting_dispatched_s"], WAITING_GOAL_S):
+        if (
+            kind in HOLDER_FAULTS
+            and row["waiting"]
+            and not _within(row["waiting_dispatched_s"], WAITING_GOAL_S)
+        ):
             failed.append(f"{kind}: waiting requests")
         if row["running_sent_again"]:
             failed.append(f"{kind}: running requests sent again")

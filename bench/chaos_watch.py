@@ -80,13 +80,16 @@ class Watch:
 
     async def start(self) -> None:
         s, ep = self.subjects, self.endpoint
-        for subject, handler in ((s.batches(ep), self._on_batch),
-                                 (s.completions(ep), self._on_completions),
-                                 (s.heartbeats(ep), self._on_heartbeat),
-                                 (s.evictions(ep), self._on_evict),
-                                 (f"{self.inbox}.>", self._on_event)):
-            await self.nc.subscribe(subject, cb=handler, pending_msgs_limit=1_000_000,
-                                    pending_bytes_limit=1 << 30)
+        for subject, handler in (
+            (s.batches(ep), self._on_batch),
+            (s.completions(ep), self._on_completions),
+            (s.heartbeats(ep), self._on_heartbeat),
+            (s.evictions(ep), self._on_evict),
+            (f"{self.inbox}.>", self._on_event),
+        ):
+            await self.nc.subscribe(
+                subject, cb=handler, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30
+            )
         await self.nc.flush()
 
     def reply_for(self, key: Key, n: int) -> str:
@@ -110,7 +113,8 @@ class Watch:
                 self.probe_sent_at[item.id] = batch.sent_at
             else:
                 self.dispatches[(item.tenant, item.id)].append(
-                    _Dispatch(batch.sent_at, batch.worker_id))
+                    _Dispatch(batch.sent_at, batch.worker_id)
+                )
 
     async def _on_completions(self, msg: Msg) -> None:
         completions = self._decode(msg, wire.COMPLETIONS.decode)
@@ -133,8 +137,12 @@ class Watch:
         if not runs or runs[-1][1] != beat.started_at:
             runs.append((time.time(), beat.started_at))
         if beat.healthy and beat.capacity.sequences and beat.capacity.tokens:
-            self.fullness.append(max(beat.used.sequences / beat.capacity.sequences,
-                                     beat.used.tokens / beat.capacity.tokens))
+            self.fullness.append(
+                max(
+                    beat.used.sequences / beat.capacity.sequences,
+                    beat.used.tokens / beat.capacity.tokens,
+                )
+            )
 
     async def _on_evict(self, msg: Msg) -> None:
         evict = self._decode(msg, wire.EVICT.decode)
@@ -153,8 +161,10 @@ class Watch:
 
     def _decode(self, msg: Msg, decode: Any) -> Any:
         try:
-            return decode(msg.data, wire.Encoding.from_content_type(
-                wire.header(msg.headers, HDR_CONTENT_TYPE)))
+            return decode(
+                msg.data,
+                wire.Encoding.from_content_type(wire.header(msg.headers, HDR_CONTENT_TYPE)),
+            )
         except (msgspec.DecodeError, wire.WireError):
             self.unreadable += 1
             return None
@@ -171,25 +181,35 @@ class Watch:
         for key, dispatches in self.dispatches.items():
             before = [d for d in dispatches if d.at <= at]
             ended = self.final_at.get(key)
-            if not before or before[-1].worker_id != worker_id or (
-                    ended is not None and ended <= at):
+            if (
+                not before
+                or before[-1].worker_id != worker_id
+                or (ended is not None and ended <= at)
+            ):
                 continue
-            if not any(t <= at and c.worker_id == worker_id
-                       for t, c in self.completions.get(key, ())):
+            if not any(
+                t <= at and c.worker_id == worker_id for t, c in self.completions.get(key, ())
+            ):
                 held.add(key)
         return held
 
     def waiting(self, at: float) -> set[Key]:
         """Requests submitted before `at`, neither dispatched nor ended by then."""
-        return {key for key, sent in self.submitted_at.items()
-                if sent <= at and not self._dispatched_by(key, at)
-                and not self._ended_by(key, at)}
+        return {
+            key
+            for key, sent in self.submitted_at.items()
+            if sent <= at and not self._dispatched_by(key, at) and not self._ended_by(key, at)
+        }
 
     def running(self, at: float) -> set[Key]:
         """Requests dispatched before `at`, not completed nor ended by then."""
-        return {key for key in self.dispatches
-                if self._dispatched_by(key, at) and not self._ended_by(key, at)
-                and not any(t <= at for t, _ in self.completions.get(key, ()))}
+        return {
+            key
+            for key in self.dispatches
+            if self._dispatched_by(key, at)
+            and not self._ended_by(key, at)
+            and not any(t <= at for t, _ in self.completions.get(key, ()))
+        }
 
     def _dispatched_by(self, key: Key, at: float) -> bool:
         return any(d.at <= at for d in self.dispatches.get(key, ()))
@@ -199,16 +219,23 @@ class Watch:
         return ended is not None and ended <= at
 
 
-def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
-            stored: dict[Key, wire.StoredResult]) -> dict[str, Any]:
+def verdict(
+    watch: Watch, faults: list[Fault], submitted: list[Key], stored: dict[Key, wire.StoredResult]
+) -> dict[str, Any]:
     """The run's figures: delivery (lost, two results, repeats, run twice), and per fault
     the times to detection, re-dispatch and a replacement serving."""
     lost = [k for k in submitted if k not in stored and k not in watch.finals]
     two_results = [k for k in submitted if _results_of(watch, stored, k) > 1]
-    repeated = sum(1 for k in submitted if len(watch.finals.get(k, ())) > 1
-                   and _results_of(watch, stored, k) == 1)
-    ran_twice = [k for k in submitted if sum(
-        1 for _, c in watch.completions.get(k, ()) if c.code is None) > 1]
+    repeated = sum(
+        1
+        for k in submitted
+        if len(watch.finals.get(k, ())) > 1 and _results_of(watch, stored, k) == 1
+    )
+    ran_twice = [
+        k
+        for k in submitted
+        if sum(1 for _, c in watch.completions.get(k, ()) if c.code is None) > 1
+    ]
     outcomes: Counter[str] = Counter()
     for key in submitted:
         outcomes[_outcome(_final(watch, stored, key))] += 1
@@ -216,39 +243,57 @@ def verdict(watch: Watch, faults: list[Fault], submitted: list[Key],
     # sent to a worker that was killed, stopped or hung may end so.
     lost_workers = {f.worker_id for f in faults if f.kind in LOSES_THE_WORKER}
     internal_elsewhere = [
-        k for k in submitted
+        k
+        for k in submitted
         if _outcome(_final(watch, stored, k)) == wire.ErrorCode.INTERNAL.value
-        and not any(d.worker_id in lost_workers for d in watch.dispatches.get(k, ()))]
-    totals = sorted(e.timings.total_s for key in submitted
-                    for e in [_final(watch, stored, key)] if isinstance(e, wire.DoneEvent))
+        and not any(d.worker_id in lost_workers for d in watch.dispatches.get(k, ()))
+    ]
+    totals = sorted(
+        e.timings.total_s
+        for key in submitted
+        for e in [_final(watch, stored, key)]
+        if isinstance(e, wire.DoneEvent)
+    )
     answers = sorted(watch.probe_answer_s)
     expected = {(f.worker_id, f.started_at) for f in faults if f.kind in ("hang", "stop")}
-    healthy_evictions = [e.worker_id for _, e in watch.evictions
-                         if (e.worker_id, e.started_at) not in expected]
+    healthy_evictions = [
+        e.worker_id for _, e in watch.evictions if (e.worker_id, e.started_at) not in expected
+    ]
     return {
         "submitted": len(submitted),
-        "lost": len(lost), "lost_ids": [list(k) for k in lost[:20]],
+        "lost": len(lost),
+        "lost_ids": [list(k) for k in lost[:20]],
         "two_different_results": len(two_results),
         "two_results_ids": [list(k) for k in two_results[:20]],
         "final_repeated_identical": repeated,
         "ran_twice_to_completion": len(ran_twice),
         "ran_twice_ids": [list(k) for k in ran_twice[:20]],
         "outcomes": dict(outcomes),
-        "error_messages": dict(Counter(
-            e.message for key in submitted for e in [_final(watch, stored, key)]
-            if isinstance(e, wire.ErrorEvent)).most_common(5)),
+        "error_messages": dict(
+            Counter(
+                e.message
+                for key in submitted
+                for e in [_final(watch, stored, key)]
+                if isinstance(e, wire.ErrorEvent)
+            ).most_common(5)
+        ),
         "internal_elsewhere": len(internal_elsewhere),
         "internal_elsewhere_ids": [list(k) for k in internal_elsewhere[:20]],
         "done_total_s": {f"p{q}": _quantile(totals, q / 100) for q in (50, 95, 99)},
         "redispatched": sum(1 for k in submitted if len(watch.dispatches.get(k, ())) > 1),
-        "worker_fullness_mean": (sum(watch.fullness) / len(watch.fullness)
-                                 if watch.fullness else None),
+        "worker_fullness_mean": (
+            sum(watch.fullness) / len(watch.fullness) if watch.fullness else None
+        ),
         "evictions": len(watch.evictions),
         "healthy_evictions": len(healthy_evictions),
         "healthy_evicted": healthy_evictions,
-        "probes_sent": watch.probes_sent, "probes_answered": watch.probes_answered,
-        "probe_answer_s": {"p50": _quantile(answers, 0.5), "p99": _quantile(answers, 0.99),
-                           "max": answers[-1] if answers else None},
+        "probes_sent": watch.probes_sent,
+        "probes_answered": watch.probes_answered,
+        "probe_answer_s": {
+            "p50": _quantile(answers, 0.5),
+            "p99": _quantile(answers, 0.99),
+            "max": answers[-1] if answers else None,
+        },
         "unreadable_messages": watch.unreadable,
         "faults": [_fault_figures(watch, fault) for fault in faults],
     }
@@ -262,8 +307,7 @@ def _results_of(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) ->
     return len({msgspec.json.encode(e) for e in events})
 
 
-def _final(watch: Watch, stored: dict[Key, wire.StoredResult],
-           key: Key) -> wire.FinalEvent | None:
+def _final(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) -> wire.FinalEvent | None:
     result = stored.get(key)
     return result.event if result is not None else (watch.finals.get(key) or [None])[0]
 
@@ -292,20 +336,30 @@ def _fault_figures(watch: Watch, fault: Fault) -> dict[str, Any]:
         ended = watch.final_at.get(key)
         if later:
             moved.append(min(later) - fault.at)
-        elif any(c.worker_id == fault.worker_id and c.code is None
-                 for _, c in watch.completions.get(key, ())):
+        elif any(
+            c.worker_id == fault.worker_id and c.code is None
+            for _, c in watch.completions.get(key, ())
+        ):
             finished_there += 1  # ... or not: it finished where it was (a slow worker)
         elif ended is not None:
             moved.append(ended - fault.at)  # ended by the dispatcher: it had streamed
         else:
             moved.append(float("inf"))
-    evicted = [t - fault.at for t, e in watch.evictions
-               if e.worker_id == fault.worker_id and e.started_at == fault.started_at]
-    replaced = [seen - fault.at for seen, started in watch.runs.get(fault.worker_id, ())
-                if started > fault.started_at]
+    evicted = [
+        t - fault.at
+        for t, e in watch.evictions
+        if e.worker_id == fault.worker_id and e.started_at == fault.started_at
+    ]
+    replaced = [
+        seen - fault.at
+        for seen, started in watch.runs.get(fault.worker_id, ())
+        if started > fault.started_at
+    ]
     first_signs = evicted[:1] + ([min(moved)] if moved else [])
     return {
-        "kind": fault.kind, "worker": fault.worker_id, "at_s": fault.at,
+        "kind": fault.kind,
+        "worker": fault.worker_id,
+        "at_s": fault.at,
         "held": len(fault.held),
         "finished_where_they_were": finished_there,
         "evicted_s": evicted[0] if evicted else None,
@@ -317,40 +371,100 @@ def _fault_figures(watch: Watch, fault: Fault) -> dict[str, Any]:
 
 def render(summary: dict[str, Any]) -> str:
     f = summary["figures"]
-    lines = [f"### Chaos: {summary['name']} ({summary['machine']['date']})", "",
-             f"`{summary['machine']['command']}`", "",
-             *table(["submitted", "lost", "two different results", "final repeated "
-                     "(identical)", "ran twice to completion", "evictions (of healthy)",
-                     "probes sent / answered (answer p50 / max s)", "outcomes",
-                     "done: p50 / p95 / p99 s",
-                     "re-dispatched", "worker fullness"],
-                    [[str(f["submitted"]), str(f["lost"]), str(f["two_different_results"]),
-                      str(f["final_repeated_identical"]), str(f["ran_twice_to_completion"]),
-                      f"{f['evictions']} ({f['healthy_evictions']})",
-                      f"{f['probes_sent']} / {f['probes_answered']} ("
-                      f"{_seconds(f['probe_answer_s']['p50'], 2)} / "
-                      f"{_seconds(f['probe_answer_s']['max'], 2)})",
-                      ", ".join(f"{k} {v}" for k, v in sorted(f["outcomes"].items())),
-                      " / ".join(_seconds(v) for v in f["done_total_s"].values()),
-                      str(f["redispatched"]), _share(f["worker_fullness_mean"])]])]
+    lines = [
+        f"### Chaos: {summary['name']} ({summary['machine']['date']})",
+        "",
+        f"`{summary['machine']['command']}`",
+        "",
+        *table(
+            [
+                "submitted",
+                "lost",
+                "two different results",
+                "final repeated (identical)",
+                "ran twice to completion",
+                "evictions (of healthy)",
+                "probes sent / answered (answer p50 / max s)",
+                "outcomes",
+                "done: p50 / p95 / p99 s",
+                "re-dispatched",
+                "worker fullness",
+            ],
+            [
+                [
+                    str(f["submitted"]),
+                    str(f["lost"]),
+                    str(f["two_different_results"]),
+                    str(f["final_repeated_identical"]),
+                    str(f["ran_twice_to_completion"]),
+                    f"{f['evictions']} ({f['healthy_evictions']})",
+                    f"{f['probes_sent']} / {f['probes_answered']} ("
+                    f"{_seconds(f['probe_answer_s']['p50'], 2)} / "
+                    f"{_seconds(f['probe_answer_s']['max'], 2)})",
+                    ", ".join(f"{k} {v}" for k, v in sorted(f["outcomes"].items())),
+                    " / ".join(_seconds(v) for v in f["done_total_s"].values()),
+                    str(f["redispatched"]),
+                    _share(f["worker_fullness_mean"]),
+                ]
+            ],
+        ),
+    ]
     if f["faults"]:
-        lines += ["", *table(
-            ["fault", "worker", "requests held", "finished there", "detected s",
-             "all re-dispatched s", "replacement serving s"],
-            [[x["kind"], x["worker"], str(x["held"]), str(x["finished_where_they_were"]),
-              _seconds(x["detected_s"]), _seconds(x["redispatched_s"]),
-              _seconds(x["replacement_serving_s"])] for x in f["faults"]])]
+        lines += [
+            "",
+            *table(
+                [
+                    "fault",
+                    "worker",
+                    "requests held",
+                    "finished there",
+                    "detected s",
+                    "all re-dispatched s",
+                    "replacement serving s",
+                ],
+                [
+                    [
+                        x["kind"],
+                        x["worker"],
+                        str(x["held"]),
+                        str(x["finished_where_they_were"]),
+                        _seconds(x["detected_s"]),
+                        _seconds(x["redispatched_s"]),
+                        _seconds(x["replacement_serving_s"]),
+                    ]
+                    for x in f["faults"]
+                ],
+            ),
+        ]
     if f.get("ha_faults"):
-        lines += ["", *table(
-            ["fault", "target", "epoch", "new holder's first batch s",
-             "first new request dispatched s", "waiting (all dispatched s)",
-             "running (sent again)"],
-            [[x["kind"], x["target"], str(x["epoch"]), _seconds(x["new_holder_s"]),
-              _seconds(x["new_request_dispatched_s"]),
-              f"{x['waiting']} ({_seconds(x['waiting_dispatched_s'])})",
-              f"{x['running']} ({x['running_sent_again']})"] for x in f["ha_faults"]]),
-            "", f"batches sent under an old epoch (refused by the workers): "
-                f"{f['stale_batches']}"]
+        lines += [
+            "",
+            *table(
+                [
+                    "fault",
+                    "target",
+                    "epoch",
+                    "new holder's first batch s",
+                    "first new request dispatched s",
+                    "waiting (all dispatched s)",
+                    "running (sent again)",
+                ],
+                [
+                    [
+                        x["kind"],
+                        x["target"],
+                        str(x["epoch"]),
+                        _seconds(x["new_holder_s"]),
+                        _seconds(x["new_request_dispatched_s"]),
+                        f"{x['waiting']} ({_seconds(x['waiting_dispatched_s'])})",
+                        f"{x['running']} ({x['running_sent_again']})",
+                    ]
+                    for x in f["ha_faults"]
+                ],
+            ),
+            "",
+            f"batches sent under an old epoch (refused by the workers): {f['stale_batches']}",
+        ]
     lines += ["", f"failed goals: {', '.join(summary['failed']) or 'none'}"]
     return "\n".join(lines)
 

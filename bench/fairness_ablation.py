@@ -61,9 +61,13 @@ Variant = Callable[[Config, Records], tuple[Config, Records]]
 
 
 def _endpoints(config: Config, **changes: Any) -> Config:
-    return msgspec.structs.replace(config, endpoints={
-        name: msgspec.structs.replace(spec, **changes)
-        for name, spec in config.endpoints.items()})
+    return msgspec.structs.replace(
+        config,
+        endpoints={
+            name: msgspec.structs.replace(spec, **changes)
+            for name, spec in config.endpoints.items()
+        },
+    )
 
 
 def exact_estimates(config: Config, records: Records) -> tuple[Config, Records]:
@@ -83,9 +87,13 @@ def quantum_8(config: Config, records: Records) -> tuple[Config, Records]:
 
 
 def vtc_weights(config: Config, records: Records) -> tuple[Config, Records]:
-    return msgspec.structs.replace(config, profiles={
-        name: msgspec.structs.replace(profile, beta=2 * profile.alpha)
-        for name, profile in config.profiles.items()}), records
+    return msgspec.structs.replace(
+        config,
+        profiles={
+            name: msgspec.structs.replace(profile, beta=2 * profile.alpha)
+            for name, profile in config.profiles.items()
+        },
+    ), records
 
 
 VARIANTS: dict[str, Variant] = {
@@ -96,13 +104,20 @@ VARIANTS: dict[str, Variant] = {
     "quantum 8": quantum_8,
     "VTC weights": vtc_weights,
 }
-METRICS = ("service_diff_avg", "service_diff_max", "mu_service_diff_avg",
-           "mu_service_diff_max", "jain_index_mean", "throughput_tokens_per_s",
-           "light_tenants_p95_ttft_s")
+METRICS = (
+    "service_diff_avg",
+    "service_diff_max",
+    "mu_service_diff_avg",
+    "mu_service_diff_max",
+    "jain_index_mean",
+    "throughput_tokens_per_s",
+    "light_tenants_p95_ttft_s",
+)
 
 
-def run(shapes: tuple[str, ...], seeds: tuple[int, ...], command: str,
-        trace: Path | None = None) -> dict[str, Any]:
+def run(
+    shapes: tuple[str, ...], seeds: tuple[int, ...], command: str, trace: Path | None = None
+) -> dict[str, Any]:
     base = scheduling_only(load_config(EXAMPLE_CONFIG))
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for shape in shapes:
@@ -116,38 +131,68 @@ def run(shapes: tuple[str, ...], seeds: tuple[int, ...], command: str,
                 if name == "as configured":
                     cells["VTC"], cells["FIFO"] = policies["vtc"], policies["fifo"]
             rows.setdefault(shape, {})[str(seed)] = cells
-            print(f"{shape}, seed {seed}: " + ", ".join(
-                f"{n} {c['service_diff_avg']:,.0f}" for n, c in cells.items()), file=sys.stderr)
-    return {"scenario": "fairness_ablation", "machine": machine_facts(command),
-            "settings": {"shapes": list(shapes), "seeds": list(seeds),
-                         "duration_s": DURATION_S},
-            "shapes": rows}
+            print(
+                f"{shape}, seed {seed}: "
+                + ", ".join(f"{n} {c['service_diff_avg']:,.0f}" for n, c in cells.items()),
+                file=sys.stderr,
+            )
+    return {
+        "scenario": "fairness_ablation",
+        "machine": machine_facts(command),
+        "settings": {"shapes": list(shapes), "seeds": list(seeds), "duration_s": DURATION_S},
+        "shapes": rows,
+    }
 
 
 def render(summary: dict[str, Any]) -> str:
     rows = []
     for shape, by_seed in summary["shapes"].items():
         for variant in [*VARIANTS, "VTC", "FIFO"]:
-            means = [statistics.fmean(seed[variant][m] for seed in by_seed.values())
-                     for m in METRICS]
-            rows.append([shape, variant if variant in VARIANTS else f"({variant})",
-                         f"{means[0]:,.0f}", f"{means[1]:,.0f}", f"{means[2]:.2f}",
-                         f"{means[3]:.2f}", f"{means[4]:.3f}", f"{means[5]:,.0f}",
-                         f"{means[6]:.2f}"])
+            means = [
+                statistics.fmean(seed[variant][m] for seed in by_seed.values()) for m in METRICS
+            ]
+            rows.append(
+                [
+                    shape,
+                    variant if variant in VARIANTS else f"({variant})",
+                    f"{means[0]:,.0f}",
+                    f"{means[1]:,.0f}",
+                    f"{means[2]:.2f}",
+                    f"{means[3]:.2f}",
+                    f"{means[4]:.3f}",
+                    f"{means[5]:,.0f}",
+                    f"{means[6]:.2f}",
+                ]
+            )
     seeds = ", ".join(map(str, summary["settings"]["seeds"]))
-    return "\n".join([f"fairq's variants, then VTC and FIFO as configured; means over seeds "
-                      f"{seeds}:", "",
-                      *table(["shape", "fairq variant", "service diff avg", "service diff max",
-                              "MU diff avg", "MU diff max", "Jain", "tokens/s",
-                              "light half p95 TTFT s"], rows)])
+    return "\n".join(
+        [
+            f"fairq's variants, then VTC and FIFO as configured; means over seeds {seeds}:",
+            "",
+            *table(
+                [
+                    "shape",
+                    "fairq variant",
+                    "service diff avg",
+                    "service diff max",
+                    "MU diff avg",
+                    "MU diff max",
+                    "Jain",
+                    "tokens/s",
+                    "light half p95 TTFT s",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fairness_ablation",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fairness_ablation", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--shapes", nargs="+", choices=(*SHAPES, AZURE),
-                        default=DEFAULT_SHAPES)
+    parser.add_argument("--shapes", nargs="+", choices=(*SHAPES, AZURE), default=DEFAULT_SHAPES)
     parser.add_argument("--out", type=Path, default=RESULTS)
     add_trace_argument(parser)
     args = parser.parse_args(argv)
@@ -157,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             trace = azure_trace(args.trace)
         except TraceError as exc:
             parser.error(str(exc))
-    summary = run(tuple(args.shapes), tuple(args.seeds),
-                  command_line("bench.fairness_ablation", argv), trace)
+    summary = run(
+        tuple(args.shapes), tuple(args.seeds), command_line("bench.fairness_ablation", argv), trace
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(render(summary))

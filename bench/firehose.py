@@ -42,23 +42,43 @@ PUBLISHED = "published"
 PUBACK_TIMEOUT_S = 10.0
 
 
-async def fire(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
-               settings: BrokerSettings, in_flight: int, timeout_s: float,
-               alive: Callable[[], None] | None = None) -> Replay:
+async def fire(
+    url: str,
+    arrivals: Sequence[Arrival],
+    *,
+    endpoint: str,
+    settings: BrokerSettings,
+    in_flight: int,
+    timeout_s: float,
+    alive: Callable[[], None] | None = None,
+) -> Replay:
     """Send `arrivals` (ids `<tenant>-<index>`); return once every one is published and
     every streamed one has its final event, or after `timeout_s` (the rest stay `lost`).
 
     `alive` is called every `WATCH_S` and should raise if the stack has died.
     """
-    return await fire_measured(url, to_measure(arrivals), endpoint=endpoint,
-                               settings=settings, in_flight=in_flight, timeout_s=timeout_s,
-                               alive=alive)
+    return await fire_measured(
+        url,
+        to_measure(arrivals),
+        endpoint=endpoint,
+        settings=settings,
+        in_flight=in_flight,
+        timeout_s=timeout_s,
+        alive=alive,
+    )
 
 
-async def fire_measured(url: str, measured: list[Measured], *, endpoint: str,
-                        settings: BrokerSettings, in_flight: int, timeout_s: float,
-                        alive: Callable[[], None] | None = None,
-                        bodies: Mapping[str, bytes] | None = None) -> Replay:
+async def fire_measured(
+    url: str,
+    measured: list[Measured],
+    *,
+    endpoint: str,
+    settings: BrokerSettings,
+    in_flight: int,
+    timeout_s: float,
+    alive: Callable[[], None] | None = None,
+    bodies: Mapping[str, bytes] | None = None,
+) -> Replay:
     """`fire` on records made by `bench.recorder.to_measure`, which are updated as the
     run goes (a caller may read them meanwhile). `bodies`: request id -> the body sent
     instead of the well-formed one (a request that breaks the contract)."""
@@ -75,13 +95,24 @@ async def fire_measured(url: str, measured: list[Measured], *, endpoint: str,
     finally:
         await nc.drain()
     ends = [m.finished if m.finished is not None else m.acked for m in measured]
-    return Replay(measured, max((e for e in ends if e is not None), default=0.0),
-                  dict(run.max_lateness_s), run.start_wall)
+    return Replay(
+        measured,
+        max((e for e in ends if e is not None), default=0.0),
+        dict(run.max_lateness_s),
+        run.start_wall,
+    )
 
 
 class _Run:
-    def __init__(self, nc: nats.NATS, measured: list[Measured], endpoint: str,
-                 settings: BrokerSettings, in_flight: int, bodies: Mapping[str, bytes]) -> None:
+    def __init__(
+        self,
+        nc: nats.NATS,
+        measured: list[Measured],
+        endpoint: str,
+        settings: BrokerSettings,
+        in_flight: int,
+        bodies: Mapping[str, bytes],
+    ) -> None:
         self.nc = nc
         self.bodies = bodies
         self.js = nc.jetstream(timeout=PUBACK_TIMEOUT_S)
@@ -118,17 +149,22 @@ class _Run:
     async def _publish(self, n: int, m: Measured) -> None:
         body = self.bodies.get(m.id)
         if body is None:
-            body = encode(SubmitRequest(id=m.id, prompt=PROMPT, max_tokens=m.max_tokens,
-                                        input_tokens=m.input_tokens))
+            body = encode(
+                SubmitRequest(
+                    id=m.id, prompt=PROMPT, max_tokens=m.max_tokens, input_tokens=m.input_tokens
+                )
+            )
         headers = {HDR_MSG_ID: m.id}
         if m.streamed:
             headers[HDR_REPLY] = f"{self.inbox}.{n}"
         try:
             m.submitted = time.time() - self.start_wall
-            self.max_lateness_s[m.tenant] = max(self.max_lateness_s[m.tenant],
-                                                m.submitted - m.offset_s)
-            await self.js.publish(self.subjects.request(self.endpoint, m.tenant), body,
-                                  headers=headers)
+            self.max_lateness_s[m.tenant] = max(
+                self.max_lateness_s[m.tenant], m.submitted - m.offset_s
+            )
+            await self.js.publish(
+                self.subjects.request(self.endpoint, m.tenant), body, headers=headers
+            )
             m.acked = time.time() - self.start_wall
             if not m.streamed:
                 m.outcome = PUBLISHED

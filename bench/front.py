@@ -46,8 +46,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(call: Call, requests: int, concurrency: int,
-                  front_pid: int) -> dict[str, float]:
+async def measure(call: Call, requests: int, concurrency: int, front_pid: int) -> dict[str, float]:
     """Requests/s, latency percentiles (ms) of `requests` calls, `concurrency` at once, and
     the CPU milliseconds per request of the front's process and of this one (the client)."""
     latencies: list[float] = []
@@ -61,10 +60,12 @@ async def measure(call: Call, requests: int, concurrency: int,
     await asyncio.gather(*(one(n) for n in range(requests)))
     elapsed = time.perf_counter() - started
     latencies.sort()
-    return {"requests_per_s": requests / elapsed,
-            **{f"p{q}_ms": percentile(latencies, q) * 1000 for q in (50, 90, 99)},
-            "front_cpu_ms": (cpu_s(front_pid) - front_cpu) * 1000 / requests,
-            "client_cpu_ms": (time.process_time() - own_cpu) * 1000 / requests}
+    return {
+        "requests_per_s": requests / elapsed,
+        **{f"p{q}_ms": percentile(latencies, q) * 1000 for q in (50, 90, 99)},
+        "front_cpu_ms": (cpu_s(front_pid) - front_cpu) * 1000 / requests,
+        "client_cpu_ms": (time.process_time() - own_cpu) * 1000 / requests,
+    }
 
 
 def sdk_calls(fq: Client, max_tokens: int) -> dict[str, Call]:
@@ -75,8 +76,7 @@ def sdk_calls(fq: Client, max_tokens: int) -> dict[str, Call]:
 
     async def first_token(n: int) -> float:
         started = time.perf_counter()
-        submitted = await fq.submit("chat", TENANT, prompt=f"request {n}",
-                                    max_tokens=max_tokens)
+        submitted = await fq.submit("chat", TENANT, prompt=f"request {n}", max_tokens=max_tokens)
         elapsed = None
         async with contextlib.aclosing(fq.stream(submitted)) as events:
             async for _ in events:
@@ -91,15 +91,20 @@ def http_calls(client: openai.AsyncOpenAI, max_tokens: int) -> dict[str, Call]:
     async def complete(n: int) -> float:
         started = time.perf_counter()
         await client.chat.completions.create(
-            model="chat", messages=[{"role": "user", "content": f"request {n}"}],
-            max_tokens=max_tokens)
+            model="chat",
+            messages=[{"role": "user", "content": f"request {n}"}],
+            max_tokens=max_tokens,
+        )
         return time.perf_counter() - started
 
     async def first_token(n: int) -> float:
         started = time.perf_counter()
         stream = await client.chat.completions.create(
-            model="chat", messages=[{"role": "user", "content": f"request {n}"}],
-            max_tokens=max_tokens, stream=True)
+            model="chat",
+            messages=[{"role": "user", "content": f"request {n}"}],
+            max_tokens=max_tokens,
+            stream=True,
+        )
         elapsed = None
         async for chunk in stream:
             if elapsed is None and chunk.choices and chunk.choices[0].delta.content:
@@ -112,10 +117,21 @@ def http_calls(client: openai.AsyncOpenAI, max_tokens: int) -> dict[str, Call]:
 
 async def start_front(stack: Stack) -> tuple[asyncio.subprocess.Process, str, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.openai_front", "--config",
-        str(stack.log_dir / "fairq.toml"), "--nats", stack.url, "--port", "0",
-        "--dev-key-for", TENANT, cwd=REPO, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL)
+        sys.executable,
+        "-m",
+        "producers.openai_front",
+        "--config",
+        str(stack.log_dir / "fairq.toml"),
+        "--nats",
+        stack.url,
+        "--port",
+        "0",
+        "--dev-key-for",
+        TENANT,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     assert process.stdout is not None
     async with asyncio.timeout(START_TIMEOUT_S):
         base = (await process.stdout.readline()).decode().strip()
@@ -129,42 +145,75 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         front, base_url, key = await start_front(stack)
         try:
             async with Client.connect(stack.url) as fq:
-                http = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0,
-                                          timeout=60.0)
-                paths = {"nats (SDK)": sdk_calls(fq, args.max_tokens),
-                         "http (front)": http_calls(http, args.max_tokens)}
+                http = openai.AsyncOpenAI(
+                    base_url=base_url, api_key=key, max_retries=0, timeout=60.0
+                )
+                paths = {
+                    "nats (SDK)": sdk_calls(fq, args.max_tokens),
+                    "http (front)": http_calls(http, args.max_tokens),
+                }
                 results: dict[str, dict[str, list[dict[str, float]]]] = {
-                    path: {kind: [] for kind in calls} for path, calls in paths.items()}
-                for path, calls in paths.items():
+                    path: {kind: [] for kind in calls} for path, calls in paths.items()
+                }
+                for calls in paths.values():
                     for call in calls.values():
                         await measure(call, WARMUP, args.concurrency, front.pid)
                 for _ in range(2):
                     for path, calls in paths.items():
                         for kind, call in calls.items():
                             results[path][kind].append(
-                                await measure(call, args.requests, args.concurrency,
-                                              front.pid))
+                                await measure(call, args.requests, args.concurrency, front.pid)
+                            )
                 await http.close()
         finally:
             front.terminate()
             await front.wait()
-    best = {path: {kind: max(rounds, key=lambda r: r["requests_per_s"])
-                   for kind, rounds in kinds.items()} for path, kinds in results.items()}
-    return {"settings": {"requests": args.requests, "concurrency": args.concurrency,
-                         "max_tokens": args.max_tokens, "stack": spec.describe()},
-            "machine": machine_facts(command_line("bench.front")),
-            "best": best, "rounds": results}
+    best = {
+        path: {
+            kind: max(rounds, key=lambda r: r["requests_per_s"]) for kind, rounds in kinds.items()
+        }
+        for path, kinds in results.items()
+    }
+    return {
+        "settings": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "stack": spec.describe(),
+        },
+        "machine": machine_facts(command_line("bench.front")),
+        "best": best,
+        "rounds": results,
+    }
 
 
 def report(summary: dict[str, Any]) -> list[str]:
     rows = []
     for path, kinds in summary["best"].items():
         for kind, figures in kinds.items():
-            rows.append([path, kind, f"{figures['requests_per_s']:.0f}",
-                         *(f"{figures[f'p{q}_ms']:.1f}" for q in (50, 90, 99)),
-                         f"{figures['front_cpu_ms']:.2f}", f"{figures['client_cpu_ms']:.2f}"])
-    return table(["path", "answer", "requests/s", "p50 ms", "p90 ms", "p99 ms",
-                  "front CPU ms/request", "client CPU ms/request"], rows)
+            rows.append(
+                [
+                    path,
+                    kind,
+                    f"{figures['requests_per_s']:.0f}",
+                    *(f"{figures[f'p{q}_ms']:.1f}" for q in (50, 90, 99)),
+                    f"{figures['front_cpu_ms']:.2f}",
+                    f"{figures['client_cpu_ms']:.2f}",
+                ]
+            )
+    return table(
+        [
+            "path",
+            "answer",
+            "requests/s",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "front CPU ms/request",
+            "client CPU ms/request",
+        ],
+        rows,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

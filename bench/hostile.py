@@ -79,9 +79,11 @@ def hostile_config() -> Config:
     config = benchmark_config()
     tier = config.tiers[0].name
     return msgspec.structs.replace(
-        config, tenants={name: Tenant(tier=tier, weight=1.0) for name in (*TENANTS, "warmup")},
+        config,
+        tenants={name: Tenant(tier=tier, weight=1.0) for name in (*TENANTS, "warmup")},
         unlisted_tenants=msgspec.structs.replace(config.unlisted_tenants, policy="reject"),
-        dispatcher=suite_options(config.dispatcher))
+        dispatcher=suite_options(config.dispatcher),
+    )
 
 
 @dataclass(slots=True)
@@ -100,10 +102,17 @@ class Report:
         if got == "unanswered":
             self.unanswered += 1
         if got != send.expect or (wanted and wanted not in message.lower()):
-            self.mismatches.append({"kind": probe.kind, "expect": send.expect,
-                                    "detail": send.detail, "got": got,
-                                    "message": message[:300], "subject": send.subject[:120],
-                                    "body": repr(send.body[:120])})
+            self.mismatches.append(
+                {
+                    "kind": probe.kind,
+                    "expect": send.expect,
+                    "detail": send.detail,
+                    "got": got,
+                    "message": message[:300],
+                    "subject": send.subject[:120],
+                    "body": repr(send.body[:120]),
+                }
+            )
 
 
 class Runner:
@@ -150,8 +159,9 @@ class Runner:
                     self.report.valid_latency_s.append(time.monotonic() - started)
             self.report.check(probe, send, got, message)
 
-    async def _send(self, send: Send, msg_id: str | None
-                    ) -> tuple[str, str, asyncio.Future[wire.FinalEvent] | None]:
+    async def _send(
+        self, send: Send, msg_id: str | None
+    ) -> tuple[str, str, asyncio.Future[wire.FinalEvent] | None]:
         headers = dict(send.headers)
         if msg_id is not None:
             headers[HDR_MSG_ID] = msg_id
@@ -174,8 +184,9 @@ class Runner:
             return "duplicate", "", None
         return "unanswered", "", pending
 
-    async def _answer(self, pending: asyncio.Future[wire.FinalEvent],
-                      msg_id: str | None) -> tuple[str, str]:
+    async def _answer(
+        self, pending: asyncio.Future[wire.FinalEvent], msg_id: str | None
+    ) -> tuple[str, str]:
         try:
             event = await asyncio.wait_for(pending, ANSWER_TIMEOUT_S)
         except TimeoutError:
@@ -203,8 +214,9 @@ class Runner:
         async def on_error(exc: Exception) -> None:
             errors.append(str(exc) or type(exc).__name__)
 
-        own = await nats.connect(self.url, error_cb=on_error, allow_reconnect=False,
-                                 connect_timeout=5)
+        own = await nats.connect(
+            self.url, error_cb=on_error, allow_reconnect=False, connect_timeout=5
+        )
         try:
             await own.jetstream(timeout=2.0).publish(send.subject, send.body, headers=headers)
         except Exception as exc:
@@ -218,8 +230,7 @@ class Runner:
     async def _on_event(self, msg: Msg) -> None:
         token = msg.subject.rsplit(".", 1)[1]
         try:
-            encoding = wire.Encoding.from_content_type(wire.header(msg.headers,
-                                                                   HDR_CONTENT_TYPE))
+            encoding = wire.Encoding.from_content_type(wire.header(msg.headers, HDR_CONTENT_TYPE))
             event = wire.EVENT.decode(msg.data, encoding)
         except (ValueError, wire.WireError) as exc:
             self.leaks.append(f"undecodable event on {msg.subject}: {exc}")
@@ -235,8 +246,7 @@ class Runner:
     async def _on_leak(self, msg: Msg) -> None:
         if wire.header(msg.headers, HDR_MSG_ID) is not None:
             return  # one of this run's own requests (an error event has no id header)
-        self.leaks.append(f"a message on a forged reply subject {msg.subject}: "
-                          f"{msg.data[:200]!r}")
+        self.leaks.append(f"a message on a forged reply subject {msg.subject}: {msg.data[:200]!r}")
 
 
 async def flood(nc: nats.NATS, backlog: int, calls: int) -> dict[str, object]:
@@ -247,8 +257,11 @@ async def flood(nc: nats.NATS, backlog: int, calls: int) -> dict[str, object]:
     during it."""
     js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
     for n in range(backlog):
-        await js.publish(f"fq.req.{FLOOD_ENDPOINT}.{FLOOD_TENANT}", b'{"prompt":"waits"}',
-                         headers={HDR_MSG_ID: f"backlog-{n}"})
+        await js.publish(
+            f"fq.req.{FLOOD_ENDPOINT}.{FLOOD_TENANT}",
+            b'{"prompt":"waits"}',
+            headers={HDR_MSG_ID: f"backlog-{n}"},
+        )
     slots = asyncio.Semaphore(FLOOD_IN_FLIGHT)
     answers: Counter[str] = Counter()
 
@@ -256,8 +269,11 @@ async def flood(nc: nats.NATS, backlog: int, calls: int) -> dict[str, object]:
         kind = ("status", "cancel")[n % 2]
         async with slots:
             try:
-                reply = await nc.request(f"fq.api.{kind}.{FLOOD_TENANT}",
-                                         b'{"id":"never-sent-%d"}' % n, timeout=ANSWER_TIMEOUT_S)
+                reply = await nc.request(
+                    f"fq.api.{kind}.{FLOOD_TENANT}",
+                    b'{"id":"never-sent-%d"}' % n,
+                    timeout=ANSWER_TIMEOUT_S,
+                )
                 answers[_api_outcome(json.loads(reply.data))[0]] += 1
             except nats.errors.TimeoutError:
                 answers["no answer"] += 1
@@ -267,9 +283,15 @@ async def flood(nc: nats.NATS, backlog: int, calls: int) -> dict[str, object]:
     calls_done = asyncio.gather(*(call(n) for n in range(calls)))
     during = await _victim(nc, VICTIM_CALLS)
     await calls_done
-    return {"backlog": backlog, "calls": calls, "in_flight": FLOOD_IN_FLIGHT,
-            "flood_s": round(time.monotonic() - started, 1), "answers": dict(answers),
-            "victim_before": before, "victim_during": during}
+    return {
+        "backlog": backlog,
+        "calls": calls,
+        "in_flight": FLOOD_IN_FLIGHT,
+        "flood_s": round(time.monotonic() - started, 1),
+        "answers": dict(answers),
+        "victim_before": before,
+        "victim_during": during,
+    }
 
 
 async def _victim(nc: nats.NATS, count: int) -> dict[str, dict[str, float | None]]:
@@ -281,15 +303,19 @@ async def _victim(nc: nats.NATS, count: int) -> dict[str, dict[str, float | None
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         started = time.monotonic()
-        await js.publish(f"fq.req.chat.{VICTIM}", b'{"prompt":"x","max_tokens":1}',
-                         headers={HDR_MSG_ID: f"victim-{time.time_ns()}", HDR_REPLY: inbox})
+        await js.publish(
+            f"fq.req.chat.{VICTIM}",
+            b'{"prompt":"x","max_tokens":1}',
+            headers={HDR_MSG_ID: f"victim-{time.time_ns()}", HDR_REPLY: inbox},
+        )
         while b'"done"' not in (await sub.next_msg(timeout=ANSWER_TIMEOUT_S)).data:
             pass
         requests.append(time.monotonic() - started)
         await sub.unsubscribe()
         started = time.monotonic()
-        await nc.request(f"fq.api.status.{VICTIM}", b'{"id":"victim-%d"}' % n,
-                         timeout=ANSWER_TIMEOUT_S)
+        await nc.request(
+            f"fq.api.status.{VICTIM}", b'{"id":"victim-%d"}' % n, timeout=ANSWER_TIMEOUT_S
+        )
         calls.append(time.monotonic() - started)
     return {"request_s": _spread(requests), "status_s": _spread(calls)}
 
@@ -346,16 +372,30 @@ async def settled(stack: Stack, nc: nats.NATS) -> dict[str, object]:
     depth = await nc.request(subjects.depth, b"{}", timeout=PUBLISH_TIMEOUT_S)
     answered_s = time.monotonic() - started
     await js.stream_info(subjects.parked_stream)  # raises if a forged reply deleted it
-    return {"requests_left_in_stream": state.messages,
-            "depth_api_answer_s": round(answered_s, 4),
-            "depth_api_queues": len(json.loads(depth.data)["queues"])}
+    return {
+        "requests_left_in_stream": state.messages,
+        "depth_api_answer_s": round(answered_s, 4),
+        "depth_api_queues": len(json.loads(depth.data)["queues"]),
+    }
 
 
-async def run(inputs: int, seed: int, concurrency: int, log_dir: Path, *,
-              flood_backlog: int = 0, flood_calls: int = 0) -> dict[str, object]:
+async def run(
+    inputs: int,
+    seed: int,
+    concurrency: int,
+    log_dir: Path,
+    *,
+    flood_backlog: int = 0,
+    flood_calls: int = 0,
+) -> dict[str, object]:
     probes = generate(inputs, seed)
-    spec = StackSpec(mode="fairq", workers=2, time_scale=0.02, config=hostile_config(),
-                     dispatcher_args=("--metrics-port", "0"))
+    spec = StackSpec(
+        mode="fairq",
+        workers=2,
+        time_scale=0.02,
+        config=hostile_config(),
+        dispatcher_args=("--metrics-port", "0"),
+    )
     report = Report()
     async with Stack(spec, log_dir) as stack:
         pid = stack.pids()["dispatcher"]
@@ -390,39 +430,60 @@ async def run(inputs: int, seed: int, concurrency: int, log_dir: Path, *,
             await nc.drain()
     latency = sorted(report.valid_latency_s)
     return {
-        "inputs": len(probes), "messages": report.sends, "concurrency": concurrency,
-        "seed": seed, "elapsed_s": round(elapsed, 1),
+        "inputs": len(probes),
+        "messages": report.sends,
+        "concurrency": concurrency,
+        "seed": seed,
+        "elapsed_s": round(elapsed, 1),
         "by_kind": dict(report.by_kind.most_common()),
         "outcomes": dict(report.got.most_common()),
-        "mismatches": report.mismatches, "leaks": runner.leaks,
-        "unanswered_sent": report.unanswered, "unanswered_counted": counted,
+        "mismatches": report.mismatches,
+        "leaks": runner.leaks,
+        "unanswered_sent": report.unanswered,
+        "unanswered_counted": counted,
         "valid_done": report.got["done"],
-        "valid_latency_s": {"p50": _quantile(latency, 0.5), "p99": _quantile(latency, 0.99),
-                            "max": latency[-1] if latency else None},
-        "dispatcher_rss_mib": {"start": round(rss_start, 1), "baseline": round(rss_baseline, 1),
-                               "end": round(rss_end, 1),
-                               "growth_pct": round(100 * (rss_end / rss_baseline - 1), 1)},
+        "valid_latency_s": {
+            "p50": _quantile(latency, 0.5),
+            "p99": _quantile(latency, 0.99),
+            "max": latency[-1] if latency else None,
+        },
+        "dispatcher_rss_mib": {
+            "start": round(rss_start, 1),
+            "baseline": round(rss_baseline, 1),
+            "end": round(rss_end, 1),
+            "growth_pct": round(100 * (rss_end / rss_baseline - 1), 1),
+        },
         "dispatcher_crashes": 0,  # a crash raises StackError and ends the run before this
-        **after, "flood": flooded,
+        **after,
+        "flood": flooded,
     }
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:
     if not ordered:
         return None
-    return round(statistics.quantiles(ordered, n=100, method="inclusive")[int(q * 100) - 1]
-                 if len(ordered) > 1 else ordered[0], 4)
+    return round(
+        statistics.quantiles(ordered, n=100, method="inclusive")[int(q * 100) - 1]
+        if len(ordered) > 1
+        else ordered[0],
+        4,
+    )
 
 
 def failures(result: dict[str, object], max_rss_growth_pct: float) -> list[str]:
     """Why a run fails the suite; empty when it passes."""
-    problems = [f"{len(result['mismatches'])} messages were not answered as the contract "
-                f"promises"] if result["mismatches"] else []
+    problems = (
+        [f"{len(result['mismatches'])} messages were not answered as the contract promises"]
+        if result["mismatches"]
+        else []
+    )
     problems += [str(leak) for leak in result["leaks"]]
     if result["unanswered_sent"] != result["unanswered_counted"]:
-        problems.append(f"{result['unanswered_sent']} messages without a usable Fq-Reply, "
-                        f"but fairq_invalid_messages_total{{reply=\"none\"}} is "
-                        f"{result['unanswered_counted']:g}")
+        problems.append(
+            f"{result['unanswered_sent']} messages without a usable Fq-Reply, "
+            f'but fairq_invalid_messages_total{{reply="none"}} is '
+            f"{result['unanswered_counted']:g}"
+        )
     if result["requests_left_in_stream"]:
         problems.append(f"{result['requests_left_in_stream']} requests left in the stream")
     flooded = result.get("flood")
@@ -431,8 +492,10 @@ def failures(result: dict[str, object], max_rss_growth_pct: float) -> list[str]:
             problems.append(f"{flooded['answers']['no answer']} flood calls got no answer")
         slowest = flooded["victim_during"]["status_s"]["max"]
         if slowest > VICTIM_STATUS_MAX_S:
-            problems.append(f"another tenant's status call took {slowest} s during the flood "
-                            f"(limit {VICTIM_STATUS_MAX_S} s)")
+            problems.append(
+                f"another tenant's status call took {slowest} s during the flood "
+                f"(limit {VICTIM_STATUS_MAX_S} s)"
+            )
     growth = result["dispatcher_rss_mib"]["growth_pct"]
     if growth > max_rss_growth_pct:
         problems.append(f"dispatcher RSS grew {growth}% (limit {max_rss_growth_pct}%)")
@@ -440,16 +503,29 @@ def failures(result: dict[str, object], max_rss_growth_pct: float) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.hostile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--inputs", type=int, default=10_000, help="probes to send")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=64, help="probes in flight")
     parser.add_argument("--max-rss-growth", type=float, default=10.0, metavar="PCT")
-    parser.add_argument("--flood-backlog", type=int, default=5000, metavar="N",
-                        help="after the probes: the flooding tenant's waiting requests")
-    parser.add_argument("--flood-calls", type=int, default=1000, metavar="N",
-                        help="status and cancel calls for unknown ids (0: no flood)")
+    parser.add_argument(
+        "--flood-backlog",
+        type=int,
+        default=5000,
+        metavar="N",
+        help="after the probes: the flooding tenant's waiting requests",
+    )
+    parser.add_argument(
+        "--flood-calls",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="status and cancel calls for unknown ids (0: no flood)",
+    )
     parser.add_argument("--out", type=Path, help="result JSON (default: bench/results/hostile)")
     return parser
 
@@ -458,14 +534,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     facts = machine_facts(command_line("bench.hostile", argv))
     with tempfile.TemporaryDirectory(prefix="fairq-hostile-") as log_dir:
-        result = asyncio.run(run(args.inputs, args.seed, args.concurrency, Path(log_dir),
-                                 flood_backlog=args.flood_backlog,
-                                 flood_calls=args.flood_calls))
+        result = asyncio.run(
+            run(
+                args.inputs,
+                args.seed,
+                args.concurrency,
+                Path(log_dir),
+                flood_backlog=args.flood_backlog,
+                flood_calls=args.flood_calls,
+            )
+        )
     problems = failures(result, args.max_rss_growth)
     out = args.out or RESULTS / f"hostile-{args.inputs}-seed{args.seed}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": facts, "result": result, "problems": problems},
-                              indent=2) + "\n")
+    out.write_text(
+        json.dumps({"machine": facts, "result": result, "problems": problems}, indent=2) + "\n"
+    )
     summary = {k: v for k, v in result.items() if k != "mismatches"}
     print(json.dumps(summary, indent=2))
     for mismatch in result["mismatches"][:20]:

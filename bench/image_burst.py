@@ -43,10 +43,10 @@ import nats
 
 from bench.machine import command_line, machine_facts, table
 from bench.stack import REPO
-from broker_config.wire import TokenEvent
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.server import EmbeddedNatsServer
+from broker_config.wire import TokenEvent
 from costmodel.engine_model import load_engine_params
 from dispatcher.sim.fairness import percentile
 from producers.client import Client, NoDispatcher
@@ -71,9 +71,14 @@ def photo_jpeg(width: int, height: int, seed: int) -> str:
     # Noise at 1/16 of the size, blurred: about 600 KB for 3000x2000, so that a request
     # fits in nats-server's default largest message (1 MiB).
     noise = Image.frombytes("L", (width // 16, height // 16), os.urandom(width * height // 256))
-    base = Image.merge("RGB", [Image.radial_gradient("L").resize((width, height)),
-                               Image.linear_gradient("L").resize((width, height)),
-                               noise.resize((width, height)).filter(ImageFilter.BLUR)])
+    base = Image.merge(
+        "RGB",
+        [
+            Image.radial_gradient("L").resize((width, height)),
+            Image.linear_gradient("L").resize((width, height)),
+            noise.resize((width, height)).filter(ImageFilter.BLUR),
+        ],
+    )
     buffer = io.BytesIO()
     base.rotate(seed % 360).save(buffer, "JPEG", quality=80)
     return base64.b64encode(buffer.getvalue()).decode()
@@ -82,8 +87,9 @@ def photo_jpeg(width: int, height: int, seed: int) -> str:
 async def text_stream(client: Client, gaps: list[tuple[float, float]], until: float) -> None:
     """One text request after another; each gap between token events, with its time."""
     while time.time() < until:
-        submitted = await client.submit("chat", TEXT_TENANT, prompt="tell me a story",
-                                        max_tokens=64)
+        submitted = await client.submit(
+            "chat", TEXT_TENANT, prompt="tell me a story", max_tokens=64
+        )
         last = None
         async for event in client.stream(submitted, timeout_s=60.0):
             now = time.time()
@@ -95,15 +101,24 @@ async def text_stream(client: Client, gaps: list[tuple[float, float]], until: fl
 
 async def image_burst(client: Client, count: int, images: list[str]) -> dict[str, Any]:
     async def one(n: int) -> str:
-        await client.run("chat", IMAGE_TENANT, prompt="describe this",
-                         images=[images[n % len(images)]], max_tokens=8, timeout_s=300.0)
+        await client.run(
+            "chat",
+            IMAGE_TENANT,
+            prompt="describe this",
+            images=[images[n % len(images)]],
+            max_tokens=8,
+            timeout_s=300.0,
+        )
         return "done"
 
     started = time.time()
     outcomes = await asyncio.gather(*(one(n) for n in range(count)), return_exceptions=True)
-    return {"started": started, "ended": time.time(),
-            "done": sum(outcome == "done" for outcome in outcomes),
-            "failed": [repr(o) for o in outcomes if o != "done"][:5]}
+    return {
+        "started": started,
+        "ended": time.time(),
+        "done": sum(outcome == "done" for outcome in outcomes),
+        "failed": [repr(o) for o in outcomes if o != "done"][:5],
+    }
 
 
 async def text_client(args: argparse.Namespace) -> None:
@@ -144,8 +159,9 @@ async def probe(lags: list[tuple[float, float]]) -> None:
         lags.append((time.time(), loop.time() - asked - PROBE_S))
 
 
-async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool,
-                  out_dir: Path) -> dict[str, Any]:
+async def one_run(
+    args: argparse.Namespace, name: str, burst: bool, vision: bool, out_dir: Path
+) -> dict[str, Any]:
     config = load_config(EXAMPLE_CONFIG)
     params = load_engine_params(EXAMPLE_ENGINE)
     if not vision:
@@ -153,14 +169,26 @@ async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool
     cpus = sorted(os.sched_getaffinity(0))
     # The worker's event loop alone on one core, its image pool and the rest on the
     # others, as on a GPU host with cores to spare; --shared-cores: all together.
-    worker_cpus, other_cpus = (({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) > 1
-                               else (set(cpus),) * 2)
+    worker_cpus, other_cpus = (
+        ({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) > 1 else (set(cpus),) * 2
+    )
     async with contextlib.AsyncExitStack() as stack:
         os.sched_setaffinity(0, other_cpus)  # inherited by nats-server and the dispatcher
         server = await stack.enter_async_context(EmbeddedNatsServer())
-        dispatcher = Child("dispatcher", [sys.executable, "-m", "dispatcher", "--nats",
-                                          server.url, "--config", str(EXAMPLE_CONFIG)],
-                           out_dir / "logs" / f"dispatcher-{name}.log", cwd=REPO)
+        dispatcher = Child(
+            "dispatcher",
+            [
+                sys.executable,
+                "-m",
+                "dispatcher",
+                "--nats",
+                server.url,
+                "--config",
+                str(EXAMPLE_CONFIG),
+            ],
+            out_dir / "logs" / f"dispatcher-{name}.log",
+            cwd=REPO,
+        )
         await dispatcher.start()
         stack.push_async_callback(dispatcher.stop)
         nc = await nats.connect(server.url)
@@ -172,13 +200,21 @@ async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool
                     break
                 await asyncio.sleep(0.1)
         results = await stack.enter_async_context(
-            KeyValueWriter(nc, config.subjects.results_bucket))
-        engine = await stack.enter_async_context(
-            SimEngine(params, time_scale=1.0))
-        worker = await stack.enter_async_context(WorkerService(
-            nc, engine, endpoint="chat", worker_id="chat-w1", subjects=config.subjects,
-            results=results, profile=config.profiles["llama-7b-sim"],
-            settings=config.workers))
+            KeyValueWriter(nc, config.subjects.results_bucket)
+        )
+        engine = await stack.enter_async_context(SimEngine(params, time_scale=1.0))
+        worker = await stack.enter_async_context(
+            WorkerService(
+                nc,
+                engine,
+                endpoint="chat",
+                worker_id="chat-w1",
+                subjects=config.subjects,
+                results=results,
+                profile=config.profiles["llama-7b-sim"],
+                settings=config.workers,
+            )
+        )
         # Started here, the fork server and its processes keep the other cores.
         await worker.image_pool.prepare([photo_jpeg(64, 64, 0)], "warm-up")
         os.sched_setaffinity(0, worker_cpus)  # this thread: the worker's event loop
@@ -188,39 +224,65 @@ async def one_run(args: argparse.Namespace, name: str, burst: bool, vision: bool
         start_at = time.time() + CLIENT_START_S
         roles = ["text", "probe", "images"] if burst else ["text", "probe"]
         outs = {role: out_dir / "logs" / f"{role}-{name}.json" for role in roles}
-        processes = [await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.image_burst", "--role", role, "--nats", server.url,
-            "--out", str(outs[role]), "--start-at", repr(start_at), *args.passed, cwd=REPO,
-            # The idle probe shares the worker's core.
-            preexec_fn=functools.partial(os.sched_setaffinity, 0,
-                                         worker_cpus if role == "probe" else other_cpus))
-            for role in roles]
+        processes = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "bench.image_burst",
+                "--role",
+                role,
+                "--nats",
+                server.url,
+                "--out",
+                str(outs[role]),
+                "--start-at",
+                repr(start_at),
+                *args.passed,
+                cwd=REPO,
+                # The idle probe shares the worker's core.
+                preexec_fn=functools.partial(
+                    os.sched_setaffinity, 0, worker_cpus if role == "probe" else other_cpus
+                ),
+            )
+            for role in roles
+        ]
         for role, process in zip(roles, processes, strict=True):
             if await process.wait() != 0:
                 raise RuntimeError(f"the {role} client failed ({process.returncode})")
         probing.cancel()
         restarts = worker.image_pool.restarts
     gaps = json.loads(outs["text"].read_text())["gaps"]
-    seen = json.loads(outs["images"].read_text()) if burst else {"burst": None,
-                                                                  "image_bytes": None}
+    seen = json.loads(outs["images"].read_text()) if burst else {"burst": None, "image_bytes": None}
     if burst and seen["burst"]["done"] != args.images:
         raise RuntimeError(f"image requests failed: {seen['burst']['failed']}")
-    start, end = ((seen["burst"]["started"], seen["burst"]["ended"]) if burst else
-                  (start_at + args.burst_at, start_at + args.burst_at + args.baseline_window))
+    start, end = (
+        (seen["burst"]["started"], seen["burst"]["ended"])
+        if burst
+        else (start_at + args.burst_at, start_at + args.burst_at + args.baseline_window)
+    )
     lag_ms = sorted(1000 * lag for at, lag in lags if start <= at <= end)
-    idle_ms = sorted(1000 * lag for at, lag in json.loads(outs["probe"].read_text())["lags"]
-                     if start <= at <= end)
+    idle_ms = sorted(
+        1000 * lag
+        for at, lag in json.loads(outs["probe"].read_text())["lags"]
+        if start <= at <= end
+    )
     gap_ms = sorted(1000 * gap for at, gap in gaps if start <= at <= end)
     return {
-        "run": name, "window_s": round(end - start, 2),
+        "run": name,
+        "window_s": round(end - start, 2),
         "image_requests_done": seen["burst"]["done"] if burst else None,
         "image_failures": seen["burst"]["failed"] if burst else None,
-        "image_base64_bytes": seen["image_bytes"], "pool_restarts": restarts,
-        "lag_samples": len(lag_ms), "lag_p50_ms": round(percentile(lag_ms, 50), 2),
-        "lag_p99_ms": round(percentile(lag_ms, 99), 2), "lag_max_ms": round(lag_ms[-1], 2),
+        "image_base64_bytes": seen["image_bytes"],
+        "pool_restarts": restarts,
+        "lag_samples": len(lag_ms),
+        "lag_p50_ms": round(percentile(lag_ms, 50), 2),
+        "lag_p99_ms": round(percentile(lag_ms, 99), 2),
+        "lag_max_ms": round(lag_ms[-1], 2),
         "idle_lag_p99_ms": round(percentile(idle_ms, 99), 2),
-        "token_gaps": len(gap_ms), "gap_p50_ms": round(percentile(gap_ms, 50), 1),
-        "gap_p99_ms": round(percentile(gap_ms, 99), 1), "gap_max_ms": round(gap_ms[-1], 1),
+        "token_gaps": len(gap_ms),
+        "gap_p50_ms": round(percentile(gap_ms, 50), 1),
+        "gap_p99_ms": round(percentile(gap_ms, 99), 1),
+        "gap_max_ms": round(gap_ms[-1], 1),
     }
 
 
@@ -230,53 +292,99 @@ def size(text: str) -> tuple[int, int]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.image_burst", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.image_burst",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--duration", type=float, default=25.0, help="seconds of text load")
-    parser.add_argument("--burst-at", type=float, default=5.0,
-                        help="seconds into the run the image burst starts")
-    parser.add_argument("--baseline-window", type=float, default=10.0,
-                        help="seconds the baseline's window lasts (the burst's own otherwise)")
+    parser.add_argument(
+        "--burst-at", type=float, default=5.0, help="seconds into the run the image burst starts"
+    )
+    parser.add_argument(
+        "--baseline-window",
+        type=float,
+        default=10.0,
+        help="seconds the baseline's window lasts (the burst's own otherwise)",
+    )
     parser.add_argument("--images", type=int, default=96, help="image requests in the burst")
     parser.add_argument("--image-size", type=size, default=(3000, 2000), metavar="WxH")
     parser.add_argument("--streams", type=int, default=8, help="text requests in flight")
-    parser.add_argument("--shared-cores", dest="pin", action="store_false",
-                        help="run every process on every core (default: the worker alone "
-                        "on the first core, the rest on the others)")
+    parser.add_argument(
+        "--shared-cores",
+        dest="pin",
+        action="store_false",
+        help="run every process on every core (default: the worker alone "
+        "on the first core, the rest on the others)",
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--role", choices=("main", "text", "probe", "images"), default="main",
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role",
+        choices=("main", "text", "probe", "images"),
+        default="main",
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument("--nats", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # What the clients' process is started with: the load's settings as given here.
-    args.passed = ["--duration", str(args.duration), "--burst-at", str(args.burst_at),
-                   "--baseline-window", str(args.baseline_window), "--images",
-                   str(args.images), "--image-size", "x".join(map(str, args.image_size)),
-                   "--streams", str(args.streams)]
+    args.passed = [
+        "--duration",
+        str(args.duration),
+        "--burst-at",
+        str(args.burst_at),
+        "--baseline-window",
+        str(args.baseline_window),
+        "--images",
+        str(args.images),
+        "--image-size",
+        "x".join(map(str, args.image_size)),
+        "--streams",
+        str(args.streams),
+    ]
     return args
 
 
 async def main_role(args: argparse.Namespace) -> None:
     (args.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     command = command_line("bench.image_burst")
-    runs = [await one_run(args, name, burst, vision, args.out_dir) for name, burst, vision in (
-        ("baseline", False, True), ("burst", True, False),
-        ("burst, vision encoding in the engine", True, True))]
-    report = {"machine": machine_facts(command), "settings": args.passed,
-              "worker_alone_on_a_core": args.pin, "runs": runs}
+    runs = [
+        await one_run(args, name, burst, vision, args.out_dir)
+        for name, burst, vision in (
+            ("baseline", False, True),
+            ("burst", True, False),
+            ("burst, vision encoding in the engine", True, True),
+        )
+    ]
+    report = {
+        "machine": machine_facts(command),
+        "settings": args.passed,
+        "worker_alone_on_a_core": args.pin,
+        "runs": runs,
+    }
     (args.out_dir / "image_burst.json").write_text(json.dumps(report, indent=2))
-    columns = ["run", "window_s", "image_requests_done", "lag_p50_ms", "lag_p99_ms",
-               "lag_max_ms", "idle_lag_p99_ms", "gap_p50_ms", "gap_p99_ms", "gap_max_ms",
-               "pool_restarts"]
+    columns = [
+        "run",
+        "window_s",
+        "image_requests_done",
+        "lag_p50_ms",
+        "lag_p99_ms",
+        "lag_max_ms",
+        "idle_lag_p99_ms",
+        "gap_p50_ms",
+        "gap_p99_ms",
+        "gap_max_ms",
+        "pool_restarts",
+    ]
     print("\n".join(table(columns, [[str(run[c]) for c in columns] for run in runs])))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    role = {"main": main_role, "text": text_client, "probe": idle_probe,
-            "images": image_client}[args.role]
+    role = {"main": main_role, "text": text_client, "probe": idle_probe, "images": image_client}[
+        args.role
+    ]
     asyncio.run(role(args))
 
 

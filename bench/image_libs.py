@@ -44,8 +44,15 @@ os.environ.setdefault("VIPS_CONCURRENCY", "1")
 LONG_EDGE = 1024
 MAX_PIXELS = 1 << 25  # the dispatcher's default [dispatcher.input] max_image_pixels
 # WIDTHxHEIGHT, then -rot6: EXIF orientation 6, -alpha: RGBA; the suffix gives the format.
-INPUTS = ["640x480.jpg", "1920x1080.jpg", "4032x3024-rot6.jpg", "640x480.png",
-          "1920x1080.png", "4032x3024.png", "1920x1080-alpha.png"]
+INPUTS = [
+    "640x480.jpg",
+    "1920x1080.jpg",
+    "4032x3024-rot6.jpg",
+    "640x480.png",
+    "1920x1080.png",
+    "4032x3024.png",
+    "1920x1080-alpha.png",
+]
 
 Prepared = tuple[bytes, int, int]
 Variants = dict[str, Callable[[bytes], Prepared]]
@@ -84,12 +91,19 @@ def generate_inputs(directory: Path, seed: int) -> None:
 
 def oversized_png(width: int = 10000, height: int = 10000) -> bytes:
     """A valid-looking PNG whose header claims far more pixels than it holds."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return (struct.pack(">I", len(body)) + kind + body
-                + struct.pack(">I", zlib.crc32(kind + body)))
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(b"\0" * 4)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 4))
+        + chunk(b"IEND", b"")
+    )
 
 
 def fit(width: int, height: int) -> tuple[int, int]:
@@ -136,11 +150,11 @@ def pillow_variants(max_pixels: int) -> tuple[str, Variants] | None:
             image = open_checked(data)
             # The box is square, so shrinking before the rotation gives the same bound,
             # and rotating or flattening the small image is cheaper.
-            image.thumbnail((LONG_EDGE, LONG_EDGE), Image.Resampling.LANCZOS,
-                            reducing_gap=gap)
+            image.thumbnail((LONG_EDGE, LONG_EDGE), Image.Resampling.LANCZOS, reducing_gap=gap)
             ImageOps.exif_transpose(image, in_place=True)
             image = to_rgb(image)
             return image.tobytes(), image.width, image.height
+
         return prepare
 
     # gap 2: draft/reduce stop at >= 2x the target, leaving real work to Lanczos;
@@ -186,8 +200,9 @@ def pyvips_variants(max_pixels: int) -> tuple[str, Variants] | None:
     return f"pyvips {pyvips.__version__} (libvips {libvips})", {"thumbnail": thumbnail}
 
 
-def measure(fn: Callable[[bytes], Prepared], data: bytes, min_reps: int,
-            min_seconds: float) -> tuple[list[float], Prepared]:
+def measure(
+    fn: Callable[[bytes], Prepared], data: bytes, min_reps: int, min_seconds: float
+) -> tuple[list[float], Prepared]:
     out = fn(data)
     fn(data)  # warm-up: the first calls pay for lazy plugin loading
     times: list[float] = []
@@ -204,7 +219,7 @@ def fingerprint(pixels: bytes, width: int, height: int) -> list[int]:
     means = []
     for y0, y1 in ((0, height // 2), (height // 2, height)):
         for x0, x1 in ((0, width // 2), (width // 2, width)):
-            rows = [pixels[(y * width + x0) * 3:(y * width + x1) * 3] for y in range(y0, y1)]
+            rows = [pixels[(y * width + x0) * 3 : (y * width + x1) * 3] for y in range(y0, y1)]
             block = b"".join(rows)
             means += [round(sum(block[c::3]) / max(1, len(block) // 3)) for c in range(3)]
     return means
@@ -227,24 +242,36 @@ def run_library(lib: str, args: argparse.Namespace) -> tuple[str, list[dict]]:
             times, (pixels, width, height) = measure(fn, data, args.min_reps, args.min_seconds)
             assert len(pixels) == width * height * 3, "not 8-bit RGB"
             ranked = sorted(times)
-            rows.append({"library": label, "variant": variant, "input": name,
-                         "input_bytes": len(data), "out": f"{width}x{height}",
-                         "reps": len(times), "median_ms": ranked[len(ranked) // 2],
-                         "p95_ms": ranked[math.ceil(0.95 * len(ranked)) - 1],
-                         "refuses_oversized": refused,
-                         "quadrant_rgb": fingerprint(pixels, width, height)})
+            rows.append(
+                {
+                    "library": label,
+                    "variant": variant,
+                    "input": name,
+                    "input_bytes": len(data),
+                    "out": f"{width}x{height}",
+                    "reps": len(times),
+                    "median_ms": ranked[len(ranked) // 2],
+                    "p95_ms": ranked[math.ceil(0.95 * len(ranked)) - 1],
+                    "refuses_oversized": refused,
+                    "quadrant_rgb": fingerprint(pixels, width, height),
+                }
+            )
             print(f"{label} {variant} {name}: {rows[-1]['median_ms']:.2f} ms", file=sys.stderr)
     return label, rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--libs", nargs="+", choices=["pillow", "pyvips"],
-                        default=["pillow", "pyvips"])
-    parser.add_argument("--images", type=Path, default=Path("/tmp/fairq-image-libs"),
-                        help="input directory; generated when files are missing")
-    parser.add_argument("--out", type=Path,
-                        default=Path("bench/results/image_libs/results.json"))
+    parser.add_argument(
+        "--libs", nargs="+", choices=["pillow", "pyvips"], default=["pillow", "pyvips"]
+    )
+    parser.add_argument(
+        "--images",
+        type=Path,
+        default=Path("/tmp/fairq-image-libs"),
+        help="input directory; generated when files are missing",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results/image_libs/results.json"))
     parser.add_argument("--min-reps", type=int, default=20)
     parser.add_argument("--min-seconds", type=float, default=2.0)
     parser.add_argument("--max-pixels", type=int, default=MAX_PIXELS)
@@ -258,8 +285,10 @@ def main() -> None:
         try:
             generate_inputs(args.images, args.seed)
         except ImportError:
-            sys.exit(f"{args.images} lacks inputs; generate them with a Python that has "
-                     "numpy and Pillow (python -m bench.image_libs --libs pillow)")
+            sys.exit(
+                f"{args.images} lacks inputs; generate them with a Python that has "
+                "numpy and Pillow (python -m bench.image_libs --libs pillow)"
+            )
     merged = json.loads(args.out.read_text()) if args.out.exists() else {"runs": {}}
     for lib in args.libs:
         label, rows = run_library(lib, args)
@@ -271,13 +300,17 @@ def main() -> None:
     args.out.write_text(json.dumps(merged, indent=1) + "\n")
 
     order = {name: i for i, name in enumerate(INPUTS)}
-    rows = sorted((r for run in merged["runs"].values() for r in run["rows"]),
-                  key=lambda r: (order.get(r["input"], 99), r["library"], r["variant"]))
+    rows = sorted(
+        (r for run in merged["runs"].values() for r in run["rows"]),
+        key=lambda r: (order.get(r["input"], 99), r["library"], r["variant"]),
+    )
     print("| input | KiB | library | variant | out | reps | median ms | p95 ms |")
     print("|---|--:|---|---|---|--:|--:|--:|")
     for r in rows:
-        print(f"| {r['input']} | {r['input_bytes'] // 1024} | {r['library']} | {r['variant']} "
-              f"| {r['out']} | {r['reps']} | {r['median_ms']:.2f} | {r['p95_ms']:.2f} |")
+        print(
+            f"| {r['input']} | {r['input_bytes'] // 1024} | {r['library']} | {r['variant']} "
+            f"| {r['out']} | {r['reps']} | {r['median_ms']:.2f} | {r['p95_ms']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

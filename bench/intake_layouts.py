@@ -162,10 +162,15 @@ class Layout:
             return [Group([SUBJECTS.all_stored], tenants)]
         if self.partitioned:
             shards = BROKER.intake_shards
-            members = {shard: [t for t in tenants if broker_shard_of(t, shards) == shard]
-                       for shard in range(shards)}
-            return [Group([SUBJECTS.shard_filter(shard)], names)
-                    for shard, names in members.items() if names]
+            members = {
+                shard: [t for t in tenants if broker_shard_of(t, shards) == shard]
+                for shard in range(shards)
+            }
+            return [
+                Group([SUBJECTS.shard_filter(shard)], names)
+                for shard, names in members.items()
+                if names
+            ]
         if self.mix:
             rest = [t for t in tenants if t not in backlogged]
             return [*map(own_group, backlogged), *([tenant_group(rest)] if rest else [])]
@@ -190,17 +195,20 @@ def shard_of(tenant: str, shards: int) -> int:
     return zlib.crc32(tenant.encode()) % shards
 
 
-LAYOUTS = {layout.name: layout for layout in (
-    Layout("pull-per-tenant", "pull"),
-    Layout("push-per-tenant", "push"),
-    Layout("pull-shards-16", "pull", shards=16),
-    Layout("pull-shards-64", "pull", shards=64),
-    Layout("pull-partitioned-16", "pull", partitioned=True),
-    Layout("pull-shared", "pull", shared=True),
-    Layout("pull-mix", "pull", mix=True),
-    Layout("direct-get-delete", "direct"),
-    Layout("direct-get-keep", "direct", delete=False),
-)}
+LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout("pull-per-tenant", "pull"),
+        Layout("push-per-tenant", "push"),
+        Layout("pull-shards-16", "pull", shards=16),
+        Layout("pull-shards-64", "pull", shards=64),
+        Layout("pull-partitioned-16", "pull", partitioned=True),
+        Layout("pull-shared", "pull", shared=True),
+        Layout("pull-mix", "pull", mix=True),
+        Layout("direct-get-delete", "direct"),
+        Layout("direct-get-keep", "direct", delete=False),
+    )
+}
 
 
 def head_of_line_tenants(layout: Layout, tenants: int) -> tuple[list[str], bool]:
@@ -209,8 +217,11 @@ def head_of_line_tenants(layout: Layout, tenants: int) -> tuple[list[str], bool]
     others = tenant_names(tenants - 1)
     if layout.shards or layout.partitioned:
         # The first tenant name that hashes to A's shard stands in for B.
-        shard = (functools.partial(broker_shard_of, shards=BROKER.intake_shards)
-                 if layout.partitioned else functools.partial(shard_of, shards=layout.shards))
+        shard = (
+            functools.partial(broker_shard_of, shards=BROKER.intake_shards)
+            if layout.partitioned
+            else functools.partial(shard_of, shards=layout.shards)
+        )
         mates = [t for t in others if shard(t) == shard(BACKLOGGED)]
         if mates:
             others.remove(mates[0])
@@ -292,8 +303,9 @@ class PullIntake(LayoutIntake):
             # As the dispatcher makes its consumers; several filters as FilterSubjects.
             config = ConsumerSpec(f"il~{n}", group.filters[0], LIMITS).config()
             if len(group.filters) > 1:
-                config = dataclasses.replace(config, filter_subject=None,
-                                             filter_subjects=group.filters)
+                config = dataclasses.replace(
+                    config, filter_subject=None, filter_subjects=group.filters
+                )
             configs.append(config)
         await create_consumers(self.nc, configs)
 
@@ -305,9 +317,11 @@ class PullIntake(LayoutIntake):
 
     async def _pull(self, n: int, credits: int) -> None:
         self.credits[n] += credits
-        await self.nc.publish(jetstream.pull_subject(STREAM, f"il~{n}"),
-                              jetstream.pull_request(credits, self.expires_s),
-                              reply=f"{self.inbox}.{n}")
+        await self.nc.publish(
+            jetstream.pull_subject(STREAM, f"il~{n}"),
+            jetstream.pull_request(credits, self.expires_s),
+            reply=f"{self.inbox}.{n}",
+        )
 
     async def _on_message(self, msg: Msg) -> None:
         assert self.tally is not None
@@ -337,12 +351,22 @@ class PushIntake(LayoutIntake):
 
     async def setup(self) -> None:
         # Nothing is delivered until start subscribes to the deliver subjects.
-        await create_consumers(self.nc, [dataclasses.replace(
-            ConsumerSpec(f"il~{n}", SUBJECTS.stored_tenant_filter(tenant),
-                         ConsumerLimits(ACK_WAIT_S, WINDOW)).config(),
-            deliver_subject=f"{self.inbox}.{n}", flow_control=True,
-            idle_heartbeat=PUSH_HEARTBEAT_S)
-            for n, tenant in enumerate(self.tenants)])
+        await create_consumers(
+            self.nc,
+            [
+                dataclasses.replace(
+                    ConsumerSpec(
+                        f"il~{n}",
+                        SUBJECTS.stored_tenant_filter(tenant),
+                        ConsumerLimits(ACK_WAIT_S, WINDOW),
+                    ).config(),
+                    deliver_subject=f"{self.inbox}.{n}",
+                    flow_control=True,
+                    idle_heartbeat=PUSH_HEARTBEAT_S,
+                )
+                for n, tenant in enumerate(self.tenants)
+            ],
+        )
 
     async def start(self, tally: Tally) -> None:
         self.tally = tally
@@ -386,8 +410,9 @@ class DirectIntake(LayoutIntake):
         try:
             async with DirectBatchGet(self.nc, STREAM) as reader:
                 while not tally.done.is_set():
-                    found = await asyncio.gather(*(self._read(reader, t, tally)
-                                                   for t in self.tenants))
+                    found = await asyncio.gather(
+                        *(self._read(reader, t, tally) for t in self.tenants)
+                    )
                     if not any(found):
                         await asyncio.sleep(DIRECT_IDLE_S)
         except (DirectGetError, BenchError, nats.errors.Error) as exc:
@@ -396,8 +421,9 @@ class DirectIntake(LayoutIntake):
     async def _read(self, reader: DirectBatchGet, tenant: str, tally: Tally) -> int:
         async with self._slots:
             self.requests["direct get"] += 1
-            page = await reader.scan(SUBJECTS.stored_tenant_filter(tenant), self.next_seq[tenant],
-                                     WINDOW)
+            page = await reader.scan(
+                SUBJECTS.stored_tenant_filter(tenant), self.next_seq[tenant], WINDOW
+            )
             if not page:
                 return 0
             self.next_seq[tenant] = page[-1].seq + 1
@@ -411,9 +437,11 @@ class DirectIntake(LayoutIntake):
         # nats-py's delete_msg erases (overwrites) the message; an ack does not, so neither
         # does this.
         self.requests["delete"] += 1
-        reply = await self.nc.request(jetstream.msg_delete_subject(STREAM),
-                                      jetstream.msg_delete_request(message.seq),
-                                      timeout=DELETE_TIMEOUT_S)
+        reply = await self.nc.request(
+            jetstream.msg_delete_subject(STREAM),
+            jetstream.msg_delete_request(message.seq),
+            timeout=DELETE_TIMEOUT_S,
+        )
         error = jetstream.api_error(reply.data)
         if error is not None:
             raise BenchError(f"deleting message {message.seq}: {error}")
@@ -427,19 +455,38 @@ class DirectIntake(LayoutIntake):
 async def create_consumers(nc: NATS, configs: list[ConsumerConfig]) -> None:
     js = nc.jetstream()
     for first in range(0, len(configs), CREATE_IN_FLIGHT):
-        await asyncio.gather(*(js.add_consumer(STREAM, config)
-                               for config in configs[first:first + CREATE_IN_FLIGHT]))
+        await asyncio.gather(
+            *(
+                js.add_consumer(STREAM, config)
+                for config in configs[first : first + CREATE_IN_FLIGHT]
+            )
+        )
 
 
-def consume_job(url: str, layout_name: str, tenants: list[str], backlogged: list[str],
-                want: int | None, watch: str | None, timeout_s: float) -> dict[str, Any]:
+def consume_job(
+    url: str,
+    layout_name: str,
+    tenants: list[str],
+    backlogged: list[str],
+    want: int | None,
+    watch: str | None,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Spawned-process entry point: plain arguments, plain data back."""
-    return asyncio.run(consume(url, LAYOUTS[layout_name], tenants, backlogged, want, watch,
-                               timeout_s))
+    return asyncio.run(
+        consume(url, LAYOUTS[layout_name], tenants, backlogged, want, watch, timeout_s)
+    )
 
 
-async def consume(url: str, layout: Layout, tenants: list[str], backlogged: list[str],
-                  want: int | None, watch: str | None, timeout_s: float) -> dict[str, Any]:
+async def consume(
+    url: str,
+    layout: Layout,
+    tenants: list[str],
+    backlogged: list[str],
+    want: int | None,
+    watch: str | None,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Make the layout's consumers, say ready, wait for go; then consume until `want`
     distinct messages (or the message `watch`) came, every one acked or deleted.
 
@@ -469,19 +516,28 @@ async def consume(url: str, layout: Layout, tenants: list[str], backlogged: list
             async with asyncio.timeout(timeout_s):
                 await tally.done.wait()
         except TimeoutError:
-            raise BenchError(f"{layout.name}: {len(tally.seen)} messages after {timeout_s}s "
-                             f"(wanted {want or watch})") from None
+            raise BenchError(
+                f"{layout.name}: {len(tally.seen)} messages after {timeout_s}s "
+                f"(wanted {want or watch})"
+            ) from None
         if tally.error is not None:
             raise tally.error
         await nc.flush()
         elapsed_s, finished_at = time.perf_counter() - started, time.time()
         cpu_s = meter.stop()["consumer"]
         await intake.stop()
-        return {"consumers": intake.consumers, "consumed": len(tally.seen),
-                "deliveries": tally.deliveries,
-                "elapsed_s": elapsed_s, "finished_at": finished_at, "cpu_s": cpu_s,
-                "setup_s": setup_s, "before_watch": tally.before_watch,
-                "statuses": dict(tally.statuses), "requests": dict(intake.requests)}
+        return {
+            "consumers": intake.consumers,
+            "consumed": len(tally.seen),
+            "deliveries": tally.deliveries,
+            "elapsed_s": elapsed_s,
+            "finished_at": finished_at,
+            "cpu_s": cpu_s,
+            "setup_s": setup_s,
+            "before_watch": tally.before_watch,
+            "statuses": dict(tally.statuses),
+            "requests": dict(intake.requests),
+        }
 
 
 # -- the publisher side (this process) -----------------------------------------------------
@@ -544,13 +600,15 @@ async def stream_messages(nc: NATS, expect: int) -> int:
         await asyncio.sleep(POLL_S)
 
 
-async def measure(pool: ProcessPoolExecutor, layout: Layout, tenants: int,
-                  settings: Settings) -> dict[str, Any]:
+async def measure(
+    pool: ProcessPoolExecutor, layout: Layout, tenants: int, settings: Settings
+) -> dict[str, Any]:
     """The rate run on a fresh server."""
     names = tenant_names(tenants)
     subjects = [SUBJECTS.request(ENDPOINT, names[n % tenants]) for n in range(settings.messages)]
-    async with started_consumer(pool, layout, names, names[::DEDICATED_EVERY],
-                                settings.messages, None, settings.timeout_s) as (server, nc, job):
+    async with started_consumer(
+        pool, layout, names, names[::DEDICATED_EVERY], settings.messages, None, settings.timeout_s
+    ) as (server, nc, job):
         assert server.pid is not None
         meter = CpuMeter({"nats-server": server.pid, "publisher": "self"})
         meter.start()
@@ -564,40 +622,58 @@ async def measure(pool: ProcessPoolExecutor, layout: Layout, tenants: int,
         kept = layout.kind == "direct" and not layout.delete
         left = await stream_messages(nc, settings.messages if kept else 0)
     messages = settings.messages
-    return {"tenants": tenants, "consumers": result["consumers"], "published": messages,
-            "consumed": result["consumed"], "deliveries": result["deliveries"],
-            "left_in_stream": left, "statuses": result["statuses"],
-            "publish_msgs_per_s": messages / publish_s,
-            "msgs_per_s": messages / (result["finished_at"] - first_publish),
-            "server_cpu_us_per_msg": 1e6 * cpu["nats-server"] / messages,
-            "consumer_cpu_us_per_msg": 1e6 * result["cpu_s"] / messages,
-            "publisher_cpu_us_per_msg": 1e6 * cpu["publisher"] / messages,
-            "server_rss_kb": server_rss_kb, "setup_s": result["setup_s"],
-            "requests_per_msg": {k: v / messages for k, v in result["requests"].items()}}
+    return {
+        "tenants": tenants,
+        "consumers": result["consumers"],
+        "published": messages,
+        "consumed": result["consumed"],
+        "deliveries": result["deliveries"],
+        "left_in_stream": left,
+        "statuses": result["statuses"],
+        "publish_msgs_per_s": messages / publish_s,
+        "msgs_per_s": messages / (result["finished_at"] - first_publish),
+        "server_cpu_us_per_msg": 1e6 * cpu["nats-server"] / messages,
+        "consumer_cpu_us_per_msg": 1e6 * result["cpu_s"] / messages,
+        "publisher_cpu_us_per_msg": 1e6 * cpu["publisher"] / messages,
+        "server_rss_kb": server_rss_kb,
+        "setup_s": result["setup_s"],
+        "requests_per_msg": {k: v / messages for k, v in result["requests"].items()},
+    }
 
 
-async def measure_head_of_line(pool: ProcessPoolExecutor, layout: Layout, tenants: int,
-                               settings: Settings) -> dict[str, Any]:
+async def measure_head_of_line(
+    pool: ProcessPoolExecutor, layout: Layout, tenants: int, settings: Settings
+) -> dict[str, Any]:
     """The head-of-line run on a fresh server: A's backlog and B's one message are stored
     before the consumer starts."""
     names, shares = head_of_line_tenants(layout, tenants)
     subjects = [SUBJECTS.request(ENDPOINT, names[0])] * settings.backlog
     subjects.append(SUBJECTS.request(ENDPOINT, names[1]))
-    async with started_consumer(pool, layout, names, names[:1], None, f"m{settings.backlog}",
-                                settings.timeout_s) as (_, nc, job):
+    async with started_consumer(
+        pool, layout, names, names[:1], None, f"m{settings.backlog}", settings.timeout_s
+    ) as (_, nc, job):
         await publish(nc, subjects)
         await nc.publish(GO_SUBJECT, b"")
         result = await asyncio.wait_for(job, settings.timeout_s + JOB_MARGIN_S)
-    return {"backlog": settings.backlog, "newcomer": names[1],
-            "newcomer_shares_consumer": shares, "newcomer_after_s": result["elapsed_s"],
-            "delivered_before_newcomer": result["before_watch"]}
+    return {
+        "backlog": settings.backlog,
+        "newcomer": names[1],
+        "newcomer_shares_consumer": shares,
+        "newcomer_after_s": result["elapsed_s"],
+        "delivered_before_newcomer": result["before_watch"],
+    }
 
 
 @contextlib.asynccontextmanager
-async def started_consumer(pool: ProcessPoolExecutor, layout: Layout, tenants: list[str],
-                           backlogged: list[str], want: int | None, watch: str | None,
-                           timeout_s: float
-                           ) -> AsyncIterator[tuple[EmbeddedNatsServer, NATS, Any]]:
+async def started_consumer(
+    pool: ProcessPoolExecutor,
+    layout: Layout,
+    tenants: list[str],
+    backlogged: list[str],
+    want: int | None,
+    watch: str | None,
+    timeout_s: float,
+) -> AsyncIterator[tuple[EmbeddedNatsServer, NATS, Any]]:
     """A fresh nats-server with the requests stream, a connection to it, and the consumer
     process (`consume`, as a future) once it has made its consumers and waits for go."""
     async with EmbeddedNatsServer() as server:
@@ -606,8 +682,16 @@ async def started_consumer(pool: ProcessPoolExecutor, layout: Layout, tenants: l
             await apply_stream(nc.jetstream(), requests_stream_config(BROKER))
             ready = await nc.subscribe(READY_SUBJECT, max_msgs=1)
             job = asyncio.get_running_loop().run_in_executor(
-                pool, consume_job, server.url, layout.name, tenants, backlogged, want, watch,
-                timeout_s)
+                pool,
+                consume_job,
+                server.url,
+                layout.name,
+                tenants,
+                backlogged,
+                want,
+                watch,
+                timeout_s,
+            )
             # Should this run fail, the consumer process ends within its own bounds.
             await until_ready(ready, job, timeout_s)
             yield server, nc, job
@@ -619,20 +703,23 @@ async def run_all(settings: Settings, command: str) -> dict[str, Any]:
     facts = machine_facts(command)
     rows = []
     # A fresh interpreter per consumer (spawn, one task per child): no heap carried over.
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               max_tasks_per_child=1)
+    pool = ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1
+    )
     with pool:
         for tenants in settings.tenant_counts:
             for name in settings.layouts:
                 started = time.monotonic()
                 layout = LAYOUTS[name]
                 row = {"layout": name, **await measure(pool, layout, tenants, settings)}
-                row["head_of_line"] = await measure_head_of_line(pool, layout, tenants,
-                                                                 settings)
+                row["head_of_line"] = await measure_head_of_line(pool, layout, tenants, settings)
                 rows.append(row)
-                print(f"{name} at {tenants} tenants: {row['msgs_per_s']:,.0f} msg/s, newcomer "
-                      f"after {1e3 * row['head_of_line']['newcomer_after_s']:.0f} ms "
-                      f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
+                print(
+                    f"{name} at {tenants} tenants: {row['msgs_per_s']:,.0f} msg/s, newcomer "
+                    f"after {1e3 * row['head_of_line']['newcomer_after_s']:.0f} ms "
+                    f"({time.monotonic() - started:.1f} s)",
+                    file=sys.stderr,
+                )
     facts["loadavg_at_end"] = os.getloadavg()
     return {"machine": facts, "settings": asdict(settings), "rows": rows}
 
@@ -641,40 +728,66 @@ def render(summary: dict[str, Any]) -> str:
     facts, settings = summary["machine"], summary["settings"]
     load = " / ".join(f"{a:.2f}" for a in facts["loadavg_at_start"])
     load_end = " / ".join(f"{a:.2f}" for a in facts["loadavg_at_end"])
-    machine = (f"{facts['date']}, {facts['nproc']} cores ({facts['cpu']}), "
-               f"{facts['nats_server']}, nats-py {facts['nats_py']}; load average (1/5/15 min) "
-               f"{load} at the start, {load_end} at the end.")
-    setup = (f"Rate: {settings['messages']:,} messages of {len(BODY)} bytes published "
-             "round-robin while being consumed. Newcomer: its first message is delivered this "
-             f"long after the consumer starts on {settings['backlog']:,} of A's stored before "
-             "it (\"A before\": how many came first; * = B shares A's consumer).")
+    machine = (
+        f"{facts['date']}, {facts['nproc']} cores ({facts['cpu']}), "
+        f"{facts['nats_server']}, nats-py {facts['nats_py']}; load average (1/5/15 min) "
+        f"{load} at the start, {load_end} at the end."
+    )
+    setup = (
+        f"Rate: {settings['messages']:,} messages of {len(BODY)} bytes published "
+        "round-robin while being consumed. Newcomer: its first message is delivered this "
+        f"long after the consumer starts on {settings['backlog']:,} of A's stored before "
+        'it ("A before": how many came first; * = B shares A\'s consumer).'
+    )
     out = ["# Intake layouts", "", f"`{facts['command']}`", "", machine, "", setup, ""]
     cells = []
     for r in summary["rows"]:
         hol = r["head_of_line"]
         requests = ", ".join(f"{k} {v:.2f}" for k, v in r["requests_per_msg"].items())
-        cells.append([r["layout"], str(r["tenants"]), str(r["consumers"]),
-                      f"{r['msgs_per_s']:,.0f}", f"{r['server_cpu_us_per_msg']:.0f}",
-                      f"{r['consumer_cpu_us_per_msg']:.0f}",
-                      f"{r['server_rss_kb'] / 1024:.0f}",
-                      f"{1e3 * hol['newcomer_after_s']:.1f}",
-                      f"{hol['delivered_before_newcomer']:,}"
-                      + ("*" if hol["newcomer_shares_consumer"] else ""),
-                      requests])
-    out += table(["layout", "tenants", "consumers", "msg/s", "server us/msg",
-                  "consumer us/msg", "server RSS MiB", "newcomer ms", "A before",
-                  "API requests per msg"], cells)
+        cells.append(
+            [
+                r["layout"],
+                str(r["tenants"]),
+                str(r["consumers"]),
+                f"{r['msgs_per_s']:,.0f}",
+                f"{r['server_cpu_us_per_msg']:.0f}",
+                f"{r['consumer_cpu_us_per_msg']:.0f}",
+                f"{r['server_rss_kb'] / 1024:.0f}",
+                f"{1e3 * hol['newcomer_after_s']:.1f}",
+                f"{hol['delivered_before_newcomer']:,}"
+                + ("*" if hol["newcomer_shares_consumer"] else ""),
+                requests,
+            ]
+        )
+    out += table(
+        [
+            "layout",
+            "tenants",
+            "consumers",
+            "msg/s",
+            "server us/msg",
+            "consumer us/msg",
+            "server RSS MiB",
+            "newcomer ms",
+            "A before",
+            "API requests per msg",
+        ],
+        cells,
+    )
     return "\n".join(out)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.intake_layouts",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="the few-second variant: 10 tenants, 1,000 messages")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.intake_layouts", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the few-second variant: 10 tenants, 1,000 messages"
+    )
     parser.add_argument("--tenants", type=_counts, help="tenant counts, e.g. 10,100,1000")
-    parser.add_argument("--layouts", type=_layouts,
-                        help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all)")
+    parser.add_argument(
+        "--layouts", type=_layouts, help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all)"
+    )
     parser.add_argument("--messages", type=int, help="messages per rate run (default 10000)")
     parser.add_argument("--backlog", type=int, help="A's backlog (default 5000)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -699,12 +812,19 @@ def _layouts(text: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    settings = with_overrides(QUICK if args.quick else FULL, {
-        "tenant_counts": args.tenants, "layouts": args.layouts, "messages": args.messages,
-        "backlog": args.backlog})
+    settings = with_overrides(
+        QUICK if args.quick else FULL,
+        {
+            "tenant_counts": args.tenants,
+            "layouts": args.layouts,
+            "messages": args.messages,
+            "backlog": args.backlog,
+        },
+    )
     if not 1 <= settings.backlog < BROKER.max_queued_per_subject:
-        parser.error(f"--backlog must be 1..{BROKER.max_queued_per_subject - 1} "
-                     "(A's backlog is one subject)")
+        parser.error(
+            f"--backlog must be 1..{BROKER.max_queued_per_subject - 1} (A's backlog is one subject)"
+        )
     if settings.messages < 1:
         parser.error("--messages must be at least 1")
     summary = asyncio.run(run_all(settings, command_line("bench.intake_layouts", argv)))

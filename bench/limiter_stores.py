@@ -28,9 +28,13 @@ import numpy as np
 from bench.machine import command_line, machine_facts, table
 from broker_config.config import BrokerSettings, Limits
 from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
-from dispatcher.core.limits import charged, limit_checks, settlement
 from dispatcher.admission.kv_store import KvLimiterStore
-from dispatcher.admission.redis_store import AsyncLimiterStore, MemoryLimiterAsync, RedisLimiterStore
+from dispatcher.admission.redis_store import (
+    AsyncLimiterStore,
+    MemoryLimiterAsync,
+    RedisLimiterStore,
+)
+from dispatcher.core.limits import charged, limit_checks, settlement
 
 LIMITS = Limits(rpm=1e6, tpm=1e9, monthly_quota_tokens=10**12)
 TOTAL_QUOTA = 10**12
@@ -50,10 +54,12 @@ async def run_store(store: AsyncLimiterStore, tenants: int, requests: int) -> di
         assert decision.admitted, decision
         await store.settle(settlement(charged(checks), 450), NOW)
     elapsed = time.perf_counter() - started
-    result = {"requests_per_s": requests / elapsed,
-              "apply_p50_ms": 1e3 * float(np.percentile(steady, 50)),
-              "apply_p99_ms": 1e3 * float(np.percentile(steady, 99)),
-              "first_apply_p50_ms": 1e3 * float(np.percentile(first_seen, 50))}
+    result = {
+        "requests_per_s": requests / elapsed,
+        "apply_p50_ms": 1e3 * float(np.percentile(steady, 50)),
+        "apply_p99_ms": 1e3 * float(np.percentile(steady, 99)),
+        "first_apply_p50_ms": 1e3 * float(np.percentile(first_seen, 50)),
+    }
     if isinstance(store, KvLimiterStore):
         began, cpu = time.perf_counter(), time.process_time()
         await store.flush()
@@ -72,13 +78,11 @@ async def main_async(args: argparse.Namespace) -> dict:
                     stores: dict[str, AsyncLimiterStore] = {
                         "in-process": MemoryLimiterAsync(),
                         # Flushed once, at the end, to time one whole flush.
-                        "nats-kv": await KvLimiterStore.open(nc, BrokerSettings(),
-                                                             flush_s=3600.0),
+                        "nats-kv": await KvLimiterStore.open(nc, BrokerSettings(), flush_s=3600.0),
                         "redis": RedisLimiterStore.from_url(redis_server.url),
                     }
                     for name, store in stores.items():
-                        results[name].append(await run_store(store, args.tenants,
-                                                             args.requests))
+                        results[name].append(await run_store(store, args.tenants, args.requests))
                         await store.aclose()
                 finally:
                     await nc.close()
@@ -93,14 +97,32 @@ def median(runs: list[dict], key: str) -> float:
 def report(results: dict[str, list[dict]]) -> list[str]:
     rows = []
     for name, runs in results.items():
-        flush = (f"{median(runs, 'flush_all_ms'):.0f} ({median(runs, 'flush_all_cpu_ms'):.0f})"
-                 if "flush_all_ms" in runs[0] else "-")
-        rows.append([name, f"{median(runs, 'requests_per_s'):,.0f}",
-                     f"{median(runs, 'apply_p50_ms'):.3f}", f"{median(runs, 'apply_p99_ms'):.3f}",
-                     f"{median(runs, 'first_apply_p50_ms'):.3f}", flush])
-    return table(["store", "requests/s (apply + settle)", "apply p50 ms", "apply p99 ms",
-                  "first apply of a tenant p50 ms",
-                  "one flush of all counters ms (of it CPU in this process)"], rows)
+        flush = (
+            f"{median(runs, 'flush_all_ms'):.0f} ({median(runs, 'flush_all_cpu_ms'):.0f})"
+            if "flush_all_ms" in runs[0]
+            else "-"
+        )
+        rows.append(
+            [
+                name,
+                f"{median(runs, 'requests_per_s'):,.0f}",
+                f"{median(runs, 'apply_p50_ms'):.3f}",
+                f"{median(runs, 'apply_p99_ms'):.3f}",
+                f"{median(runs, 'first_apply_p50_ms'):.3f}",
+                flush,
+            ]
+        )
+    return table(
+        [
+            "store",
+            "requests/s (apply + settle)",
+            "apply p50 ms",
+            "apply p99 ms",
+            "first apply of a tenant p50 ms",
+            "one flush of all counters ms (of it CPU in this process)",
+        ],
+        rows,
+    )
 
 
 def main() -> None:

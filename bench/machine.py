@@ -28,13 +28,17 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
 def with_overrides(settings: S, overrides: Mapping[str, object]) -> S:
     """`settings` (a dataclass) with the options given on the command line; None means
     not given."""
-    return dataclasses.replace(settings, **{k: v for k, v in overrides.items()
-                                            if v is not None})
+    return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def machine_facts(command: str) -> dict[str, Any]:
-    server_version = subprocess.run([str(find_nats_server()), "--version"], check=False,
-                                    capture_output=True, text=True, timeout=10).stdout.strip()
+    server_version = subprocess.run(
+        [str(find_nats_server()), "--version"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout.strip()
     return {
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -59,8 +63,10 @@ def _cpu_model() -> str:
 
 def ran_on(command: str) -> str:
     """The line above a benchmark's table: the command, this host and today's date."""
-    return (f"`{command}`, {platform.node()} ({platform.machine()}), "
-            f"{datetime.date.today().isoformat()}")
+    return (
+        f"`{command}`, {platform.node()} ({platform.machine()}), "
+        f"{datetime.date.today().isoformat()}"
+    )
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -83,8 +83,9 @@ class SharedQueueFeeder:
     requests in flight to complete, and naks what is left so another worker runs it.
     """
 
-    def __init__(self, nc: NATS, service: WorkerService, slots: int,
-                 settings: FeederSettings) -> None:
+    def __init__(
+        self, nc: NATS, service: WorkerService, slots: int, settings: FeederSettings
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots!r}")
         self._nc = nc
@@ -102,13 +103,13 @@ class SharedQueueFeeder:
 
     async def __aenter__(self) -> Self:
         service = self._service
-        spec = endpoint_consumer(self._subjects, service.endpoint,
-                                 ConsumerLimits(ack_wait_s=self._settings.ack_wait_s))
-        pull = await pull_subscription(self._nc.jetstream(), self._subjects.requests_stream,
-                                       spec)
+        spec = endpoint_consumer(
+            self._subjects, service.endpoint, ConsumerLimits(ack_wait_s=self._settings.ack_wait_s)
+        )
+        pull = await pull_subscription(self._nc.jetstream(), self._subjects.requests_stream, spec)
         self._completions = await self._nc.subscribe(
-            self._subjects.completion(service.endpoint, service.worker_id),
-            cb=self._on_completions)
+            self._subjects.completion(service.endpoint, service.worker_id), cb=self._on_completions
+        )
         self._pull = pull
         self._task = asyncio.create_task(self._pull_loop(pull), name="shared-queue-feeder")
         return self
@@ -142,7 +143,7 @@ class SharedQueueFeeder:
                 continue
             try:
                 messages = await pull.fetch(free, timeout=FETCH_POLL_S)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue  # nats-py raises either when nothing arrives within the poll
             except nats.errors.ConnectionClosedError:
                 return
@@ -154,8 +155,9 @@ class SharedQueueFeeder:
         items = []
         for msg in messages:
             try:
-                submission = wire.parse_submission(msg.subject, msg.data, msg.headers,
-                                                   self._subjects)
+                submission = wire.parse_submission(
+                    msg.subject, msg.data, msg.headers, self._subjects
+                )
             except wire.WireError as exc:
                 log.warning("dropping an invalid request on %s: %s", msg.subject, exc)
                 await msg.term()
@@ -163,25 +165,37 @@ class SharedQueueFeeder:
             request = submission.request
             key = self._subjects.result_key(submission.tenant, submission.id)
             self._held[key] = msg
-            items.append(wire.BatchItem(
-                id=submission.id, tenant=submission.tenant, endpoint=submission.endpoint,
-                request=request,
-                max_tokens=min(request.max_tokens or self._settings.max_tokens_cap,
-                               self._settings.max_tokens_cap),
-                reply=submission.reply, encoding=submission.encoding,
-                enqueued_at=jetstream.delivery_of(msg.reply)[0],  # when the stream stored it
-                dispatched_at=now))
+            items.append(
+                wire.BatchItem(
+                    id=submission.id,
+                    tenant=submission.tenant,
+                    endpoint=submission.endpoint,
+                    request=request,
+                    max_tokens=min(
+                        request.max_tokens or self._settings.max_tokens_cap,
+                        self._settings.max_tokens_cap,
+                    ),
+                    reply=submission.reply,
+                    encoding=submission.encoding,
+                    enqueued_at=jetstream.delivery_of(msg.reply)[0],  # when the stream stored it
+                    dispatched_at=now,
+                )
+            )
         if not items:
             return
-        batch = wire.Batch(worker_id=service.worker_id, endpoint=service.endpoint,
-                           items=items, sent_at=now)
-        await self._nc.publish(self._subjects.work(service.endpoint, service.worker_id),
-                               wire.encode(batch, wire.Encoding.MSGPACK),
-                               headers={HDR_CONTENT_TYPE: wire.Encoding.MSGPACK.content_type})
+        batch = wire.Batch(
+            worker_id=service.worker_id, endpoint=service.endpoint, items=items, sent_at=now
+        )
+        await self._nc.publish(
+            self._subjects.work(service.endpoint, service.worker_id),
+            wire.encode(batch, wire.Encoding.MSGPACK),
+            headers={HDR_CONTENT_TYPE: wire.Encoding.MSGPACK.content_type},
+        )
 
     async def _on_completions(self, msg: Msg) -> None:
-        completions = wire.COMPLETIONS.decode(msg.data, wire.Encoding.from_content_type(
-            wire.header(msg.headers, HDR_CONTENT_TYPE)))
+        completions = wire.COMPLETIONS.decode(
+            msg.data, wire.Encoding.from_content_type(wire.header(msg.headers, HDR_CONTENT_TYPE))
+        )
         for done in completions.items:
             held = self._held.pop(self._subjects.result_key(done.tenant, done.id), None)
             if held is None:
@@ -209,8 +223,10 @@ async def run(options: Options, settings: FeederSettings) -> None:
     and hands back what it holds, then the worker drains. Raises WorkerFailure."""
     stop = stop_on_signals()
     # The feeder is sized once the engine has started: vLLM's capacity is known only then.
-    async with serving(options, stop) as (nc, service), \
-            SharedQueueFeeder(nc, service, options.engine.capacity.sequences, settings):
+    async with (
+        serving(options, stop) as (nc, service),
+        SharedQueueFeeder(nc, service, options.engine.capacity.sequences, settings),
+    ):
         await stop.wait()
 
 
@@ -222,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = feeder_settings(args, options)
     except UsageError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         asyncio.run(run(options, settings))
     except WorkerFailure as exc:

@@ -48,8 +48,9 @@ def memory_kb(pid: int | str = "self") -> dict[str, int]:
     except OSError as exc:
         raise ProcError(f"cannot read /proc/{pid}/status: {exc}") from exc
     if len(found) != len(wanted):
-        raise ProcError(f"/proc/{pid}/status lacks VmRSS or VmHWM: memory is measured on "
-                        "Linux only")
+        raise ProcError(
+            f"/proc/{pid}/status lacks VmRSS or VmHWM: memory is measured on Linux only"
+        )
     return found
 
 

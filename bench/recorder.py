@@ -87,15 +87,23 @@ class Arrival:
     streamed: bool = True
 
 
-def arrivals_from_trace(trace: Sequence[TraceRecord], time_scale: float,
-                        collected: Collection[str] = ()) -> list[Arrival]:
+def arrivals_from_trace(
+    trace: Sequence[TraceRecord], time_scale: float, collected: Collection[str] = ()
+) -> list[Arrival]:
     """The trace's requests on the wall clock: arrivals compressed by `time_scale` like the
     engine's time, so the load relative to capacity is the trace's. Each asks for
     max_tokens = the record's max_tokens, else its output_tokens. Tenants in
     `collected` submit without `Fq-Reply`."""
-    return [Arrival(r.tenant, r.arrival_s * time_scale, r.input_tokens,
-                    r.max_tokens or r.output_tokens, streamed=r.tenant not in collected)
-            for r in trace]
+    return [
+        Arrival(
+            r.tenant,
+            r.arrival_s * time_scale,
+            r.input_tokens,
+            r.max_tokens or r.output_tokens,
+            streamed=r.tenant not in collected,
+        )
+        for r in trace
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +177,11 @@ class Measured:
             return
         self.outcome = DONE
         timings = event.timings
-        self.queued_s, self.ttft_s, self.total_s = (timings.queued_s, timings.ttft_s,
-                                                    timings.total_s)
+        self.queued_s, self.ttft_s, self.total_s = (
+            timings.queued_s,
+            timings.ttft_s,
+            timings.total_s,
+        )
         self.input_tokens = event.usage.input_tokens
         self.output_tokens = event.usage.output_tokens
         if timings.ttft_s is None:  # no token: dispatch is placed from the finish
@@ -186,16 +197,22 @@ class Measured:
         """As `dispatcher.sim.fairness` records: arrival = submit, times divided by
         `time_scale` (the engine model's seconds). A done request without a token is
         recorded as not served, as in the simulator."""
+
         def scaled(value: float | None) -> float | None:
             return None if value is None else value / time_scale
 
         submitted = self.submitted if self.submitted is not None else self.offset_s
         return RequestRecord(
-            id=self.id, tenant=self.tenant, arrival=submitted / time_scale,
-            dispatched=scaled(self.dispatched), first_token=scaled(self.first_token),
-            finished=scaled(self.finished), input_tokens=self.input_tokens,
+            id=self.id,
+            tenant=self.tenant,
+            arrival=submitted / time_scale,
+            dispatched=scaled(self.dispatched),
+            first_token=scaled(self.first_token),
+            finished=scaled(self.finished),
+            input_tokens=self.input_tokens,
             output_tokens=self.output_tokens or 0,
-            outcome="admitted" if self.done else self.outcome)
+            outcome="admitted" if self.done else self.outcome,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,10 +240,16 @@ def describe_outcomes(counts: dict[str, int]) -> str:
     return ", ".join(f"{count} {outcome}" for outcome, count in counts.items()) or "none"
 
 
-async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
-                 settings: BrokerSettings, timeout_s: float,
-                 alive: Callable[[], None] | None = None,
-                 well_behaved: WellBehaved | None = None) -> Replay:
+async def replay(
+    url: str,
+    arrivals: Sequence[Arrival],
+    *,
+    endpoint: str,
+    settings: BrokerSettings,
+    timeout_s: float,
+    alive: Callable[[], None] | None = None,
+    well_behaved: WellBehaved | None = None,
+) -> Replay:
     """Send `arrivals` on schedule to the stack at `url`, and run `well_behaved`'s
     closed loop beside them; see the module doc.
 
@@ -234,10 +257,13 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
     the stack has died (`Stack.check_alive`), so a crash ends the replay at once instead
     of at `timeout_s`.
     """
-    closed = ([replace(a, streamed=False) for a in well_behaved.requests]
-              if well_behaved is not None else [])
+    closed = (
+        [replace(a, streamed=False) for a in well_behaved.requests]
+        if well_behaved is not None
+        else []
+    )
     measured = to_measure([*arrivals, *closed])
-    open_loop, closed_loop = measured[:len(arrivals)], measured[len(arrivals):]
+    open_loop, closed_loop = measured[: len(arrivals)], measured[len(arrivals) :]
     by_tenant: dict[str, list[Measured]] = defaultdict(list)
     for m in sorted(open_loop, key=lambda m: m.offset_s):
         by_tenant[m.tenant].append(m)
@@ -245,30 +271,55 @@ async def replay(url: str, arrivals: Sequence[Arrival], *, endpoint: str,
     # Collected tenants (a flood, a batch job) publish on a connection of their own, as
     # separate clients would: a burst of theirs must not queue the streamed tenants'
     # submits behind it in this process.
-    async with Client.connect(url, prefix=settings.prefix) as client, \
-            Client.connect(url, prefix=settings.prefix) as batch_client:
+    async with (
+        Client.connect(url, prefix=settings.prefix) as client,
+        Client.connect(url, prefix=settings.prefix) as batch_client,
+    ):
         loop = asyncio.get_running_loop()
         start_wall, start_loop = time.time(), loop.time()
 
         async def replay_all() -> None:
-            parts = [_tenant(client if mine[0].streamed else batch_client, endpoint, mine,
-                             start_wall, start_loop, in_flight)
-                     for mine in by_tenant.values()]
+            parts = [
+                _tenant(
+                    client if mine[0].streamed else batch_client,
+                    endpoint,
+                    mine,
+                    start_wall,
+                    start_loop,
+                    in_flight,
+                )
+                for mine in by_tenant.values()
+            ]
             if well_behaved is not None:
-                parts.append(_closed_loop(batch_client, endpoint, settings, closed_loop,
-                                          well_behaved.slots, in_flight, start_wall))
+                parts.append(
+                    _closed_loop(
+                        batch_client,
+                        endpoint,
+                        settings,
+                        closed_loop,
+                        well_behaved.slots,
+                        in_flight,
+                        start_wall,
+                    )
+                )
             await asyncio.gather(*parts)
             await _until_stream_empty(client.connection, settings)
 
         await bounded(replay_all(), timeout_s, alive)
-        await _collect(client.connection, settings,
-                       [m for m in open_loop if not m.streamed and m.submitted is not None],
-                       start_wall)
+        await _collect(
+            client.connection,
+            settings,
+            [m for m in open_loop if not m.streamed and m.submitted is not None],
+            start_wall,
+        )
         ends = [m.finished for m in measured if m.finished is not None]
     # The closed loop has no schedule to be late against.
-    lateness = {tenant: max((m.submitted - m.offset_s for m in mine
-                             if m.submitted is not None), default=0.0)
-                for tenant, mine in by_tenant.items()}
+    lateness = {
+        tenant: max(
+            (m.submitted - m.offset_s for m in mine if m.submitted is not None), default=0.0
+        )
+        for tenant, mine in by_tenant.items()
+    }
     return Replay(measured, max(ends, default=0.0), lateness, start_wall)
 
 
@@ -279,14 +330,23 @@ def to_measure(arrivals: Sequence[Arrival]) -> list[Measured]:
     numbers: Counter[str] = Counter()
     measured = []
     for a in arrivals:
-        measured.append(Measured(f"{a.tenant}-{numbers[a.tenant]}", a.tenant, a.offset_s,
-                                 a.streamed, a.input_tokens, a.max_tokens))
+        measured.append(
+            Measured(
+                f"{a.tenant}-{numbers[a.tenant]}",
+                a.tenant,
+                a.offset_s,
+                a.streamed,
+                a.input_tokens,
+                a.max_tokens,
+            )
+        )
         numbers[a.tenant] += 1
     return measured
 
 
-async def bounded(work: Awaitable[None], timeout_s: float,
-                  alive: Callable[[], None] | None) -> None:
+async def bounded(
+    work: Awaitable[None], timeout_s: float, alive: Callable[[], None] | None
+) -> None:
     """Await `work` for at most `timeout_s` (what has no final event by then stays
     `lost`), calling `alive` every `WATCH_S` meanwhile: it raises, and so ends the run at
     once, when the stack has died."""
@@ -304,8 +364,14 @@ async def bounded(work: Awaitable[None], timeout_s: float,
                 watchdog.cancel()
 
 
-async def _tenant(client: Client, endpoint: str, mine: list[Measured], start_wall: float,
-                  start_loop: float, in_flight: _InFlight) -> None:
+async def _tenant(
+    client: Client,
+    endpoint: str,
+    mine: list[Measured],
+    start_wall: float,
+    start_loop: float,
+    in_flight: _InFlight,
+) -> None:
     """One tenant's requests, each at its offset; returns when its streamed ones ended."""
     loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(PUBLISH_IN_FLIGHT)
@@ -318,8 +384,14 @@ async def _tenant(client: Client, endpoint: str, mine: list[Measured], start_wal
             group.create_task(_request(client, endpoint, m, start_wall, slots, in_flight))
 
 
-async def _request(client: Client, endpoint: str, m: Measured, start_wall: float,
-                   slots: asyncio.Semaphore, in_flight: _InFlight) -> None:
+async def _request(
+    client: Client,
+    endpoint: str,
+    m: Measured,
+    start_wall: float,
+    slots: asyncio.Semaphore,
+    in_flight: _InFlight,
+) -> None:
     if m.streamed:  # from before its submit, as the well-behaved client counts its own
         in_flight.start()
     try:
@@ -334,14 +406,21 @@ async def _request(client: Client, endpoint: str, m: Measured, start_wall: float
             in_flight.end()
 
 
-async def _submit(client: Client, endpoint: str, m: Measured,
-                  start_wall: float) -> Submitted | None:
+async def _submit(
+    client: Client, endpoint: str, m: Measured, start_wall: float
+) -> Submitted | None:
     """Publish one request; None (and outcome `refused`) if the broker did not store it."""
     try:
         m.submitted = time.time() - start_wall
-        submitted = await client.submit(endpoint, m.tenant, prompt=PROMPT,
-                                        max_tokens=m.max_tokens, input_tokens=m.input_tokens,
-                                        id=m.id, reply=m.streamed)
+        submitted = await client.submit(
+            endpoint,
+            m.tenant,
+            prompt=PROMPT,
+            max_tokens=m.max_tokens,
+            input_tokens=m.input_tokens,
+            id=m.id,
+            reply=m.streamed,
+        )
     except FairqError:
         m.outcome = REFUSED
         return None
@@ -349,9 +428,15 @@ async def _submit(client: Client, endpoint: str, m: Measured,
     return submitted
 
 
-async def _closed_loop(client: Client, endpoint: str, settings: BrokerSettings,
-                       mine: list[Measured], slots: int, in_flight: _InFlight,
-                       start_wall: float) -> None:
+async def _closed_loop(
+    client: Client,
+    endpoint: str,
+    settings: BrokerSettings,
+    mine: list[Measured],
+    slots: int,
+    in_flight: _InFlight,
+    start_wall: float,
+) -> None:
     """The well-behaved tenant: send while a slot is free; a request ends when its final
     event is stored in the results bucket."""
     if not mine:
@@ -425,8 +510,9 @@ async def _until_stream_empty(nc: nats.NATS, settings: BrokerSettings) -> None:
         await asyncio.sleep(_POLL_S)
 
 
-async def _collect(nc: nats.NATS, settings: BrokerSettings, collected: list[Measured],
-                   start_wall: float) -> None:
+async def _collect(
+    nc: nats.NATS, settings: BrokerSettings, collected: list[Measured], start_wall: float
+) -> None:
     """Final events of the requests submitted without Fq-Reply, from the results bucket."""
     stored = await read_stored(nc, settings, collected)
     for m in collected:
@@ -435,8 +521,9 @@ async def _collect(nc: nats.NATS, settings: BrokerSettings, collected: list[Meas
             m.settle(result.event, result.stored_at - start_wall, None)
 
 
-async def read_stored(nc: nats.NATS, settings: BrokerSettings,
-                      measured: Sequence[Measured]) -> dict[str, StoredResult]:
+async def read_stored(
+    nc: nats.NATS, settings: BrokerSettings, measured: Sequence[Measured]
+) -> dict[str, StoredResult]:
     """The stored result of each request of `measured` that has one, by request id."""
     if not measured:
         return {}

@@ -71,11 +71,13 @@ def update(text: str, name: str, title: str, generated: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.report",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS),
-                        help="scenarios to write (default: all)")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(SCENARIOS), help="scenarios to write (default: all)"
+    )
     args = parser.parse_args(argv)
     text = args.docs.read_text()
     img_dir = args.docs.parent / "img"
@@ -84,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         scenario = SCENARIOS[name]
         path = scenario.RESULTS / "summary.json"
         if not path.is_file():
-            print(f"bench.report: {name}: no results at {path}; run it first "
-                  f"(python -m bench.scenario_{name})", file=sys.stderr)
+            print(
+                f"bench.report: {name}: no results at {path}; run it first "
+                f"(python -m bench.scenario_{name})",
+                file=sys.stderr,
+            )
             continue
         summary = json.loads(path.read_text())
         text = update(text, name, scenario.TITLE, section(name, scenario, summary, img_dir))

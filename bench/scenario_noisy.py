@@ -80,8 +80,9 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(noisy_requests=600, small_rate=1.0, duration_s=30.0, workers=1,
-                 time_scale=0.05, timeout_s=60.0)
+QUICK = Settings(
+    noisy_requests=600, small_rate=1.0, duration_s=30.0, workers=1, time_scale=0.05, timeout_s=60.0
+)
 
 
 # What tenant A does in a run.
@@ -95,23 +96,37 @@ class Run:
     neighbour: Neighbour
 
 
-RUNS = (Run("solo-fairq", "fairq", "none"), Run("solo-naive", "naive", "none"),
-        Run("beside", "fairq", "well-behaved"), Run("fairq", "fairq", "flood"),
-        Run("naive", "naive", "flood"))
+RUNS = (
+    Run("solo-fairq", "fairq", "none"),
+    Run("solo-naive", "naive", "none"),
+    Run("beside", "fairq", "well-behaved"),
+    Run("fairq", "fairq", "flood"),
+    Run("naive", "naive", "flood"),
+)
 
 
 def stack_spec(mode: Mode, settings: Settings) -> StackSpec:
     """Every tenant listed with weight 1, as a deployment's registry would have them."""
-    return StackSpec(mode=mode, workers=settings.workers, time_scale=settings.time_scale,
-                     config=benchmark_config(dict.fromkeys(TENANTS, 1.0)))
+    return StackSpec(
+        mode=mode,
+        workers=settings.workers,
+        time_scale=settings.time_scale,
+        config=benchmark_config(dict.fromkeys(TENANTS, 1.0)),
+    )
 
 
 async def run_one(run: Run, settings: Settings, out_dir: Path) -> Replay:
-    trace = noisy_neighbour(settings.seed, noisy_requests=settings.noisy_requests,
-                            small_rate=settings.small_rate, duration_s=settings.duration_s)
+    trace = noisy_neighbour(
+        settings.seed,
+        noisy_requests=settings.noisy_requests,
+        small_rate=settings.small_rate,
+        duration_s=settings.duration_s,
+    )
     delay = settings.small_delay_s * settings.time_scale
-    arrivals = [a if a.tenant == NOISY else replace(a, offset_s=a.offset_s + delay)
-                for a in arrivals_from_trace(trace, settings.time_scale, collected={NOISY})]
+    arrivals = [
+        a if a.tenant == NOISY else replace(a, offset_s=a.offset_s + delay)
+        for a in arrivals_from_trace(trace, settings.time_scale, collected={NOISY})
+    ]
     spec = stack_spec(run.mode, settings)
     small = [a for a in arrivals if a.tenant != NOISY]
     flood = [a for a in arrivals if a.tenant == NOISY]
@@ -121,23 +136,33 @@ async def run_one(run: Run, settings: Settings, out_dir: Path) -> Replay:
     elif run.neighbour == "well-behaved":
         well_behaved = WellBehaved(flood, spec.slots_outside_reserve())
     async with Stack(spec, out_dir / "logs" / run.name) as stack:
-        result = await replay(stack.url, small, endpoint=spec.endpoint,
-                              settings=stack.settings, timeout_s=settings.timeout_s,
-                              alive=stack.check_alive, well_behaved=well_behaved)
+        result = await replay(
+            stack.url,
+            small,
+            endpoint=spec.endpoint,
+            settings=stack.settings,
+            timeout_s=settings.timeout_s,
+            alive=stack.check_alive,
+            well_behaved=well_behaved,
+        )
     return result
 
 
 def summarise(result: Replay, settings: Settings) -> dict[str, Any]:
     records = [m.request_record(settings.time_scale) for m in result.measured]
-    return {"wall_s": result.wall_s, "outcomes": result.counts(),
-            "max_submit_lateness_s": result.max_lateness_s,
-            "tenants": tenant_summary(records, DEFAULT_METRICS)}
+    return {
+        "wall_s": result.wall_s,
+        "outcomes": result.counts(),
+        "max_submit_lateness_s": result.max_lateness_s,
+        "tenants": tenant_summary(records, DEFAULT_METRICS),
+    }
 
 
 def small_tenant_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Each small tenant's p95 TTFT next to the flood over its p95 next to the
     well-behaved A (`fairq`, `naive`), and over its p95 alone on the same stack
     (`fairq / solo`, `naive / solo`)."""
+
     def p95(run: str, tenant: str) -> float | None:
         return runs[run]["tenants"][tenant]["ttft_s"]["p95"]
 
@@ -164,16 +189,27 @@ def plot(results: dict[str, Replay], settings: Settings, out_dir: Path) -> list[
     paths = []
     for name in ("fairq", "naive"):
         path = out_dir / f"noisy_{name}.png"
-        plot_result([m.request_record(scale) for m in results[name].measured], path,
-                    title=f"noisy neighbour end to end, {name}")
+        plot_result(
+            [m.request_record(scale) for m in results[name].measured],
+            path,
+            title=f"noisy neighbour end to end, {name}",
+        )
         paths.append(path.name)
-    small = {name: [r.first_token - r.arrival
-                    for r in (m.request_record(scale) for m in result.measured)
-                    if r.tenant != NOISY and r.served]
-             for name, result in results.items()}
+    small = {
+        name: [
+            r.first_token - r.arrival
+            for r in (m.request_record(scale) for m in result.measured)
+            if r.tenant != NOISY and r.served
+        ]
+        for name, result in results.items()
+    }
     path = out_dir / "noisy_small_ttft.png"
-    cdf_plot(small, path, title="Small tenants' TTFT (B-E pooled)",
-             xlabel="time to first token (engine model s)")
+    cdf_plot(
+        small,
+        path,
+        title="Small tenants' TTFT (B-E pooled)",
+        xlabel="time to first token (engine model s)",
+    )
     paths.append(path.name)
     return paths
 
@@ -186,25 +222,54 @@ def render(summary: dict[str, Any]) -> str:
     for name, run in runs.items():
         for tenant, row in run["tenants"].items():
             wait, ttft = row["queue_wait_s"], row["ttft_s"]
-            rows.append([name, tenant, str(row["count"]), str(row["served"]),
-                         " / ".join(_seconds(wait[q]) for q in ("p50", "p95", "p99")),
-                         " / ".join(_seconds(ttft[q]) for q in ("p50", "p95", "p99"))])
+            rows.append(
+                [
+                    name,
+                    tenant,
+                    str(row["count"]),
+                    str(row["served"]),
+                    " / ".join(_seconds(wait[q]) for q in ("p50", "p95", "p99")),
+                    " / ".join(_seconds(ttft[q]) for q in ("p50", "p95", "p99")),
+                ]
+            )
     lines += table(["run", "tenant", "requests", "served", "queue wait", "TTFT"], rows)
-    lines += ["", "Small tenants' p95 TTFT next to the flood, over their p95 next to the "
-              "well-behaved A (the `beside` run) and over their p95 alone on the same "
-              "stack:", ""]
+    lines += [
+        "",
+        "Small tenants' p95 TTFT next to the flood, over their p95 next to the "
+        "well-behaved A (the `beside` run) and over their p95 alone on the same "
+        "stack:",
+        "",
+    ]
     columns = ("fairq", "naive", "fairq / solo", "naive / solo")
-    rows = [[tenant, *(_ratio(ratios[c][tenant]) for c in columns)]
-            for tenant in ratios["fairq"]]
-    worst = {c: max((r for r in ratios[c].values() if r is not None), default=None)
-             for c in columns}
-    rows.append(["worst", f"{_ratio(worst['fairq'])} ({verdict(worst['fairq'])})",
-                 *(_ratio(worst[c]) for c in columns[1:])])
-    lines += table(["tenant", "fairq / well-behaved A", "naive / well-behaved A",
-                    "fairq / solo", "naive / solo"], rows)
-    lines += ["", "Runs: " + "; ".join(
-        f"{name} {run['wall_s']:.1f} s wall, {describe_outcomes(run['outcomes'])}"
-        for name, run in runs.items())]
+    rows = [[tenant, *(_ratio(ratios[c][tenant]) for c in columns)] for tenant in ratios["fairq"]]
+    worst = {
+        c: max((r for r in ratios[c].values() if r is not None), default=None) for c in columns
+    }
+    rows.append(
+        [
+            "worst",
+            f"{_ratio(worst['fairq'])} ({verdict(worst['fairq'])})",
+            *(_ratio(worst[c]) for c in columns[1:]),
+        ]
+    )
+    lines += table(
+        [
+            "tenant",
+            "fairq / well-behaved A",
+            "naive / well-behaved A",
+            "fairq / solo",
+            "naive / solo",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        "Runs: "
+        + "; ".join(
+            f"{name} {run['wall_s']:.1f} s wall, {describe_outcomes(run['outcomes'])}"
+            for name, run in runs.items()
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -222,27 +287,37 @@ async def run_all(settings: Settings, out_dir: Path, command: str) -> dict[str, 
     for run in RUNS:
         started = time.monotonic()
         results[run.name] = await run_one(run, settings, out_dir)
-        print(f"{run.name}: {time.monotonic() - started:.1f} s, "
-              f"{results[run.name].counts()}", file=sys.stderr)
+        print(
+            f"{run.name}: {time.monotonic() - started:.1f} s, {results[run.name].counts()}",
+            file=sys.stderr,
+        )
     for name, result in results.items():
         (out_dir / f"records-{name}.json").write_text(
-            json.dumps([m.to_dict() for m in result.measured], separators=(",", ":")) + "\n")
+            json.dumps([m.to_dict() for m in result.measured], separators=(",", ":")) + "\n"
+        )
     runs = {name: summarise(result, settings) for name, result in results.items()}
-    summary = {"scenario": "noisy", "machine": facts, "settings": asdict(settings),
-               "stack": stack_spec("fairq", settings).describe(),
-               "runs": runs, "ratios": small_tenant_ratios(runs),
-               "plots": plot(results, settings, out_dir)}
+    summary = {
+        "scenario": "noisy",
+        "machine": facts,
+        "settings": asdict(settings),
+        "stack": stack_spec("fairq", settings).describe(),
+        "runs": runs,
+        "ratios": small_tenant_ratios(runs),
+        "plots": plot(results, settings, out_dir),
+    }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.scenario_noisy",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scenario_noisy", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="the few-second smoke variant")
     parser.add_argument("--workers", type=int, help="simulated workers (default 2; quick 1)")
-    parser.add_argument("--time-scale", type=float,
-                        help="engine and arrival time scale (default 0.1; quick 0.05)")
+    parser.add_argument(
+        "--time-scale", type=float, help="engine and arrival time scale (default 0.1; quick 0.05)"
+    )
     parser.add_argument("--seed", type=int, help="workload seed (default 1)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     return parser

@@ -103,22 +103,27 @@ def tenant_names(count: int, prefix: str = "t") -> list[str]:
     return [f"{prefix}{n}" for n in range(count)]
 
 
-def instant_spec(mode: Mode, workers: int, max_sequences: int,
-                 tenants: Sequence[str]) -> StackSpec:
+def instant_spec(mode: Mode, workers: int, max_sequences: int, tenants: Sequence[str]) -> StackSpec:
     """An engine that answers at once, with room for `max_sequences` requests per worker.
 
     `tenants` are listed in the config (weight 1), as a deployment's registry would list
     them: their consumers exist from the start, so the run measures the steady state, not
     the discovery of unlisted tenants."""
-    return StackSpec(mode=mode, workers=workers, time_scale=0.0,
-                     engine=EngineParams(max_sequences=max_sequences),
-                     config=benchmark_config(dict.fromkeys(tenants, 1.0)))
+    return StackSpec(
+        mode=mode,
+        workers=workers,
+        time_scale=0.0,
+        engine=EngineParams(max_sequences=max_sequences),
+        config=benchmark_config(dict.fromkeys(tenants, 1.0)),
+    )
 
 
 def burst(tenants: Sequence[str], requests: int, streamed: bool = True) -> list[Arrival]:
     """`requests` requests due at once, round-robin over `tenants`."""
-    return [Arrival(tenants[n % len(tenants)], 0.0, INPUT_TOKENS, MAX_TOKENS, streamed)
-            for n in range(requests)]
+    return [
+        Arrival(tenants[n % len(tenants)], 0.0, INPUT_TOKENS, MAX_TOKENS, streamed)
+        for n in range(requests)
+    ]
 
 
 def rate_of(result: Replay) -> float:
@@ -130,8 +135,9 @@ def rate_of(result: Replay) -> float:
     return len(ends) / (max(ends) - min(submits))
 
 
-async def stack_rate(spec: StackSpec, arrivals: Sequence[Arrival], log_dir: Path,
-                     timeout_s: float) -> dict[str, Any]:
+async def stack_rate(
+    spec: StackSpec, arrivals: Sequence[Arrival], log_dir: Path, timeout_s: float
+) -> dict[str, Any]:
     """One run of `arrivals` on a fresh stack: rate, outcomes, CPU seconds per process,
     the consumers on the requests stream at the end, the server's memory at the end, and
     (fairq) the dispatcher's memory (`bench.procstat.memory_kb`) before and after."""
@@ -140,16 +146,23 @@ async def stack_rate(spec: StackSpec, arrivals: Sequence[Arrival], log_dir: Path
         at_start = memory_kb(pids["dispatcher"]) if "dispatcher" in pids else None
         meter = CpuMeter(pids | {LOAD_GENERATOR: "self"})
         meter.start()
-        result = await fire(stack.url, arrivals, endpoint=spec.endpoint,
-                            settings=stack.settings, in_flight=PUBLISH_IN_FLIGHT,
-                            timeout_s=timeout_s, alive=stack.check_alive)
+        result = await fire(
+            stack.url,
+            arrivals,
+            endpoint=spec.endpoint,
+            settings=stack.settings,
+            in_flight=PUBLISH_IN_FLIGHT,
+            timeout_s=timeout_s,
+            alive=stack.check_alive,
+        )
         cpu = meter.stop()
         memory = memory_kb(pids["dispatcher"]) if "dispatcher" in pids else None
         server_memory = memory_kb(pids["nats-server"])
         nc = await nats.connect(stack.url, connect_timeout=5)
         try:
-            consumers = len(await nc.jetstream().consumers_info(
-                stack.settings.subjects.requests_stream))
+            consumers = len(
+                await nc.jetstream().consumers_info(stack.settings.subjects.requests_stream)
+            )
         finally:
             await nc.drain()
     run = _run_summary(spec.mode, result, cpu)
@@ -161,14 +174,25 @@ async def stack_rate(spec: StackSpec, arrivals: Sequence[Arrival], log_dir: Path
 
 def _run_summary(mode: str, result: Replay, cpu: dict[str, float]) -> dict[str, Any]:
     acked = [m.acked for m in result.measured if m.acked is not None]
-    return {"mode": mode, "requests": len(result.measured), "outcomes": result.counts(),
-            "rate_per_s": rate_of(result), "wall_s": result.wall_s,
-            "publish_s": max(acked, default=0.0), "cpu_s": cpu}
+    return {
+        "mode": mode,
+        "requests": len(result.measured),
+        "outcomes": result.counts(),
+        "rate_per_s": rate_of(result),
+        "wall_s": result.wall_s,
+        "publish_s": max(acked, default=0.0),
+        "cpu_s": cpu,
+    }
 
 
-async def raw_rate(arrivals: Sequence[Arrival], pool: ProcessPoolExecutor,
-                   consumer_job: Callable[..., tuple[float, float]], job_args: tuple[Any, ...],
-                   last_consumer: str, timeout_s: float) -> dict[str, Any]:
+async def raw_rate(
+    arrivals: Sequence[Arrival],
+    pool: ProcessPoolExecutor,
+    consumer_job: Callable[..., tuple[float, float]],
+    job_args: tuple[Any, ...],
+    last_consumer: str,
+    timeout_s: float,
+) -> dict[str, Any]:
     """`arrivals` published (no Fq-Reply) from this process while `consumer_job(url,
     *job_args)` consumes them in a fresh process of `pool` and returns (unix time of its
     last ack, its CPU seconds). Publishing starts once `last_consumer` exists."""
@@ -179,15 +203,22 @@ async def raw_rate(arrivals: Sequence[Arrival], pool: ProcessPoolExecutor,
             js = nc.jetstream()
             await provision(js, broker)
             consumer = asyncio.get_running_loop().run_in_executor(
-                pool, consumer_job, server.url, *job_args)
+                pool, consumer_job, server.url, *job_args
+            )
             await _until_consumer(js, broker.subjects.requests_stream, last_consumer, consumer)
         finally:
             await nc.drain()
         assert server.pid is not None
         meter = CpuMeter({"nats-server": server.pid, LOAD_GENERATOR: "self"})
         meter.start()
-        result = await fire(server.url, arrivals, endpoint=ENDPOINT, settings=broker,
-                            in_flight=PUBLISH_IN_FLIGHT, timeout_s=timeout_s)
+        result = await fire(
+            server.url,
+            arrivals,
+            endpoint=ENDPOINT,
+            settings=broker,
+            in_flight=PUBLISH_IN_FLIGHT,
+            timeout_s=timeout_s,
+        )
         finished_at, consumer_cpu_s = await consumer
         cpu = meter.stop() | {"consumer": consumer_cpu_s}
     run = _run_summary("raw", result, cpu)
@@ -197,8 +228,7 @@ async def raw_rate(arrivals: Sequence[Arrival], pool: ProcessPoolExecutor,
     return run
 
 
-async def _until_consumer(js: Any, stream: str, name: str,
-                          consumer: asyncio.Future[Any]) -> None:
+async def _until_consumer(js: Any, stream: str, name: str, consumer: asyncio.Future[Any]) -> None:
     """Publishing starts once the consumer exists (or fails if its process failed)."""
     async with asyncio.timeout(CONSUMER_READY_S):
         while True:
@@ -232,23 +262,43 @@ async def profiled_run(settings: Settings, out_dir: Path) -> dict[str, Any]:
     async with Stack(spec, log_dir) as stack:
         pids = stack.pids()
         targets = {"dispatcher": pids["dispatcher"], "worker": pids[stack.worker_ids[0]]}
-        spies = {name: await asyncio.create_subprocess_exec(
-                     spy, "record", "-p", str(pid), "-r", str(PROFILE_RATE), "-f", "raw",
-                     "-o", str(log_dir / f"profile-{name}.txt"),
-                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-                 for name, pid in targets.items()}
+        spies = {
+            name: await asyncio.create_subprocess_exec(
+                spy,
+                "record",
+                "-p",
+                str(pid),
+                "-r",
+                str(PROFILE_RATE),
+                "-f",
+                "raw",
+                "-o",
+                str(log_dir / f"profile-{name}.txt"),
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            for name, pid in targets.items()
+        }
         await asyncio.sleep(1.0)  # py-spy attaches
         cpu_before = {name: cpu_seconds(pid) for name, pid in targets.items()}
-        result = await fire(stack.url, arrivals, endpoint=spec.endpoint,
-                            settings=stack.settings, in_flight=PUBLISH_IN_FLIGHT,
-                            timeout_s=settings.timeout_s, alive=stack.check_alive)
+        result = await fire(
+            stack.url,
+            arrivals,
+            endpoint=spec.endpoint,
+            settings=stack.settings,
+            in_flight=PUBLISH_IN_FLIGHT,
+            timeout_s=settings.timeout_s,
+            alive=stack.check_alive,
+        )
         cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in targets.items()}
         for process in spies.values():
             process.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
             await process.wait()
-    return {"rate_per_s_under_profiler": rate_of(result), "cpu_s": cpu,
-            "processes": {name: summarise_profile(log_dir / f"profile-{name}.txt")
-                          for name in targets}}
+    return {
+        "rate_per_s_under_profiler": rate_of(result),
+        "cpu_s": cpu,
+        "processes": {name: summarise_profile(log_dir / f"profile-{name}.txt") for name in targets},
+    }
 
 
 # Inclusive shares are listed for these (the entry points, always 100%, apart).
@@ -278,9 +328,12 @@ def summarise_profile(path: Path) -> dict[str, Any]:
             if function.startswith(PROJECT_DIRS) and "__main__.py" not in function:
                 inclusive[function] += samples
     total = max(total, 1)
-    return {"samples": total, "epoll_share": epoll / total,
-            "top_own": [[f, n / total] for f, n in own.most_common(TOP_FUNCTIONS)],
-            "top_inclusive": [[f, n / total] for f, n in inclusive.most_common(TOP_FUNCTIONS)]}
+    return {
+        "samples": total,
+        "epoll_share": epoll / total,
+        "top_own": [[f, n / total] for f, n in own.most_common(TOP_FUNCTIONS)],
+        "top_inclusive": [[f, n / total] for f, n in inclusive.most_common(TOP_FUNCTIONS)],
+    }
 
 
 def _function(frame: str) -> str:
@@ -307,15 +360,22 @@ def summarise(runs: list[dict[str, Any]], requests: int, cores: int) -> dict[str
             # Median CPU microseconds per request, per process and in all.
             "cpu_us_per_request": {
                 p: statistics.median(1e6 * run["cpu_s"][p] / requests for run in mine)
-                for p in processes},
+                for p in processes
+            },
             "cpu_us_per_request_total": statistics.median(
-                1e6 * sum(run["cpu_s"].values()) / requests for run in mine),
+                1e6 * sum(run["cpu_s"].values()) / requests for run in mine
+            ),
             # Share of the machine's CPU (all cores) busy with these processes.
             "cpu_busy_share": statistics.median(
-                sum(run["cpu_s"].values()) / (run["wall_s"] * cores) for run in mine)}
-    ratios = [fairq["rate_per_s"] / raw["rate_per_s"]
-              for fairq, raw in zip((r for r in runs if r["mode"] == "fairq"),
-                                    (r for r in runs if r["mode"] == "raw"))]
+                sum(run["cpu_s"].values()) / (run["wall_s"] * cores) for run in mine
+            ),
+        }
+    ratios = [
+        fairq["rate_per_s"] / raw["rate_per_s"]
+        for fairq, raw in zip(
+            (r for r in runs if r["mode"] == "fairq"), (r for r in runs if r["mode"] == "raw")
+        )
+    ]
     return {"modes": modes, "fairq_over_raw": spread(ratios) | {"per_round": ratios}}
 
 
@@ -327,8 +387,9 @@ def plot(summary: dict[str, Any], out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     modes = summary["modes"]
-    processes = list(dict.fromkeys(p for mode in modes.values()
-                                   for p in mode["cpu_us_per_request"]))
+    processes = list(
+        dict.fromkeys(p for mode in modes.values() for p in mode["cpu_us_per_request"])
+    )
     figure, axes = plt.subplots(figsize=(8, 5))
     bottoms = [0.0] * len(modes)
     for process in processes:
@@ -336,10 +397,17 @@ def plot(summary: dict[str, Any], out_dir: Path) -> list[str]:
         axes.bar(list(modes), heights, bottom=bottoms, label=process)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     for n, mode in enumerate(modes.values()):
-        axes.annotate(f"{mode['rate_per_s']['median']:,.0f} req/s", (n, bottoms[n]),
-                      ha="center", va="bottom", fontsize=9)
-    axes.set(ylabel="CPU microseconds per request (median run)",
-             title="Where the CPU goes: instant engine, all requests due at once")
+        axes.annotate(
+            f"{mode['rate_per_s']['median']:,.0f} req/s",
+            (n, bottoms[n]),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+    axes.set(
+        ylabel="CPU microseconds per request (median run)",
+        title="Where the CPU goes: instant engine, all requests due at once",
+    )
     axes.legend(fontsize=8)
     figure.tight_layout()
     path = out_dir / "rate_cpu.png"
@@ -351,36 +419,77 @@ def plot(summary: dict[str, Any], out_dir: Path) -> list[str]:
 def render(summary: dict[str, Any]) -> str:
     modes, share = summary["modes"], summary["fairq_over_raw"]
     verdict = "meets" if share["median"] >= TARGET_SHARE else "misses"
-    lines = table(["path", "requests/s per run", "median", "min - max"],
-                  [[mode, ", ".join(f"{r:,.0f}" for r in row["rates"]),
-                    f"{row['rate_per_s']['median']:,.0f}",
-                    f"{row['rate_per_s']['min']:,.0f} - {row['rate_per_s']['max']:,.0f}"]
-                   for mode, row in modes.items()])
-    lines += ["", (f"fairq / raw per round: {', '.join(f'{r:.0%}' for r in share['per_round'])}; "
-              f"median {share['median']:.0%}: {verdict} the {TARGET_SHARE:.0%} target."), "",
-              ("CPU microseconds per request by process (median run), and the share of all "
-              "cores busy with them during the run:"), ""]
-    processes = list(dict.fromkeys(p for row in modes.values()
-                                   for p in row["cpu_us_per_request"]))
-    lines += table(["path", *processes, "all", "cores busy"],
-                   [[mode, *(_us(row["cpu_us_per_request"].get(p)) for p in processes),
-                     _us(row["cpu_us_per_request_total"]), f"{row['cpu_busy_share']:.0%}"]
-                    for mode, row in modes.items()])
+    lines = table(
+        ["path", "requests/s per run", "median", "min - max"],
+        [
+            [
+                mode,
+                ", ".join(f"{r:,.0f}" for r in row["rates"]),
+                f"{row['rate_per_s']['median']:,.0f}",
+                f"{row['rate_per_s']['min']:,.0f} - {row['rate_per_s']['max']:,.0f}",
+            ]
+            for mode, row in modes.items()
+        ],
+    )
+    lines += [
+        "",
+        (
+            f"fairq / raw per round: {', '.join(f'{r:.0%}' for r in share['per_round'])}; "
+            f"median {share['median']:.0%}: {verdict} the {TARGET_SHARE:.0%} target."
+        ),
+        "",
+        (
+            "CPU microseconds per request by process (median run), and the share of all "
+            "cores busy with them during the run:"
+        ),
+        "",
+    ]
+    processes = list(dict.fromkeys(p for row in modes.values() for p in row["cpu_us_per_request"]))
+    lines += table(
+        ["path", *processes, "all", "cores busy"],
+        [
+            [
+                mode,
+                *(_us(row["cpu_us_per_request"].get(p)) for p in processes),
+                _us(row["cpu_us_per_request_total"]),
+                f"{row['cpu_busy_share']:.0%}",
+            ]
+            for mode, row in modes.items()
+        ],
+    )
     profile = summary.get("profile")
     if profile:
-        lines += ["", (f"py-spy ({PROFILE_RATE} samples/s) during one more fairq run "
-                  f"({profile['rate_per_s_under_profiler']:,.0f} requests/s under the "
-                  "profiler); shares of each process's samples (busy time only):")]
+        lines += [
+            "",
+            (
+                f"py-spy ({PROFILE_RATE} samples/s) during one more fairq run "
+                f"({profile['rate_per_s_under_profiler']:,.0f} requests/s under the "
+                "profiler); shares of each process's samples (busy time only):"
+            ),
+        ]
         for name, prof in profile["processes"].items():
-            lines += ["", (f"{name}: {prof['samples']} samples, {prof['epoll_share']:.0%} in "
-                      "epoll (the event loop waiting or polling sockets).")]
-            for kind, label in (("top_own", "own time"),
-                                ("top_inclusive", "inclusive, project code")):
-                lines += [""] + table([f"{name}: {label}", "share"],
-                                      [[f"`{f}`", f"{s:.1%}"] for f, s in prof[kind]])
-    lines += ["", "Runs: " + "; ".join(
-        f"{run['mode']} {run['rate_per_s']:,.0f}/s ({describe_outcomes(run['outcomes'])})"
-        for run in summary["runs"])]
+            lines += [
+                "",
+                (
+                    f"{name}: {prof['samples']} samples, {prof['epoll_share']:.0%} in "
+                    "epoll (the event loop waiting or polling sockets)."
+                ),
+            ]
+            for kind, label in (
+                ("top_own", "own time"),
+                ("top_inclusive", "inclusive, project code"),
+            ):
+                lines += [""] + table(
+                    [f"{name}: {label}", "share"], [[f"`{f}`", f"{s:.1%}"] for f, s in prof[kind]]
+                )
+    lines += [
+        "",
+        "Runs: "
+        + "; ".join(
+            f"{run['mode']} {run['rate_per_s']:,.0f}/s ({describe_outcomes(run['outcomes'])})"
+            for run in summary["runs"]
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -391,36 +500,54 @@ def _us(value: float | None) -> str:
 # -- driver --------------------------------------------------------------------------------
 
 
-async def run_all(settings: Settings, out_dir: Path, command: str,
-                  profile: bool = False) -> dict[str, Any]:
+async def run_all(
+    settings: Settings, out_dir: Path, command: str, profile: bool = False
+) -> dict[str, Any]:
     facts = machine_facts(command)
     stack_modes: tuple[Mode, ...] = ("fairq", "naive") if settings.naive else ("fairq",)
     tenants = tenant_names(settings.tenants)
     runs: list[dict[str, Any]] = []
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               max_tasks_per_child=1)
+    pool = ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1
+    )
     with pool:
         for round_ in range(settings.repeats):
             for mode in ("raw", *stack_modes):
                 started = time.monotonic()
                 if mode == "raw":
-                    run = await raw_rate(burst(tenants, settings.requests, streamed=False),
-                                         pool, raw_consumer_job, (settings.requests,),
-                                         RAW_CONSUMER, settings.timeout_s)
+                    run = await raw_rate(
+                        burst(tenants, settings.requests, streamed=False),
+                        pool,
+                        raw_consumer_job,
+                        (settings.requests,),
+                        RAW_CONSUMER,
+                        settings.timeout_s,
+                    )
                 else:
                     run = await stack_rate(
                         instant_spec(mode, settings.workers, settings.max_sequences, tenants),
                         burst(tenants, settings.requests),
-                        out_dir / "logs" / f"{mode}-{round_}", settings.timeout_s)
+                        out_dir / "logs" / f"{mode}-{round_}",
+                        settings.timeout_s,
+                    )
                 run["round"] = round_
                 runs.append(run)
-                print(f"round {round_} {mode}: {run['rate_per_s']:,.0f} requests/s, "
-                      f"{describe_outcomes(run['outcomes'])} "
-                      f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
-    summary = {"scenario": "rate", "machine": facts, "settings": asdict(settings),
-               "stack": instant_spec("fairq", settings.workers, settings.max_sequences,
-                                     tenants).describe(),
-               "runs": runs, **summarise(runs, settings.requests, facts["nproc"])}
+                print(
+                    f"round {round_} {mode}: {run['rate_per_s']:,.0f} requests/s, "
+                    f"{describe_outcomes(run['outcomes'])} "
+                    f"({time.monotonic() - started:.1f} s)",
+                    file=sys.stderr,
+                )
+    summary = {
+        "scenario": "rate",
+        "machine": facts,
+        "settings": asdict(settings),
+        "stack": instant_spec(
+            "fairq", settings.workers, settings.max_sequences, tenants
+        ).describe(),
+        "runs": runs,
+        **summarise(runs, settings.requests, facts["nproc"]),
+    }
     if profile:
         summary["profile"] = await profiled_run(settings, out_dir)
     summary["plots"] = plot(summary, out_dir)
@@ -429,25 +556,33 @@ async def run_all(settings: Settings, out_dir: Path, command: str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.scenario_rate",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scenario_rate", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="the few-second smoke variant")
     parser.add_argument("--requests", type=int, help="requests per run (default 20000)")
     parser.add_argument("--tenants", type=int, help="tenants (default 10)")
     parser.add_argument("--repeats", type=int, help="rounds (default 3; quick 1)")
     parser.add_argument("--workers", type=int, help="simulated workers (default 1)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive queue")
-    parser.add_argument("--profile", action="store_true",
-                        help="one more fairq run under py-spy (dispatcher and a worker)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more fairq run under py-spy (dispatcher and a worker)",
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     return parser
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     settings = QUICK if args.quick else FULL
-    overrides = {"requests": args.requests, "tenants": args.tenants,
-                 "repeats": args.repeats, "workers": args.workers,
-                 "naive": False if args.no_naive else None}
+    overrides = {
+        "requests": args.requests,
+        "tenants": args.tenants,
+        "repeats": args.repeats,
+        "workers": args.workers,
+        "naive": False if args.no_naive else None,
+    }
     return with_overrides(settings, overrides)
 
 

@@ -91,16 +91,23 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(tenant_counts=(10, 100), requests=3_000, repeats=1, registered=1_000,
-                 backlog=1_000,
-                 newcomers=4, timeout_s=60.0)
+QUICK = Settings(
+    tenant_counts=(10, 100),
+    requests=3_000,
+    repeats=1,
+    registered=1_000,
+    backlog=1_000,
+    newcomers=4,
+    timeout_s=60.0,
+)
 
 
 # -- dispatch rate and memory --------------------------------------------------------------
 
 
-async def rate_runs(tenants: int, settings: Settings, out_dir: Path,
-                    pool: ProcessPoolExecutor) -> list[dict[str, Any]]:
+async def rate_runs(
+    tenants: int, settings: Settings, out_dir: Path, pool: ProcessPoolExecutor
+) -> list[dict[str, Any]]:
     """Rounds of the raw path with one consumer per shard, then fairq."""
     names = scenario_rate.tenant_names(tenants)
     idle = [f"idle{n}" for n in range(max(0, settings.registered - tenants))]
@@ -111,19 +118,27 @@ async def rate_runs(tenants: int, settings: Settings, out_dir: Path,
     for repeat in range(settings.repeats):
         started = time.monotonic()
         raw = await scenario_rate.raw_rate(
-            [replace(a, streamed=False) for a in arrivals], pool, shard_consumer_job,
-            (len(arrivals),), raw_consumer_name(SHARDS - 1), settings.timeout_s)
-        run = await scenario_rate.stack_rate(spec, arrivals,
-                                             out_dir / "logs" / f"rate-{tenants}-{repeat}",
-                                             settings.timeout_s)
+            [replace(a, streamed=False) for a in arrivals],
+            pool,
+            shard_consumer_job,
+            (len(arrivals),),
+            raw_consumer_name(SHARDS - 1),
+            settings.timeout_s,
+        )
+        run = await scenario_rate.stack_rate(
+            spec, arrivals, out_dir / "logs" / f"rate-{tenants}-{repeat}", settings.timeout_s
+        )
         run["raw_shards"] = raw
         runs.append(run)
-        print(f"{tenants} tenants, round {repeat}: raw with a consumer per shard "
-              f"{raw['rate_per_s']:,.0f}/s, fairq {run['rate_per_s']:,.0f} requests/s, "
-              f"{describe_outcomes(run['outcomes'])}, dispatcher "
-              f"{run['dispatcher_memory_kb']['rss_kb'] / 1024:.0f} MiB, server "
-              f"{run['server_memory_kb']['rss_kb'] / 1024:.0f} MiB, {run['consumers']} "
-              f"consumers ({time.monotonic() - started:.1f} s)", file=sys.stderr)
+        print(
+            f"{tenants} tenants, round {repeat}: raw with a consumer per shard "
+            f"{raw['rate_per_s']:,.0f}/s, fairq {run['rate_per_s']:,.0f} requests/s, "
+            f"{describe_outcomes(run['outcomes'])}, dispatcher "
+            f"{run['dispatcher_memory_kb']['rss_kb'] / 1024:.0f} MiB, server "
+            f"{run['server_memory_kb']['rss_kb'] / 1024:.0f} MiB, {run['consumers']} "
+            f"consumers ({time.monotonic() - started:.1f} s)",
+            file=sys.stderr,
+        )
     return runs
 
 
@@ -135,22 +150,29 @@ def summarise_rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
     def cpu_us(process: str, path: str | None = None) -> float:
         """Median CPU microseconds per request of `process` in fairq's runs (or `path`'s)."""
         return statistics.median(
-            1e6 * (run[path] if path else run)["cpu_s"][process] / run["requests"]
-            for run in runs)
+            1e6 * (run[path] if path else run)["cpu_s"][process] / run["requests"] for run in runs
+        )
 
-    return {"rates": rates, "median": statistics.median(rates),
-            "raw_shards_rates": raw, "raw_shards_median": statistics.median(raw),
-            "fairq_over_raw_median": statistics.median(f / r for f, r in zip(rates, raw)),
-            "cpu_us_per_request": {"nats-server": cpu_us("nats-server"),
-                                   "dispatcher": cpu_us("dispatcher"),
-                                   "raw nats-server": cpu_us("nats-server", "raw_shards")},
-            "rss_at_start_kb": statistics.median(
-                run["dispatcher_memory_kb_at_start"]["rss_kb"] for run in runs),
-            "rss_end_kb": statistics.median(m["rss_kb"] for m in memory),
-            "peak_rss_kb": max(m["peak_rss_kb"] for m in memory),
-            "server_rss_end_kb": statistics.median(
-                run["server_memory_kb"]["rss_kb"] for run in runs),
-            "consumers": max(run["consumers"] for run in runs), "runs": runs}
+    return {
+        "rates": rates,
+        "median": statistics.median(rates),
+        "raw_shards_rates": raw,
+        "raw_shards_median": statistics.median(raw),
+        "fairq_over_raw_median": statistics.median(f / r for f, r in zip(rates, raw)),
+        "cpu_us_per_request": {
+            "nats-server": cpu_us("nats-server"),
+            "dispatcher": cpu_us("dispatcher"),
+            "raw nats-server": cpu_us("nats-server", "raw_shards"),
+        },
+        "rss_at_start_kb": statistics.median(
+            run["dispatcher_memory_kb_at_start"]["rss_kb"] for run in runs
+        ),
+        "rss_end_kb": statistics.median(m["rss_kb"] for m in memory),
+        "peak_rss_kb": max(m["peak_rss_kb"] for m in memory),
+        "server_rss_end_kb": statistics.median(run["server_memory_kb"]["rss_kb"] for run in runs),
+        "consumers": max(run["consumers"] for run in runs),
+        "runs": runs,
+    }
 
 
 def raw_consumer_name(n: int) -> str:
@@ -187,10 +209,18 @@ async def _consume_shards(url: str, messages: int) -> float:
         pull = jetstream.pull_request(messages, RAW_CONSUME_WITHIN_S)
         for shard in range(SHARDS):
             name = raw_consumer_name(shard)
-            await ensure_consumer(js, subjects.requests_stream, ConsumerSpec(
-                name, subjects.shard_filter(shard), ConsumerLimits(max_ack_pending=messages)))
-            await nc.publish(jetstream.pull_subject(subjects.requests_stream, name),
-                             pull, reply=f"{inbox}.{shard}")
+            await ensure_consumer(
+                js,
+                subjects.requests_stream,
+                ConsumerSpec(
+                    name, subjects.shard_filter(shard), ConsumerLimits(max_ack_pending=messages)
+                ),
+            )
+            await nc.publish(
+                jetstream.pull_subject(subjects.requests_stream, name),
+                pull,
+                reply=f"{inbox}.{shard}",
+            )
         async with asyncio.timeout(RAW_CONSUME_WITHIN_S):
             await consumed.wait()
         await nc.flush()  # the acks have reached the server
@@ -212,61 +242,91 @@ async def newcomer_run(tenants: int, settings: Settings, out_dir: Path) -> dict[
     newcomers = newcomer_names(settings.newcomers)
     listed = backlogged + [name for name, is_listed in newcomers if is_listed]
     # The backlog is abandoned at the end: the dispatcher need not wait for it to finish.
-    spec = StackSpec(mode="fairq", workers=1, time_scale=settings.time_scale,
-                     config=benchmark_config(dict.fromkeys(listed, 1.0)),
-                     dispatcher_args=("--grace", "1"))
-    per_tenant = (max(MIN_BACKLOG_PER_TENANT, -(-settings.backlog // len(backlogged)))
-                  if backlogged else 0)
-    backlog = [Arrival(tenant, 0.0, scenario_rate.INPUT_TOKENS, BACKLOG_MAX_TOKENS,
-                       streamed=False)
-               for _ in range(per_tenant) for tenant in backlogged]
+    spec = StackSpec(
+        mode="fairq",
+        workers=1,
+        time_scale=settings.time_scale,
+        config=benchmark_config(dict.fromkeys(listed, 1.0)),
+        dispatcher_args=("--grace", "1"),
+    )
+    per_tenant = (
+        max(MIN_BACKLOG_PER_TENANT, -(-settings.backlog // len(backlogged))) if backlogged else 0
+    )
+    backlog = [
+        Arrival(tenant, 0.0, scenario_rate.INPUT_TOKENS, BACKLOG_MAX_TOKENS, streamed=False)
+        for _ in range(per_tenant)
+        for tenant in backlogged
+    ]
     async with Stack(spec, out_dir / "logs" / f"newcomer-{tenants}") as stack:
-        published = await fire(stack.url, backlog, endpoint=spec.endpoint,
-                               settings=stack.settings,
-                               in_flight=scenario_rate.PUBLISH_IN_FLIGHT,
-                               timeout_s=settings.timeout_s, alive=stack.check_alive)
+        published = await fire(
+            stack.url,
+            backlog,
+            endpoint=spec.endpoint,
+            settings=stack.settings,
+            in_flight=scenario_rate.PUBLISH_IN_FLIGHT,
+            timeout_s=settings.timeout_s,
+            alive=stack.check_alive,
+        )
         backlog_end = published.started_at + published.wall_s
         async with Client.connect(stack.url, prefix=stack.settings.prefix) as client:
             held_before = await _until_backlogged(client, set(backlogged), published)
             samples = []
             for tenant, is_listed in newcomers:
-                samples.append(await _newcomer(stack, tenant, is_listed, backlog_end,
-                                               settings.timeout_s))
+                samples.append(
+                    await _newcomer(stack, tenant, is_listed, backlog_end, settings.timeout_s)
+                )
                 await asyncio.sleep(NEWCOMER_GAP_S)
             held_after = await _backlogged(client, set(backlogged))
         memory = memory_kb(stack.pids()["dispatcher"])
     later = samples[1:]
-    return {"backlogged_tenants": len(backlogged), "backlog_per_tenant": per_tenant,
-            "backlog_outcomes": published.counts(),
-            "backlogged_at_first_newcomer": held_before,
-            "backlogged_after_last_newcomer": held_after, "newcomers": samples,
-            "dispatcher_memory_kb": memory,
-            "first_ttft_ms": _ms(samples[0]["ttft_s"]),
-            "first_queued_ms": _ms(samples[0]["queued_s"]),
-            "later_ttft_ms": {"listed": _summary_ms(later, True),
-                              "unlisted": _summary_ms(later, False)}}
+    return {
+        "backlogged_tenants": len(backlogged),
+        "backlog_per_tenant": per_tenant,
+        "backlog_outcomes": published.counts(),
+        "backlogged_at_first_newcomer": held_before,
+        "backlogged_after_last_newcomer": held_after,
+        "newcomers": samples,
+        "dispatcher_memory_kb": memory,
+        "first_ttft_ms": _ms(samples[0]["ttft_s"]),
+        "first_queued_ms": _ms(samples[0]["queued_s"]),
+        "later_ttft_ms": {
+            "listed": _summary_ms(later, True),
+            "unlisted": _summary_ms(later, False),
+        },
+    }
 
 
-async def _newcomer(stack: Stack, tenant: str, listed: bool, backlog_end: float,
-                    timeout_s: float) -> dict[str, Any]:
+async def _newcomer(
+    stack: Stack, tenant: str, listed: bool, backlog_end: float, timeout_s: float
+) -> dict[str, Any]:
     """One request of a new tenant, streamed: its TTFT at the client and its queue time
     in the dispatcher (the done event's `queued_s`), seconds."""
     since_backlog_s = time.time() - backlog_end
-    result = await fire(stack.url, [Arrival(tenant, 0.0, scenario_rate.INPUT_TOKENS,
-                                            scenario_rate.MAX_TOKENS)],
-                        endpoint=stack.spec.endpoint, settings=stack.settings, in_flight=1,
-                        timeout_s=timeout_s, alive=stack.check_alive)
+    result = await fire(
+        stack.url,
+        [Arrival(tenant, 0.0, scenario_rate.INPUT_TOKENS, scenario_rate.MAX_TOKENS)],
+        endpoint=stack.spec.endpoint,
+        settings=stack.settings,
+        in_flight=1,
+        timeout_s=timeout_s,
+        alive=stack.check_alive,
+    )
     m = result.measured[0]
     ttft = None if m.first_token is None or m.submitted is None else m.first_token - m.submitted
-    return {"tenant": tenant, "listed": listed, "outcome": m.outcome,
-            "since_backlog_s": since_backlog_s, "ttft_s": ttft, "queued_s": m.queued_s}
+    return {
+        "tenant": tenant,
+        "listed": listed,
+        "outcome": m.outcome,
+        "since_backlog_s": since_backlog_s,
+        "ttft_s": ttft,
+        "queued_s": m.queued_s,
+    }
 
 
 async def _backlogged(client: Client, tenants: set[str]) -> int:
     """How many of `tenants` the dispatcher holds requests of (queued or running)."""
     depth = await client.depth()
-    return len({q.tenant for q in depth.queues
-                if q.tenant in tenants and (q.queued or q.running)})
+    return len({q.tenant for q in depth.queues if q.tenant in tenants and (q.queued or q.running)})
 
 
 async def _until_backlogged(client: Client, tenants: set[str], published: Replay) -> int:
@@ -276,9 +336,11 @@ async def _until_backlogged(client: Client, tenants: set[str], published: Replay
             while (held := await _backlogged(client, tenants)) < len(tenants):
                 await asyncio.sleep(0.1)
     except TimeoutError:
-        raise RuntimeError(f"the dispatcher held requests of only {held} of the "
-                           f"{len(tenants)} backlogged tenants after {BACKLOGGED_WITHIN_S} s "
-                           f"(backlog: {describe_outcomes(published.counts())})") from None
+        raise RuntimeError(
+            f"the dispatcher held requests of only {held} of the "
+            f"{len(tenants)} backlogged tenants after {BACKLOGGED_WITHIN_S} s "
+            f"(backlog: {describe_outcomes(published.counts())})"
+        ) from None
     return held
 
 
@@ -288,8 +350,9 @@ def _ms(seconds: float | None) -> float | None:
 
 def _summary_ms(samples: list[dict[str, Any]], listed: bool) -> dict[str, float | None]:
     """p50/p95/p99 and max TTFT of the listed (or unlisted) newcomers, milliseconds."""
-    values = [1e3 * s["ttft_s"] for s in samples
-              if s["listed"] == listed and s["ttft_s"] is not None]
+    values = [
+        1e3 * s["ttft_s"] for s in samples if s["listed"] == listed and s["ttft_s"] is not None
+    ]
     return latency_summary(values) | {"max": max(values, default=None)}
 
 
@@ -301,42 +364,91 @@ def render(summary: dict[str, Any]) -> str:
     rates = {count: row["rate"] for count, row in summary["tenants"].items() if row.get("rate")}
     fewest = rates[min(rates, key=int)]["median"] if rates else None
     for count, rate in rates.items():
-        rows.append([count, ", ".join(f"{r:,.0f}" for r in rate["rates"]),
-                     f"{rate['median']:,.0f}", f"{rate['median'] / fewest:.0%}",
-                     ", ".join(f"{r:,.0f}" for r in rate["raw_shards_rates"]),
-                     f"{rate['fairq_over_raw_median']:.0%}",
-                     " / ".join(f"{rate['cpu_us_per_request'][p]:.0f}"
-                                for p in ("nats-server", "dispatcher", "raw nats-server")),
-                     _mib(rate["rss_at_start_kb"]), _mib(rate["rss_end_kb"]),
-                     _mib(rate["peak_rss_kb"]), _mib(rate["server_rss_end_kb"]),
-                     str(rate["consumers"])])
-    lines = [("Dispatch rate, requests/s (instant engine, scenario 3's fairq run; "
-              f"{summary['settings']['registered']:,} tenants registered in the config, "
-              "the active ones among them), beside the raw path with fairq's consumer "
-              "layout (one pull consumer per shard, fetch and ack, no processing), and "
-              "memory:"), ""]
-    lines += table(["tenants", "fairq per run", "fairq median", "of the fewest tenants'",
-                    "raw, consumer per shard", "fairq / raw",
-                    "CPU us/request: server / dispatcher / raw's server",
-                    "dispatcher RSS when up, MiB", "after the run, MiB", "peak, MiB",
-                    "nats-server RSS after, MiB", "consumers"], rows)
-    lines += ["", ("A newcomer's time to first token behind N-1 backlogged tenants, wall ms "
-              f"(engine time x{summary['settings']['time_scale']:g}). The first newcomer "
-              "arrives just after the N-1 became backlogged; the later ones (p50 / max) "
-              "once the first was served:"), ""]
+        rows.append(
+            [
+                count,
+                ", ".join(f"{r:,.0f}" for r in rate["rates"]),
+                f"{rate['median']:,.0f}",
+                f"{rate['median'] / fewest:.0%}",
+                ", ".join(f"{r:,.0f}" for r in rate["raw_shards_rates"]),
+                f"{rate['fairq_over_raw_median']:.0%}",
+                " / ".join(
+                    f"{rate['cpu_us_per_request'][p]:.0f}"
+                    for p in ("nats-server", "dispatcher", "raw nats-server")
+                ),
+                _mib(rate["rss_at_start_kb"]),
+                _mib(rate["rss_end_kb"]),
+                _mib(rate["peak_rss_kb"]),
+                _mib(rate["server_rss_end_kb"]),
+                str(rate["consumers"]),
+            ]
+        )
+    lines = [
+        (
+            "Dispatch rate, requests/s (instant engine, scenario 3's fairq run; "
+            f"{summary['settings']['registered']:,} tenants registered in the config, "
+            "the active ones among them), beside the raw path with fairq's consumer "
+            "layout (one pull consumer per shard, fetch and ack, no processing), and "
+            "memory:"
+        ),
+        "",
+    ]
+    lines += table(
+        [
+            "tenants",
+            "fairq per run",
+            "fairq median",
+            "of the fewest tenants'",
+            "raw, consumer per shard",
+            "fairq / raw",
+            "CPU us/request: server / dispatcher / raw's server",
+            "dispatcher RSS when up, MiB",
+            "after the run, MiB",
+            "peak, MiB",
+            "nats-server RSS after, MiB",
+            "consumers",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        (
+            "A newcomer's time to first token behind N-1 backlogged tenants, wall ms "
+            f"(engine time x{summary['settings']['time_scale']:g}). The first newcomer "
+            "arrives just after the N-1 became backlogged; the later ones (p50 / max) "
+            "once the first was served:"
+        ),
+        "",
+    ]
     rows = []
     for count, row in summary["tenants"].items():
         new = row["newcomer"]
-        rows.append([count, f"{new['backlogged_tenants']} x {new['backlog_per_tenant']}",
-                     (f"{new['backlogged_at_first_newcomer']} / "
-                     f"{new['backlogged_after_last_newcomer']}"),
-                     f"{_num(new['first_ttft_ms'])} (queued {_num(new['first_queued_ms'])})",
-                     _pair(new["later_ttft_ms"]["listed"]),
-                     _pair(new["later_ttft_ms"]["unlisted"]),
-                     _mib(new["dispatcher_memory_kb"]["peak_rss_kb"])])
-    lines += table(["N", "backlog (tenants x requests)", "backlogged at first / after last",
-                    "first newcomer TTFT", "later listed", "later unlisted",
-                    "dispatcher peak RSS, MiB"], rows)
+        rows.append(
+            [
+                count,
+                f"{new['backlogged_tenants']} x {new['backlog_per_tenant']}",
+                (
+                    f"{new['backlogged_at_first_newcomer']} / "
+                    f"{new['backlogged_after_last_newcomer']}"
+                ),
+                f"{_num(new['first_ttft_ms'])} (queued {_num(new['first_queued_ms'])})",
+                _pair(new["later_ttft_ms"]["listed"]),
+                _pair(new["later_ttft_ms"]["unlisted"]),
+                _mib(new["dispatcher_memory_kb"]["peak_rss_kb"]),
+            ]
+        )
+    lines += table(
+        [
+            "N",
+            "backlog (tenants x requests)",
+            "backlogged at first / after last",
+            "first newcomer TTFT",
+            "later listed",
+            "later unlisted",
+            "dispatcher peak RSS, MiB",
+        ],
+        rows,
+    )
     return "\n".join(lines)
 
 
@@ -356,33 +468,45 @@ async def run_all(settings: Settings, out_dir: Path, command: str) -> dict[str, 
     facts = machine_facts(command)
     rows: dict[str, Any] = {str(count): {} for count in (1, *settings.tenant_counts)}
     # Fresh interpreters for the raw consumers (spawn, one job each).
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               max_tasks_per_child=1)
+    pool = ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1
+    )
     with pool:
         for count in settings.tenant_counts:
-            rows[str(count)]["rate"] = summarise_rates(await rate_runs(count, settings,
-                                                                        out_dir, pool))
+            rows[str(count)]["rate"] = summarise_rates(
+                await rate_runs(count, settings, out_dir, pool)
+            )
     for count in (1, *settings.tenant_counts):
         row = rows[str(count)]
         started = time.monotonic()
         row["newcomer"] = await newcomer_run(count, settings, out_dir)
         new = row["newcomer"]
-        print(f"{count} tenants, newcomers: first {_num(new['first_ttft_ms'])} ms, later "
-              f"listed {_pair(new['later_ttft_ms']['listed'])} ms, unlisted "
-              f"{_pair(new['later_ttft_ms']['unlisted'])} ms "
-              f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
-    summary = {"scenario": "scale", "machine": facts, "settings": asdict(settings),
-               "tenants": rows, "plots": []}
+        print(
+            f"{count} tenants, newcomers: first {_num(new['first_ttft_ms'])} ms, later "
+            f"listed {_pair(new['later_ttft_ms']['listed'])} ms, unlisted "
+            f"{_pair(new['later_ttft_ms']['unlisted'])} ms "
+            f"({time.monotonic() - started:.1f} s)",
+            file=sys.stderr,
+        )
+    summary = {
+        "scenario": "scale",
+        "machine": facts,
+        "settings": asdict(settings),
+        "tenants": rows,
+        "plots": [],
+    }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.scenario_scale",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scenario_scale", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="the few-second smoke variant")
-    parser.add_argument("--tenants", type=int, nargs="+",
-                        help="tenant counts (default 10 100 1000; quick 10 100)")
+    parser.add_argument(
+        "--tenants", type=int, nargs="+", help="tenant counts (default 10 100 1000; quick 10 100)"
+    )
     parser.add_argument("--repeats", type=int, help="rate runs per count (default 3)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     return parser
@@ -391,9 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = command_line("bench.scenario_scale", argv)
-    settings = with_overrides(QUICK if args.quick else FULL, {
-        "tenant_counts": tuple(args.tenants) if args.tenants else None,
-        "repeats": args.repeats or None})
+    settings = with_overrides(
+        QUICK if args.quick else FULL,
+        {
+            "tenant_counts": tuple(args.tenants) if args.tenants else None,
+            "repeats": args.repeats or None,
+        },
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_all(settings, args.out_dir, command))
     print(render(summary))

@@ -59,8 +59,8 @@ from bench.recorder import (
 from bench.sim_azure import PLOTTED
 from bench.stack import Mode, Stack, StackSpec, benchmark_config
 from bench.traces import add_trace_argument, azure_trace
-from dispatcher.sim.fairness import RequestRecord, summarize
 from dispatcher.core.scheduler import Policy
+from dispatcher.sim.fairness import RequestRecord, summarize
 from dispatcher.sim.simulator import SimResult, simulate
 from dispatcher.sim.trace import TraceRecord
 from producers.loadgen import TraceError, assign_azure_trace
@@ -92,10 +92,18 @@ QUICK = Settings(slice_start_s=590.0, slice_end_s=650.0, time_scale=0.05, timeou
 def trace_slice(settings: Settings, path: Path) -> list[TraceRecord]:
     """The assigned trace's requests (from the Azure trace at `path`) arriving in the
     slice, shifted to start at 0."""
-    trace = assign_azure_trace(path, settings.seed, tenants=TRACE_TENANTS,
-                               noisy_share=settings.noisy_share, noisy_tenant=NOISY)
-    return [replace(r, arrival_s=round(r.arrival_s - settings.slice_start_s, 6))
-            for r in trace if settings.slice_start_s <= r.arrival_s < settings.slice_end_s]
+    trace = assign_azure_trace(
+        path,
+        settings.seed,
+        tenants=TRACE_TENANTS,
+        noisy_share=settings.noisy_share,
+        noisy_tenant=NOISY,
+    )
+    return [
+        replace(r, arrival_s=round(r.arrival_s - settings.slice_start_s, 6))
+        for r in trace
+        if settings.slice_start_s <= r.arrival_s < settings.slice_end_s
+    ]
 
 
 def tenants_of(trace: list[TraceRecord]) -> list[str]:
@@ -104,23 +112,34 @@ def tenants_of(trace: list[TraceRecord]) -> list[str]:
 
 def stack_spec(mode: Mode, trace: list[TraceRecord], settings: Settings) -> StackSpec:
     """Every tenant of the slice listed with weight 1, as a registry would have them."""
-    return StackSpec(mode=mode, workers=settings.workers, time_scale=settings.time_scale,
-                     config=benchmark_config(dict.fromkeys(tenants_of(trace), 1.0)))
+    return StackSpec(
+        mode=mode,
+        workers=settings.workers,
+        time_scale=settings.time_scale,
+        config=benchmark_config(dict.fromkeys(tenants_of(trace), 1.0)),
+    )
 
 
-async def run_mode(mode: Mode, trace: list[TraceRecord], settings: Settings,
-                   out_dir: Path) -> Replay:
+async def run_mode(
+    mode: Mode, trace: list[TraceRecord], settings: Settings, out_dir: Path
+) -> Replay:
     arrivals = arrivals_from_trace(trace, settings.time_scale, collected={NOISY})
     spec = stack_spec(mode, trace, settings)
     async with Stack(spec, out_dir / "logs" / mode) as stack:
-        result = await replay(stack.url, arrivals, endpoint=spec.endpoint,
-                              settings=stack.settings, timeout_s=settings.timeout_s,
-                              alive=stack.check_alive)
+        result = await replay(
+            stack.url,
+            arrivals,
+            endpoint=spec.endpoint,
+            settings=stack.settings,
+            timeout_s=settings.timeout_s,
+            alive=stack.check_alive,
+        )
     return result
 
 
-def simulated(trace: list[TraceRecord], measured: list[Measured], settings: Settings,
-              mode: Mode) -> SimResult:
+def simulated(
+    trace: list[TraceRecord], measured: list[Measured], settings: Settings, mode: Mode
+) -> SimResult:
     """The slice through the simulator, each request with the output length the real
     engine produced (ids are `<tenant>-<index in the trace>` in every mode)."""
     produced = {m.id: m.output_tokens for m in measured}
@@ -128,19 +147,27 @@ def simulated(trace: list[TraceRecord], measured: list[Measured], settings: Sett
     for index, record in enumerate(trace):
         output = produced.get(f"{record.tenant}-{index}")
         if output:  # a request that produced nothing did no work the simulator can model
-            same_work.append(replace(record, output_tokens=output,
-                                     max_tokens=record.max_tokens or record.output_tokens))
+            same_work.append(
+                replace(
+                    record,
+                    output_tokens=output,
+                    max_tokens=record.max_tokens or record.output_tokens,
+                )
+            )
     spec = stack_spec(mode, trace, settings)
-    return simulate(same_work, spec.config, spec.engine, replicas=spec.workers,
-                    policy=SIM_POLICY[mode])
+    return simulate(
+        same_work, spec.config, spec.engine, replicas=spec.workers, policy=SIM_POLICY[mode]
+    )
 
 
-def summarise_real(result: Replay, settings: Settings,
-                   weights: dict[str, float]) -> tuple[list[RequestRecord], dict[str, Any]]:
+def summarise_real(
+    result: Replay, settings: Settings, weights: dict[str, float]
+) -> tuple[list[RequestRecord], dict[str, Any]]:
     records = [m.request_record(settings.time_scale) for m in result.measured]
     summary = summarize(records, weights=weights)
-    summary.update(wall_s=result.wall_s, outcomes=result.counts(),
-                   max_submit_lateness_s=result.max_lateness_s)
+    summary.update(
+        wall_s=result.wall_s, outcomes=result.counts(), max_submit_lateness_s=result.max_lateness_s
+    )
     return records, summary
 
 
@@ -150,27 +177,33 @@ def fidelity(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, f
     for tenant, row in real["tenants"].items():
         real_p95 = row["ttft_s"]["p95"]
         sim_p95 = sim["tenants"].get(tenant, {}).get("ttft_s", {}).get("p95")
-        rows[tenant] = {"real_p95": real_p95, "sim_p95": sim_p95,
-                        "diff": None if real_p95 is None or sim_p95 is None
-                        else real_p95 - sim_p95}
+        rows[tenant] = {
+            "real_p95": real_p95,
+            "sim_p95": sim_p95,
+            "diff": None if real_p95 is None or sim_p95 is None else real_p95 - sim_p95,
+        }
     return rows
 
 
-def plot(records: dict[str, list[RequestRecord]], sims: dict[str, SimResult],
-         out_dir: Path) -> list[str]:
+def plot(
+    records: dict[str, list[RequestRecord]], sims: dict[str, SimResult], out_dir: Path
+) -> list[str]:
     paths = []
     for mode, mine in records.items():
         path = out_dir / f"trace_{mode}.png"
-        plot_result(mine, path, title=f"Azure conv trace end to end, {mode}",
-                    tenants=PLOTTED)
+        plot_result(mine, path, title=f"Azure conv trace end to end, {mode}", tenants=PLOTTED)
         paths.append(path.name)
     series = {}
     for mode, mine in records.items():
         series[f"real {mode}"] = _trace_ttfts(mine)
         series[f"sim {SIM_POLICY[mode]}"] = _trace_ttfts(sims[mode].records)
     path = out_dir / "trace_ttft_real_vs_sim.png"
-    cdf_plot(series, path, title="Trace tenants' TTFT (t01-t20 pooled): real stack and "
-             "simulator", xlabel="time to first token (trace s)")
+    cdf_plot(
+        series,
+        path,
+        title="Trace tenants' TTFT (t01-t20 pooled): real stack and simulator",
+        xlabel="time to first token (trace s)",
+    )
     paths.append(path.name)
     return paths
 
@@ -184,17 +217,46 @@ def render(summary: dict[str, Any]) -> str:
     real, sim, fid = summary["real"], summary["sim"], summary["fidelity"]
     modes = list(real)
     lines = table(
-        ["run", "throughput (tokens/s)", "service diff max", "service diff avg",
-         "Jain (mean)", "wall s", "outcomes"],
-        [[f"real {mode}", f"{real[mode]['throughput_tokens_per_s']:.0f}",
-          f"{real[mode]['service_diff_max']:.0f}", f"{real[mode]['service_diff_avg']:.0f}",
-          _number(real[mode]["jain_index_mean"], 3), f"{real[mode]['wall_s']:.0f}",
-          describe_outcomes(real[mode]["outcomes"])] for mode in modes]
-        + [[f"sim {SIM_POLICY[mode]}", f"{sim[mode]['throughput_tokens_per_s']:.0f}",
-            f"{sim[mode]['service_diff_max']:.0f}", f"{sim[mode]['service_diff_avg']:.0f}",
-            _number(sim[mode]["jain_index_mean"], 3), "", ""] for mode in modes])
-    lines += ["", "TTFT in trace seconds, p50 / p95 / p99, real stack; then p95 in the "
-              "simulator and real - sim:", ""]
+        [
+            "run",
+            "throughput (tokens/s)",
+            "service diff max",
+            "service diff avg",
+            "Jain (mean)",
+            "wall s",
+            "outcomes",
+        ],
+        [
+            [
+                f"real {mode}",
+                f"{real[mode]['throughput_tokens_per_s']:.0f}",
+                f"{real[mode]['service_diff_max']:.0f}",
+                f"{real[mode]['service_diff_avg']:.0f}",
+                _number(real[mode]["jain_index_mean"], 3),
+                f"{real[mode]['wall_s']:.0f}",
+                describe_outcomes(real[mode]["outcomes"]),
+            ]
+            for mode in modes
+        ]
+        + [
+            [
+                f"sim {SIM_POLICY[mode]}",
+                f"{sim[mode]['throughput_tokens_per_s']:.0f}",
+                f"{sim[mode]['service_diff_max']:.0f}",
+                f"{sim[mode]['service_diff_avg']:.0f}",
+                _number(sim[mode]["jain_index_mean"], 3),
+                "",
+                "",
+            ]
+            for mode in modes
+        ],
+    )
+    lines += [
+        "",
+        "TTFT in trace seconds, p50 / p95 / p99, real stack; then p95 in the "
+        "simulator and real - sim:",
+        "",
+    ]
     header = ["tenant", "requests"]
     for mode in modes:
         header += [f"real {mode}", f"sim {SIM_POLICY[mode]} p95", "real - sim"]
@@ -204,9 +266,11 @@ def render(summary: dict[str, Any]) -> str:
         row = [tenant, str(tenants[tenant]["count"])]
         for mode in modes:
             ttft = real[mode]["tenants"][tenant]["ttft_s"]
-            row += [" / ".join(_number(ttft[q], 2) for q in ("p50", "p95", "p99")),
-                    _number(fid[mode][tenant]["sim_p95"], 2),
-                    _number(fid[mode][tenant]["diff"], 2)]
+            row += [
+                " / ".join(_number(ttft[q], 2) for q in ("p50", "p95", "p99")),
+                _number(fid[mode][tenant]["sim_p95"], 2),
+                _number(fid[mode][tenant]["diff"], 2),
+            ]
         rows.append(row)
     lines += table(header, rows)
     return "\n".join(lines)
@@ -216,19 +280,22 @@ def _number(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-async def run_all(settings: Settings, trace: list[TraceRecord], out_dir: Path,
-                  command: str) -> dict[str, Any]:
+async def run_all(
+    settings: Settings, trace: list[TraceRecord], out_dir: Path, command: str
+) -> dict[str, Any]:
     """Both modes on `trace` (a `trace_slice`), then the simulator on the same requests."""
     facts = machine_facts(command)
     results: dict[Mode, Replay] = {}
     for mode in SIM_POLICY:
         started = time.monotonic()
         results[mode] = await run_mode(mode, trace, settings, out_dir)
-        print(f"{mode}: {time.monotonic() - started:.1f} s, {results[mode].counts()}",
-              file=sys.stderr)
+        print(
+            f"{mode}: {time.monotonic() - started:.1f} s, {results[mode].counts()}", file=sys.stderr
+        )
     for mode, result in results.items():
         (out_dir / f"records-{mode}.json").write_text(
-            json.dumps([m.to_dict() for m in result.measured], separators=(",", ":")) + "\n")
+            json.dumps([m.to_dict() for m in result.measured], separators=(",", ":")) + "\n"
+        )
     records: dict[str, list[RequestRecord]] = {}
     real: dict[str, dict[str, Any]] = {}
     sims: dict[str, SimResult] = {}
@@ -237,7 +304,9 @@ async def run_all(settings: Settings, trace: list[TraceRecord], out_dir: Path,
         records[mode], real[mode] = summarise_real(result, settings, weights)
         sims[mode] = simulated(trace, result.measured, settings, mode)
     summary = {
-        "scenario": "trace", "machine": facts, "settings": asdict(settings),
+        "scenario": "trace",
+        "machine": facts,
+        "settings": asdict(settings),
         "requests": len(trace),
         "stack": stack_spec("fairq", trace, settings).describe(),
         "real": real,
@@ -250,15 +319,23 @@ async def run_all(settings: Settings, trace: list[TraceRecord], out_dir: Path,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.scenario_trace",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scenario_trace", description=__doc__.split("\n\n")[0]
+    )
     add_trace_argument(parser)
-    parser.add_argument("--quick", action="store_true",
-                        help="one minute of the trace around the flood's start")
-    parser.add_argument("--slice", type=float, nargs=2, metavar=("START", "END"),
-                        help="trace seconds to replay (default 540 960; quick 590 650)")
-    parser.add_argument("--time-scale", type=float,
-                        help="engine and arrival time scale (default 0.1; quick 0.05)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one minute of the trace around the flood's start"
+    )
+    parser.add_argument(
+        "--slice",
+        type=float,
+        nargs=2,
+        metavar=("START", "END"),
+        help="trace seconds to replay (default 540 960; quick 590 650)",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, help="engine and arrival time scale (default 0.1; quick 0.05)"
+    )
     parser.add_argument("--workers", type=int, help="simulated workers (default 2)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     return parser

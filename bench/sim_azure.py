@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-dir", type=Path, default=Path("docs/img"))
     args = parser.parse_args(argv)
     try:
-        trace = assign_azure_trace(azure_trace(args.trace), args.seed,
-                                   noisy_share=args.noisy_share)
+        trace = assign_azure_trace(azure_trace(args.trace), args.seed, noisy_share=args.noisy_share)
     except TraceError as exc:
         print(f"sim_azure: {exc}", file=sys.stderr)
         return 2
@@ -71,15 +70,22 @@ def main(argv: list[str] | None = None) -> int:
         results[policy] = simulate(trace, config, replicas=args.replicas, policy=policy)
         seconds[policy] = time.perf_counter() - started
         write_result(results[policy], args.out_dir / f"sim_azure_{policy}.json")
-        plot_result(results[policy].records, args.plot_dir / f"sim_azure_{policy}.png",
-                    title=f"Azure conv trace, {policy}, {args.replicas} replicas",
-                    tenants=PLOTTED)
+        plot_result(
+            results[policy].records,
+            args.plot_dir / f"sim_azure_{policy}.png",
+            title=f"Azure conv trace, {policy}, {args.replicas} replicas",
+            tenants=PLOTTED,
+        )
     print(report(results, seconds, args, len(trace)))
     return 0
 
 
-def report(results: dict[str, SimResult], seconds: dict[str, float],
-           args: argparse.Namespace, requests: int) -> str:
+def report(
+    results: dict[str, SimResult],
+    seconds: dict[str, float],
+    args: argparse.Namespace,
+    requests: int,
+) -> str:
     lines = [
         f"Command: `python -m bench.sim_azure --replicas {args.replicas} --seed {args.seed} "
         f"--noisy-share {args.noisy_share}`",
@@ -98,9 +104,15 @@ def report(results: dict[str, SimResult], seconds: dict[str, float],
             f"| {policy} | {summary['throughput_tokens_per_s']:.0f} "
             f"| {summary['service_diff_max']:.0f} | {summary['service_diff_avg']:.0f} "
             f"| {_number(summary['jain_index_mean'], 3)} "
-            f"| {summary['simulation']['makespan_s']:.0f} |")
-    lines += ["", "TTFT in seconds, p50 / p95 / p99:", "",
-              "| tenant | requests | fairq | fifo |", "|---|---:|---:|---:|"]
+            f"| {summary['simulation']['makespan_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "TTFT in seconds, p50 / p95 / p99:",
+        "",
+        "| tenant | requests | fairq | fifo |",
+        "|---|---:|---:|---:|",
+    ]
     tenants = results[POLICIES[0]].summary["tenants"]
     for tenant in sorted(tenants, key=lambda t: (t != "noisy", t)):
         cells = [_ttft(results[p].summary["tenants"][tenant]) for p in POLICIES]

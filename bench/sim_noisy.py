@@ -50,8 +50,9 @@ def noisy_config(reserve: float = 0.03) -> Config:
 def reference_runs(seed: int) -> dict[str, SimResult]:
     """The four runs of one seed, by name (see the module docstring)."""
     config = noisy_config()
-    trace = noisy_neighbour(seed, noisy_requests=10_000, small_tenants=4, small_rate=0.5,
-                            duration_s=NOISY_DURATION_S)
+    trace = noisy_neighbour(
+        seed, noisy_requests=10_000, small_tenants=4, small_rate=0.5, duration_s=NOISY_DURATION_S
+    )
     flood = [r for r in trace if r.tenant == "A"]
     others = [r for r in trace if r.tenant != "A"]
     return {
@@ -77,16 +78,36 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         p95 = {name: p95_ttft(run, "B") for name, run in reference_runs(seed).items()}
-        rows.append([str(seed), *(f"{p95[name]:.3f}" for name in RUNS),
-                     f"{p95['flood'] / p95['beside']:.2f}",
-                     f"{p95['flood'] / p95['alone']:.2f}",
-                     f"{p95['fifo'] / p95['beside']:,.0f}"])
-    print(f"Command: `{facts['command']}`. Date {facts['date']}; {facts['cpu']}, "
-          f"{facts['nproc']} cores, Python {facts['python']}.\n")
-    print("\n".join(table(["seed", "B alone p95 TTFT (s)", "beside a well-behaved A (s)",
-                           "beside the flood, fairq (s)", "fifo (s)",
-                           "fairq / well-behaved A", "fairq / alone",
-                           "fifo / well-behaved A"], rows)))
+        rows.append(
+            [
+                str(seed),
+                *(f"{p95[name]:.3f}" for name in RUNS),
+                f"{p95['flood'] / p95['beside']:.2f}",
+                f"{p95['flood'] / p95['alone']:.2f}",
+                f"{p95['fifo'] / p95['beside']:,.0f}",
+            ]
+        )
+    print(
+        f"Command: `{facts['command']}`. Date {facts['date']}; {facts['cpu']}, "
+        f"{facts['nproc']} cores, Python {facts['python']}.\n"
+    )
+    print(
+        "\n".join(
+            table(
+                [
+                    "seed",
+                    "B alone p95 TTFT (s)",
+                    "beside a well-behaved A (s)",
+                    "beside the flood, fairq (s)",
+                    "fifo (s)",
+                    "fairq / well-behaved A",
+                    "fairq / alone",
+                    "fifo / well-behaved A",
+                ],
+                rows,
+            )
+        )
+    )
     return 0
 
 

@@ -69,8 +69,8 @@ from bench.recorder import (
 )
 from bench.stack import Stack, StackSpec, benchmark_config
 from broker_config.wire import ErrorCode
-from dispatcher.sim.fairness import latency_summary
 from dispatcher.intake.shards import PARKED_CONSUMER_IDLE_S
+from dispatcher.sim.fairness import latency_summary
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "soak"
@@ -136,16 +136,28 @@ class Settings:
 
     def __post_init__(self) -> None:
         if not 0 < self.warmup_s < self.duration_s:
-            raise ValueError(f"the warm-up ({self.warmup_s:g} s) must end within the load "
-                             f"({self.duration_s:g} s)")
+            raise ValueError(
+                f"the warm-up ({self.warmup_s:g} s) must end within the load "
+                f"({self.duration_s:g} s)"
+            )
         if self.tenants < len(SHARED) + 1:
             raise ValueError(f"at least {len(SHARED) + 1} tenants, one of each kind")
 
 
 # About 70 s in all with the stack's start and stop: a CI smoke test.
-SMOKE = Settings(minutes=0.75, tenants=100, warmup_s=15.0, burst_gap_s=(10.0, 30.0),
-                 flood_size=300, flood_gap_s=(15.0, 30.0), idle_within_s=10.0,
-                 garbage_gap_s=5.0, sample_s=2.0, finish_timeout_s=30.0, settle_s=4.0)
+SMOKE = Settings(
+    minutes=0.75,
+    tenants=100,
+    warmup_s=15.0,
+    burst_gap_s=(10.0, 30.0),
+    flood_size=300,
+    flood_gap_s=(15.0, 30.0),
+    idle_within_s=10.0,
+    garbage_gap_s=5.0,
+    sample_s=2.0,
+    finish_timeout_s=30.0,
+    settle_s=4.0,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +174,7 @@ def make_tenants(settings: Settings, rng: random.Random) -> list[Tenant]:
     """The kinds by share (at least one of each but steady, the rest steady), listed or
     not at random, then the churn's unlisted `once` tenants; names say the kind."""
     n = settings.tenants
-    counts = {kind: max(1, round(n * getattr(settings, f"{kind}_share")))
-              for kind in SHARED}
+    counts = {kind: max(1, round(n * getattr(settings, f"{kind}_share"))) for kind in SHARED}
     counts = {"steady": n - sum(counts.values())} | counts
     if counts["steady"] < 1:
         raise ValueError("the shares leave no steady tenant")
@@ -172,8 +183,7 @@ def make_tenants(settings: Settings, rng: random.Random) -> list[Tenant]:
     numbers: Counter[str] = Counter()
     tenants = []
     for kind in kinds:
-        tenants.append(Tenant(f"{kind}{numbers[kind]}", kind,
-                              rng.random() < settings.listed_share))
+        tenants.append(Tenant(f"{kind}{numbers[kind]}", kind, rng.random() < settings.listed_share))
         numbers[kind] += 1
     once = round(settings.churn_per_s * settings.duration_s)
     return tenants + [Tenant(f"once{n}", "once", False) for n in range(once)]
@@ -184,8 +194,9 @@ def schedule(tenants: list[Tenant], settings: Settings, rng: random.Random) -> l
     end = settings.duration_s
 
     def request(tenant: Tenant, at: float) -> Arrival:
-        return Arrival(tenant.name, at, rng.randint(*settings.input_tokens),
-                       rng.randint(*settings.max_tokens))
+        return Arrival(
+            tenant.name, at, rng.randint(*settings.input_tokens), rng.randint(*settings.max_tokens)
+        )
 
     def poisson(rate: float) -> list[float]:
         times, at = [], rng.expovariate(rate)
@@ -206,11 +217,15 @@ def schedule(tenants: list[Tenant], settings: Settings, rng: random.Random) -> l
         if tenant.kind == "steady":
             times = poisson(rng.uniform(*settings.steady_rate_per_s))
         elif tenant.kind == "bursty":
-            times = [start + rng.uniform(0.0, 1.0) for start in bursts(settings.burst_gap_s)
-                     for _ in range(rng.randint(*settings.burst_size))]
+            times = [
+                start + rng.uniform(0.0, 1.0)
+                for start in bursts(settings.burst_gap_s)
+                for _ in range(rng.randint(*settings.burst_size))
+            ]
         elif tenant.kind == "flood":
-            times = [start for start in bursts(settings.flood_gap_s)
-                     for _ in range(settings.flood_size)]
+            times = [
+                start for start in bursts(settings.flood_gap_s) for _ in range(settings.flood_size)
+            ]
         elif tenant.kind == "idle":
             times = [rng.uniform(0.0, settings.idle_within_s) for _ in range(rng.randint(1, 2))]
         elif tenant.kind == "garbage":
@@ -227,8 +242,7 @@ def schedule(tenants: list[Tenant], settings: Settings, rng: random.Random) -> l
 class Sampler:
     """Takes a sample every `every` seconds until stopped, and one more at the stop."""
 
-    def __init__(self, stack: Stack, nc: nats.NATS, measured: list[Measured],
-                 every: float) -> None:
+    def __init__(self, stack: Stack, nc: nats.NATS, measured: list[Measured], every: float) -> None:
         self.stack = stack
         self.js = nc.jetstream()
         self.measured = measured
@@ -260,18 +274,23 @@ class Sampler:
         consumers = {}
         for stream in (subjects.requests_stream, subjects.parked_stream):
             consumers[stream] = (await self.js.stream_info(stream)).state.consumer_count
-        outcomes = Counter(m.outcome for m in self.measured
-                           if m.finished is not None or m.outcome == REFUSED)
+        outcomes = Counter(
+            m.outcome for m in self.measured if m.finished is not None or m.outcome == REFUSED
+        )
         processes = {name: self.pids[name] for name in ("dispatcher", "nats-server")}
-        self.samples.append({
-            "t": self.elapsed(),
-            "rss_kb": {name: memory_kb(pid)["rss_kb"] for name, pid in processes.items()},
-            "cpu_s": {name: cpu_seconds(pid) for name, pid in processes.items()},
-            "consumers": {"requests": consumers[subjects.requests_stream],
-                          "parked": consumers[subjects.parked_stream]},
-            "published": sum(m.acked is not None for m in self.measured),
-            "finished": dict(sorted(outcomes.items())),
-        })
+        self.samples.append(
+            {
+                "t": self.elapsed(),
+                "rss_kb": {name: memory_kb(pid)["rss_kb"] for name, pid in processes.items()},
+                "cpu_s": {name: cpu_seconds(pid) for name, pid in processes.items()},
+                "consumers": {
+                    "requests": consumers[subjects.requests_stream],
+                    "parked": consumers[subjects.parked_stream],
+                },
+                "published": sum(m.acked is not None for m in self.measured),
+                "finished": dict(sorted(outcomes.items())),
+            }
+        )
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -283,8 +302,12 @@ async def run(settings: Settings, log_dir: Path) -> dict[str, Any]:
     measured = to_measure(schedule(tenants, settings, rng))
     kinds = {t.name: t.kind for t in tenants}
     bodies = {m.id: rng.choice(GARBAGE) for m in measured if kinds[m.tenant] == "garbage"}
-    spec = StackSpec(mode="fairq", workers=settings.workers, time_scale=settings.time_scale,
-                     config=benchmark_config({t.name: 1.0 for t in tenants if t.listed}))
+    spec = StackSpec(
+        mode="fairq",
+        workers=settings.workers,
+        time_scale=settings.time_scale,
+        config=benchmark_config({t.name: 1.0 for t in tenants if t.listed}),
+    )
     async with Stack(spec, log_dir) as stack:
         nc = await nats.connect(stack.url, connect_timeout=5)
         try:
@@ -293,22 +316,30 @@ async def run(settings: Settings, log_dir: Path) -> dict[str, Any]:
             async with asyncio.TaskGroup() as group:  # a failed sample ends the load too
                 sampling = group.create_task(sampler.run())
                 meter.start()
-                replay = await fire_measured(stack.url, measured, endpoint=spec.endpoint,
-                                             settings=stack.settings,
-                                             in_flight=PUBLISH_IN_FLIGHT,
-                                             timeout_s=(settings.duration_s
-                                                        + settings.finish_timeout_s),
-                                             alive=stack.check_alive, bodies=bodies)
+                replay = await fire_measured(
+                    stack.url,
+                    measured,
+                    endpoint=spec.endpoint,
+                    settings=stack.settings,
+                    in_flight=PUBLISH_IN_FLIGHT,
+                    timeout_s=(settings.duration_s + settings.finish_timeout_s),
+                    alive=stack.check_alive,
+                    bodies=bodies,
+                )
                 cpu_s, answered_s = meter.stop(), sampler.elapsed()
                 await asyncio.wait({sampling}, timeout=settings.settle_s)
                 sampler.stop()
         finally:
             await nc.drain()
     figures = verdict(settings, tenants, measured, sampler.samples)
-    figures |= {"answered_s": answered_s, "cpu_s": cpu_s, "stack": spec.describe(),
-                "shards": spec.config.broker.intake_shards,
-                # How late the load generator's worst publish was against its schedule.
-                "max_submit_lateness_s": max(replay.max_lateness_s.values(), default=0.0)}
+    figures |= {
+        "answered_s": answered_s,
+        "cpu_s": cpu_s,
+        "stack": spec.describe(),
+        "shards": spec.config.broker.intake_shards,
+        # How late the load generator's worst publish was against its schedule.
+        "max_submit_lateness_s": max(replay.max_lateness_s.values(), default=0.0),
+    }
     return figures
 
 
@@ -317,8 +348,12 @@ def _at(samples: list[dict[str, Any]], t: float) -> dict[str, Any]:
     return next((s for s in samples if s["t"] >= t), samples[-1])
 
 
-def verdict(settings: Settings, tenants: list[Tenant], measured: list[Measured],
-            samples: list[dict[str, Any]]) -> dict[str, Any]:
+def verdict(
+    settings: Settings,
+    tenants: list[Tenant],
+    measured: list[Measured],
+    samples: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The run's figures: outcomes (overall, by kind), memory and consumers over time."""
     kinds = {t.name: t.kind for t in tenants}
     by_kind: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
@@ -326,8 +361,11 @@ def verdict(settings: Settings, tenants: list[Tenant], measured: list[Measured],
         by_kind[kinds[m.tenant]][m.outcome] += 1
     garbage = by_kind["garbage"]
     well_formed = sum((by_kind[kind] for kind in KINDS if kind != "garbage"), Counter())
-    warm, load_end, end = (_at(samples, settings.warmup_s), _at(samples, settings.duration_s),
-                           samples[-1])
+    warm, load_end, end = (
+        _at(samples, settings.warmup_s),
+        _at(samples, settings.duration_s),
+        samples[-1],
+    )
     after_warmup = [s for s in samples if s["t"] >= warm["t"]]
 
     def rss(sample: dict[str, Any], process: str) -> int:
@@ -343,9 +381,13 @@ def verdict(settings: Settings, tenants: list[Tenant], measured: list[Measured],
             done_s[kinds[m.tenant]].append(m.finished - m.submitted)
             done_s["all"].append(m.finished - m.submitted)
     return {
-        "tenants": {kind: {"count": sum(t.kind == kind for t in tenants),
-                           "unlisted": sum(t.kind == kind and not t.listed for t in tenants)}
-                    for kind in KINDS},
+        "tenants": {
+            kind: {
+                "count": sum(t.kind == kind for t in tenants),
+                "unlisted": sum(t.kind == kind and not t.listed for t in tenants),
+            }
+            for kind in KINDS
+        },
         "requests": len(measured),
         "outcomes": dict(sorted(Counter(m.outcome for m in measured).items())),
         "outcomes_by_kind": {kind: dict(sorted(c.items())) for kind, c in by_kind.items()},
@@ -359,16 +401,19 @@ def verdict(settings: Settings, tenants: list[Tenant], measured: list[Measured],
         "done_latency_s": {kind: latency_summary(v) for kind, v in done_s.items()},
         "samples": samples,
         "warmup_end_t": warm["t"],
-        "dispatcher_rss_kb": {"warmup_end": rss(warm, "dispatcher"),
-                              "load_end": rss(load_end, "dispatcher"),
-                              "end": rss(end, "dispatcher"),
-                              "max_after_warmup": max(rss(s, "dispatcher")
-                                                      for s in after_warmup)},
+        "dispatcher_rss_kb": {
+            "warmup_end": rss(warm, "dispatcher"),
+            "load_end": rss(load_end, "dispatcher"),
+            "end": rss(end, "dispatcher"),
+            "max_after_warmup": max(rss(s, "dispatcher") for s in after_warmup),
+        },
         "dispatcher_rss_growth": rss(end, "dispatcher") / rss(warm, "dispatcher") - 1,
-        "server_rss_kb": {"warmup_end": rss(warm, "nats-server"),
-                          "load_end": rss(load_end, "nats-server"),
-                          "end": rss(end, "nats-server"),
-                          "max": max(rss(s, "nats-server") for s in samples)},
+        "server_rss_kb": {
+            "warmup_end": rss(warm, "nats-server"),
+            "load_end": rss(load_end, "nats-server"),
+            "end": rss(end, "nats-server"),
+            "max": max(rss(s, "nats-server") for s in samples),
+        },
         "consumers": {"requests": consumers("requests"), "parked": consumers("parked")},
     }
 
@@ -376,30 +421,35 @@ def verdict(settings: Settings, tenants: list[Tenant], measured: list[Measured],
 def failures(figures: dict[str, Any], settings: Settings) -> dict[str, str]:
     """Each goal missed: its name -> why, in a sentence."""
     failed, shards = {}, figures["shards"]
-    for name, what in (("lost", "requests without a final event"),
-                       ("refused", "requests the broker did not store"),
-                       ("well_formed_not_done", "well-formed requests that did not end done")):
+    for name, what in (
+        ("lost", "requests without a final event"),
+        ("refused", "requests the broker did not store"),
+        ("well_formed_not_done", "well-formed requests that did not end done"),
+    ):
         if figures[name]:
             failed[name] = f"{figures[name]} {what}"
     if figures["garbage_answered"] != figures["garbage"]:
         failed["garbage_unanswered"] = (
             f"{figures['garbage'] - figures['garbage_answered']} of {figures['garbage']} "
-            f"garbage requests not answered {INVALID}")
+            f"garbage requests not answered {INVALID}"
+        )
     if figures["dispatcher_rss_growth"] >= settings.rss_goal:
         rss = figures["dispatcher_rss_kb"]
         failed["rss_growth"] = (
             f"dispatcher RSS grew {figures['dispatcher_rss_growth']:.1%} after the warm-up "
             f"({rss['warmup_end'] / MIB:.1f} -> {rss['end'] / MIB:.1f} MiB), goal < "
-            f"{settings.rss_goal:.0%}")
+            f"{settings.rss_goal:.0%}"
+        )
     if figures["consumers"]["requests"]["max"] > shards:
         failed["requests_consumers"] = (
             f"{figures['consumers']['requests']['max']} consumers on the requests stream, "
-            f"more than its {shards} shards")
+            f"more than its {shards} shards"
+        )
     parked_left = figures["consumers"]["parked"]["end"]
     if settings.settle_s >= PARKED_CONSUMER_IDLE_S + RETIRE_MARGIN_S and parked_left:
         failed["parked_consumers_left"] = (
-            f"{parked_left} parked consumers left {settings.settle_s:g} s after the last "
-            "request")
+            f"{parked_left} parked consumers left {settings.settle_s:g} s after the last request"
+        )
     return failed
 
 
@@ -408,42 +458,82 @@ def failures(figures: dict[str, Any], settings: Settings) -> dict[str, str]:
 
 def render(summary: dict[str, Any]) -> str:
     figures = summary["figures"]
-    outcome_names = sorted({o for c in figures["outcomes_by_kind"].values() for o in c},
-                           key=lambda o: (o != DONE, o != INVALID, o))
+    outcome_names = sorted(
+        {o for c in figures["outcomes_by_kind"].values() for o in c},
+        key=lambda o: (o != DONE, o != INVALID, o),
+    )
     latency = figures["done_latency_s"]
     rows = []
     for kind, counts in figures["outcomes_by_kind"].items():
         tenants = figures["tenants"][kind]
         if not tenants["count"]:
             continue
-        rows.append([kind, f"{tenants['count']} ({tenants['unlisted']})",
-                     f"{sum(counts.values()):,}",
-                     *(f"{counts.get(o, 0):,}" for o in outcome_names),
-                     f"{_s(latency[kind]['p50'])} / {_s(latency[kind]['p99'])}"])
-    rows.append(["all", f"{sum(t['count'] for t in figures['tenants'].values())}",
-                 f"{figures['requests']:,}",
-                 *(f"{figures['outcomes'].get(o, 0):,}" for o in outcome_names),
-                 f"{_s(latency['all']['p50'])} / {_s(latency['all']['p99'])}"])
-    lines = table(["tenants", "count (unlisted)", "requests", *outcome_names,
-                   "done: p50 / p99 s"], rows)
+        rows.append(
+            [
+                kind,
+                f"{tenants['count']} ({tenants['unlisted']})",
+                f"{sum(counts.values()):,}",
+                *(f"{counts.get(o, 0):,}" for o in outcome_names),
+                f"{_s(latency[kind]['p50'])} / {_s(latency[kind]['p99'])}",
+            ]
+        )
+    rows.append(
+        [
+            "all",
+            f"{sum(t['count'] for t in figures['tenants'].values())}",
+            f"{figures['requests']:,}",
+            *(f"{figures['outcomes'].get(o, 0):,}" for o in outcome_names),
+            f"{_s(latency['all']['p50'])} / {_s(latency['all']['p99'])}",
+        ]
+    )
+    lines = table(
+        ["tenants", "count (unlisted)", "requests", *outcome_names, "done: p50 / p99 s"], rows
+    )
     d, s = figures["dispatcher_rss_kb"], figures["server_rss_kb"]
     c = figures["consumers"]
-    lines += ["", *table(
-        ["", "end of warm-up", "end of load", "end", "growth after warm-up", "max"],
-        [["dispatcher RSS, MiB", _mib(d["warmup_end"]), _mib(d["load_end"]), _mib(d["end"]),
-          f"{figures['dispatcher_rss_growth']:+.1%}", _mib(d["max_after_warmup"])],
-         ["nats-server RSS, MiB", _mib(s["warmup_end"]), _mib(s["load_end"]), _mib(s["end"]),
-          f"{s['end'] / s['warmup_end'] - 1:+.1%}", _mib(s["max"])]])]
-    lines += ["", *table(["consumers", "min", "max", "end"],
-                         [[stream, str(v["min"]), str(v["max"]), str(v["end"])]
-                          for stream, v in c.items()])]
-    lines += ["", (f"Garbage answered {INVALID}: {figures['garbage_answered']:,} of "
-                   f"{figures['garbage']:,}. The latest publish "
-                   f"{figures['max_submit_lateness_s']:.2f} s behind its schedule. "
-                   "Every request answered "
-                   f"{figures['answered_s']:.0f} s after the start; CPU seconds: "
-                   + ", ".join(f"{name} {v:.0f}" for name, v in figures["cpu_s"].items())
-                   + ".")]
+    lines += [
+        "",
+        *table(
+            ["", "end of warm-up", "end of load", "end", "growth after warm-up", "max"],
+            [
+                [
+                    "dispatcher RSS, MiB",
+                    _mib(d["warmup_end"]),
+                    _mib(d["load_end"]),
+                    _mib(d["end"]),
+                    f"{figures['dispatcher_rss_growth']:+.1%}",
+                    _mib(d["max_after_warmup"]),
+                ],
+                [
+                    "nats-server RSS, MiB",
+                    _mib(s["warmup_end"]),
+                    _mib(s["load_end"]),
+                    _mib(s["end"]),
+                    f"{s['end'] / s['warmup_end'] - 1:+.1%}",
+                    _mib(s["max"]),
+                ],
+            ],
+        ),
+    ]
+    lines += [
+        "",
+        *table(
+            ["consumers", "min", "max", "end"],
+            [[stream, str(v["min"]), str(v["max"]), str(v["end"])] for stream, v in c.items()],
+        ),
+    ]
+    lines += [
+        "",
+        (
+            f"Garbage answered {INVALID}: {figures['garbage_answered']:,} of "
+            f"{figures['garbage']:,}. The latest publish "
+            f"{figures['max_submit_lateness_s']:.2f} s behind its schedule. "
+            "Every request answered "
+            f"{figures['answered_s']:.0f} s after the start; CPU seconds: "
+            + ", ".join(f"{name} {v:.0f}" for name, v in figures["cpu_s"].items())
+            + "."
+        ),
+    ]
     if summary["failed"]:
         lines += ["", "FAILED: " + "; ".join(summary["failed"].values())]
     return "\n".join(lines)
@@ -466,30 +556,53 @@ def plot(figures: dict[str, Any], settings: Settings, path: Path) -> None:
     for before, after in zip(samples, samples[1:]):
         span = after["t"] - before["t"]
         rates["published"].append((after["published"] - before["published"]) / span)
-        rates["finished"].append((sum(after["finished"].values())
-                                  - sum(before["finished"].values())) / span)
-    time_series({
-        "Resident memory (VmRSS)": ("MiB", {
-            name: (t, [s["rss_kb"][name] / MIB for s in samples])
-            for name in ("dispatcher", "nats-server")}),
-        "Consumers": ("consumers", {
-            f"{stream} stream": (t, [s["consumers"][stream] for s in samples])
-            for stream in ("requests", "parked")}),
-        "Requests per second (between samples)": ("requests/s", {
-            name: (t[1:], values) for name, values in rates.items()}),
-    }, path, xlabel="seconds since the start of the load",
-        title=(f"Soak: {settings.tenants:,} tenants{once}, {settings.minutes:g} min, "
-               f"{figures['requests']:,} requests"),
-        marks={"end of warm-up": figures["warmup_end_t"], "end of load": settings.duration_s})
+        rates["finished"].append(
+            (sum(after["finished"].values()) - sum(before["finished"].values())) / span
+        )
+    time_series(
+        {
+            "Resident memory (VmRSS)": (
+                "MiB",
+                {
+                    name: (t, [s["rss_kb"][name] / MIB for s in samples])
+                    for name in ("dispatcher", "nats-server")
+                },
+            ),
+            "Consumers": (
+                "consumers",
+                {
+                    f"{stream} stream": (t, [s["consumers"][stream] for s in samples])
+                    for stream in ("requests", "parked")
+                },
+            ),
+            "Requests per second (between samples)": (
+                "requests/s",
+                {name: (t[1:], values) for name, values in rates.items()},
+            ),
+        },
+        path,
+        xlabel="seconds since the start of the load",
+        title=(
+            f"Soak: {settings.tenants:,} tenants{once}, {settings.minutes:g} min, "
+            f"{figures['requests']:,} requests"
+        ),
+        marks={"end of warm-up": figures["warmup_end_t"], "end of load": settings.duration_s},
+    )
 
 
-async def run_named(name: str, settings: Settings, out_dir: Path, plot_path: Path,
-                    command: str) -> dict[str, Any]:
+async def run_named(
+    name: str, settings: Settings, out_dir: Path, plot_path: Path, command: str
+) -> dict[str, Any]:
     facts = machine_facts(command)
     figures = await run(settings, out_dir / "logs" / name)
-    summary = {"name": name, "machine": facts, "settings": asdict(settings),
-               "figures": figures, "failed": failures(figures, settings),
-               "plot": str(plot_path)}
+    summary = {
+        "name": name,
+        "machine": facts,
+        "settings": asdict(settings),
+        "figures": figures,
+        "failed": failures(figures, settings),
+        "plot": str(plot_path),
+    }
     plot(figures, settings, plot_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -497,31 +610,51 @@ async def run_named(name: str, settings: Settings, out_dir: Path, plot_path: Pat
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true",
-                        help="45 s, 100 tenants (CI; RSS growth is not meaningful so short)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="45 s, 100 tenants (CI; RSS growth is not meaningful so short)",
+    )
     parser.add_argument("--minutes", type=float)
     parser.add_argument("--tenants", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--warmup-s", type=float)
-    parser.add_argument("--churn-per-s", type=float,
-                        help="new unlisted tenants per second, one request each (default 0)")
+    parser.add_argument(
+        "--churn-per-s",
+        type=float,
+        help="new unlisted tenants per second, one request each (default 0)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
-    parser.add_argument("--plot", type=Path,
-                        help="the PNG (default docs/img/e2e_<soak or churn>.png; smoke: in --out)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help="the PNG (default docs/img/e2e_<soak or churn>.png; smoke: in --out)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = with_overrides(SMOKE if args.smoke else Settings(), {
-        "minutes": args.minutes, "tenants": args.tenants, "seed": args.seed,
-        "warmup_s": args.warmup_s, "churn_per_s": args.churn_per_s})
+    settings = with_overrides(
+        SMOKE if args.smoke else Settings(),
+        {
+            "minutes": args.minutes,
+            "tenants": args.tenants,
+            "seed": args.seed,
+            "warmup_s": args.warmup_s,
+            "churn_per_s": args.churn_per_s,
+        },
+    )
     name = "smoke" if args.smoke else "churn" if settings.churn_per_s else "soak"
     plot_path = args.plot or (args.out / "smoke.png" if args.smoke else IMG / f"e2e_{name}.png")
-    summary = asyncio.run(run_named(name, settings, args.out, plot_path,
-                                    command_line("bench.soak", argv)))
+    summary = asyncio.run(
+        run_named(name, settings, args.out, plot_path, command_line("bench.soak", argv))
+    )
     print(render(summary))
     for reason in summary["failed"].values():
         print(f"soak failed: {reason}", file=sys.stderr)

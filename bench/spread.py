@@ -35,12 +35,15 @@ MEAN_OUTPUT_TOKENS = 275.0  # of the uniform 50-500
 
 def fleet(base: EngineParams) -> list[EngineParams]:
     big = EngineParams(
-        max_sequences=2 * base.max_sequences, max_batched_tokens=2 * base.max_batched_tokens,
+        max_sequences=2 * base.max_sequences,
+        max_batched_tokens=2 * base.max_batched_tokens,
         kv_cache_tokens=2 * base.kv_cache_tokens,
         prefill_tokens_per_s=2 * base.prefill_tokens_per_s,
         # Twice the sequences at the same step time: each sequence's step costs half.
         decode_step_base_s=base.decode_step_base_s,
-        decode_step_per_seq_s=base.decode_step_per_seq_s / 2, image_s=base.image_s / 2)
+        decode_step_per_seq_s=base.decode_step_per_seq_s / 2,
+        image_s=base.image_s / 2,
+    )
     return [base, base, big]
 
 
@@ -50,19 +53,27 @@ def traffic(requests: int, rate: float, seed: int, keyed: bool) -> list[TraceRec
     for n in range(requests):
         at += rng.expovariate(rate)
         output = rng.randint(50, 500)
-        records.append(TraceRecord(
-            f"t{n % 8}", at, rng.randint(100, 2000), output, max_tokens=output,
-            session=f"c{rng.randrange(CONVERSATIONS)}" if keyed else None))
+        records.append(
+            TraceRecord(
+                f"t{n % 8}",
+                at,
+                rng.randint(100, 2000),
+                output,
+                max_tokens=output,
+                session=f"c{rng.randrange(CONVERSATIONS)}" if keyed else None,
+            )
+        )
     return records
 
 
 def saturated_tokens_per_s(config, base: EngineParams, seed: int) -> float:
     """Output tokens per second of one base replica kept full of this mix."""
-    records = [TraceRecord(r.tenant, 0.0, r.input_tokens, r.output_tokens,
-                           max_tokens=r.max_tokens) for r in traffic(2_000, 1.0, seed, False)]
+    records = [
+        TraceRecord(r.tenant, 0.0, r.input_tokens, r.output_tokens, max_tokens=r.max_tokens)
+        for r in traffic(2_000, 1.0, seed, False)
+    ]
     result = simulate(records, config, base)
-    return sum(r.output_tokens for r in result.records) / result.summary["simulation"][
-        "makespan_s"]
+    return sum(r.output_tokens for r in result.records) / result.summary["simulation"]["makespan_s"]
 
 
 def shares(requests: int, load: float, seed: int, keyed: bool) -> dict[str, dict[str, float]]:
@@ -75,30 +86,57 @@ def shares(requests: int, load: float, seed: int, keyed: bool) -> dict[str, dict
     # as two base ones).
     fleet_tokens_per_s = saturated_tokens_per_s(config, base, seed) * size / base.max_sequences
     rate = load * fleet_tokens_per_s / MEAN_OUTPUT_TOKENS
-    result = simulate(traffic(requests, rate, seed, keyed), config, fleet=replicas,
-                      early_binding=True)
+    result = simulate(
+        traffic(requests, rate, seed, keyed), config, fleet=replicas, early_binding=True
+    )
     served: dict[str, float] = {}
     for r in result.records:
         if r.finished is not None:
             served[r.worker] = served.get(r.worker, 0.0) + profile.model_units(
-                r.input_tokens, r.output_tokens)
+                r.input_tokens, r.output_tokens
+            )
     total = sum(served.values())
     endpoint = next(iter(config.endpoints))
-    return {f"{endpoint}-{i}": {"capacity_share": p.max_sequences / size,
-                                "served_share": served.get(f"{endpoint}-{i}", 0.0) / total}
-            for i, p in enumerate(replicas)}
+    return {
+        f"{endpoint}-{i}": {
+            "capacity_share": p.max_sequences / size,
+            "served_share": served.get(f"{endpoint}-{i}", 0.0) / total,
+        }
+        for i, p in enumerate(replicas)
+    }
 
 
 def report(runs: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> str:
-    rows = [[name, replica, f"{figures['capacity_share']:.1%}",
-             f"{figures['served_share']:.1%}",
-             f"{figures['served_share'] / figures['capacity_share'] - 1:+.1%}"]
-            for name, replicas in runs.items() for replica, figures in replicas.items()]
-    return "\n".join([
-        ran_on(f"python -m bench.spread --requests {args.requests} --load {args.load} "
-               f"--seed {args.seed}"), "",
-        *table(["requests", "replica", "share of capacity", "share of model units served",
-                "relative error"], rows)])
+    rows = [
+        [
+            name,
+            replica,
+            f"{figures['capacity_share']:.1%}",
+            f"{figures['served_share']:.1%}",
+            f"{figures['served_share'] / figures['capacity_share'] - 1:+.1%}",
+        ]
+        for name, replicas in runs.items()
+        for replica, figures in replicas.items()
+    ]
+    return "\n".join(
+        [
+            ran_on(
+                f"python -m bench.spread --requests {args.requests} --load {args.load} "
+                f"--seed {args.seed}"
+            ),
+            "",
+            *table(
+                [
+                    "requests",
+                    "replica",
+                    "share of capacity",
+                    "share of model units served",
+                    "relative error",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,11 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1 or not 0 < args.load:
         print("spread: --requests must be >= 1 and --load > 0", file=sys.stderr)
         return 2
-    runs = {name: shares(args.requests, args.load, args.seed, keyed)
-            for name, keyed in (("no key", False), ("conversations", True))}
+    runs = {
+        name: shares(args.requests, args.load, args.seed, keyed)
+        for name, keyed in (("no key", False), ("conversations", True))
+    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / ("smoke.json" if args.smoke else "spread.json")).write_text(
-        json.dumps(runs, indent=2) + "\n")
+        json.dumps(runs, indent=2) + "\n"
+    )
     print(report(runs, args))
     return 0
 

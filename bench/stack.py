@@ -107,10 +107,15 @@ class StackSpec:
 
     def describe(self) -> dict[str, object]:
         """The spec as plain data, for result files."""
-        return {"mode": self.mode, "workers": self.workers, "time_scale": self.time_scale,
-                "engine": msgspec.to_builtins(self.engine), "endpoint": self.endpoint,
-                "heartbeat_interval_s": self.heartbeat_interval_s,
-                "dispatcher_args": list(self.dispatcher_args)}
+        return {
+            "mode": self.mode,
+            "workers": self.workers,
+            "time_scale": self.time_scale,
+            "engine": msgspec.to_builtins(self.engine),
+            "endpoint": self.endpoint,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "dispatcher_args": list(self.dispatcher_args),
+        }
 
 
 class Stack:
@@ -148,8 +153,11 @@ class Stack:
 
     def pids(self) -> dict[str, int]:
         """Process id of each running part: `nats-server`, `dispatcher`, the worker ids."""
-        pids = {} if self.server is None or self.server.pid is None else {
-            "nats-server": self.server.pid}
+        pids = (
+            {}
+            if self.server is None or self.server.pid is None
+            else {"nats-server": self.server.pid}
+        )
         pids |= {child.name: child.pid for child in self.children if child.pid is not None}
         return pids
 
@@ -170,9 +178,11 @@ class Stack:
         nc = await nats.connect(self.url, connect_timeout=5)
         self._exit.push_async_callback(nc.drain)
         if self.spec.mode == "fairq":
-            dispatcher = self._child("dispatcher", "dispatcher",
-                                     ["--nats", self.url, "--config", str(paths["config"]),
-                                      *self.spec.dispatcher_args])
+            dispatcher = self._child(
+                "dispatcher",
+                "dispatcher",
+                ["--nats", self.url, "--config", str(paths["config"]), *self.spec.dispatcher_args],
+            )
             await dispatcher.start()
             self._exit.push_async_callback(dispatcher.stop)  # stops after the workers
             await self._until_dispatcher_answers(nc)
@@ -180,8 +190,10 @@ class Stack:
             await provision(nc.jetstream(), self.settings)
         module = "workers" if self.spec.mode == "fairq" else "bench.naive_worker"
         heartbeats = await nc.subscribe(self.settings.subjects.heartbeats(self.spec.endpoint))
-        workers = [self._child(worker_id, module, self._worker_args(worker_id, paths))
-                   for worker_id in self.worker_ids]
+        workers = [
+            self._child(worker_id, module, self._worker_args(worker_id, paths))
+            for worker_id in self.worker_ids
+        ]
         for worker in workers:
             await worker.start()
             self._exit.push_async_callback(worker.stop)
@@ -197,18 +209,39 @@ class Stack:
 
     def _child(self, name: str, module: str, args: list[str]) -> Child:
         # No restart policy: a process of the stack that dies fails the run.
-        child = Child(name, [sys.executable, "-m", module, *args], self.log_dir / f"{name}.log",
-                      cwd=REPO, stop_timeout_s=STOP_TIMEOUT_S)
+        child = Child(
+            name,
+            [sys.executable, "-m", module, *args],
+            self.log_dir / f"{name}.log",
+            cwd=REPO,
+            stop_timeout_s=STOP_TIMEOUT_S,
+        )
         self.children.append(child)
         return child
 
     def _worker_args(self, worker_id: str, paths: dict[str, Path]) -> list[str]:
-        return ["--nats", self.url, "--endpoint", self.spec.endpoint, "--worker-id", worker_id,
-                "--engine", "sim", "--engine-config", str(paths["engine"]),
-                "--time-scale", repr(self.spec.time_scale), "--seed", "0",
-                "--config", str(paths["config"]),
-                "--heartbeat-interval", repr(self.spec.heartbeat_interval_s),
-                "--log-level", "WARNING"]
+        return [
+            "--nats",
+            self.url,
+            "--endpoint",
+            self.spec.endpoint,
+            "--worker-id",
+            worker_id,
+            "--engine",
+            "sim",
+            "--engine-config",
+            str(paths["engine"]),
+            "--time-scale",
+            repr(self.spec.time_scale),
+            "--seed",
+            "0",
+            "--config",
+            str(paths["config"]),
+            "--heartbeat-interval",
+            repr(self.spec.heartbeat_interval_s),
+            "--log-level",
+            "WARNING",
+        ]
 
     async def _until_dispatcher_answers(self, nc: nats.NATS) -> None:
         """The depth API answers once the dispatcher has provisioned the broker."""
@@ -234,8 +267,14 @@ class Stack:
         """One request through the whole path: the stack serves before the clock starts."""
         client = Client(nc, prefix=self.settings.prefix)
         try:
-            await client.run(self.spec.endpoint, WARMUP_TENANT, prompt="warm up", max_tokens=1,
-                             id="warmup-0", timeout_s=START_TIMEOUT_S)
+            await client.run(
+                self.spec.endpoint,
+                WARMUP_TENANT,
+                prompt="warm up",
+                max_tokens=1,
+                id="warmup-0",
+                timeout_s=START_TIMEOUT_S,
+            )
         except Exception as exc:
             self.check_alive()
             raise StackError(f"the warm-up request failed: {exc}") from exc

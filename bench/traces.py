@@ -21,20 +21,29 @@ from pathlib import Path
 from producers.loadgen import TraceError
 
 AZURE_TRACE_ENV = "FQ_AZURE_TRACE"
-AZURE_TRACE_URL = ("https://raw.githubusercontent.com/Azure/AzurePublicDataset/master/data/"
-                   "AzureLLMInferenceTrace_conv.csv")
+AZURE_TRACE_URL = (
+    "https://raw.githubusercontent.com/Azure/AzurePublicDataset/master/data/"
+    "AzureLLMInferenceTrace_conv.csv"
+)
 AZURE_TRACE_SOURCE = (
     "the Azure LLM inference trace 2023, conversation service (AzureLLMInferenceTrace_conv.csv "
-    "of https://github.com/Azure/AzurePublicDataset, CC-BY; from Patel et al., \"Splitwise: "
-    "Efficient generative LLM inference using phase splitting\", ISCA 2024)")
-_HOW_TO_FETCH = (f"The trace is {AZURE_TRACE_SOURCE}. Fetch it with `curl -fLo "
-                 f"azure_llm_2023_conv.csv {AZURE_TRACE_URL}` and pass its path with --trace "
-                 f"or in {AZURE_TRACE_ENV}.")
+    'of https://github.com/Azure/AzurePublicDataset, CC-BY; from Patel et al., "Splitwise: '
+    'Efficient generative LLM inference using phase splitting", ISCA 2024)'
+)
+_HOW_TO_FETCH = (
+    f"The trace is {AZURE_TRACE_SOURCE}. Fetch it with `curl -fLo "
+    f"azure_llm_2023_conv.csv {AZURE_TRACE_URL}` and pass its path with --trace "
+    f"or in {AZURE_TRACE_ENV}."
+)
 
 
 def add_trace_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, metavar="CSV",
-                        help=f"the Azure LLM conversation trace (default: ${AZURE_TRACE_ENV})")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="CSV",
+        help=f"the Azure LLM conversation trace (default: ${AZURE_TRACE_ENV})",
+    )
 
 
 def azure_trace(flag: Path | None, environ: Mapping[str, str] = os.environ) -> Path:

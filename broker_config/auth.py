@@ -98,10 +98,15 @@ def tenant_permissions(subjects: Subjects, tenant: str) -> Permissions:
 def front_permissions(subjects: Subjects, user: str, tenants: Iterable[str]) -> Permissions:
     served = [check_token(tenant, "tenant") for tenant in tenants]
     return Permissions(
-        publish=tuple(subject for tenant in served for subject in (
-            subjects.tenant_requests(tenant), subjects.tenant_api(tenant))),
-        subscribe=(f"{front_inbox_prefix(user)}.>",
-                   *(f"{subjects.inbox_prefix(tenant)}.>" for tenant in served)),
+        publish=tuple(
+            subject
+            for tenant in served
+            for subject in (subjects.tenant_requests(tenant), subjects.tenant_api(tenant))
+        ),
+        subscribe=(
+            f"{front_inbox_prefix(user)}.>",
+            *(f"{subjects.inbox_prefix(tenant)}.>" for tenant in served),
+        ),
     )
 
 
@@ -110,19 +115,26 @@ def front_inbox_prefix(user: str) -> str:
     return f"_INBOX_{check_token(user, 'front user')}"
 
 
-def build_users(subjects: Subjects, tenants: Mapping[str, str],
-                services: Mapping[str, str],
-                fronts: Mapping[str, tuple[str, Iterable[str]]] | None = None) -> list[NatsUser]:
+def build_users(
+    subjects: Subjects,
+    tenants: Mapping[str, str],
+    services: Mapping[str, str],
+    fronts: Mapping[str, tuple[str, Iterable[str]]] | None = None,
+) -> list[NatsUser]:
     """One restricted user per tenant (name = tenant), one full user per service, and one
     user per front for the tenants it serves.
 
     `tenants` and `services` map user name to password, `fronts` to (password, tenants).
     """
-    users = [NatsUser(check_token(tenant, "tenant"), password, tenant_permissions(subjects, tenant))
-             for tenant, password in tenants.items()]
+    users = [
+        NatsUser(check_token(tenant, "tenant"), password, tenant_permissions(subjects, tenant))
+        for tenant, password in tenants.items()
+    ]
     users += [NatsUser(name, password) for name, password in services.items()]
-    users += [NatsUser(name, password, front_permissions(subjects, name, served))
-              for name, (password, served) in (fronts or {}).items()]
+    users += [
+        NatsUser(name, password, front_permissions(subjects, name, served))
+        for name, (password, served) in (fronts or {}).items()
+    ]
     _check_users(users)
     return users
 
@@ -130,20 +142,27 @@ def build_users(subjects: Subjects, tenants: Mapping[str, str],
 def _check_users(users: list[NatsUser | NkeyUser]) -> None:
     seen: set[str] = set()
     for user in users:
-        if not user.name or not user.name.isascii() or any(
-                c.isspace() or not c.isprintable() for c in user.name):
+        if (
+            not user.name
+            or not user.name.isascii()
+            or any(c.isspace() or not c.isprintable() for c in user.name)
+        ):
             raise ValueError(f"invalid NATS user name {user.name!r}")
         if user.name in seen:
-            raise ValueError(f"NATS user {user.name!r} defined twice (tenant and service "
-                             "user names share one namespace)")
+            raise ValueError(
+                f"NATS user {user.name!r} defined twice (tenant and service "
+                "user names share one namespace)"
+            )
         seen.add(user.name)
         if isinstance(user, NkeyUser):
             if not _is_user_public_key(user.nkey):
-                raise ValueError(f"NATS user {user.name!r}: {user.nkey!r} is not an nkey "
-                                 "user public key")
+                raise ValueError(
+                    f"NATS user {user.name!r}: {user.nkey!r} is not an nkey user public key"
+                )
         elif not user.password or not (user.password.isascii() and user.password.isprintable()):
-            raise ValueError(f"NATS user {user.name!r}: the password must be non-empty "
-                             "printable ASCII")
+            raise ValueError(
+                f"NATS user {user.name!r}: the password must be non-empty printable ASCII"
+            )
 
 
 def render_auth_config(users: list[NatsUser]) -> str:
@@ -154,13 +173,15 @@ def render_auth_config(users: list[NatsUser]) -> str:
     """
     _check_users(users)
     body = "\n".join(f"    {json.dumps(_user_entry(user))}" for user in users)
-    return (f"{AUTH_HEADER}\n"
-            f"authorization {{\n  users = [\n{body}\n  ]\n}}\n")
+    return f"{AUTH_HEADER}\nauthorization {{\n  users = [\n{body}\n  ]\n}}\n"
 
 
 def _user_entry(user: NatsUser | NkeyUser) -> dict[str, object]:
-    entry: dict[str, object] = ({"nkey": user.nkey} if isinstance(user, NkeyUser)
-                                else {"user": user.name, "password": user.password})
+    entry: dict[str, object] = (
+        {"nkey": user.nkey}
+        if isinstance(user, NkeyUser)
+        else {"user": user.name, "password": user.password}
+    )
     if user.permissions is not None:
         entry["permissions"] = {
             "publish": {"allow": list(user.permissions.publish)},
@@ -185,8 +206,9 @@ class RenderedAuth:
 
 def with_tenant_inboxes(config: Config) -> Config:
     """`config` for a broker with per-tenant users: replies in the tenants' own inboxes."""
-    return msgspec.structs.replace(config, dispatcher=msgspec.structs.replace(
-        config.dispatcher, tenant_inboxes=True))
+    return msgspec.structs.replace(
+        config, dispatcher=msgspec.structs.replace(config.dispatcher, tenant_inboxes=True)
+    )
 
 
 def registered_tenants(config: Config) -> list[str]:
@@ -194,8 +216,9 @@ def registered_tenants(config: Config) -> list[str]:
     return sorted({*config.tenants, *(key.tenant for key in config.front.keys)})
 
 
-def deployment_accounts(subjects: Subjects, tenants: Iterable[str],
-                        public_keys: Mapping[str, str]) -> dict[str, dict[str, object]]:
+def deployment_accounts(
+    subjects: Subjects, tenants: Iterable[str], public_keys: Mapping[str, str]
+) -> dict[str, dict[str, object]]:
     """nats-server's `accounts` map for a deployment (JSON-able).
 
     FAIRQ_ACCOUNT (JetStream on) holds the service users, with full access in it. Every
@@ -217,31 +240,44 @@ def deployment_accounts(subjects: Subjects, tenants: Iterable[str],
         return _user_entry(key)
 
     def shared(tenant: str) -> list[tuple[str, str]]:
-        return [("service", subjects.tenant_requests(tenant)),
-                ("service", subjects.tenant_api(tenant)),
-                ("stream", f"{subjects.inbox_prefix(tenant)}.>")]
+        return [
+            ("service", subjects.tenant_requests(tenant)),
+            ("service", subjects.tenant_api(tenant)),
+            ("stream", f"{subjects.inbox_prefix(tenant)}.>"),
+        ]
 
     def imports(tenant: str) -> list[dict[str, object]]:
-        return [{kind: {"account": FAIRQ_ACCOUNT, "subject": subject}}
-                for kind, subject in shared(tenant)]
+        return [
+            {kind: {"account": FAIRQ_ACCOUNT, "subject": subject}}
+            for kind, subject in shared(tenant)
+        ]
 
-    accounts: dict[str, dict[str, object]] = {FAIRQ_ACCOUNT: {
-        "jetstream": "enabled",
-        "users": [user(name, None) for name in SERVICE_USERS],
-        "exports": [{kind: subject, "accounts": [tenant, FRONT_USER]}
-                    for tenant in served for kind, subject in shared(tenant)],
-    }}
+    accounts: dict[str, dict[str, object]] = {
+        FAIRQ_ACCOUNT: {
+            "jetstream": "enabled",
+            "users": [user(name, None) for name in SERVICE_USERS],
+            "exports": [
+                {kind: subject, "accounts": [tenant, FRONT_USER]}
+                for tenant in served
+                for kind, subject in shared(tenant)
+            ],
+        }
+    }
     for tenant in served:
-        accounts[tenant] = {"users": [user(tenant, tenant_permissions(subjects, tenant))],
-                            "imports": imports(tenant)}
+        accounts[tenant] = {
+            "users": [user(tenant, tenant_permissions(subjects, tenant))],
+            "imports": imports(tenant),
+        }
     accounts[FRONT_USER] = {
         "users": [user(FRONT_USER, front_permissions(subjects, FRONT_USER, served))],
-        "imports": [entry for tenant in served for entry in imports(tenant)]}
+        "imports": [entry for tenant in served for entry in imports(tenant)],
+    }
     return accounts
 
 
-def render_accounts_config(accounts: Mapping[str, Mapping[str, object]],
-                           public_keys: Mapping[str, str]) -> str:
+def render_accounts_config(
+    accounts: Mapping[str, Mapping[str, object]], public_keys: Mapping[str, str]
+) -> str:
     """nats-server config text (an includable `accounts` block), JSON-quoted throughout;
     a comment line names each user's public key, which nats-server's entry does not."""
     names = "".join(f"# {name}: {key}\n" for name, key in public_keys.items())
@@ -262,8 +298,10 @@ def render_auth_dir(directory: Path, subjects: Subjects, tenants: Iterable[str])
     names = [*tenants, *SERVICE_USERS, FRONT_USER]
     clash = sorted(set(tenants) & {*SERVICE_USERS, FRONT_USER, FAIRQ_ACCOUNT})
     if clash:
-        raise ValueError(f"tenant name(s) {', '.join(clash)} are reserved for fairq's own "
-                         "broker users and account")
+        raise ValueError(
+            f"tenant name(s) {', '.join(clash)} are reserved for fairq's own "
+            "broker users and account"
+        )
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     with _exclusive(directory / LOCK_FILE):
         previous = _previous_users(directory)
@@ -314,8 +352,10 @@ def _previous_users(directory: Path) -> list[str]:
             raise ValueError(f"{manifest}: unreadable ({exc}); fix or remove it") from exc
         return [check_token(name, "user") for name in users]
     if any(path.name != LOCK_FILE for path in directory.iterdir()):
-        raise ValueError(f"{directory}: not empty and not rendered by fairq auth (no "
-                         f"{AUTH_CONF} or {MANIFEST} of ours): give an empty or new directory")
+        raise ValueError(
+            f"{directory}: not empty and not rendered by fairq auth (no "
+            f"{AUTH_CONF} or {MANIFEST} of ours): give an empty or new directory"
+        )
     return []
 
 
@@ -333,8 +373,11 @@ def _is_user_public_key(key: str) -> bool:
         raw = base64.b32decode(key + "=" * (-len(key) % 8))
     except (binascii.Error, ValueError):
         return False
-    return (len(raw) == 35 and raw[0] == nkeys.PREFIX_BYTE_USER
-            and nkeys.crc16_checksum(raw[:-2]) == raw[-2:])
+    return (
+        len(raw) == 35
+        and raw[0] == nkeys.PREFIX_BYTE_USER
+        and nkeys.crc16_checksum(raw[:-2]) == raw[-2:]
+    )
 
 
 def _public_key(seed_file: Path) -> str:
@@ -342,8 +385,10 @@ def _public_key(seed_file: Path) -> str:
         seed = bytearray(seed_file.read_bytes().strip())
         key = nkeys.from_seed(seed).public_key.decode()
     except (OSError, nkeys.NkeysError, ValueError) as exc:
-        raise ValueError(f"{seed_file}: not a readable nkey seed ({exc or type(exc).__name__}); "
-                         "remove it to make a new one") from exc
+        raise ValueError(
+            f"{seed_file}: not a readable nkey seed ({exc or type(exc).__name__}); "
+            "remove it to make a new one"
+        ) from exc
     if not key.startswith("U"):
         raise ValueError(f"{seed_file}: the seed of {key[:1]!r} key, not of a user")
     return key

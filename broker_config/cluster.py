@@ -31,9 +31,11 @@ def node_config(name: str, route_port: int, route_ports: list[int], sync: str | 
     """nats-server config text for one node of the cluster."""
     routes = ", ".join(f"nats-route://{HOST}:{port}" for port in route_ports)
     jetstream = f"jetstream {{ sync_interval: {sync} }}\n" if sync else ""
-    return (f"server_name: {name}\n{jetstream}"
-            f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: {HOST}:{route_port}\n"
-            f"  routes: [{routes}]\n}}\n")
+    return (
+        f"server_name: {name}\n{jetstream}"
+        f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: {HOST}:{route_port}\n"
+        f"  routes: [{routes}]\n}}\n"
+    )
 
 
 class EmbeddedNatsCluster:
@@ -41,8 +43,14 @@ class EmbeddedNatsCluster:
     ("always": every write on disk before it is acknowledged; None: the server's
     default, see docs/operations.md)."""
 
-    def __init__(self, size: int = 3, *, store_root: str | Path | None = None,
-                 sync: str | None = None, ready_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        store_root: str | Path | None = None,
+        sync: str | None = None,
+        ready_timeout_s: float = 30.0,
+    ) -> None:
         if size < 1:
             raise ValueError(f"a cluster needs at least one node, got {size}")
         route_ports = [free_port() for _ in range(size)]
@@ -50,8 +58,10 @@ class EmbeddedNatsCluster:
         self.nodes = [
             EmbeddedNatsServer(
                 config=node_config(f"n{i + 1}", route_ports[i], route_ports, sync),
-                store_dir=Path(store_root) / f"n{i + 1}" if store_root else None)
-            for i in range(size)]
+                store_dir=Path(store_root) / f"n{i + 1}" if store_root else None,
+            )
+            for i in range(size)
+        ]
 
     @property
     def url(self) -> str:
@@ -77,8 +87,9 @@ class EmbeddedNatsCluster:
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                nc = await nats.connect(self.url.split(","), connect_timeout=2,
-                                        allow_reconnect=False)
+                nc = await nats.connect(
+                    self.url.split(","), connect_timeout=2, allow_reconnect=False
+                )
             except (OSError, nats.errors.Error) as exc:
                 last = exc
                 await asyncio.sleep(0.2)
@@ -91,8 +102,9 @@ class EmbeddedNatsCluster:
                 await asyncio.sleep(0.2)
             finally:
                 await nc.close()
-        raise EmbeddedServerError(f"the cluster's JetStream was not ready within "
-                                  f"{self.ready_timeout_s}s: {last!r}")
+        raise EmbeddedServerError(
+            f"the cluster's JetStream was not ready within {self.ready_timeout_s}s: {last!r}"
+        )
 
     def stop(self) -> None:
         for node in self.nodes:

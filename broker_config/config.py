@@ -176,16 +176,19 @@ class BrokerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     def __post_init__(self) -> None:
         if self.max_age_s and self.duplicate_window_s > self.max_age_s:
-            raise ValueError(f"duplicate_window_s ({self.duplicate_window_s}) must not exceed "
-                             f"max_age_s ({self.max_age_s})")
+            raise ValueError(
+                f"duplicate_window_s ({self.duplicate_window_s}) must not exceed "
+                f"max_age_s ({self.max_age_s})"
+            )
 
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.prefix)
 
 
-class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True,
-                        omit_defaults=True):
+class DispatcherOptions(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True
+):
     """The dispatcher service's knobs (`[dispatcher]`). Defaults are left out when it is
     written back as TOML, which has no null for an unset option."""
 
@@ -249,8 +252,10 @@ class DispatcherOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
     def __post_init__(self) -> None:
         if not 2 <= self.tenant_window <= self.max_ack_pending:
-            raise ValueError(f"tenant_window ({self.tenant_window}) must be at least 2 and at "
-                             f"most max_ack_pending ({self.max_ack_pending})")
+            raise ValueError(
+                f"tenant_window ({self.tenant_window}) must be at least 2 and at "
+                f"most max_ack_pending ({self.max_ack_pending})"
+            )
 
 
 class ImageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -343,14 +348,18 @@ class Registry:
         self.config = config
         self.tier_rank = {tier.name: rank for rank, tier in enumerate(config.tiers)}
         self._tiers = {tier.name: tier for tier in config.tiers}
-        self._policies = {name: self._resolve(name, t.tier, t.weight, t.limits,
-                                              t.monthly_quota_tokens)
-                          for name, t in config.tenants.items()}
+        self._policies = {
+            name: self._resolve(name, t.tier, t.weight, t.limits, t.monthly_quota_tokens)
+            for name, t in config.tenants.items()
+        }
         unlisted = config.unlisted_tenants
         # Unlisted tenants differ only by name: resolved once, not kept per name (there
         # is no bound on the names that reach admission).
-        self._unlisted = (None if unlisted.policy == "reject" else
-                          self._resolve("", unlisted.tier, unlisted.weight, {}))
+        self._unlisted = (
+            None
+            if unlisted.policy == "reject"
+            else self._resolve("", unlisted.tier, unlisted.weight, {})
+        )
 
     def profile(self, endpoint: str) -> ModelProfile:
         name = self.config.endpoints[endpoint].profile
@@ -363,8 +372,14 @@ class Registry:
             return policy
         return replace(self._unlisted, name=name)
 
-    def _resolve(self, name: str, tier_name: str, weight: float | None,
-                 own: dict[str, Limits], quota: int | None = None) -> TenantPolicy:
+    def _resolve(
+        self,
+        name: str,
+        tier_name: str,
+        weight: float | None,
+        own: dict[str, Limits],
+        quota: int | None = None,
+    ) -> TenantPolicy:
         tier = self._tiers[tier_name]
         limits = {}
         for endpoint in self.config.endpoints:
@@ -374,9 +389,14 @@ class Registry:
             if endpoint in own:
                 merged = own[endpoint].merged_over(merged)
             limits[endpoint] = merged
-        return TenantPolicy(name, tier_name, self.tier_rank[tier_name],
-                            weight if weight is not None else tier.weight, limits,
-                            quota if quota is not None else tier.monthly_quota_tokens)
+        return TenantPolicy(
+            name,
+            tier_name,
+            self.tier_rank[tier_name],
+            weight if weight is not None else tier.weight,
+            limits,
+            quota if quota is not None else tier.monthly_quota_tokens,
+        )
 
 
 def load_config(path: str | Path = EXAMPLE_CONFIG) -> Config:
@@ -388,8 +408,9 @@ def load_config(path: str | Path = EXAMPLE_CONFIG) -> Config:
     return parse_config(raw, source=str(path), base_dir=path.parent)
 
 
-def parse_config(raw: bytes | str, source: str = "<config>",
-                 base_dir: Path | None = None) -> Config:
+def parse_config(
+    raw: bytes | str, source: str = "<config>", base_dir: Path | None = None
+) -> Config:
     """`base_dir`: where relative `profile_file`s are (default: the working directory)."""
     try:
         document = msgspec.toml.decode(raw)
@@ -416,19 +437,22 @@ def _with_profile_files(config: Config, source: str, base_dir: Path) -> Config:
             continue
         field = f"endpoints.{name}.profile_file"
         if spec.profile != "default":
-            raise ConfigError(f"{source}: field `{field}`: set `profile` or `profile_file`, "
-                              f"not both (value: {spec.profile_file!r})")
+            raise ConfigError(
+                f"{source}: field `{field}`: set `profile` or `profile_file`, "
+                f"not both (value: {spec.profile_file!r})"
+            )
         try:
             profile = load_profile(base_dir / spec.profile_file)
         except ValueError as exc:
             raise ConfigError(f"{source}: field `{field}`: {exc}") from exc
         if profiles.get(profile.name, profile) != profile:
-            raise ConfigError(f"{source}: field `{field}`: its profile {profile.name!r} "
-                              "differs from the one of that name already defined")
+            raise ConfigError(
+                f"{source}: field `{field}`: its profile {profile.name!r} "
+                "differs from the one of that name already defined"
+            )
         profiles[profile.name] = profile
         # Self-contained from here: written back out (bench/stack.py), it needs no file.
-        endpoints[name] = msgspec.structs.replace(spec, profile=profile.name,
-                                                  profile_file=None)
+        endpoints[name] = msgspec.structs.replace(spec, profile=profile.name, profile_file=None)
     return msgspec.structs.replace(config, profiles=profiles, endpoints=endpoints)
 
 
@@ -436,9 +460,12 @@ def _with_tokenizer_paths(config: Config, base_dir: Path) -> Config:
     """Each endpoint's `tokenizer` as an absolute path. Only the dispatcher reads the file
     (dispatcher/admission/tokens.py, at start): workers and clients parse the same config without
     it."""
-    endpoints = {name: spec if spec.tokenizer is None else msgspec.structs.replace(
-                     spec, tokenizer=str((base_dir / spec.tokenizer).resolve()))
-                 for name, spec in config.endpoints.items()}
+    endpoints = {
+        name: spec
+        if spec.tokenizer is None
+        else msgspec.structs.replace(spec, tokenizer=str((base_dir / spec.tokenizer).resolve()))
+        for name, spec in config.endpoints.items()
+    }
     return msgspec.structs.replace(config, endpoints=endpoints)
 
 
@@ -459,8 +486,11 @@ def _check_references(config: Config, source: str) -> None:
                 fail(f"tiers[{i}].endpoint_limits", endpoint, "unknown endpoint")
     for name, endpoint in config.endpoints.items():
         if endpoint.profile not in config.profiles and endpoint.cost == "model_units":
-            fail(f"endpoints.{name}.profile", endpoint.profile,
-                 "a model_units endpoint needs a profile defined under [profiles]")
+            fail(
+                f"endpoints.{name}.profile",
+                endpoint.profile,
+                "a model_units endpoint needs a profile defined under [profiles]",
+            )
     for name, tenant in config.tenants.items():
         if tenant.tier not in tier_names:
             fail(f"tenants.{name}.tier", tenant.tier, f"unknown tier; known: {tier_names}")
@@ -478,8 +508,11 @@ def _check_references(config: Config, source: str) -> None:
         fail("front.keys", "(hashes)", "every key must be distinct")
     for i, key in enumerate(config.front.keys):
         if key.tenant not in config.tenants and unlisted.policy == "reject":
-            fail(f"front.keys[{i}].tenant", key.tenant, "not a tenant of [tenants], and "
-                 "unlisted tenants are rejected")
+            fail(
+                f"front.keys[{i}].tenant",
+                key.tenant,
+                "not a tenant of [tenants], and unlisted tenants are rejected",
+            )
     for name, profile in config.profiles.items():
         if not math.isfinite(profile.alpha + profile.beta + profile.gamma):
             fail(f"profiles.{name}", profile, "coefficients must be finite")

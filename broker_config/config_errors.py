@@ -26,8 +26,9 @@ def describe_validation_error(source: str, document: Any, exc: Exception, root: 
     value: Any = document
     hint: Any = root
     names: list[str] = []
-    for key, index, any_key in re.findall(r"\.([A-Za-z0-9_-]+)|\[(\d+)\]|\[(\.\.\.)\]",
-                                          match.group(1)):
+    for key, index, _any_key in re.findall(
+        r"\.([A-Za-z0-9_-]+)|\[(\d+)\]|\[(\.\.\.)\]", match.group(1)
+    ):
         hint = _unwrap(hint)
         if key:
             names.append(key)

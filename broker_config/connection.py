@@ -20,8 +20,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-ENV = {"user": "FAIRQ_NATS_USER", "password": "FAIRQ_NATS_PASSWORD",
-       "creds": "FAIRQ_NATS_CREDS", "nkey": "FAIRQ_NATS_NKEY"}
+ENV = {
+    "user": "FAIRQ_NATS_USER",
+    "password": "FAIRQ_NATS_PASSWORD",
+    "creds": "FAIRQ_NATS_CREDS",
+    "nkey": "FAIRQ_NATS_NKEY",
+}
 
 
 def server_urls(url: str) -> list[str]:
@@ -34,33 +38,59 @@ class ConnectionOptionsError(ValueError):
 
 
 def add_connection_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    parser.add_argument("--user", default=os.environ.get(ENV["user"]) or None,
-                        help=f"NATS user (default: ${ENV['user']})")
-    parser.add_argument("--password", default=os.environ.get(ENV["password"]) or None,
-                        help=f"NATS password (default: ${ENV['password']}, which, unlike "
-                             "this flag, other users of the machine cannot see)")
-    parser.add_argument("--creds", type=Path, metavar="FILE",
-                        default=os.environ.get(ENV["creds"]) or None,
-                        help=f"NATS .creds file: user JWT and seed (default: ${ENV['creds']})")
-    parser.add_argument("--nkey", type=Path, metavar="FILE",
-                        default=os.environ.get(ENV["nkey"]) or None,
-                        help=f"nkey seed file, as `fairq auth` writes them "
-                             f"(default: ${ENV['nkey']})")
+    parser.add_argument(
+        "--user",
+        default=os.environ.get(ENV["user"]) or None,
+        help=f"NATS user (default: ${ENV['user']})",
+    )
+    parser.add_argument(
+        "--password",
+        default=os.environ.get(ENV["password"]) or None,
+        help=f"NATS password (default: ${ENV['password']}, which, unlike "
+        "this flag, other users of the machine cannot see)",
+    )
+    parser.add_argument(
+        "--creds",
+        type=Path,
+        metavar="FILE",
+        default=os.environ.get(ENV["creds"]) or None,
+        help=f"NATS .creds file: user JWT and seed (default: ${ENV['creds']})",
+    )
+    parser.add_argument(
+        "--nkey",
+        type=Path,
+        metavar="FILE",
+        default=os.environ.get(ENV["nkey"]) or None,
+        help=f"nkey seed file, as `fairq auth` writes them (default: ${ENV['nkey']})",
+    )
 
 
-def credentials(*, user: str | None = None, password: str | None = None,
-                creds: str | Path | None = None,
-                nkey: str | Path | None = None) -> dict[str, Any]:
+def credentials(
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    creds: str | Path | None = None,
+    nkey: str | Path | None = None,
+) -> dict[str, Any]:
     """nats.connect's keyword arguments for these credentials (empty: none).
 
     Raises ConnectionOptionsError for more than one kind, a password without a user, or
     a file that cannot be read.
     """
-    kinds = [name for name, given in (("--user/--password", user or password),
-                                      ("--creds", creds), ("--nkey", nkey)) if given]
+    kinds = [
+        name
+        for name, given in (
+            ("--user/--password", user or password),
+            ("--creds", creds),
+            ("--nkey", nkey),
+        )
+        if given
+    ]
     if len(kinds) > 1:
-        raise ConnectionOptionsError(f"{' and '.join(kinds)} conflict: give one kind of "
-                                     "NATS credentials (check the FAIRQ_NATS_* variables)")
+        raise ConnectionOptionsError(
+            f"{' and '.join(kinds)} conflict: give one kind of "
+            "NATS credentials (check the FAIRQ_NATS_* variables)"
+        )
     if password and not user:
         raise ConnectionOptionsError("--password needs --user")
     if creds:
@@ -85,6 +115,7 @@ def _readable(path: str | Path, flag: str) -> str:
             if not file.read(1):
                 raise ConnectionOptionsError(f"{flag} {path}: the file is empty")
     except OSError as exc:
-        raise ConnectionOptionsError(f"{flag} {path}: cannot read it: "
-                                     f"{exc.strerror or exc}") from None
+        raise ConnectionOptionsError(
+            f"{flag} {path}: cannot read it: {exc.strerror or exc}"
+        ) from None
     return str(path)

@@ -83,10 +83,11 @@ class DirectBatchGet:
         done = asyncio.get_running_loop().create_future()
         self._open[number] = (found, done)
         try:
-            await self.nc.publish(jetstream.direct_get_subject(self.stream), request,
-                                  reply=f"{self._inbox}.{number}")
+            await self.nc.publish(
+                jetstream.direct_get_subject(self.stream), request, reply=f"{self._inbox}.{number}"
+            )
             await asyncio.wait_for(done, self.timeout_s)
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             raise DirectGetError(f"batch direct get on {self.stream}: {exc!r}") from exc
         finally:
             self._open.pop(number, None)
@@ -100,14 +101,20 @@ class DirectBatchGet:
         status, description = jetstream.status_of(msg)
         headers = msg.headers or {}
         if status is None:
-            found.append(StoredMessage(headers[jetstream.NATS_SUBJECT],
-                                       int(headers[jetstream.NATS_SEQUENCE]), headers,
-                                       msg.data))
+            found.append(
+                StoredMessage(
+                    headers[jetstream.NATS_SUBJECT],
+                    int(headers[jetstream.NATS_SEQUENCE]),
+                    headers,
+                    msg.data,
+                )
+            )
             return
         if done.done():
             return
         if status in (jetstream.END_OF_BATCH, jetstream.NOT_FOUND):
             done.set_result(None)
         else:
-            done.set_exception(DirectGetError(
-                f"batch direct get on {self.stream}: {status} {description}"))
+            done.set_exception(
+                DirectGetError(f"batch direct get on {self.stream}: {status} {description}")
+            )

@@ -43,8 +43,9 @@ class HealthServer:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start answering on `host:port`; the bound port (0 picks a free one)."""
-        server = make_server(host, port, self._app, server_class=_Server,
-                             handler_class=_QuietHandler)
+        server = make_server(
+            host, port, self._app, server_class=_Server, handler_class=_QuietHandler
+        )
         threading.Thread(target=server.serve_forever, name="fairq-http", daemon=True).start()
         self._server = server
         return server.server_address[1]
@@ -55,19 +56,21 @@ class HealthServer:
             self._server.server_close()
             self._server = None
 
-    def _app(self, environ: dict[str, Any],
-             start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path in ("/healthz", "/readyz"):
             ok = (self.live if path == "/healthz" else self.ready)()
-            start_response("200 OK" if ok else "503 Service Unavailable",
-                           [("Content-Type", "text/plain; charset=utf-8")])
+            start_response(
+                "200 OK" if ok else "503 Service Unavailable",
+                [("Content-Type", "text/plain; charset=utf-8")],
+            )
             return [b"ok\n" if ok else b"not ok\n"]
         page = self._pages.get(path)
         if page is not None:
             content_type, body = page
-            start_response("200 OK", [("Content-Type", content_type),
-                                      ("Cache-Control", "no-store")])
+            start_response(
+                "200 OK", [("Content-Type", content_type), ("Cache-Control", "no-store")]
+            )
             return [body()]
         if self._metrics is not None and path in ("/metrics", "/"):
             return self._metrics(environ, start_response)

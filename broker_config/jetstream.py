@@ -49,7 +49,8 @@ def unanswered(exc: BaseException) -> bool:
     """The broker did not answer (a timeout, no responders, no JetStream leader during a
     cluster's election): worth asking again soon, unlike a setting it refused."""
     return isinstance(exc, nats.errors.Error) and (
-        isinstance(exc, ServiceUnavailableError) or not isinstance(exc, APIError))
+        isinstance(exc, ServiceUnavailableError) or not isinstance(exc, APIError)
+    )
 
 
 def kv_stream(bucket: str) -> str:
@@ -153,5 +154,4 @@ def direct_get_last(subjects: list[str]) -> bytes:
 
 def direct_get_next(subject_filter: str, from_seq: int, batch: int) -> bytes:
     """A batch direct get of up to `batch` messages on `subject_filter` from `from_seq` on."""
-    return json.dumps({"next_by_subj": subject_filter, "seq": from_seq,
-                       "batch": batch}).encode()
+    return json.dumps({"next_by_subj": subject_filter, "seq": from_seq, "batch": batch}).encode()

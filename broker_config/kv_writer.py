@@ -24,8 +24,8 @@ import itertools
 
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyWrongLastSequenceError
 from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError
 
 from broker_config import jetstream
 
@@ -69,8 +69,9 @@ class StreamWriter:
         await self._subscription.unsubscribe()
         self._fail_all(PutError(f"writer for {self.name} closed"))
 
-    async def publish(self, subject: str, value: bytes,
-                      headers: dict[str, str] | None = None) -> None:
+    async def publish(
+        self, subject: str, value: bytes, headers: dict[str, str] | None = None
+    ) -> None:
         """Returns once the stream stored it (or had stored it: a duplicate)."""
         if self._closed:
             raise PutError(f"writer for {self.name} closed")
@@ -79,8 +80,7 @@ class StreamWriter:
         done = loop.create_future()
         self._waiting[token] = (done, loop.time() + self.timeout_s)
         try:
-            await self.nc.publish(subject, value, reply=f"{self._inbox}.{token}",
-                                  headers=headers)
+            await self.nc.publish(subject, value, reply=f"{self._inbox}.{token}", headers=headers)
             await done
         finally:
             self._waiting.pop(token, None)
@@ -92,8 +92,7 @@ class StreamWriter:
         done, _ = entry
         status, description = jetstream.status_of(msg)
         if status is not None:  # 503: no stream listens on the subject
-            done.set_exception(PutError(f"put into {self.name}: status {status} "
-                                        f"{description}"))
+            done.set_exception(PutError(f"put into {self.name}: status {status} {description}"))
         elif jetstream.is_put_ack(msg.data):
             done.set_result(None)
         else:
@@ -107,8 +106,9 @@ class StreamWriter:
             now = loop.time()
             for done, deadline in list(self._waiting.values()):
                 if deadline < now and not done.done():
-                    done.set_exception(PutError(
-                        f"put into {self.name}: no ack within {self.timeout_s:g}s"))
+                    done.set_exception(
+                        PutError(f"put into {self.name}: no ack within {self.timeout_s:g}s")
+                    )
 
     def _fail_all(self, error: PutError) -> None:
         for done, _ in self._waiting.values():
@@ -129,8 +129,11 @@ class KeyValueWriter(StreamWriter):
         KeyWrongLastSequenceError, as `KeyValue.create` does. Unlike that, a deleted key
         is not re-created: fairq never deletes from the buckets it creates into."""
         try:
-            await self.publish(jetstream.kv_subject(self.bucket, key), value,
-                               {jetstream.EXPECTED_LAST_SUBJECT_SEQUENCE: "0"})
+            await self.publish(
+                jetstream.kv_subject(self.bucket, key),
+                value,
+                {jetstream.EXPECTED_LAST_SUBJECT_SEQUENCE: "0"},
+            )
         except Refused as exc:
             if exc.err_code == jetstream.ERR_WRONG_LAST_SEQUENCE:
                 raise KeyWrongLastSequenceError(f"{self.bucket}: {key} holds a value") from exc

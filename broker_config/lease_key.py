@@ -59,8 +59,9 @@ def epoch_of(value: bytes | None, revision: int) -> int:
     return record.epoch or revision
 
 
-async def ensure_leases_bucket(js: JetStreamContext, settings: BrokerSettings,
-                               ttl_s: float) -> tuple[KeyValue, float]:
+async def ensure_leases_bucket(
+    js: JetStreamContext, settings: BrokerSettings, ttl_s: float
+) -> tuple[KeyValue, float]:
     """The leases bucket and the TTL its key really has. Made with `ttl_s` if missing,
     its TTL raised to `ttl_s` if lower, never lowered: a standby configured with a
     shorter TTL must not make the holder's key age out before the holder thinks it

@@ -52,17 +52,19 @@ def over_limits(request: SubmitRequest, body_bytes: int, limits: InputLimits) ->
 
 def _violations(request: SubmitRequest, body_bytes: int, limits: InputLimits) -> Iterator[str]:
     messages = request.messages or ()
-    prompt_chars = (len(request.prompt) if request.prompt is not None
-                    else sum(len(m.content) for m in messages))
+    prompt_chars = (
+        len(request.prompt) if request.prompt is not None else sum(len(m.content) for m in messages)
+    )
     for name, had in (
-            ("max_body_bytes", body_bytes),
-            ("max_prompt_chars", prompt_chars),
-            ("max_messages", len(messages)),
-            ("max_images", len(request.images)),
-            ("max_image_chars", max(map(len, request.images), default=0)),
-            ("max_metadata_entries", len(request.metadata)),
-            ("max_metadata_chars", sum(len(k) + len(v) for k, v in request.metadata.items())),
-            ("max_session_chars", len(request.session or ""))):
+        ("max_body_bytes", body_bytes),
+        ("max_prompt_chars", prompt_chars),
+        ("max_messages", len(messages)),
+        ("max_images", len(request.images)),
+        ("max_image_chars", max(map(len, request.images), default=0)),
+        ("max_metadata_entries", len(request.metadata)),
+        ("max_metadata_chars", sum(len(k) + len(v) for k, v in request.metadata.items())),
+        ("max_session_chars", len(request.session or "")),
+    ):
         limit = getattr(limits, name)
         if had > limit:
             yield f"{name} is {limit}, the request has {had}"
@@ -105,12 +107,15 @@ def decode_image(index: int, image: str) -> bytes:
 def over_pixels(index: int, width: int, height: int, max_pixels: int) -> str | None:
     """What `max_image_pixels` says of image `index` of this size; None within it."""
     if width * height > max_pixels:
-        return (f"max_image_pixels is {max_pixels}, image {index} has "
-                f"{width}x{height} = {width * height} pixels")
+        return (
+            f"max_image_pixels is {max_pixels}, image {index} has "
+            f"{width}x{height} = {width * height} pixels"
+        )
     return None
 
 
 def _admitted_format(data: bytes) -> bool:
     """PNG, JPEG, GIF or WebP, by the bytes each format starts with."""
-    return (data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a"))
-            or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"))
+    return data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a")) or (
+        data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+    )

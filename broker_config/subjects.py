@@ -54,6 +54,8 @@ def message_bytes(payload: bytes, headers: Mapping[str, str] | None = None) -> i
         return len(payload)
     lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
     return len(payload) + len(f"NATS/1.0\r\n{lines}\r\n".encode())
+
+
 CONTENT_TYPE_JSON = "application/json"
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 
@@ -123,15 +125,18 @@ class Subjects:
 
     def request(self, endpoint: str, tenant: str) -> str:
         """`<prefix>.req.<endpoint>.<tenant>`: where a client submits."""
-        return (f"{self.prefix}.req.{check_token(endpoint, 'endpoint')}"
-                f".{check_token(tenant, 'tenant')}")
+        return (
+            f"{self.prefix}.req.{check_token(endpoint, 'endpoint')}.{check_token(tenant, 'tenant')}"
+        )
 
     def parse_request(self, subject: str) -> tuple[str, str]:
         """`(endpoint, tenant)` of a request subject, as published or as stored."""
         parts = self._request_parts(subject)
         if parts is None:
-            raise SubjectError(f"not a request subject: {subject!r} "
-                               f"(expected {self.prefix}.req.<endpoint>.<tenant>)")
+            raise SubjectError(
+                f"not a request subject: {subject!r} "
+                f"(expected {self.prefix}.req.<endpoint>.<tenant>)"
+            )
         return check_token(parts[0], "endpoint"), check_token(parts[1], "tenant")
 
     def _request_parts(self, subject: str) -> tuple[str, str] | None:
@@ -160,8 +165,7 @@ class Subjects:
         if request is not None:
             return request[1] if is_token(request[1]) else None
         parts = subject.split(".")
-        if len(parts) == 4 and parts[0] == self.prefix and parts[1] == "api" \
-                and is_token(parts[3]):
+        if len(parts) == 4 and parts[0] == self.prefix and parts[1] == "api" and is_token(parts[3]):
             return parts[3]
         return None
 
@@ -247,8 +251,10 @@ class Subjects:
         return self._every("evict", endpoint)
 
     def _internal(self, kind: str, endpoint: str, worker_id: str) -> str:
-        return (f"{self.prefix}.int.{kind}.{check_token(endpoint, 'endpoint')}"
-                f".{check_token(worker_id, 'worker id')}")
+        return (
+            f"{self.prefix}.int.{kind}.{check_token(endpoint, 'endpoint')}"
+            f".{check_token(worker_id, 'worker id')}"
+        )
 
     def _every(self, kind: str, endpoint: str) -> str:
         return f"{self.prefix}.int.{kind}.{check_token(endpoint, 'endpoint')}.*"
@@ -279,9 +285,11 @@ class Subjects:
         """The requests stream's subject transform: `<prefix>.req.<endpoint>.<tenant>` is
         stored as `<prefix>.q.<shard>.<endpoint>.<tenant>`, the shard being
         `shard_of(tenant, shards)` (the server's `partition` function)."""
-        return (self.all_requests,
-                f"{self.prefix}.q.{{{{partition({shards},2)}}}}.{{{{wildcard(1)}}}}"
-                f".{{{{wildcard(2)}}}}")
+        return (
+            self.all_requests,
+            f"{self.prefix}.q.{{{{partition({shards},2)}}}}.{{{{wildcard(1)}}}}"
+            f".{{{{wildcard(2)}}}}",
+        )
 
     @property
     def all_stored(self) -> str:
@@ -373,8 +381,7 @@ class Subjects:
         """The inbox prefix a tenant's client must use (nats-py: `inbox_prefix=`)."""
         return f"{TENANT_INBOX_BASE}{check_token(tenant, 'tenant')}"
 
-    def check_reply(self, reply: str, tenant: str | None, *,
-                    tenant_inboxes: bool = False) -> str:
+    def check_reply(self, reply: str, tenant: str | None, *, tenant_inboxes: bool = False) -> str:
         """`reply` if fairq may publish a request's events there, else a SubjectError.
 
         fairq's services publish with full permissions, so a reply subject inside fairq's
@@ -383,18 +390,25 @@ class Subjects:
         (`tenant_inboxes`), a reply must also lie in the tenant's own inbox.
         """
         if not reply or len(reply) > MAX_REPLY_LENGTH:
-            raise SubjectError(f"invalid {HDR_REPLY} subject {reply[:MAX_REPLY_LENGTH]!r}: "
-                               f"must be 1 to {MAX_REPLY_LENGTH} characters")
+            raise SubjectError(
+                f"invalid {HDR_REPLY} subject {reply[:MAX_REPLY_LENGTH]!r}: "
+                f"must be 1 to {MAX_REPLY_LENGTH} characters"
+            )
         tokens = reply.split(".")
         if any(not t or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
-            raise SubjectError(f"invalid {HDR_REPLY} subject {reply!r}: must be a subject without "
-                               "empty tokens, wildcards or whitespace")
+            raise SubjectError(
+                f"invalid {HDR_REPLY} subject {reply!r}: must be a subject without "
+                "empty tokens, wildcards or whitespace"
+            )
         if tokens[0] == self.prefix or reply.startswith("$"):
-            raise SubjectError(f"invalid {HDR_REPLY} subject {reply!r}: subjects under "
-                               f"'{self.prefix}.' and '$' are reserved")
+            raise SubjectError(
+                f"invalid {HDR_REPLY} subject {reply!r}: subjects under "
+                f"'{self.prefix}.' and '$' are reserved"
+            )
         if tenant_inboxes:
             inbox = self.inbox_prefix(tenant)
             if tokens[0] != inbox or len(tokens) < 2:
                 raise SubjectError(
-                    f"invalid {HDR_REPLY} subject {reply!r}: must start with '{inbox}.'")
+                    f"invalid {HDR_REPLY} subject {reply!r}: must start with '{inbox}.'"
+                )
         return reply

@@ -72,9 +72,11 @@ class Encoding(enum.Enum):
             return cls.JSON
         if media_type == CONTENT_TYPE_MSGPACK:
             return cls.MSGPACK
-        raise WireError(ErrorCode.INVALID_REQUEST,
-                        f"unsupported {HDR_CONTENT_TYPE} {value!r}: use {CONTENT_TYPE_JSON} "
-                        f"(the default) or {CONTENT_TYPE_MSGPACK}")
+        raise WireError(
+            ErrorCode.INVALID_REQUEST,
+            f"unsupported {HDR_CONTENT_TYPE} {value!r}: use {CONTENT_TYPE_JSON} "
+            f"(the default) or {CONTENT_TYPE_MSGPACK}",
+        )
 
 
 class WireError(ValueError):
@@ -84,8 +86,15 @@ class WireError(ValueError):
     caller can address its error event: the id, the reply subject and the encoding.
     """
 
-    def __init__(self, code: ErrorCode, message: str, *, request_id: str | None = None,
-                 reply: str | None = None, encoding: Encoding = Encoding.JSON) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        request_id: str | None = None,
+        reply: str | None = None,
+        encoding: Encoding = Encoding.JSON,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -114,8 +123,9 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
 
-class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True,
-               kw_only=True):
+class Sampling(
+    msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True, kw_only=True
+):
     """How to sample the output; every field optional, an absent one is the engine's
     default. Ranges are OpenAI's where it has the parameter.
 
@@ -184,8 +194,7 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     top: list[TopLogprob] = []
 
 
-class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type",
-                 tag="token"):
+class TokenEvent(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type", tag="token"):
     """`logprobs` (one entry per token in `text`) only when the request asked for them."""
 
     id: str
@@ -443,11 +452,15 @@ class Codec(Generic[T]):
         try:
             return self.decode(data, encoding)
         except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
-            raise WireError(ErrorCode.INVALID_REQUEST, f"invalid body: {exc}",
-                            encoding=encoding) from exc
+            raise WireError(
+                ErrorCode.INVALID_REQUEST, f"invalid body: {exc}", encoding=encoding
+            ) from exc
         except msgspec.DecodeError as exc:
-            raise WireError(ErrorCode.INVALID_REQUEST, f"body is not valid {encoding.value}: {exc}",
-                            encoding=encoding) from exc
+            raise WireError(
+                ErrorCode.INVALID_REQUEST,
+                f"body is not valid {encoding.value}: {exc}",
+                encoding=encoding,
+            ) from exc
 
 
 SUBMIT_REQUEST = Codec(SubmitRequest)
@@ -531,11 +544,13 @@ def _check_request(request: SubmitRequest, header_id: str | None) -> SubmitReque
         return WireError(ErrorCode.INVALID_REQUEST, message, request_id=request.id)
 
     if header_id is not None and not is_request_id(header_id):
-        raise invalid(f"invalid {HDR_MSG_ID} header {header_id[:200]!r}: "
-                      f"must match {REQUEST_ID_PATTERN}")
+        raise invalid(
+            f"invalid {HDR_MSG_ID} header {header_id[:200]!r}: must match {REQUEST_ID_PATTERN}"
+        )
     if header_id is not None and request.id is not None and request.id != header_id:
-        raise invalid(f"body `id` {request.id!r} does not match the {HDR_MSG_ID} header "
-                      f"{header_id!r}")
+        raise invalid(
+            f"body `id` {request.id!r} does not match the {HDR_MSG_ID} header {header_id!r}"
+        )
     if header_id is None and request.id is None:
         raise invalid(f"missing request id: set the {HDR_MSG_ID} header")
     if (request.prompt is None) == (request.messages is None):
@@ -560,8 +575,14 @@ class Submission:
     encoding: Encoding
 
 
-def parse_submission(subject: str, body: bytes, headers: Mapping[str, str] | None,
-                     subjects: Subjects, *, tenant_inboxes: bool = False) -> Submission:
+def parse_submission(
+    subject: str,
+    body: bytes,
+    headers: Mapping[str, str] | None,
+    subjects: Subjects,
+    *,
+    tenant_inboxes: bool = False,
+) -> Submission:
     """Subject, headers and body of a submitted message, all checked.
 
     `tenant_inboxes`: the broker runs with per-tenant users, so `Fq-Reply` must lie in

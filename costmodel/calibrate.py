@@ -54,8 +54,13 @@ class Fit:
     n: int
 
     def to_profile(self, name: str, capacity_mu_per_s: float) -> ModelProfile:
-        return ModelProfile(name=name, alpha=self.alpha, beta=self.beta, gamma=self.gamma,
-                            capacity_mu_per_s=capacity_mu_per_s)
+        return ModelProfile(
+            name=name,
+            alpha=self.alpha,
+            beta=self.beta,
+            gamma=self.gamma,
+            capacity_mu_per_s=capacity_mu_per_s,
+        )
 
 
 def fit_profile(samples: Iterable[Sample]) -> Fit:
@@ -68,32 +73,37 @@ def fit_profile(samples: Iterable[Sample]) -> Fit:
     """
     samples = list(samples)
     if len(samples) < MIN_SAMPLES:
-        raise ValueError(f"need at least {MIN_SAMPLES} samples to fit a profile, "
-                         f"got {len(samples)}")
-    design = np.array([[s.input_tokens, s.output_tokens, s.other] for s in samples],
-                      dtype=float)
+        raise ValueError(
+            f"need at least {MIN_SAMPLES} samples to fit a profile, got {len(samples)}"
+        )
+    design = np.array([[s.input_tokens, s.output_tokens, s.other] for s in samples], dtype=float)
     seconds = np.array([s.seconds for s in samples], dtype=float)
 
     norms = np.linalg.norm(design, axis=0)
     used = norms > 0
     if not used.any():
-        raise ValueError("every sample has zero input, output and other units: "
-                         "nothing to fit")
+        raise ValueError("every sample has zero input, output and other units: nothing to fit")
     # Unit-norm columns: tokens count in thousands and images in ones, and the rank
     # test and the solver both behave better on comparable scales.
     scaled = design[:, used] / norms[used]
     if np.linalg.matrix_rank(scaled) < scaled.shape[1]:
-        raise ValueError("samples do not vary enough to separate the coefficients: "
-                         "vary input and output lengths independently (see grid())")
+        raise ValueError(
+            "samples do not vary enough to separate the coefficients: "
+            "vary input and output lengths independently (see grid())"
+        )
     solution, _ = nnls(scaled, seconds)
     coefficients = np.zeros(3)
     coefficients[used] = solution / norms[used]
 
     residual = float(np.sum((design @ coefficients - seconds) ** 2))
     total = float(np.sum((seconds - seconds.mean()) ** 2))
-    return Fit(alpha=float(coefficients[0]), beta=float(coefficients[1]),
-               gamma=float(coefficients[2]), r2=_r_squared(residual, total, seconds),
-               n=len(samples))
+    return Fit(
+        alpha=float(coefficients[0]),
+        beta=float(coefficients[1]),
+        gamma=float(coefficients[2]),
+        r2=_r_squared(residual, total, seconds),
+        n=len(samples),
+    )
 
 
 def _r_squared(residual: float, total: float, seconds: np.ndarray) -> float:
@@ -104,12 +114,17 @@ def _r_squared(residual: float, total: float, seconds: np.ndarray) -> float:
     return 1.0 if residual <= _EXACT_TOLERANCE * max(scale, 1.0) else 0.0
 
 
-def grid(input_lengths: Sequence[int], output_lengths: Sequence[int],
-         images: Sequence[int] = (0,)) -> list[tuple[int, int, int]]:
+def grid(
+    input_lengths: Sequence[int], output_lengths: Sequence[int], images: Sequence[int] = (0,)
+) -> list[tuple[int, int, int]]:
     """Every (input_tokens, output_tokens, images) combination, in the order given."""
-    return list(itertools.product(_counts("input_lengths", input_lengths, minimum=1),
-                                  _counts("output_lengths", output_lengths, minimum=1),
-                                  _counts("images", images, minimum=0)))
+    return list(
+        itertools.product(
+            _counts("input_lengths", input_lengths, minimum=1),
+            _counts("output_lengths", output_lengths, minimum=1),
+            _counts("images", images, minimum=0),
+        )
+    )
 
 
 def _counts(name: str, values: Sequence[int], minimum: int) -> list[int]:
@@ -117,7 +132,6 @@ def _counts(name: str, values: Sequence[int], minimum: int) -> list[int]:
     if len(values) == 0:
         raise ValueError(f"{name} must not be empty")
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-                or value < minimum:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
             raise ValueError(f"{name} must be integers >= {minimum}, got {value!r}")
     return [int(value) for value in values]

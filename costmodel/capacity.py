@@ -50,11 +50,14 @@ class ScalingPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         if self.min_replicas < 0:
             raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas!r}")
         if self.max_replicas < max(self.min_replicas, 1):
-            raise ValueError(f"max_replicas must be >= max(min_replicas, 1), got "
-                             f"{self.max_replicas!r} with min_replicas {self.min_replicas!r}")
+            raise ValueError(
+                f"max_replicas must be >= max(min_replicas, 1), got "
+                f"{self.max_replicas!r} with min_replicas {self.min_replicas!r}"
+            )
         if not 0 < self.target_utilisation <= 1:
-            raise ValueError(f"target_utilisation must be in (0, 1], got "
-                             f"{self.target_utilisation!r}")
+            raise ValueError(
+                f"target_utilisation must be in (0, 1], got {self.target_utilisation!r}"
+            )
         for name in ("scale_down_after_s", "cold_start_s"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
@@ -82,8 +85,9 @@ class Autoscaler:
 
     def __init__(self, policy: ScalingPolicy, mu_per_s_per_replica: float) -> None:
         if not (mu_per_s_per_replica > 0 and math.isfinite(mu_per_s_per_replica)):
-            raise ValueError(f"mu_per_s_per_replica must be finite and > 0, got "
-                             f"{mu_per_s_per_replica!r}")
+            raise ValueError(
+                f"mu_per_s_per_replica must be finite and > 0, got {mu_per_s_per_replica!r}"
+            )
         self.policy = policy
         self.mu_per_s_per_replica = mu_per_s_per_replica
         self._arrivals: deque[tuple[float, float]] = deque()
@@ -122,12 +126,18 @@ class Autoscaler:
         demand = rate + max(backlog_mu, 0.0) / policy.drain_s
         serving_mu = serving * self.mu_per_s_per_replica
         # What piles up while new replicas start, beyond what the serving ones take.
-        backlog_at_start = max(backlog_mu, 0.0) + max(
-            0.0, rate - serving_mu * policy.target_utilisation) * policy.cold_start_s
-        needed = rate + backlog_at_start / policy.drain_s if demand > serving_mu * \
-            policy.target_utilisation else demand
-        raw = math.ceil(needed / (self.mu_per_s_per_replica * policy.target_utilisation)
-                        - _CEIL_SLACK)
+        backlog_at_start = (
+            max(backlog_mu, 0.0)
+            + max(0.0, rate - serving_mu * policy.target_utilisation) * policy.cold_start_s
+        )
+        needed = (
+            rate + backlog_at_start / policy.drain_s
+            if demand > serving_mu * policy.target_utilisation
+            else demand
+        )
+        raw = math.ceil(
+            needed / (self.mu_per_s_per_replica * policy.target_utilisation) - _CEIL_SLACK
+        )
         raw = min(max(raw, policy.min_replicas), policy.max_replicas)
         recommended = self._recommended
         while recommended and recommended[0][0] <= now - policy.scale_down_after_s:
@@ -135,8 +145,9 @@ class Autoscaler:
         while recommended and recommended[-1][1] <= raw:
             recommended.pop()
         recommended.append((now, raw))
-        return ScaleDecision(recommended[0][1], demand,
-                             utilisation(serving, demand, self.mu_per_s_per_replica))
+        return ScaleDecision(
+            recommended[0][1], demand, utilisation(serving, demand, self.mu_per_s_per_replica)
+        )
 
 
 class DriftPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -153,13 +164,15 @@ class DriftPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     def __post_init__(self) -> None:
         if not 0 < self.low <= 1 <= self.high < math.inf:
-            raise ValueError(f"drift band must satisfy 0 < low <= 1 <= high, got "
-                             f"[{self.low!r}, {self.high!r}]")
+            raise ValueError(
+                f"drift band must satisfy 0 < low <= 1 <= high, got [{self.low!r}, {self.high!r}]"
+            )
         if not (self.warn_after_s >= 0 and math.isfinite(self.warn_after_s)):
             raise ValueError(f"warn_after_s must be finite and >= 0, got {self.warn_after_s!r}")
         if not 0 < self.min_full_s <= self.window_s < math.inf:
-            raise ValueError(f"need 0 < min_full_s <= window_s, got {self.min_full_s!r} "
-                             f"and {self.window_s!r}")
+            raise ValueError(
+                f"need 0 < min_full_s <= window_s, got {self.min_full_s!r} and {self.window_s!r}"
+            )
 
 
 class DriftMeter:
@@ -192,8 +205,7 @@ class DriftMeter:
         self._warned = False
         self.ratio: float | None = None
 
-    def observe(self, now: float, completed_mu: float, serving_mu_per_s: float,
-                full: bool) -> None:
+    def observe(self, now: float, completed_mu: float, serving_mu_per_s: float, full: bool) -> None:
         """One look at the endpoint: `completed_mu` is the running total of completed
         model units, `serving_mu_per_s` the healthy replicas' capacity, `full` whether
         work waits that none of them has room for. A look with a non-finite figure is

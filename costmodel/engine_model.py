@@ -67,8 +67,10 @@ class EngineParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)!r}")
         if not (self.prefill_tokens_per_s > 0 and math.isfinite(self.prefill_tokens_per_s)):
-            raise ValueError("engine prefill_tokens_per_s must be finite and > 0, "
-                             f"got {self.prefill_tokens_per_s!r}")
+            raise ValueError(
+                "engine prefill_tokens_per_s must be finite and > 0, "
+                f"got {self.prefill_tokens_per_s!r}"
+            )
         for name in ("decode_step_base_s", "decode_step_per_seq_s", "image_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -188,30 +190,47 @@ class BatchingEngineModel:
 
     # -- commands ---------------------------------------------------------------------
 
-    def add(self, seq_id: SeqId, input_tokens: int, output_tokens: int, images: int = 0,
-            priority: int = 0, cached_tokens: int = 0) -> None:
+    def add(
+        self,
+        seq_id: SeqId,
+        input_tokens: int,
+        output_tokens: int,
+        images: int = 0,
+        priority: int = 0,
+        cached_tokens: int = 0,
+    ) -> None:
         """Queue a sequence; it generates exactly `output_tokens` tokens once admitted.
         Its first `cached_tokens` input tokens are in the prefix cache: not prefilled
         (the last input token always is, as in vLLM, to produce the first output)."""
         if seq_id in self:
             raise ValueError(f"sequence {seq_id!r} is already in the engine")
         if input_tokens < 1:
-            raise ValueError(f"sequence {seq_id!r}: input_tokens must be >= 1, "
-                             f"got {input_tokens!r}")
+            raise ValueError(
+                f"sequence {seq_id!r}: input_tokens must be >= 1, got {input_tokens!r}"
+            )
         if output_tokens < 1:
-            raise ValueError(f"sequence {seq_id!r}: output_tokens must be >= 1, "
-                             f"got {output_tokens!r}")
+            raise ValueError(
+                f"sequence {seq_id!r}: output_tokens must be >= 1, got {output_tokens!r}"
+            )
         if images < 0:
             raise ValueError(f"sequence {seq_id!r}: images must be >= 0, got {images!r}")
         if input_tokens + output_tokens > self.params.kv_cache_tokens:
             raise ValueError(
                 f"sequence {seq_id!r}: input + output = {input_tokens + output_tokens} "
-                f"tokens can never fit the KV cache of {self.params.kv_cache_tokens}")
+                f"tokens can never fit the KV cache of {self.params.kv_cache_tokens}"
+            )
         if cached_tokens < 0:
-            raise ValueError(f"sequence {seq_id!r}: cached_tokens must be >= 0, "
-                             f"got {cached_tokens!r}")
-        seq = _Sequence(seq_id, input_tokens, output_tokens, images, priority,
-                        prefilled=min(cached_tokens, input_tokens - 1))
+            raise ValueError(
+                f"sequence {seq_id!r}: cached_tokens must be >= 0, got {cached_tokens!r}"
+            )
+        seq = _Sequence(
+            seq_id,
+            input_tokens,
+            output_tokens,
+            images,
+            priority,
+            prefilled=min(cached_tokens, input_tokens - 1),
+        )
         self._waiting[seq_id] = seq
         heapq.heappush(self._queue, (-priority, next(self._arrivals), seq))
 
@@ -239,8 +258,11 @@ class BatchingEngineModel:
                 self._kv_used -= seq.kv_tokens
                 finished.append(seq.id)
         params = self.params
-        duration = (prefill_tokens / params.prefill_tokens_per_s + images * params.image_s
-                    + params.decode_step_s(len(tokens) + len(first_tokens)))
+        duration = (
+            prefill_tokens / params.prefill_tokens_per_s
+            + images * params.image_s
+            + params.decode_step_s(len(tokens) + len(first_tokens))
+        )
         return StepResult(duration, first_tokens, tokens, finished)
 
     # -- internals --------------------------------------------------------------------
@@ -253,8 +275,10 @@ class BatchingEngineModel:
             if self._waiting.get(seq.id) is not seq:
                 heapq.heappop(queue)  # aborted while waiting
                 continue
-            if (self.running >= params.max_sequences
-                    or self._kv_used + seq.kv_tokens > params.kv_cache_tokens):
+            if (
+                self.running >= params.max_sequences
+                or self._kv_used + seq.kv_tokens > params.kv_cache_tokens
+            ):
                 return
             heapq.heappop(queue)
             del self._waiting[seq.id]

@@ -46,8 +46,7 @@ class OutputEstimator:
     (estimated or observed) is forgotten first and falls back to the prior.
     """
 
-    def __init__(self, smoothing: float = 0.2, prior: float = 0.5,
-                 max_keys: int = 100_000) -> None:
+    def __init__(self, smoothing: float = 0.2, prior: float = 0.5, max_keys: int = 100_000) -> None:
         _check_smoothing(smoothing)
         if not 0 <= prior <= 1:
             raise ValueError(f"prior ratio must be in [0, 1], got {prior!r}")
@@ -72,15 +71,15 @@ class OutputEstimator:
         assert ema.value is not None  # every stored Ema starts from a value
         return ema.value
 
-    def estimate(self, key: Hashable, max_tokens: int,
-                 fallback: Hashable | None = None) -> int:
+    def estimate(self, key: Hashable, max_tokens: int, fallback: Hashable | None = None) -> int:
         """Expected output tokens of a request capped at `max_tokens`, in [1, max_tokens]."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
         return min(max(round(self.ratio(key, fallback) * max_tokens), 1), max_tokens)
 
-    def observe(self, key: Hashable, output_tokens: int, max_tokens: int,
-                fallback: Hashable | None = None) -> None:
+    def observe(
+        self, key: Hashable, output_tokens: int, max_tokens: int, fallback: Hashable | None = None
+    ) -> None:
         """Fold in a completed request, into `fallback`'s average too; ignored when
         `max_tokens` <= 0. A key seen for the first time starts from the ratio it was
         estimated with (the fallback's, else the prior), so one odd request does not

@@ -35,13 +35,16 @@ class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             # `not value >= 0` also catches NaN, which compares false with everything.
             if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"profile {self.name!r}: {name} must be finite and >= 0, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"profile {self.name!r}: {name} must be finite and >= 0, got {value!r}"
+                )
         if self.capacity_mu_per_s == 0:
             raise ValueError(f"profile {self.name!r}: capacity_mu_per_s must be > 0")
         if self.cached_input_factor > 1:
-            raise ValueError(f"profile {self.name!r}: cached_input_factor must be <= 1 "
-                             f"(a discount), got {self.cached_input_factor!r}")
+            raise ValueError(
+                f"profile {self.name!r}: cached_input_factor must be <= 1 "
+                f"(a discount), got {self.cached_input_factor!r}"
+            )
 
     def model_units(
         self,
@@ -112,8 +115,11 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
     def __post_init__(self) -> None:
         # A NaN or negative count from a faulty worker would corrupt every running sum
         # it enters (deficits, served cost, the drift reading) for good.
-        if not (min(self.input_tokens, self.output_tokens, self.cached_input_tokens) >= 0
-                and 0 <= self.model_units < math.inf and 0 <= self.other_units < math.inf):
+        if not (
+            min(self.input_tokens, self.output_tokens, self.cached_input_tokens) >= 0
+            and 0 <= self.model_units < math.inf
+            and 0 <= self.other_units < math.inf
+        ):
             raise ValueError(f"usage counts must be finite and >= 0, got {self!r}")
 
 

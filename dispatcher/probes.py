@@ -32,8 +32,14 @@ PROBE_ENCODING = wire.Encoding.MSGPACK
 
 
 class Probes:
-    def __init__(self, nc: NATS, subjects: Subjects, pool: WorkerPool,
-                 options: DispatcherOptions, metrics: DispatcherMetrics) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        pool: WorkerPool,
+        options: DispatcherOptions,
+        metrics: DispatcherMetrics,
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.pool = pool
@@ -48,12 +54,16 @@ class Probes:
         """Fail overdue probes and send those due; the workers evicted, with their work."""
         evicted = []
         for worker, lost in self.pool.probes_overdue(now, self.options.probe_timeout_s):
-            log.warning("worker %s did not answer a probe within %.1fs", worker.worker_id,
-                        self.options.probe_timeout_s)
+            log.warning(
+                "worker %s did not answer a probe within %.1fs",
+                worker.worker_id,
+                self.options.probe_timeout_s,
+            )
             if await self._failed(worker, lost):
                 evicted.append((worker, lost))
-        for worker in self.pool.probes_due(now, self.options.probe_stall_s,
-                                           self.options.probe_idle_s):
+        for worker in self.pool.probes_due(
+            now, self.options.probe_stall_s, self.options.probe_idle_s
+        ):
             await self._send(worker, now)
         return evicted
 
@@ -74,28 +84,52 @@ class Probes:
         self.metrics.child(self.metrics.probe_failures, worker.endpoint).inc()
         if lost is None:
             return False
-        log.error("worker %s failed %d probes in a row; evicted with %d requests",
-                  worker.worker_id, worker.probe_failures,
-                  len(lost.requests) + len(lost.adopted))
+        log.error(
+            "worker %s failed %d probes in a row; evicted with %d requests",
+            worker.worker_id,
+            worker.probe_failures,
+            len(lost.requests) + len(lost.adopted),
+        )
         self.metrics.child(self.metrics.evictions, worker.endpoint).inc()
-        evict = wire.Evict(endpoint=worker.endpoint, worker_id=worker.worker_id,
-                           started_at=worker.started_at, epoch=self.epoch)
-        await self.nc.publish(self.subjects.evict(worker.endpoint, worker.worker_id),
-                              wire.encode(evict, PROBE_ENCODING),
-                              headers={HDR_CONTENT_TYPE: PROBE_ENCODING.content_type})
+        evict = wire.Evict(
+            endpoint=worker.endpoint,
+            worker_id=worker.worker_id,
+            started_at=worker.started_at,
+            epoch=self.epoch,
+        )
+        await self.nc.publish(
+            self.subjects.evict(worker.endpoint, worker.worker_id),
+            wire.encode(evict, PROBE_ENCODING),
+            headers={HDR_CONTENT_TYPE: PROBE_ENCODING.content_type},
+        )
         return True
 
     async def _send(self, worker: Worker, now: float) -> None:
         probe_id = next(self._ids)
-        body = wire.SubmitRequest(id=probe_id, prompt="ping", max_tokens=1,
-                                  deadline=now + self.options.probe_timeout_s)
-        item = wire.BatchItem(id=probe_id, tenant=PROBE_TENANT, endpoint=worker.endpoint,
-                              request=body, max_tokens=1, enqueued_at=now,
-                              dispatched_at=now, probe=True)
-        batch = wire.Batch(worker_id=worker.worker_id, endpoint=worker.endpoint,
-                           items=[item], sent_at=now, epoch=self.epoch)
+        body = wire.SubmitRequest(
+            id=probe_id, prompt="ping", max_tokens=1, deadline=now + self.options.probe_timeout_s
+        )
+        item = wire.BatchItem(
+            id=probe_id,
+            tenant=PROBE_TENANT,
+            endpoint=worker.endpoint,
+            request=body,
+            max_tokens=1,
+            enqueued_at=now,
+            dispatched_at=now,
+            probe=True,
+        )
+        batch = wire.Batch(
+            worker_id=worker.worker_id,
+            endpoint=worker.endpoint,
+            items=[item],
+            sent_at=now,
+            epoch=self.epoch,
+        )
         self.pool.probe_sent(worker, probe_id, now)
         self.metrics.child(self.metrics.probes, worker.endpoint).inc()
-        await self.nc.publish(self.subjects.work(worker.endpoint, worker.worker_id),
-                              wire.encode(batch, PROBE_ENCODING),
-                              headers={HDR_CONTENT_TYPE: PROBE_ENCODING.content_type})
+        await self.nc.publish(
+            self.subjects.work(worker.endpoint, worker.worker_id),
+            wire.encode(batch, PROBE_ENCODING),
+            headers={HDR_CONTENT_TYPE: PROBE_ENCODING.content_type},
+        )

@@ -64,21 +64,21 @@ from broker_config.lease_key import ensure_leases_bucket
 from broker_config.streams import ConsumerLimits, provision, reset_consumers
 from broker_config.subjects import ApiKind
 from dispatcher.admission.admit import Admission
-from dispatcher.api.request_reply import Api
-from dispatcher.fleet.autoscale import Autoscaling
-from dispatcher.core.scheduler import Scheduler
-from dispatcher.core.pool import WorkerPool
-from dispatcher.dispatch.batches import Dispatch
-from dispatcher.fleet.drift import DriftWatch
-from dispatcher.dispatch.held import HeldRequests
-from dispatcher.intake.shards import Intake
-from dispatcher.ha.lease import Lease
-from dispatcher.observe.metrics import DispatcherMetrics
-from dispatcher.probes import Probes
 from dispatcher.admission.redis_store import AsyncLimiterStore, MemoryLimiterAsync
 from dispatcher.api.reload import Reloader, ReloadReply
+from dispatcher.api.request_reply import Api
+from dispatcher.core.pool import WorkerPool
+from dispatcher.core.scheduler import Scheduler
+from dispatcher.dispatch.batches import Dispatch
+from dispatcher.dispatch.held import HeldRequests
 from dispatcher.dispatch.reports import WorkerReports
 from dispatcher.dispatch.stored_results import Results
+from dispatcher.fleet.autoscale import Autoscaling
+from dispatcher.fleet.drift import DriftWatch
+from dispatcher.ha.lease import Lease
+from dispatcher.intake.shards import Intake
+from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.probes import Probes
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -107,11 +107,17 @@ class State(enum.Enum):
 
 
 class Dispatcher:
-    def __init__(self, nc: NATS, config: Config, *, limiter: AsyncLimiterStore | None = None,
-                 metrics: DispatcherMetrics | None = None,
-                 config_path: str | Path | None = None,
-                 lease: Lease | None = None,
-                 heard: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        config: Config,
+        *,
+        limiter: AsyncLimiterStore | None = None,
+        metrics: DispatcherMetrics | None = None,
+        config_path: str | Path | None = None,
+        lease: Lease | None = None,
+        heard: dict[str, float] | None = None,
+    ) -> None:
         """`config_path`: the file `config` was read from, re-read by `reload`. `lease`:
         it dispatches only while holding it (None: no lease, unfenced); one process's
         dispatchers share one. `heard`: when each worker was last heard, kept by the
@@ -124,8 +130,9 @@ class Dispatcher:
         self.metrics = metrics or DispatcherMetrics(list(config.endpoints))
         self.metrics.http.live, self.metrics.http.ready = self.live, self.ready
         self.scheduler = Scheduler(config)
-        self.pool = WorkerPool(timeout_s=self.options.worker_timeout_s,
-                               evict_after=self.options.probe_failures)
+        self.pool = WorkerPool(
+            timeout_s=self.options.worker_timeout_s, evict_after=self.options.probe_failures
+        )
         self.held = HeldRequests()
         self.state = State.STARTING
         self._settled_at = 0.0
@@ -160,25 +167,64 @@ class Dispatcher:
         await provision(js, self.config.broker)
         results = await stack.enter_async_context(Results(self.nc, self.subjects))
         stored = await stack.enter_async_context(
-            DirectBatchGet(self.nc, self.subjects.requests_stream))
+            DirectBatchGet(self.nc, self.subjects.requests_stream)
+        )
         parked = await stack.enter_async_context(
-            DirectBatchGet(self.nc, self.subjects.parked_stream))
-        self.admission = Admission(self.config, self.options, self.subjects, self.scheduler,
-                                   self.limiter, self.pool, self.held, results, self.metrics,
-                                   self._backlog)
-        self.dispatch = Dispatch(self.nc, self.subjects, self.scheduler, self.pool,
-                                 self.admission, self.metrics, self._top_up)
+            DirectBatchGet(self.nc, self.subjects.parked_stream)
+        )
+        self.admission = Admission(
+            self.config,
+            self.options,
+            self.subjects,
+            self.scheduler,
+            self.limiter,
+            self.pool,
+            self.held,
+            results,
+            self.metrics,
+            self._backlog,
+        )
+        self.dispatch = Dispatch(
+            self.nc,
+            self.subjects,
+            self.scheduler,
+            self.pool,
+            self.admission,
+            self.metrics,
+            self._top_up,
+        )
         self.probes = Probes(self.nc, self.subjects, self.pool, self.options, self.metrics)
-        self.autoscaling = Autoscaling(self.nc, self.config, self.subjects, self.scheduler,
-                                       self.pool, self.metrics)
-        self.drift = DriftWatch(self.options, self.scheduler, self.pool, self.metrics,
-                                self.dispatch.wake)
-        self.reports = WorkerReports(self.config, self.subjects, self.scheduler, self.pool,
-                                     self.held, self.admission, self.metrics,
-                                     self.dispatch.wake, self.probes, self._answers_for_work)
+        self.autoscaling = Autoscaling(
+            self.nc, self.config, self.subjects, self.scheduler, self.pool, self.metrics
+        )
+        self.drift = DriftWatch(
+            self.options, self.scheduler, self.pool, self.metrics, self.dispatch.wake
+        )
+        self.reports = WorkerReports(
+            self.config,
+            self.subjects,
+            self.scheduler,
+            self.pool,
+            self.held,
+            self.admission,
+            self.metrics,
+            self.dispatch.wake,
+            self.probes,
+            self._answers_for_work,
+        )
         self.reports.heard = self._heard
-        self.api = Api(self.nc, self.config, self.subjects, self.scheduler, self.held,
-                       self.admission, results, parked, stored, self._backlog)
+        self.api = Api(
+            self.nc,
+            self.config,
+            self.subjects,
+            self.scheduler,
+            self.held,
+            self.admission,
+            results,
+            parked,
+            stored,
+            self._backlog,
+        )
         stack.push_async_callback(self.api.close)  # before the readers close
         stack.push_async_callback(self._end_api_calls)  # before the API closes
         for endpoint in self.config.endpoints:
@@ -191,38 +237,50 @@ class Dispatcher:
             await self._take_lease(self.lease, js, stack, results)
         self._tenure_at = time.time()
         for endpoint in self.config.endpoints:
-            await self._subscribe(self.subjects.completions(endpoint),
-                                  self.reports.on_completions)
-        await self._subscribe(self.subjects.api_filter(ApiKind.STATUS), self.api.on_status,
-                              side_by_side=True)
-        await self._subscribe(self.subjects.api_filter(ApiKind.CANCEL), self.api.on_cancel,
-                              side_by_side=True)
+            await self._subscribe(self.subjects.completions(endpoint), self.reports.on_completions)
+        await self._subscribe(
+            self.subjects.api_filter(ApiKind.STATUS), self.api.on_status, side_by_side=True
+        )
+        await self._subscribe(
+            self.subjects.api_filter(ApiKind.CANCEL), self.api.on_cancel, side_by_side=True
+        )
         await self._subscribe(self.subjects.depth, self.api.on_depth)
         self.state = State.SETTLING
         self._ticked_at = time.time()  # the maintenance loop starts now
         # The shard consumers cover all endpoints: requests for an endpoint this config
         # does not know are still answered (unknown_endpoint), not stranded.
         self.intake = Intake(
-            self.nc, self.subjects, handler=self._admit_batch,
-            queued=self.scheduler.tenant_queued, in_hand=self._in_hand,
+            self.nc,
+            self.subjects,
+            handler=self._admit_batch,
+            queued=self.scheduler.tenant_queued,
+            in_hand=self._in_hand,
             shards=self.config.broker.intake_shards,
-            limits=ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
-                                  max_ack_pending=self.options.max_held_per_shard),
-            parked_limits=ConsumerLimits(ack_wait_s=self.options.ack_wait_s,
-                                         max_ack_pending=self.options.max_ack_pending),
-            window=self.options.tenant_window, batch=self.options.intake_batch,
-            list_s=self.options.discover_s)
+            limits=ConsumerLimits(
+                ack_wait_s=self.options.ack_wait_s, max_ack_pending=self.options.max_held_per_shard
+            ),
+            parked_limits=ConsumerLimits(
+                ack_wait_s=self.options.ack_wait_s, max_ack_pending=self.options.max_ack_pending
+            ),
+            window=self.options.tenant_window,
+            batch=self.options.intake_batch,
+            list_s=self.options.discover_s,
+        )
         await stack.enter_async_context(self.intake)
         # Unwound before the intake and the subscriptions above: the drain still uses them.
         group = await stack.enter_async_context(asyncio.TaskGroup())
-        tasks = [group.create_task(self.dispatch.run(self._may_dispatch), name="dispatch"),
-                 group.create_task(self._maintenance_loop(), name="maintenance")]
-        taking_back = group.create_task(self.reports.take_back_loop(self.options.tick_s),
-                                        name="take back")
+        tasks = [
+            group.create_task(self.dispatch.run(self._may_dispatch), name="dispatch"),
+            group.create_task(self._maintenance_loop(), name="maintenance"),
+        ]
+        taking_back = group.create_task(
+            self.reports.take_back_loop(self.options.tick_s), name="take back"
+        )
         stack.push_async_callback(self._drain, tasks, taking_back)
 
-    async def _take_lease(self, lease: Lease, js: JetStreamContext,
-                          stack: contextlib.AsyncExitStack, results: Results) -> None:
+    async def _take_lease(
+        self, lease: Lease, js: JetStreamContext, stack: contextlib.AsyncExitStack, results: Results
+    ) -> None:
         """Stand by until this process holds the lease; then fence what it sends with the
         lease's epoch and take back at once what another holder left unacked."""
         kv, ttl_s = await ensure_leases_bucket(js, self.config.broker, self.options.lease_ttl_s)
@@ -233,11 +291,13 @@ class Dispatcher:
         if take_back:
             await reset_consumers(js, self.config.broker)
 
-    async def _subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], *,
-                         side_by_side: bool = False) -> None:
+    async def _subscribe(
+        self, subject: str, handler: Callable[[Msg], Awaitable[None]], *, side_by_side: bool = False
+    ) -> None:
         """nats-py handles a subscription's messages one at a time; `side_by_side` runs
         each in a task of its own instead (up to MAX_API_CALLS at once), for calls that
         may wait on the broker: one tenant's slow lookup must hold up no other call."""
+
         async def guarded(msg: Msg) -> None:
             # Every loop that reads from the network survives a malformed message.
             try:
@@ -258,9 +318,12 @@ class Dispatcher:
 
         async def guarded_refusal(msg: Msg) -> None:
             with contextlib.suppress(nats.errors.Error):
-                await self.api.refuse(msg, f"more than {MAX_API_CALLS_PER_TENANT} status and "
-                                      "cancel calls of this tenant in flight; retry",
-                                      API_RETRY_AFTER_S)
+                await self.api.refuse(
+                    msg,
+                    f"more than {MAX_API_CALLS_PER_TENANT} status and "
+                    "cancel calls of this tenant in flight; retry",
+                    API_RETRY_AFTER_S,
+                )
 
         subscription = await self.nc.subscribe(subject, cb=spawn if side_by_side else guarded)
         self._stack.push_async_callback(subscription.unsubscribe)
@@ -280,8 +343,9 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
 
-    async def _drain(self, tasks: list[asyncio.Task[None]],
-                     taking_back: asyncio.Task[None]) -> None:
+    async def _drain(
+        self, tasks: list[asyncio.Task[None]], taking_back: asyncio.Task[None]
+    ) -> None:
         """Steps 1-6 of the drain order (step 7 is the exit stack unwinding further)."""
         await self.intake.close()
         self.state = State.DRAINING
@@ -347,16 +411,19 @@ class Dispatcher:
         timeout = self.options.worker_timeout_s
         if now >= self._tenure_at + timeout:
             return True
-        return all(at >= self._tenure_at for at in self._heard.values()
-                   if at >= self._tenure_at - timeout)
+        return all(
+            at >= self._tenure_at for at in self._heard.values() if at >= self._tenure_at - timeout
+        )
 
     def _backlog(self) -> dict[tuple[str, str], int]:
         return self.intake.backlog if self.intake is not None else {}
 
     def _in_hand(self) -> Counter[tuple[bool, str]]:
         """(parked?, tenant) -> the messages held, for the intake's estimates."""
-        return Counter((self.subjects.is_parked(held.msg.subject), held.submission.tenant)
-                       for held in self.held)
+        return Counter(
+            (self.subjects.is_parked(held.msg.subject), held.submission.tenant)
+            for held in self.held
+        )
 
     async def _top_up(self, tenant: str) -> None:
         await self.intake.top_up(tenant)
@@ -376,8 +443,10 @@ class Dispatcher:
         fails it)."""
         if self.state in (State.STARTING, State.STANDBY):
             return True
-        return (self.state is not State.STOPPED
-                and time.time() - self._ticked_at < LIVE_TICKS * self.options.tick_s + 5.0)
+        return (
+            self.state is not State.STOPPED
+            and time.time() - self._ticked_at < LIVE_TICKS * self.options.tick_s + 5.0
+        )
 
     def ready(self) -> bool:
         """Settled and not draining (for /readyz)."""
@@ -421,8 +490,13 @@ class Dispatcher:
         for row in rows:
             self.metrics.queue_depth.labels(row.endpoint, row.tier, row.tenant).set(row.queued)
             self.metrics.running.labels(row.endpoint, row.tier, row.tenant).set(row.running)
-        self.metrics.watch.refresh(rows, self.admission.counts, self._tier_of,
-                                   [tier.name for tier in self.config.tiers], now)
+        self.metrics.watch.refresh(
+            rows,
+            self.admission.counts,
+            self._tier_of,
+            [tier.name for tier in self.config.tiers],
+            now,
+        )
 
     def _tier_of(self, tenant: str) -> str | None:
         policy = self.scheduler.registry.tenant(tenant)

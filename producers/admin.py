@@ -9,7 +9,6 @@ published with a reply inbox and the replies are collected until `timeout_s` has
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
@@ -19,8 +18,9 @@ from broker_config.subjects import HDR_ADMIN_OP, Subjects
 from dispatcher.api.reload import ReloadReply
 
 
-async def reload_dispatchers(nc: NATS, subjects: Subjects, timeout_s: float,
-                             expected: int | None = None) -> list[ReloadReply]:
+async def reload_dispatchers(
+    nc: NATS, subjects: Subjects, timeout_s: float, expected: int | None = None
+) -> list[ReloadReply]:
     """The replies of every dispatcher that answered within `timeout_s` (or until
     `expected` have), in arrival order; a reply that cannot be decoded comes back as a
     failed one that says so."""
@@ -28,14 +28,16 @@ async def reload_dispatchers(nc: NATS, subjects: Subjects, timeout_s: float,
     subscription = await nc.subscribe(inbox)
     replies: list[ReloadReply] = []
     try:
-        await nc.publish(subjects.admin_reload, b"{}", reply=inbox,
-                         headers={HDR_ADMIN_OP: "reload"})
+        await nc.publish(
+            subjects.admin_reload, b"{}", reply=inbox, headers={HDR_ADMIN_OP: "reload"}
+        )
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0 and (
-                expected is None or len(replies) < expected):
+            expected is None or len(replies) < expected
+        ):
             try:
                 msg = await subscription.next_msg(timeout=left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             try:
                 replies.append(msgspec.json.decode(msg.data, type=ReloadReply))
@@ -48,7 +50,11 @@ async def reload_dispatchers(nc: NATS, subjects: Subjects, timeout_s: float,
 
 def tenant_changes(reply: ReloadReply) -> str:
     """What a dispatcher's reload changed, for people."""
+
     def names(tenants: list[str]) -> str:
         return ", ".join(tenants) or "none"
-    return (f"tenants added {names(reply.added)}, removed {names(reply.removed)}, "
-            f"changed {names(reply.changed)}")
+
+    return (
+        f"tenants added {names(reply.added)}, removed {names(reply.removed)}, "
+        f"changed {names(reply.changed)}"
+    )

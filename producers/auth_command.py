@@ -22,17 +22,24 @@ from broker_config.subjects import SubjectError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "auth", help="render the broker's users (nkeys) from the config's tenants",
+        "auth",
+        help="render the broker's users (nkeys) from the config's tenants",
         description="Write a nats-server config include with one nkey user per tenant and "
-                    "per fairq service, each tenant and the front in a NATS account of its "
-                    "own, and their seed files, into a directory. Existing seeds are kept; "
-                    "include the file in nats-server's config (or run it with "
-                    f"`-c DIR/{AUTH_CONF} -js`). After a re-render, reload nats-server twice "
-                    "(a new tenant's imports work after the second), then the dispatchers "
-                    "(`fairq reload`).")
+        "per fairq service, each tenant and the front in a NATS account of its "
+        "own, and their seed files, into a directory. Existing seeds are kept; "
+        "include the file in nats-server's config (or run it with "
+        f"`-c DIR/{AUTH_CONF} -js`). After a re-render, reload nats-server twice "
+        "(a new tenant's imports work after the second), then the dispatchers "
+        "(`fairq reload`).",
+    )
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR",
-                        help="the directory to write (made mode 0700 if missing)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="the directory to write (made mode 0700 if missing)",
+    )
     parser.set_defaults(run=run_auth)
 
 

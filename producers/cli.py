@@ -26,7 +26,8 @@ COMMANDS = {
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `only`, just that command's module is imported."""
     parser = argparse.ArgumentParser(
-        prog="fairq", description="Fair multi-tenant LLM inference dispatch over NATS.")
+        prog="fairq", description="Fair multi-tenant LLM inference dispatch over NATS."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = [COMMANDS[only]] if only in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
     for module in modules:

@@ -133,8 +133,10 @@ class BacklogFull(PublishFailed):
     code = ErrorCode.OVERLOADED
 
     def __init__(self, endpoint: str, tenant: str) -> None:
-        super().__init__(f"tenant {tenant!r} has too many unfinished requests on endpoint "
-                         f"{endpoint!r} (the broker's per-tenant queue cap): retry later")
+        super().__init__(
+            f"tenant {tenant!r} has too many unfinished requests on endpoint "
+            f"{endpoint!r} (the broker's per-tenant queue cap): retry later"
+        )
         self.endpoint = endpoint
         self.tenant = tenant
 
@@ -199,8 +201,15 @@ class _Prepared:
     id: str
 
 
-def _prepare_submit(subjects: Subjects, endpoint: str, tenant: str, fields: Mapping[str, Any],
-                    request_id: str, reply: str | None, encoding: Encoding) -> _Prepared:
+def _prepare_submit(
+    subjects: Subjects,
+    endpoint: str,
+    tenant: str,
+    fields: Mapping[str, Any],
+    request_id: str,
+    reply: str | None,
+    encoding: Encoding,
+) -> _Prepared:
     """Subject, body and headers of a submit, checked exactly as fairq will check them."""
     try:
         subject = subjects.request(endpoint, tenant)
@@ -242,8 +251,15 @@ class Client:
     `Client.connect` sets).
     """
 
-    def __init__(self, nc: NATS, *, prefix: str = "fq", tenant_inboxes: str | None = None,
-                 publish_timeout_s: float = 5.0, api_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        prefix: str = "fq",
+        tenant_inboxes: str | None = None,
+        publish_timeout_s: float = 5.0,
+        api_timeout_s: float = 5.0,
+    ) -> None:
         if tenant_inboxes is not None:
             _tenant_inbox(tenant_inboxes)
         self._nc = nc
@@ -262,12 +278,21 @@ class Client:
         return self._nc
 
     @staticmethod
-    def connect(url: str, *, prefix: str = "fq", tenant_inboxes: str | None = None,
-                user: str | None = None, password: str | None = None,
-                creds: str | Path | None = None, nkey: str | Path | None = None,
-                inbox_prefix: str | None = None,
-                connect_timeout_s: float = 5.0, allow_reconnect: bool = True,
-                publish_timeout_s: float = 5.0, api_timeout_s: float = 5.0) -> Connecting:
+    def connect(
+        url: str,
+        *,
+        prefix: str = "fq",
+        tenant_inboxes: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        creds: str | Path | None = None,
+        nkey: str | Path | None = None,
+        inbox_prefix: str | None = None,
+        connect_timeout_s: float = 5.0,
+        allow_reconnect: bool = True,
+        publish_timeout_s: float = 5.0,
+        api_timeout_s: float = 5.0,
+    ) -> Connecting:
         """Open a connection; use as `async with Client.connect(url) as c` or `await`.
 
         Credentials, one kind at most: `user` and `password`, `creds` (a .creds file) or
@@ -293,17 +318,27 @@ class Client:
                 # nats-py tries a server at least twice before giving up; make it quick.
                 options |= {"max_reconnect_attempts": 1, "reconnect_time_wait": 0}
             try:
-                nc = await nats.connect(server_urls(url), **secrets,
-                                        connect_timeout=connect_timeout_s,
-                                        allow_reconnect=allow_reconnect, error_cb=errors.record,
-                                        **options)
+                nc = await nats.connect(
+                    server_urls(url),
+                    **secrets,
+                    connect_timeout=connect_timeout_s,
+                    allow_reconnect=allow_reconnect,
+                    error_cb=errors.record,
+                    **options,
+                )
             except (TimeoutError, OSError, nats.errors.Error) as exc:
                 # "no servers available" hides why: the last attempt's error says it.
                 cause = errors.last if isinstance(exc, nats.errors.NoServersError) else None
-                raise ConnectionFailed(f"cannot connect to NATS at {url}: "
-                                       f"{_describe(cause or exc)}") from exc
-            client = Client(nc, prefix=prefix, tenant_inboxes=tenant_inboxes,
-                            publish_timeout_s=publish_timeout_s, api_timeout_s=api_timeout_s)
+                raise ConnectionFailed(
+                    f"cannot connect to NATS at {url}: {_describe(cause or exc)}"
+                ) from exc
+            client = Client(
+                nc,
+                prefix=prefix,
+                tenant_inboxes=tenant_inboxes,
+                publish_timeout_s=publish_timeout_s,
+                api_timeout_s=api_timeout_s,
+            )
             client._owns_connection = True
             return client
 
@@ -332,20 +367,35 @@ class Client:
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
     # -- submit ---------------------------------------------------------------------------
 
-    async def submit(self, endpoint: str, tenant: str, *, prompt: str | None = None,
-                     messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-                     max_tokens: int | None = None, priority: int = 0,
-                     deadline: float | None = None, session: str | None = None,
-                     input_tokens: int | None = None, images: Sequence[str] | None = None,
-                     metadata: Mapping[str, str] | None = None,
-                     sampling: Sampling | Mapping[str, Any] | None = None, id: str | None = None,
-                     reply: bool | str = True, encoding: Encoding = Encoding.JSON) -> Submitted:
+    async def submit(
+        self,
+        endpoint: str,
+        tenant: str,
+        *,
+        prompt: str | None = None,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        max_tokens: int | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        session: str | None = None,
+        input_tokens: int | None = None,
+        images: Sequence[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        sampling: Sampling | Mapping[str, Any] | None = None,
+        id: str | None = None,
+        reply: bool | str = True,
+        encoding: Encoding = Encoding.JSON,
+    ) -> Submitted:
         """Validate, publish to JetStream and return once the broker stored the request.
 
         `reply`: True listens on a fresh inbox, a string on that subject, False sends no
@@ -357,12 +407,21 @@ class Client:
         self._check_tenant(tenant)
         request_id = uuid.uuid4().hex if id is None else id
         reply_subject = self._reply_subject(reply, tenant)
-        fields = {"prompt": prompt, "messages": messages, "max_tokens": max_tokens,
-                  "priority": priority, "deadline": deadline, "session": session,
-                  "input_tokens": input_tokens, "images": images, "metadata": metadata,
-                  "sampling": sampling}
-        prepared = _prepare_submit(self._subjects, endpoint, tenant, fields, request_id,
-                                   reply_subject, encoding)
+        fields = {
+            "prompt": prompt,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "priority": priority,
+            "deadline": deadline,
+            "session": session,
+            "input_tokens": input_tokens,
+            "images": images,
+            "metadata": metadata,
+            "sampling": sampling,
+        }
+        prepared = _prepare_submit(
+            self._subjects, endpoint, tenant, fields, request_id, reply_subject, encoding
+        )
         # Subscribe first: a fast worker may answer before the PubAck is back.
         subscription = await self._listen(reply_subject) if reply_subject is not None else None
         try:
@@ -376,21 +435,25 @@ class Client:
             # The stored request answers the first submit's reply subject, not this one.
             await self._release(subscription)
             subscription = None
-        return Submitted(request_id, reply_subject, ack.seq, duplicate, endpoint, tenant,
-                         encoding, subscription)
+        return Submitted(
+            request_id, reply_subject, ack.seq, duplicate, endpoint, tenant, encoding, subscription
+        )
 
     def _check_tenant(self, tenant: str) -> None:
         if self._tenant is not None and tenant != self._tenant:
-            raise InvalidRequest(f"this client is connected as tenant {self._tenant!r} "
-                                 f"(tenant_inboxes) and cannot act for tenant {tenant!r}")
+            raise InvalidRequest(
+                f"this client is connected as tenant {self._tenant!r} "
+                f"(tenant_inboxes) and cannot act for tenant {tenant!r}"
+            )
 
     def _reply_subject(self, reply: bool | str, tenant: str) -> str | None:
         if reply is False:
             return None
         subject = self._nc.new_inbox() if reply is True else reply
         try:
-            return self._subjects.check_reply(subject, tenant,
-                                              tenant_inboxes=self._tenant is not None)
+            return self._subjects.check_reply(
+                subject, tenant, tenant_inboxes=self._tenant is not None
+            )
         except SubjectError as exc:
             raise InvalidRequest(str(exc)) from exc
 
@@ -400,20 +463,25 @@ class Client:
             # The server would drop the connection, not answer: refused here instead.
             raise InvalidRequest(
                 f"request {prepared.id} is {size} bytes with its headers, over the broker's "
-                f"largest message ({self._nc.max_payload} bytes, its max_payload)")
+                f"largest message ({self._nc.max_payload} bytes, its max_payload)"
+            )
         try:
-            return await self._js.publish(prepared.subject, prepared.body,
-                                          headers=dict(prepared.headers))
+            return await self._js.publish(
+                prepared.subject, prepared.body, headers=dict(prepared.headers)
+            )
         except nats.js.errors.APIError as exc:
             if is_backlog_full(exc):
                 raise BacklogFull(endpoint, tenant) from exc
-            raise PublishFailed(f"the broker refused request {prepared.id} on "
-                                f"{prepared.subject}: {exc.description} (code {exc.code}, "
-                                f"err_code {exc.err_code})") from exc
+            raise PublishFailed(
+                f"the broker refused request {prepared.id} on "
+                f"{prepared.subject}: {exc.description} (code {exc.code}, "
+                f"err_code {exc.err_code})"
+            ) from exc
         except nats.js.errors.NoStreamResponseError as exc:
             raise PublishFailed(
                 f"no JetStream stream stores {prepared.subject}: is the broker provisioned "
-                f"(stream {self._subjects.requests_stream})?") from exc
+                f"(stream {self._subjects.requests_stream})?"
+            ) from exc
         except nats.errors.TimeoutError as exc:
             raise FairqTimeout(
                 f"no PubAck for request {prepared.id} within {self._publish_timeout_s:g}s: it "
@@ -421,13 +489,15 @@ class Client:
                 "once) or ask status()"
             ) from exc
         except nats.errors.Error as exc:
-            raise ConnectionFailed(f"cannot publish request {prepared.id}: "
-                                   f"{_describe(exc)}") from exc
+            raise ConnectionFailed(
+                f"cannot publish request {prepared.id}: {_describe(exc)}"
+            ) from exc
 
     # -- events ---------------------------------------------------------------------------
 
-    async def stream(self, submitted: Submitted, *,
-                     timeout_s: float | None = None) -> AsyncGenerator[Event, None]:
+    async def stream(
+        self, submitted: Submitted, *, timeout_s: float | None = None
+    ) -> AsyncGenerator[Event, None]:
         """The request's events: TokenEvent..., then one DoneEvent or ErrorEvent, then stop.
 
         The iterator ends at the first final event (a redelivery may publish another) and
@@ -456,22 +526,29 @@ class Client:
     @staticmethod
     def _why_not_listening(submitted: Submitted) -> str:
         if submitted.reply_subject is None:
-            return (f"request {submitted.id} was submitted without a reply subject: "
-                    "collect its result with status()")
-        return (f"the events of request {submitted.id} were already streamed or the client "
-                "was closed: collect its result with status()")
+            return (
+                f"request {submitted.id} was submitted without a reply subject: "
+                "collect its result with status()"
+            )
+        return (
+            f"the events of request {submitted.id} were already streamed or the client "
+            "was closed: collect its result with status()"
+        )
 
-    async def _next_event(self, subscription: Subscription, submitted: Submitted,
-                          timeout_s: float | None) -> Event:
+    async def _next_event(
+        self, subscription: Subscription, submitted: Submitted, timeout_s: float | None
+    ) -> Event:
         try:
             msg = await subscription.next_msg(timeout=timeout_s)
         except nats.errors.TimeoutError as exc:
-            raise FairqTimeout(f"no event for request {submitted.id} within {timeout_s:g}s"
-                               ) from exc
+            raise FairqTimeout(
+                f"no event for request {submitted.id} within {timeout_s:g}s"
+            ) from exc
         except nats.errors.Error as exc:
-            raise ConnectionFailed(f"lost the events of request {submitted.id} "
-                                   f"({_describe(exc)}): collect its result with status()"
-                                   ) from exc
+            raise ConnectionFailed(
+                f"lost the events of request {submitted.id} "
+                f"({_describe(exc)}): collect its result with status()"
+            ) from exc
         return _decode_event(msg)
 
     async def _collect(self, submitted: Submitted, timeout_s: float | None) -> FinalEvent:
@@ -484,13 +561,16 @@ class Client:
             if reply.result is not None:
                 return reply.result
             if deadline is not None and loop.time() + delay > deadline:
-                raise FairqTimeout(f"request {submitted.id} (a duplicate submit) did not finish "
-                                   f"within {timeout_s:g}s; last state {reply.state!r}")
+                raise FairqTimeout(
+                    f"request {submitted.id} (a duplicate submit) did not finish "
+                    f"within {timeout_s:g}s; last state {reply.state!r}"
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
 
-    async def run(self, endpoint: str, tenant: str, *, timeout_s: float | None = None,
-                  **submit_kwargs: Any) -> DoneEvent:
+    async def run(
+        self, endpoint: str, tenant: str, *, timeout_s: float | None = None, **submit_kwargs: Any
+    ) -> DoneEvent:
         """Submit and wait for the end: the DoneEvent, or RequestFailed with the error event.
 
         `timeout_s` bounds the wait for each event; other keywords go to `submit`.
@@ -533,21 +613,25 @@ class Client:
         """State of a request; `result` is its final event once finished."""
         self._check_tenant(tenant)
         request_id = _checked_id(id)
-        return await self._api(self._subject(self._subjects.status, tenant),
-                               StatusRequest(request_id), STATUS_REPLY)
+        return await self._api(
+            self._subject(self._subjects.status, tenant), StatusRequest(request_id), STATUS_REPLY
+        )
 
     async def cancel(self, tenant: str, id: str) -> CancelReply:
         """Cancel a request; `cancelled` is False when it is unknown or already finished."""
         self._check_tenant(tenant)
         request_id = _checked_id(id)
-        return await self._api(self._subject(self._subjects.cancel, tenant),
-                               CancelRequest(request_id), CANCEL_REPLY)
+        return await self._api(
+            self._subject(self._subjects.cancel, tenant), CancelRequest(request_id), CANCEL_REPLY
+        )
 
     async def depth(self) -> DepthReply:
         """Queued and running requests per endpoint, tier and tenant (service users only)."""
         if self._tenant is not None:
-            raise InvalidRequest(f"{self._subjects.depth} shows every tenant and is for service "
-                                 f"users only; this client is tenant {self._tenant!r}'s")
+            raise InvalidRequest(
+                f"{self._subjects.depth} shows every tenant and is for service "
+                f"users only; this client is tenant {self._tenant!r}'s"
+            )
         return await self._api(self._subjects.depth, DepthRequest(), DEPTH_REPLY)
 
     @staticmethod
@@ -563,8 +647,10 @@ class Client:
         except nats.errors.NoRespondersError as exc:
             raise NoDispatcher(f"no dispatcher is running (nobody answers {subject})") from exc
         except nats.errors.TimeoutError as exc:
-            raise FairqTimeout(f"no answer on {subject} within {self._api_timeout_s:g}s: the "
-                               "dispatcher is overloaded or unreachable") from exc
+            raise FairqTimeout(
+                f"no answer on {subject} within {self._api_timeout_s:g}s: the "
+                "dispatcher is overloaded or unreachable"
+            ) from exc
         except nats.errors.Error as exc:
             raise ConnectionFailed(f"cannot call {subject}: {_describe(exc)}") from exc
         try:
@@ -587,8 +673,12 @@ class Connecting:
         self._client = await self._open()
         return self._client
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._client is not None:
             await self._client.close()
 
@@ -629,8 +719,7 @@ class _ErrorLog:
     are only debug noise; anything else (permission violations, slow consumers) is not.
     """
 
-    _ROUTINE = (OSError, TimeoutError, nats.errors.NoServersError,
-                nats.errors.StaleConnectionError)
+    _ROUTINE = (OSError, TimeoutError, nats.errors.NoServersError, nats.errors.StaleConnectionError)
 
     def __init__(self) -> None:
         self.last: Exception | None = None

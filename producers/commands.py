@@ -72,22 +72,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _connection_options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("connection")
-    group.add_argument("--nats", metavar="URL",
-                       default=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
-                       help="NATS server (default: $NATS_URL, else %(default)s)")
+    group.add_argument(
+        "--nats",
+        metavar="URL",
+        default=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
+        help="NATS server (default: $NATS_URL, else %(default)s)",
+    )
     add_connection_args(group)
     group.add_argument("--prefix", type=_token, default="fq", help="subject prefix (default fq)")
-    group.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S",
-                       help="seconds to wait for the broker's or dispatcher's answer (default 5)")
+    group.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="seconds to wait for the broker's or dispatcher's answer (default 5)",
+    )
     return parser
 
 
 def _tenant_options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--tenant", type=_token, required=True)
-    parser.add_argument("--tenant-inbox", action="store_true",
-                        help="use the tenant's own inbox prefix (brokers with per-tenant "
-                             "users; implied by any credentials)")
+    parser.add_argument(
+        "--tenant-inbox",
+        action="store_true",
+        help="use the tenant's own inbox prefix (brokers with per-tenant "
+        "users; implied by any credentials)",
+    )
     return parser
 
 
@@ -124,90 +135,144 @@ def _messages(text: str) -> list[object]:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
     if not isinstance(value, list):
         raise argparse.ArgumentTypeError(
-            'must be a JSON list like [{"role":"user","content":"Hi"}]')
+            'must be a JSON list like [{"role":"user","content":"Hi"}]'
+        )
     return value
 
 
-def _add_submit(subparsers: argparse._SubParsersAction,
-                parents: list[argparse.ArgumentParser]) -> None:
+def _add_submit(
+    subparsers: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
+) -> None:
     parser = subparsers.add_parser(
-        "submit", parents=parents, help="submit a request and stream its answer",
+        "submit",
+        parents=parents,
+        help="submit a request and stream its answer",
         description="Submit a request. The answer's text streams to stdout as tokens arrive; "
-                    "a summary (usage, timings) goes to stderr.")
+        "a summary (usage, timings) goes to stderr.",
+    )
     parser.add_argument("--endpoint", type=_token, required=True)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the input text")
-    source.add_argument("--messages", type=_messages, metavar="JSON",
-                        help='chat input: [{"role":"user","content":"..."}]')
+    source.add_argument(
+        "--messages",
+        type=_messages,
+        metavar="JSON",
+        help='chat input: [{"role":"user","content":"..."}]',
+    )
     parser.add_argument("--max-tokens", type=int, metavar="N")
-    parser.add_argument("--priority", type=int, default=0, metavar="N",
-                        help="higher is served first, inside the tenant's share (default 0)")
-    parser.add_argument("--deadline-in", type=_positive_float, metavar="S",
-                        help="drop the request if it has not started within S seconds")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="higher is served first, inside the tenant's share (default 0)",
+    )
+    parser.add_argument(
+        "--deadline-in",
+        type=_positive_float,
+        metavar="S",
+        help="drop the request if it has not started within S seconds",
+    )
     parser.add_argument("--session", help="affinity key for sticky routing")
     parser.add_argument("--id", help="request id (default: a random one)")
     parser.add_argument("--msgpack", action="store_true", help="send and receive msgpack")
-    parser.add_argument("--no-wait", action="store_true",
-                        help="print the request id and exit; collect it later with `fairq status`")
-    parser.add_argument("--idle-timeout", type=_positive_float, default=300.0, metavar="S",
-                        help="give up when no event arrives for S seconds (default 300)")
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="print the request id and exit; collect it later with `fairq status`",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="S",
+        help="give up when no event arrives for S seconds (default 300)",
+    )
     parser.set_defaults(run=_runner("submit", _submit))
 
 
-def _add_status(subparsers: argparse._SubParsersAction,
-                parents: list[argparse.ArgumentParser]) -> None:
+def _add_status(
+    subparsers: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
+) -> None:
     parser = subparsers.add_parser(
-        "status", parents=parents, help="a request's state and, once finished, its result",
-        description="Print a request's status as JSON (the final event under `result`).")
+        "status",
+        parents=parents,
+        help="a request's state and, once finished, its result",
+        description="Print a request's status as JSON (the final event under `result`).",
+    )
     parser.add_argument("id")
     parser.set_defaults(run=_runner("status", _status))
 
 
-def _add_cancel(subparsers: argparse._SubParsersAction,
-                parents: list[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("cancel", parents=parents, help="cancel a request",
-                                   description="Cancel a request and print the answer as JSON.")
+def _add_cancel(
+    subparsers: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
+) -> None:
+    parser = subparsers.add_parser(
+        "cancel",
+        parents=parents,
+        help="cancel a request",
+        description="Cancel a request and print the answer as JSON.",
+    )
     parser.add_argument("id")
     parser.set_defaults(run=_runner("cancel", _cancel))
 
 
-def _add_top(subparsers: argparse._SubParsersAction,
-             parents: list[argparse.ArgumentParser]) -> None:
+def _add_top(
+    subparsers: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
+) -> None:
     parser = subparsers.add_parser(
-        "top", parents=parents, help="live per-tenant queue table",
+        "top",
+        parents=parents,
+        help="live per-tenant queue table",
         description="Show queued and running requests per endpoint, tier and tenant, "
-                    "refreshing in place until Ctrl-C.")
-    parser.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
-                        help="seconds between refreshes (default 1)")
+        "refreshing in place until Ctrl-C.",
+    )
+    parser.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes (default 1)",
+    )
     parser.add_argument("--once", action="store_true", help="print one table and exit")
     parser.set_defaults(run=_runner("top", _top, interrupted=0))
 
 
-def _add_reload(subparsers: argparse._SubParsersAction,
-                parents: list[argparse.ArgumentParser]) -> None:
+def _add_reload(
+    subparsers: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
+) -> None:
     parser = subparsers.add_parser(
-        "reload", parents=parents, help="have every dispatcher re-read its config file",
+        "reload",
+        parents=parents,
+        help="have every dispatcher re-read its config file",
         description="Ask every dispatcher to re-read its config file: tenants, tiers, "
-                    "weights and limits change without a restart (docs/configuration.md, "
-                    "Reloading). Prints the answer of every dispatcher that answers within "
-                    "--timeout; exits 1 if one refused, none answered, or fewer than "
-                    "--expect. Broker users are separate: re-render them with `fairq auth` "
-                    "and reload nats-server first.")
-    parser.add_argument("--expect", type=_positive_int, metavar="N",
-                        help="how many dispatchers run: stop waiting once N answered, and "
-                             "fail if fewer did (default: wait the whole --timeout)")
+        "weights and limits change without a restart (docs/configuration.md, "
+        "Reloading). Prints the answer of every dispatcher that answers within "
+        "--timeout; exits 1 if one refused, none answered, or fewer than "
+        "--expect. Broker users are separate: re-render them with `fairq auth` "
+        "and reload nats-server first.",
+    )
+    parser.add_argument(
+        "--expect",
+        type=_positive_int,
+        metavar="N",
+        help="how many dispatchers run: stop waiting once N answered, and "
+        "fail if fewer did (default: wait the whole --timeout)",
+    )
     parser.set_defaults(run=_runner("reload", _reload))
 
 
 # -- running -------------------------------------------------------------------------------
 
 
-def _runner(name: str, main: Main, *,
-            interrupted: int | None = None) -> Callable[[argparse.Namespace], int]:
+def _runner(
+    name: str, main: Main, *, interrupted: int | None = None
+) -> Callable[[argparse.Namespace], int]:
     """The command's entry: errors become one line on stderr and exit code 2.
 
     `interrupted`: the exit code for Ctrl-C, for commands that run until interrupted.
     """
+
     def run(args: argparse.Namespace) -> int:
         try:
             connect_options(args)  # conflicting or unreadable credentials: a usage error
@@ -223,16 +288,25 @@ def _runner(name: str, main: Main, *,
             if interrupted is None:
                 raise
             return interrupted
+
     return run
 
 
 def _connect(args: argparse.Namespace, *, tenant: str | None = None) -> Connecting:
     """The client for a command; fails at once when the server is unreachable."""
-    return Client.connect(args.nats, prefix=args.prefix, user=args.user, password=args.password,
-                          creds=args.creds, nkey=args.nkey,
-                          tenant_inboxes=tenant, allow_reconnect=False,
-                          connect_timeout_s=args.timeout, publish_timeout_s=args.timeout,
-                          api_timeout_s=args.timeout)
+    return Client.connect(
+        args.nats,
+        prefix=args.prefix,
+        user=args.user,
+        password=args.password,
+        creds=args.creds,
+        nkey=args.nkey,
+        tenant_inboxes=tenant,
+        allow_reconnect=False,
+        connect_timeout_s=args.timeout,
+        publish_timeout_s=args.timeout,
+        api_timeout_s=args.timeout,
+    )
 
 
 def _tenant_inbox(args: argparse.Namespace) -> str | None:
@@ -249,13 +323,23 @@ async def _submit(args: argparse.Namespace) -> int:
     deadline = None if args.deadline_in is None else time.time() + args.deadline_in
     async with _connect(args, tenant=_tenant_inbox(args)) as client:
         submitted = await client.submit(
-            args.endpoint, args.tenant, prompt=args.prompt, messages=args.messages,
-            max_tokens=args.max_tokens, priority=args.priority, deadline=deadline,
-            session=args.session, id=args.id, reply=not args.no_wait,
-            encoding=Encoding.MSGPACK if args.msgpack else Encoding.JSON)
+            args.endpoint,
+            args.tenant,
+            prompt=args.prompt,
+            messages=args.messages,
+            max_tokens=args.max_tokens,
+            priority=args.priority,
+            deadline=deadline,
+            session=args.session,
+            id=args.id,
+            reply=not args.no_wait,
+            encoding=Encoding.MSGPACK if args.msgpack else Encoding.JSON,
+        )
         if submitted.duplicate:
-            print(f"fairq submit: request {submitted.id} was already submitted (deduplicated)",
-                  file=sys.stderr)
+            print(
+                f"fairq submit: request {submitted.id} was already submitted (deduplicated)",
+                file=sys.stderr,
+            )
         if args.no_wait:
             print(submitted.id)
             return 0
@@ -274,7 +358,7 @@ async def _print_answer(client: Client, submitted: Submitted, idle_timeout_s: fl
                     printed += event.text
                 elif isinstance(event, DoneEvent):
                     # The full text is authoritative: print what the tokens did not cover.
-                    _write(event.text[len(printed):] if event.text.startswith(printed) else "")
+                    _write(event.text[len(printed) :] if event.text.startswith(printed) else "")
                     _write("\n")
                     print(_summary(event), file=sys.stderr)
                     return 0
@@ -284,9 +368,10 @@ async def _print_answer(client: Client, submitted: Submitted, idle_timeout_s: fl
                     print(f"fairq submit: {RequestFailed(event)}", file=sys.stderr)
                     return EXIT_FAILED
         except FairqTimeout as exc:
-            raise FairqTimeout(f"{exc}; the request is kept: collect its result later with "
-                               f"`fairq status --tenant {submitted.tenant} {submitted.id}`"
-                               ) from exc
+            raise FairqTimeout(
+                f"{exc}; the request is kept: collect its result later with "
+                f"`fairq status --tenant {submitted.tenant} {submitted.id}`"
+            ) from exc
     raise FairqError(f"the events of request {submitted.id} ended without a final event")
 
 
@@ -298,9 +383,11 @@ def _write(text: str) -> None:
 def _summary(done: DoneEvent) -> str:
     usage, timings = done.usage, done.timings
     ttft = "-" if timings.ttft_s is None else f"{timings.ttft_s:.3f}s"
-    return (f"done id={done.id} input_tokens={usage.input_tokens} "
-            f"output_tokens={usage.output_tokens} model_units={usage.model_units:g} "
-            f"queued={timings.queued_s:.3f}s ttft={ttft} total={timings.total_s:.3f}s")
+    return (
+        f"done id={done.id} input_tokens={usage.input_tokens} "
+        f"output_tokens={usage.output_tokens} model_units={usage.model_units:g} "
+        f"queued={timings.queued_s:.3f}s ttft={ttft} total={timings.total_s:.3f}s"
+    )
 
 
 # -- status, cancel ------------------------------------------------------------------------
@@ -355,13 +442,23 @@ class DepthTrend:
         for key, entry in current.items():
             before = last[1].get(key)
             admitted, rejected = (before.admitted, before.rejected) if before else (0, 0)
-            changes[key] = Change(max(0, entry.admitted - admitted) / elapsed,
-                                  max(0, entry.rejected - rejected) / elapsed)
+            changes[key] = Change(
+                max(0, entry.admitted - admitted) / elapsed,
+                max(0, entry.rejected - rejected) / elapsed,
+            )
         return changes
 
 
-_COLUMNS = ("ENDPOINT", "TIER", "TENANT", "QUEUED", "RUNNING", "OLDEST WAIT",
-            "ADMITTED/S", "REJECTED/S")
+_COLUMNS = (
+    "ENDPOINT",
+    "TIER",
+    "TENANT",
+    "QUEUED",
+    "RUNNING",
+    "OLDEST WAIT",
+    "ADMITTED/S",
+    "REJECTED/S",
+)
 _NUMERIC_FROM = 3  # columns from here on are right-aligned
 
 
@@ -376,17 +473,27 @@ def render_depth(reply: DepthReply, changes: Mapping[QueueKey, Change], title: s
     rows = [_COLUMNS, *(_row(e, changes.get(_key(e))) for e in entries)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     for row in rows:
-        cells = [cell.rjust(w) if i >= _NUMERIC_FROM else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths))]
+        cells = [
+            cell.rjust(w) if i >= _NUMERIC_FROM else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
 
 def _row(entry: DepthEntry, change: Change | None) -> tuple[str, ...]:
-    rates = ((f"{change.admitted_per_s:.1f}", f"{change.rejected_per_s:.1f}")
-             if change else ("-", "-"))
-    return (entry.endpoint, entry.tier, entry.tenant, str(entry.queued), str(entry.running),
-            f"{entry.oldest_wait_s:.1f}s", *rates)
+    rates = (
+        (f"{change.admitted_per_s:.1f}", f"{change.rejected_per_s:.1f}") if change else ("-", "-")
+    )
+    return (
+        entry.endpoint,
+        entry.tier,
+        entry.tenant,
+        str(entry.queued),
+        str(entry.running),
+        f"{entry.oldest_wait_s:.1f}s",
+        *rates,
+    )
 
 
 def _without_credentials(url: str) -> str:
@@ -422,16 +529,22 @@ async def _top(args: argparse.Namespace) -> int:
 
 async def _reload(args: argparse.Namespace) -> int:
     async with _connect(args) as client:
-        replies = await reload_dispatchers(client.nc, Subjects(args.prefix), args.timeout,
-                                           expected=args.expect)
+        replies = await reload_dispatchers(
+            client.nc, Subjects(args.prefix), args.timeout, expected=args.expect
+        )
     for reply in replies:
         if reply.ok:
             print(f"{reply.dispatcher}: reloaded; {tenant_changes(reply)}")
         else:
-            print(f"{reply.dispatcher}: refused, its configuration stays: {reply.error}",
-                  file=sys.stderr)
+            print(
+                f"{reply.dispatcher}: refused, its configuration stays: {reply.error}",
+                file=sys.stderr,
+            )
     if len(replies) < (args.expect or 1):
-        print(f"fairq reload: {len(replies)} of {args.expect or 'at least 1'} dispatchers "
-              f"answered within {args.timeout:g}s", file=sys.stderr)
+        print(
+            f"fairq reload: {len(replies)} of {args.expect or 'at least 1'} dispatchers "
+            f"answered within {args.timeout:g}s",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     return EXIT_FAILED if any(not reply.ok for reply in replies) else 0

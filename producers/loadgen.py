@@ -77,13 +77,15 @@ def _read_rows(rows: Iterable[list[str]], source: str) -> list[TraceRecord]:
     rows = iter(rows)
     header = next(rows, None)
     if header is None:
-        raise TraceError(f"{source}: line 1: empty file; expected the header "
-                         f"{','.join(REQUIRED_COLUMNS)}")
+        raise TraceError(
+            f"{source}: line 1: empty file; expected the header {','.join(REQUIRED_COLUMNS)}"
+        )
     header = [name.strip() for name in header]
     unknown = [name for name in header if name not in COLUMNS]
     if unknown:
-        raise TraceError(f"{source}: line 1: unknown column {unknown[0]!r}; "
-                         f"known columns: {', '.join(COLUMNS)}")
+        raise TraceError(
+            f"{source}: line 1: unknown column {unknown[0]!r}; known columns: {', '.join(COLUMNS)}"
+        )
     missing = [name for name in REQUIRED_COLUMNS if name not in header]
     if missing:
         raise TraceError(f"{source}: line 1: missing required column {missing[0]!r}")
@@ -95,8 +97,10 @@ def _read_rows(rows: Iterable[list[str]], source: str) -> list[TraceRecord]:
         if not row or all(not cell.strip() for cell in row):
             continue  # blank line
         if len(row) != len(header):
-            raise TraceError(f"{source}: line {line}: {len(row)} cells, expected "
-                             f"{len(header)} ({','.join(header)})")
+            raise TraceError(
+                f"{source}: line {line}: {len(row)} cells, expected "
+                f"{len(header)} ({','.join(header)})"
+            )
         records.append(_parse_row(dict(zip(header, row, strict=True)), source, line))
     return records
 
@@ -113,13 +117,13 @@ def _parse_row(cells: dict[str, str], source: str, line: int) -> TraceRecord:
             values[column] = _PARSERS[column](text)
         except ValueError:
             kind = "an integer" if _PARSERS[column] is int else "a number"
-            raise TraceError(f"{source}: line {line}: column {column!r}: expected {kind}, "
-                             f"got {text!r}") from None
+            raise TraceError(
+                f"{source}: line {line}: column {column!r}: expected {kind}, got {text!r}"
+            ) from None
     try:
         return TraceRecord(**values)
     except TraceRecordError as exc:
-        raise TraceError(f"{source}: line {line}: column {exc.column!r}: {exc.reason}") \
-            from None
+        raise TraceError(f"{source}: line {line}: column {exc.column!r}: {exc.reason}") from None
 
 
 def write_trace(records: Sequence[TraceRecord], path: str | Path) -> None:
@@ -166,29 +170,37 @@ class SizeModel:
     output_range: tuple[int, int] = (4, 1024)
 
     def sample(self, rng: random.Random) -> tuple[int, int]:
-        return (_lognormal(rng, self.input_median, self.input_sigma, self.input_range),
-                _lognormal(rng, self.output_median, self.output_sigma, self.output_range))
+        return (
+            _lognormal(rng, self.input_median, self.input_sigma, self.input_range),
+            _lognormal(rng, self.output_median, self.output_sigma, self.output_range),
+        )
 
 
-def _lognormal(rng: random.Random, median: float, sigma: float,
-               bounds: tuple[int, int]) -> int:
+def _lognormal(rng: random.Random, median: float, sigma: float, bounds: tuple[int, int]) -> int:
     value = round(rng.lognormvariate(math.log(median), sigma))
     return min(max(value, bounds[0]), bounds[1])
 
 
 def tenant_names(count: int, first: int = 0) -> list[str]:
-    """"A", "B", ... "Z", then "T27", "T28", ...: short names valid on the wire."""
-    return [string.ascii_uppercase[i] if i < 26 else f"T{i + 1}"
-            for i in range(first, first + count)]
+    """ "A", "B", ... "Z", then "T27", "T28", ...: short names valid on the wire."""
+    return [
+        string.ascii_uppercase[i] if i < 26 else f"T{i + 1}" for i in range(first, first + count)
+    ]
 
 
 # -- scenarios -----------------------------------------------------------------------------
 
 
-def noisy_neighbour(seed: int, noisy_requests: int = 10_000, small_tenants: int = 4,
-                    small_rate: float = 0.5, duration_s: float = 300.0,
-                    sizes: SizeModel = SizeModel(), max_tokens: int | None = None,
-                    noisy_rate: float | None = None) -> list[TraceRecord]:
+def noisy_neighbour(
+    seed: int,
+    noisy_requests: int = 10_000,
+    small_tenants: int = 4,
+    small_rate: float = 0.5,
+    duration_s: float = 300.0,
+    sizes: SizeModel = SizeModel(),
+    max_tokens: int | None = None,
+    noisy_rate: float | None = None,
+) -> list[TraceRecord]:
     """Tenant "A" sends `noisy_requests` at t=0 (or, with `noisy_rate`, as Poisson
     arrivals at that rate from t=0); tenants "B", "C", ... send Poisson arrivals at
     `small_rate` requests per second each, for `duration_s`.
@@ -226,30 +238,37 @@ def sample_trace() -> list[TraceRecord]:
     """What configs/sample_trace.csv holds: a noisy tenant A (400 requests, Poisson 8/s,
     just within the example config's free-tier limits) and small tenants B-E (0.5 req/s
     each for 60 s); every request asks for max_tokens=256."""
-    return noisy_neighbour(7, noisy_requests=400, noisy_rate=8.0, duration_s=60.0,
-                           max_tokens=256)
+    return noisy_neighbour(7, noisy_requests=400, noisy_rate=8.0, duration_s=60.0, max_tokens=256)
 
 
 def _stream(seed: int, name: str) -> random.Random:
     return random.Random(f"{seed}:{name}")  # str seeds hash with SHA-512: stable
 
 
-def _record(tenant: str, arrival: float, size: tuple[int, int],
-            max_tokens: int | None) -> TraceRecord:
+def _record(
+    tenant: str, arrival: float, size: tuple[int, int], max_tokens: int | None
+) -> TraceRecord:
     return TraceRecord(tenant, round(arrival, 6), size[0], size[1], max_tokens=max_tokens)
 
 
 def zipf_weights(count: int, exponent: float) -> list[float]:
     """P(rank k) proportional to 1 / k**exponent, k = 1..count."""
-    raw = [1.0 / k ** exponent for k in range(1, count + 1)]
+    raw = [1.0 / k**exponent for k in range(1, count + 1)]
     total = sum(raw)
     return [w / total for w in raw]
 
 
-def assign_azure_trace(path: str | Path, seed: int, tenants: int = 20, zipf_s: float = 1.1,
-                       noisy_share: float = 0.25, noisy_start_s: float = 600.0,
-                       noisy_window_s: float = 300.0, noisy_tenant: str = "noisy",
-                       max_tokens: int | None = None) -> list[TraceRecord]:
+def assign_azure_trace(
+    path: str | Path,
+    seed: int,
+    tenants: int = 20,
+    zipf_s: float = 1.1,
+    noisy_share: float = 0.25,
+    noisy_start_s: float = 600.0,
+    noisy_window_s: float = 300.0,
+    noisy_tenant: str = "noisy",
+    max_tokens: int | None = None,
+) -> list[TraceRecord]:
     """The Azure conversation trace with tenants assigned, plus one synthetic noisy tenant.
 
     Exactly how, with `rng = random.Random(f"{seed}:azure")`:
@@ -280,13 +299,15 @@ def assign_azure_trace(path: str | Path, seed: int, tenants: int = 20, zipf_s: f
     records = []
     for arrival, input_tokens, output_tokens in rows:
         rank = min(bisect.bisect_right(cumulative, rng.random()), tenants - 1)
-        records.append(TraceRecord(names[rank], arrival, input_tokens, output_tokens,
-                                   max_tokens=max_tokens))
+        records.append(
+            TraceRecord(names[rank], arrival, input_tokens, output_tokens, max_tokens=max_tokens)
+        )
     for _ in range(round(noisy_share * len(rows))):
         _, input_tokens, output_tokens = rows[rng.randrange(len(rows))]
         arrival = round(rng.uniform(noisy_start_s, noisy_start_s + noisy_window_s), 6)
-        records.append(TraceRecord(noisy_tenant, arrival, input_tokens, output_tokens,
-                                   max_tokens=max_tokens))
+        records.append(
+            TraceRecord(noisy_tenant, arrival, input_tokens, output_tokens, max_tokens=max_tokens)
+        )
     records.sort(key=lambda r: r.arrival_s)  # stable
     return records
 
@@ -299,23 +320,30 @@ def read_azure_trace(path: str | Path) -> list[tuple[float, int, int]]:
         raise TraceError(
             f"{path}: Azure trace not found. It is the public Azure LLM inference trace "
             "(AzurePublicDataset, conversation service, 2023), not part of fairq: "
-            "docs/benchmarks.md says where to fetch it")
+            "docs/benchmarks.md says where to fetch it"
+        )
     try:
         with path.open(newline="", encoding="utf-8") as handle:
             reader = csv.reader(handle)
             header = [c.strip() for c in next(reader, [])]
             if tuple(header[:3]) != AZURE_COLUMNS:
-                raise TraceError(f"{path}: line 1: expected the header "
-                                 f"{','.join(AZURE_COLUMNS)}, got {','.join(header)!r}")
-            parsed = [_azure_row(row, path, line)
-                      for line, row in enumerate(reader, start=2) if row]
+                raise TraceError(
+                    f"{path}: line 1: expected the header "
+                    f"{','.join(AZURE_COLUMNS)}, got {','.join(header)!r}"
+                )
+            parsed = [
+                _azure_row(row, path, line) for line, row in enumerate(reader, start=2) if row
+            ]
     except OSError as exc:
         raise TraceError(f"{path}: cannot read trace: {exc.strerror}") from exc
     if not parsed:
         raise TraceError(f"{path}: the trace has no rows")
     start = min(stamp for stamp, _, _ in parsed)
-    rows = [(round((stamp - start).total_seconds(), 6), inputs, outputs)
-            for stamp, inputs, outputs in parsed if inputs >= 1 and outputs >= 1]
+    rows = [
+        (round((stamp - start).total_seconds(), 6), inputs, outputs)
+        for stamp, inputs, outputs in parsed
+        if inputs >= 1 and outputs >= 1
+    ]
     if not rows:
         raise TraceError(f"{path}: the trace has no usable rows")
     return rows
@@ -328,14 +356,15 @@ def _azure_row(row: list[str], path: Path, line: int) -> tuple[dt.datetime, int,
         # Seven fractional digits: keep microseconds, fromisoformat takes at most six.
         stamp = dt.datetime.fromisoformat(row[0].strip()[:26])
     except ValueError:
-        raise TraceError(f"{path}: line {line}: column 'TIMESTAMP': not a timestamp: "
-                         f"{row[0]!r}") from None
+        raise TraceError(
+            f"{path}: line {line}: column 'TIMESTAMP': not a timestamp: {row[0]!r}"
+        ) from None
     counts = []
     for column, text in zip(AZURE_COLUMNS[1:], row[1:3], strict=True):
         try:
             counts.append(int(text))
         except ValueError:
-            raise TraceError(f"{path}: line {line}: column {column!r}: expected an "
-                             f"integer, got {text!r}") from None
+            raise TraceError(
+                f"{path}: line {line}: column {column!r}: expected an integer, got {text!r}"
+            ) from None
     return stamp, counts[0], counts[1]
-

@@ -51,13 +51,36 @@ class WorkerLauncher:
     def child(self, endpoint: str, n: int) -> Child:
         """Worker `<endpoint>-w<n>` (n from 1); engine seed n - 1, as in the test stack."""
         worker_id = f"{endpoint}-w{n}"
-        argv = [sys.executable, "-m", "workers", "--nats", self.nats_url,
-                "--endpoint", endpoint, "--worker-id", worker_id,
-                "--config", str(self.config_path), "--engine", "sim",
-                "--engine-config", str(EXAMPLE_ENGINE), "--time-scale", repr(self.time_scale),
-                "--seed", str(n - 1), *self.credentials]
-        return Child(worker_id, argv, self.log_dir / f"{worker_id}.log", cwd=PACKAGE_ROOT,
-                     stop_timeout_s=self.stop_timeout_s, restart=WORKER_RESTART)
+        argv = [
+            sys.executable,
+            "-m",
+            "workers",
+            "--nats",
+            self.nats_url,
+            "--endpoint",
+            endpoint,
+            "--worker-id",
+            worker_id,
+            "--config",
+            str(self.config_path),
+            "--engine",
+            "sim",
+            "--engine-config",
+            str(EXAMPLE_ENGINE),
+            "--time-scale",
+            repr(self.time_scale),
+            "--seed",
+            str(n - 1),
+            *self.credentials,
+        ]
+        return Child(
+            worker_id,
+            argv,
+            self.log_dir / f"{worker_id}.log",
+            cwd=PACKAGE_ROOT,
+            stop_timeout_s=self.stop_timeout_s,
+            restart=WORKER_RESTART,
+        )
 
 
 async def replace_unhealthy(tenures: Tenures, supervisor: Supervisor) -> None:
@@ -70,16 +93,24 @@ async def replace_unhealthy(tenures: Tenures, supervisor: Supervisor) -> None:
             continue
         for worker in list(tenures.current.pool):
             child = supervisor.children.get(worker.worker_id)
-            if (child is None or worker.healthy or not child.running
-                    or time.monotonic() - child.started_at < REPLACE_GRACE_S):
+            if (
+                child is None
+                or worker.healthy
+                or not child.running
+                or time.monotonic() - child.started_at < REPLACE_GRACE_S
+            ):
                 continue
-            why = ("evicted after failed health probes" if worker.evicted
-                   else "silent or unhealthy in its heartbeats")
+            why = (
+                "evicted after failed health probes"
+                if worker.evicted
+                else "silent or unhealthy in its heartbeats"
+            )
             supervisor.kill(worker.worker_id, f"the dispatcher holds it {why}")
 
 
-async def until_serving(nc: NATS, config: Config, supervisor: Supervisor,
-                         stop: asyncio.Event, log_dir: Path) -> None:
+async def until_serving(
+    nc: NATS, config: Config, supervisor: Supervisor, stop: asyncio.Event, log_dir: Path
+) -> None:
     """Until every worker has sent a heartbeat (connected, serving), or `stop` is set.
     Raises StartError if a worker exits first or the start takes too long."""
     waiting = set(supervisor.children)
@@ -87,8 +118,10 @@ async def until_serving(nc: NATS, config: Config, supervisor: Supervisor,
     async def on_heartbeat(msg: Msg) -> None:
         waiting.discard(msg.subject.rsplit(".", 1)[1])  # <prefix>.int.hb.<endpoint>.<worker>
 
-    subscriptions = [await nc.subscribe(config.subjects.heartbeats(endpoint), cb=on_heartbeat)
-                     for endpoint in config.endpoints]
+    subscriptions = [
+        await nc.subscribe(config.subjects.heartbeats(endpoint), cb=on_heartbeat)
+        for endpoint in config.endpoints
+    ]
     try:
         async with asyncio.timeout(START_TIMEOUT_S):
             while waiting and not stop.is_set():
@@ -97,11 +130,14 @@ async def until_serving(nc: NATS, config: Config, supervisor: Supervisor,
                     if child.last_crash is not None:
                         raise StartError(
                             f"worker {name} {describe_exit(child.last_crash)} before it "
-                            f"served; the end of {child.log_path}:\n{child.log_tail()}")
+                            f"served; the end of {child.log_path}:\n{child.log_tail()}"
+                        )
                 await asyncio.sleep(_POLL_S)
     except TimeoutError:
-        raise StartError(f"no heartbeat within {START_TIMEOUT_S:g}s from "
-                         f"{', '.join(sorted(waiting))}; their logs are in {log_dir}") from None
+        raise StartError(
+            f"no heartbeat within {START_TIMEOUT_S:g}s from "
+            f"{', '.join(sorted(waiting))}; their logs are in {log_dir}"
+        ) from None
     finally:
         for subscription in subscriptions:
             await subscription.unsubscribe()

@@ -20,9 +20,15 @@ class Reloads:
     tenant's only after the dispatcher has ended its queued requests (so it can still
     read why), and none change when the dispatcher refuses the file."""
 
-    def __init__(self, dispatcher: Callable[[], Dispatcher], config: Config,
-                 auth: RenderedAuth | None, say: Callable[[str], None], *,
-                 reload_broker: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        dispatcher: Callable[[], Dispatcher],
+        config: Config,
+        auth: RenderedAuth | None,
+        say: Callable[[str], None],
+        *,
+        reload_broker: Callable[[], None] | None,
+    ) -> None:
         """`dispatcher`: the one serving; `reload_broker`: nats-server re-reads its users
         (needed with `auth`)."""
         if auth is not None and reload_broker is None:
@@ -72,8 +78,9 @@ class Reloads:
 
     async def _render_users(self, tenants: set[str]) -> None:
         try:
-            rendered = await asyncio.to_thread(render_auth_dir, self.auth.directory,
-                                               self.dispatcher().config.subjects, tenants)
+            rendered = await asyncio.to_thread(
+                render_auth_dir, self.auth.directory, self.dispatcher().config.subjects, tenants
+            )
             if rendered.added or rendered.removed:
                 await asyncio.to_thread(self.reload_broker)
         except (ValueError, OSError, EmbeddedServerError) as exc:

@@ -32,15 +32,24 @@ log = logging.getLogger("fairq.up")
 
 def with_autoscaling(config: Config, default: ScalingPolicy) -> Config:
     """`config` with `default` for every endpoint that has no autoscale table."""
-    endpoints = {name: spec if spec.autoscale is not None
-                 else msgspec.structs.replace(spec, autoscale=default)
-                 for name, spec in config.endpoints.items()}
+    endpoints = {
+        name: spec
+        if spec.autoscale is not None
+        else msgspec.structs.replace(spec, autoscale=default)
+        for name, spec in config.endpoints.items()
+    }
     return msgspec.structs.replace(config, endpoints=endpoints)
 
 
 class ScaleFollower:
-    def __init__(self, nc: NATS, config: Config, supervisor: Supervisor,
-                 child: Callable[[str, int], Child], say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        config: Config,
+        supervisor: Supervisor,
+        child: Callable[[str, int], Child],
+        say: Callable[[str], None],
+    ) -> None:
         self.nc = nc
         self.config = config
         self.supervisor = supervisor
@@ -54,8 +63,9 @@ class ScaleFollower:
     async def __aenter__(self) -> ScaleFollower:
         for name, spec in self.config.endpoints.items():
             if spec.autoscale is not None:
-                self._subscriptions.append(await self.nc.subscribe(
-                    self.config.subjects.scale(name), cb=self._on_event))
+                self._subscriptions.append(
+                    await self.nc.subscribe(self.config.subjects.scale(name), cb=self._on_event)
+                )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -83,14 +93,14 @@ class ScaleFollower:
 
     async def apply(self, endpoint: str, desired: int) -> None:
         running = self.numbers(
-            endpoint, (name for name in self.supervisor.children if name not in self._stopping))
+            endpoint, (name for name in self.supervisor.children if name not in self._stopping)
+        )
         if desired > len(running):
             taken = set(running) | set(self.numbers(endpoint, self._stopping))
             free = (n for n in itertools.count(1) if n not in taken)
             for n in [next(free) for _ in range(desired - len(running))]:
                 child = await self.supervisor.add(self.child(endpoint, n))
-                self.say(f"scaled {endpoint} up: started {child.name} "
-                         f"({desired} wanted)")
+                self.say(f"scaled {endpoint} up: started {child.name} ({desired} wanted)")
         for n in reversed(running[desired:]):
             name = f"{endpoint}-w{n}"
             self.say(f"scaled {endpoint} down: draining {name} ({desired} wanted)")

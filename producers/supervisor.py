@@ -90,9 +90,16 @@ class Child:
     `restart` is the supervisor's restart policy for it (None: stays down if it exits).
     """
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *,
-                 cwd: Path | None = None, stop_timeout_s: float = 30.0,
-                 restart: Backoff | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        cwd: Path | None = None,
+        stop_timeout_s: float = 30.0,
+        restart: Backoff | None = None,
+    ) -> None:
         if not argv:
             raise ValueError(f"{name}: empty argv")
         self.name = name
@@ -124,8 +131,13 @@ class Child:
         try:
             with self.log_path.open("ab" if self.starts else "wb") as log_file:
                 self.process = await asyncio.create_subprocess_exec(
-                    *self.argv, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                    *self.argv,
+                    cwd=self.cwd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                )
         except OSError as exc:
             raise SupervisorError(f"cannot start {self.name} ({self.argv[0]}): {exc}") from exc
         self.starts += 1
@@ -140,8 +152,9 @@ class Child:
     def check_alive(self) -> None:
         """Raise ChildExited, with the end of its log, if the process has exited."""
         if self.process is not None and self.process.returncode is not None:
-            raise ChildExited(f"{self.name} {describe_exit(self.process.returncode)}:\n"
-                              f"{self.log_tail()}")
+            raise ChildExited(
+                f"{self.name} {describe_exit(self.process.returncode)}:\n{self.log_tail()}"
+            )
 
     def kill(self) -> None:
         """SIGKILL at once (a stopped or wedged process that SIGTERM would not move)."""
@@ -167,8 +180,9 @@ class Child:
             async with asyncio.timeout(KILL_WAIT_S):
                 return await process.wait()
         except TimeoutError:
-            raise SupervisorError(f"{self.name} (pid {process.pid}) did not exit "
-                                  f"{KILL_WAIT_S:g}s after SIGKILL") from None
+            raise SupervisorError(
+                f"{self.name} (pid {process.pid}) did not exit {KILL_WAIT_S:g}s after SIGKILL"
+            ) from None
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -202,8 +216,9 @@ class Supervisor:
             raise SupervisorError(f"a child named {child.name} is already supervised")
         await child.start()
         self.children[child.name] = child
-        self._watchers[child.name] = asyncio.create_task(self._watch(child),
-                                                         name=f"watch {child.name}")
+        self._watchers[child.name] = asyncio.create_task(
+            self._watch(child), name=f"watch {child.name}"
+        )
         return child
 
     async def stop(self, name: str) -> int | None:
@@ -216,8 +231,7 @@ class Supervisor:
             # Even if its watch task failed: no process is left behind.
             code = await child.stop()
         if code == -signal.SIGKILL:
-            self._report(f"{name} did not stop within {child.stop_timeout_s:g}s of SIGTERM: "
-                         "killed")
+            self._report(f"{name} did not stop within {child.stop_timeout_s:g}s of SIGTERM: killed")
         return code
 
     def kill(self, name: str, why: str) -> None:
@@ -245,10 +259,12 @@ class Supervisor:
     async def stop_all(self) -> None:
         """Stop every child at once, each within its own timeout."""
         names = list(self.children)
-        results = await asyncio.gather(*(self.stop(name) for name in names),
-                                       return_exceptions=True)
-        failures = [f"{name}: {result}" for name, result in zip(names, results, strict=True)
-                    if isinstance(result, BaseException)]
+        results = await asyncio.gather(*(self.stop(name) for name in names), return_exceptions=True)
+        failures = [
+            f"{name}: {result}"
+            for name, result in zip(names, results, strict=True)
+            if isinstance(result, BaseException)
+        ]
         if failures:
             raise SupervisorError("children not stopped cleanly:\n" + "\n".join(failures))
 
@@ -277,8 +293,9 @@ class Supervisor:
             ran_s = time.monotonic() - child.started_at
             child.crashes += 1
             child.last_crash = code
-            what = (f"{child.name} (pid {child.process.pid}) {describe_exit(code)} "
-                    f"after {ran_s:.1f}s")
+            what = (
+                f"{child.name} (pid {child.process.pid}) {describe_exit(code)} after {ran_s:.1f}s"
+            )
             if child.restart is None:
                 self._report(f"{what}; not restarted (log: {child.log_path})")
                 return

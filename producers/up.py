@@ -77,21 +77,21 @@ from broker_config.auth import (
     render_auth_dir,
     with_tenant_inboxes,
 )
+from broker_config.cluster import EmbeddedNatsCluster
 from broker_config.config import (
     EXAMPLE_CONFIG,
     Config,
     ConfigError,
     load_config,
 )
-from broker_config.cluster import EmbeddedNatsCluster
 from broker_config.connection import server_urls
 from broker_config.runtime import first_of
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
-from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.admission.kv_store import open_limiter_store
 from dispatcher.ha.lease import Lease, holder_id
 from dispatcher.ha.tenures import Tenures
+from dispatcher.observe.metrics import DispatcherMetrics
 from producers.client import Client
 from producers.local_workers import (
     START_TIMEOUT_S,
@@ -111,58 +111,106 @@ from producers.supervisor import Supervisor, SupervisorError
 DEV_TENANT = "acme"
 # `--autoscale` for endpoints without their own policy: local processes start in a few
 # seconds, and a demo should see a lull give workers back within a minute.
-LOCAL_SCALING = ScalingPolicy(min_replicas=1, max_replicas=4, cold_start_s=5.0,
-                              scale_down_after_s=60.0, rate_window_s=10.0, drain_s=10.0)
+LOCAL_SCALING = ScalingPolicy(
+    min_replicas=1,
+    max_replicas=4,
+    cold_start_s=5.0,
+    scale_down_after_s=60.0,
+    rate_window_s=10.0,
+    drain_s=10.0,
+)
 CLUSTER_SIZE = 3  # nodes of --cluster: a majority survives the loss of one
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "up", help="run nats-server, a dispatcher and simulated worker processes locally",
+        "up",
+        help="run nats-server, a dispatcher and simulated worker processes locally",
         description="Start an embedded nats-server, run a dispatcher on it and simulated "
-                    "workers, each in its own process and restarted if it dies, with the "
-                    "given config until Ctrl-C, which drains and stops them in order.")
-    parser.add_argument("--port", type=int, default=0,
-                        help="NATS port on 127.0.0.1 (default: a free one, printed as NATS_URL)")
+        "workers, each in its own process and restarted if it dies, with the "
+        "given config until Ctrl-C, which drains and stops them in order.",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="NATS port on 127.0.0.1 (default: a free one, printed as NATS_URL)",
+    )
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
-    parser.add_argument("--workers", type=worker_counts, default={"": 2},
-                        metavar="N | ENDPOINT=N,...",
-                        help="simulated worker processes per endpoint (default 2); a list "
-                             "sets endpoints apart, those not in it get 1 "
-                             "(chat=3,embed=0: embed gets none)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="multiplies simulated engine time (0.1 = ten times faster)")
-    parser.add_argument("--redis-url", help="use Redis for rate limits and quotas (default: "
-                        "in process, monthly usage kept in a NATS KV bucket)")
-    parser.add_argument("--metrics-port", type=int, default=9464,
-                        help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free "
-                             "one if that is taken)")
-    parser.add_argument("--autoscale", action="store_true",
-                        help="start and stop worker processes as the dispatcher's autoscaler "
-                             "decides; endpoints without their own [endpoints.<name>.autoscale] "
-                             "get 1 to --max-workers workers, a 5 s cold start and a 60 s "
-                             "quiet window")
-    parser.add_argument("--max-workers", type=int, default=4,
-                        help="with --autoscale: the default most workers per endpoint")
-    parser.add_argument("--front-port", type=int,
-                        help="the OpenAI-compatible front's port on [front] host (default: "
-                             "[front] port, or a free one if that is taken; printed in "
-                             "OPENAI_BASE_URL)")
-    parser.add_argument("--front-tenant", default=DEV_TENANT,
-                        help=f"the tenant of the development API key made at start and "
-                             f"printed as OPENAI_API_KEY (default {DEV_TENANT}, else the "
-                             "config's first tenant)")
-    parser.add_argument("--auth", action="store_true",
-                        help="run with broker users: one nkey user per tenant and per part, "
-                             "rendered into LOG_DIR/auth (printed as AUTH_DIR), and the "
-                             "dispatcher's tenant inbox check (docs/security.md)")
-    parser.add_argument("--cluster", action="store_true",
-                        help="run a 3-node NATS cluster on 127.0.0.1 instead of one server "
-                             "(free ports, stores in LOG_DIR/nats, every stream and bucket at "
-                             "3 replicas, fsync on every write); NATS_URL lists the nodes")
-    parser.add_argument("--log-dir", type=Path,
-                        help="workers' output, one <worker id>.log each (default: a new "
-                             "temporary directory, printed as LOG_DIR and kept)")
+    parser.add_argument(
+        "--workers",
+        type=worker_counts,
+        default={"": 2},
+        metavar="N | ENDPOINT=N,...",
+        help="simulated worker processes per endpoint (default 2); a list "
+        "sets endpoints apart, those not in it get 1 "
+        "(chat=3,embed=0: embed gets none)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiplies simulated engine time (0.1 = ten times faster)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        help="use Redis for rate limits and quotas (default: "
+        "in process, monthly usage kept in a NATS KV bucket)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9464,
+        help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free one if that is taken)",
+    )
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="start and stop worker processes as the dispatcher's autoscaler "
+        "decides; endpoints without their own [endpoints.<name>.autoscale] "
+        "get 1 to --max-workers workers, a 5 s cold start and a 60 s "
+        "quiet window",
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=4,
+        help="with --autoscale: the default most workers per endpoint",
+    )
+    parser.add_argument(
+        "--front-port",
+        type=int,
+        help="the OpenAI-compatible front's port on [front] host (default: "
+        "[front] port, or a free one if that is taken; printed in "
+        "OPENAI_BASE_URL)",
+    )
+    parser.add_argument(
+        "--front-tenant",
+        default=DEV_TENANT,
+        help=f"the tenant of the development API key made at start and "
+        f"printed as OPENAI_API_KEY (default {DEV_TENANT}, else the "
+        "config's first tenant)",
+    )
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="run with broker users: one nkey user per tenant and per part, "
+        "rendered into LOG_DIR/auth (printed as AUTH_DIR), and the "
+        "dispatcher's tenant inbox check (docs/security.md)",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run a 3-node NATS cluster on 127.0.0.1 instead of one server "
+        "(free ports, stores in LOG_DIR/nats, every stream and bucket at "
+        "3 replicas, fsync on every write); NATS_URL lists the nodes",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help="workers' output, one <worker id>.log each (default: a new "
+        "temporary directory, printed as LOG_DIR and kept)",
+    )
     parser.set_defaults(run=run_up)
 
 
@@ -172,14 +220,16 @@ def worker_counts(value: str) -> dict[str, int]:
         if "=" not in value:
             counts = {"": int(value)}
         else:
-            counts = {name.strip(): int(count) for name, count in
-                      (item.split("=", 1) for item in value.split(","))}
+            counts = {
+                name.strip(): int(count)
+                for name, count in (item.split("=", 1) for item in value.split(","))
+            }
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or ENDPOINT=N,..., got {value!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(f"expected N or ENDPOINT=N,..., got {value!r}") from None
     if counts.get("", 1) < 1 or min(counts.values()) < 0:
-        raise argparse.ArgumentTypeError(f"worker counts must be >= 0 (>= 1 for all "
-                                         f"endpoints at once), got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"worker counts must be >= 0 (>= 1 for all endpoints at once), got {value!r}"
+        )
     return counts
 
 
@@ -196,8 +246,9 @@ def run_up(args: argparse.Namespace) -> int:
     if unknown:
         return _fail(f"--workers: no endpoint {', '.join(sorted(unknown))} in the config", 2)
     if args.autoscale:
-        config = with_autoscaling(config, msgspec.structs.replace(
-            LOCAL_SCALING, max_replicas=args.max_workers))
+        config = with_autoscaling(
+            config, msgspec.structs.replace(LOCAL_SCALING, max_replicas=args.max_workers)
+        )
     if args.front_port is not None and not 0 <= args.front_port <= 65535:
         return _fail(f"--front-port must be in 0..65535, got {args.front_port}", 2)
     tenant = args.front_tenant
@@ -208,14 +259,18 @@ def run_up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc), 2)
     if args.cluster and args.auth:
-        return _fail("--cluster and --auth cannot be combined yet: the broker users are "
-                     "rendered for one server; run the cluster with `fairq auth` by hand "
-                     "(docs/operations.md)", 2)
+        return _fail(
+            "--cluster and --auth cannot be combined yet: the broker users are "
+            "rendered for one server; run the cluster with `fairq auth` by hand "
+            "(docs/operations.md)",
+            2,
+        )
     if args.cluster and args.port:
         return _fail("--cluster picks a free port for each node; leave out --port", 2)
     if args.cluster:
-        config = msgspec.structs.replace(config, broker=msgspec.structs.replace(
-            config.broker, replicas=CLUSTER_SIZE))
+        config = msgspec.structs.replace(
+            config, broker=msgspec.structs.replace(config.broker, replicas=CLUSTER_SIZE)
+        )
     log_dir = _log_dir(args.log_dir)
     auth = None
     if args.auth:
@@ -254,8 +309,9 @@ def _seed(auth: RenderedAuth | None, user: str) -> dict[str, str]:
     return {} if auth is None else {"nkeys_seed": str(auth.seeds[user])}
 
 
-async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: Path,
-              auth: RenderedAuth | None) -> int:
+async def _up(
+    args: argparse.Namespace, config: Config, dev_key: str, log_dir: Path, auth: RenderedAuth | None
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -270,35 +326,59 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
         stack.callback(metrics.close)
         server = await stack.enter_async_context(
             EmbeddedNatsCluster(CLUSTER_SIZE, store_root=log_dir / "nats", sync="always")
-            if args.cluster else
-            EmbeddedNatsServer(port=args.port, config_file=auth.config if auth else None))
-        nc = await nats.connect(server_urls(server.url), name="fairq-up",
-                                max_reconnect_attempts=-1, **_seed(auth, DISPATCHER_USER))
+            if args.cluster
+            else EmbeddedNatsServer(port=args.port, config_file=auth.config if auth else None)
+        )
+        nc = await nats.connect(
+            server_urls(server.url),
+            name="fairq-up",
+            max_reconnect_attempts=-1,
+            **_seed(auth, DISPATCHER_USER),
+        )
         stack.push_async_callback(nc.drain)
         limiter = await open_limiter_store(args.redis_url, nc, config)
         stack.push_async_callback(limiter.aclose)
         # With the lease, a `python -m dispatcher` started against this broker stands by.
         ttl_s = config.dispatcher.lease_ttl_s
-        tenures = Tenures(nc, config, lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None,
-                          limiter=limiter, metrics=metrics, config_path=args.config)
-        reloads = Reloads(lambda: tenures.current, config, auth, _say,
-                          reload_broker=None if args.cluster else server.reload)
+        tenures = Tenures(
+            nc,
+            config,
+            lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None,
+            limiter=limiter,
+            metrics=metrics,
+            config_path=args.config,
+        )
+        reloads = Reloads(
+            lambda: tenures.current,
+            config,
+            auth,
+            _say,
+            reload_broker=None if args.cluster else server.reload,
+        )
         loop.add_signal_handler(signal.SIGHUP, reloads.trigger)
         stack.push_async_callback(reloads.close)
         dispatching = await stack.enter_async_context(_dispatching(tenures, stop))
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
         launcher = WorkerLauncher(
-            server.url, args.config.resolve(), args.time_scale, log_dir,
+            server.url,
+            args.config.resolve(),
+            args.time_scale,
+            log_dir,
             stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S,
-            credentials=("--nkey", str(auth.seeds[WORKER_USER])) if auth else ())
+            credentials=("--nkey", str(auth.seeds[WORKER_USER])) if auth else (),
+        )
         for endpoint, spec in config.endpoints.items():
-            count = (spec.autoscale.min_replicas if args.autoscale
-                     else args.workers.get(endpoint, args.workers.get("", 1)))
+            count = (
+                spec.autoscale.min_replicas
+                if args.autoscale
+                else args.workers.get(endpoint, args.workers.get("", 1))
+            )
             for n in range(1, count + 1):
                 await supervisor.add(launcher.child(endpoint, n))
         if args.autoscale:
             await stack.enter_async_context(
-                ScaleFollower(nc, config, supervisor, launcher.child, _say))
+                ScaleFollower(nc, config, supervisor, launcher.child, _say)
+            )
         await until_serving(nc, config, supervisor, stop, log_dir)
         if not stop.is_set():
             front = await _serve_front(stack, server.url, config, args.front_port, auth)
@@ -312,12 +392,17 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
                 print(f"AUTH_DIR={auth.directory}", flush=True)
                 tenants = registered_tenants(config)
                 example = DEV_TENANT if DEV_TENANT in tenants else tenants[0]
-                _say(f"broker users on: tenants {', '.join(tenants)} connect with their "
-                     f"AUTH_DIR/<tenant>.nk, e.g. `fairq submit --nats {server.url} --nkey "
-                     f"{auth.seeds[example]} --tenant {example} ...`; operators with "
-                     f"{auth.seeds[OPERATOR_USER]}")
-            print(f"fairq is up: {len(supervisor.children)} simulated workers on "
-                  f"{', '.join(config.endpoints)}; Ctrl-C stops", flush=True)
+                _say(
+                    f"broker users on: tenants {', '.join(tenants)} connect with their "
+                    f"AUTH_DIR/<tenant>.nk, e.g. `fairq submit --nats {server.url} --nkey "
+                    f"{auth.seeds[example]} --tenant {example} ...`; operators with "
+                    f"{auth.seeds[OPERATOR_USER]}"
+                )
+            print(
+                f"fairq is up: {len(supervisor.children)} simulated workers on "
+                f"{', '.join(config.endpoints)}; Ctrl-C stops",
+                flush=True,
+            )
             replacing = asyncio.create_task(replace_unhealthy(tenures, supervisor))
             try:
                 await first_of(stop.wait(), asyncio.shield(dispatching))
@@ -330,14 +415,24 @@ async def _up(args: argparse.Namespace, config: Config, dev_key: str, log_dir: P
     return 0
 
 
-async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: Config,
-                       port: int | None, auth: RenderedAuth | None) -> FrontServer:
+async def _serve_front(
+    stack: contextlib.AsyncExitStack,
+    nats_url: str,
+    config: Config,
+    port: int | None,
+    auth: RenderedAuth | None,
+) -> FrontServer:
     """The OpenAI-compatible front, on its own connection (as its own user with --auth);
     left before the workers stop, so that no new request arrives while they drain."""
     seed = None if auth is None else auth.seeds[FRONT_USER]
-    client = await stack.enter_async_context(await Client.connect(
-        nats_url, prefix=config.broker.prefix, nkey=seed,
-        inbox_prefix=front_inbox_prefix(FRONT_USER) if seed else None))
+    client = await stack.enter_async_context(
+        await Client.connect(
+            nats_url,
+            prefix=config.broker.prefix,
+            nkey=seed,
+            inbox_prefix=front_inbox_prefix(FRONT_USER) if seed else None,
+        )
+    )
     front = Front(client, config, KeyRing(config.front.keys))
     try:
         return await stack.enter_async_context(FrontServer(front, config.front, port))
@@ -349,8 +444,7 @@ async def _serve_front(stack: contextlib.AsyncExitStack, nats_url: str, config: 
 
 
 @contextlib.asynccontextmanager
-async def _dispatching(tenures: Tenures,
-                       stop: asyncio.Event) -> AsyncIterator[asyncio.Task[None]]:
+async def _dispatching(tenures: Tenures, stop: asyncio.Event) -> AsyncIterator[asyncio.Task[None]]:
     """The dispatcher's tenures in a task (yielded: it ends only by an error), entered
     once the first has taken the lease and started, or `stop` was set first; left (the
     last one drains) when the stack unwinds to here, after the workers stopped. A
@@ -358,16 +452,22 @@ async def _dispatching(tenures: Tenures,
     leader) stands by and serves again, as `python -m dispatcher` does."""
     ended = asyncio.Event()
     running = asyncio.create_task(tenures.run(ended))
-    waits = [running, asyncio.ensure_future(tenures.serving.wait()),
-             asyncio.ensure_future(stop.wait())]
+    waits = [
+        running,
+        asyncio.ensure_future(tenures.serving.wait()),
+        asyncio.ensure_future(stop.wait()),
+    ]
     try:
-        done, _ = await asyncio.wait(waits, timeout=START_TIMEOUT_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            waits, timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+        )
         if running.done():
             running.result()  # its error at start, e.g. a tokenizer it could not load
         elif not done:
-            raise StartError(f"the dispatcher did not start within {START_TIMEOUT_S:g}s "
-                             "(the broker failed it, or another dispatcher holds the lease)")
+            raise StartError(
+                f"the dispatcher did not start within {START_TIMEOUT_S:g}s "
+                "(the broker failed it, or another dispatcher holds the lease)"
+            )
         yield running
     finally:
         for wait in waits[1:]:

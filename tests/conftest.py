@@ -40,8 +40,9 @@ class Service(Protocol):
 def service_unavailable(reason: str) -> NoReturn:
     """Skip locally; fail under CI=true, where every service must be present."""
     if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{reason} (CI=true: tests needing a service fail instead of skipping)",
-                    pytrace=False)
+        pytest.fail(
+            f"{reason} (CI=true: tests needing a service fail instead of skipping)", pytrace=False
+        )
     pytest.skip(reason)
 
 
@@ -62,8 +63,11 @@ def _containers_requested() -> bool:
         docker.from_env().ping()
         import testcontainers  # noqa: F401
     except Exception as exc:  # any failure here means "no usable Docker"
-        warnings.warn(f"{SERVERS_ENV}=containers but Docker/testcontainers is not usable "
-                      f"({exc!r}); starting server processes instead", stacklevel=2)
+        warnings.warn(
+            f"{SERVERS_ENV}=containers but Docker/testcontainers is not usable "
+            f"({exc!r}); starting server processes instead",
+            stacklevel=2,
+        )
         return False
     return True
 
@@ -77,8 +81,9 @@ class ContainerService:
         self.container.stop()
 
 
-def _start_container(image: str, port: int, command: str, ready_line: str,
-                     scheme: str, path: str = "") -> ContainerService:
+def _start_container(
+    image: str, port: int, command: str, ready_line: str, scheme: str, path: str = ""
+) -> ContainerService:
     from testcontainers.core.container import DockerContainer
     from testcontainers.core.waiting_utils import wait_for_logs
 
@@ -105,8 +110,7 @@ def _start_nats() -> Service:
 
 def _start_redis() -> Service:
     if _containers_requested():
-        return _start_container(REDIS_IMAGE, 6379, "", "Ready to accept connections",
-                                "redis", "/0")
+        return _start_container(REDIS_IMAGE, 6379, "", "Ready to accept connections", "redis", "/0")
     _require_binary(find_redis_server)
     return EmbeddedRedisServer().start()
 

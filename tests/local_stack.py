@@ -29,12 +29,11 @@ from broker_config.config import (
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.server import EmbeddedNatsServer
 from costmodel.engine_model import EngineParams, load_engine_params
-from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.admission.kv_store import open_limiter_store
+from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine
-
 
 # One endpoint `chat`, every tenant admitted, no rate limits, a latency target far off:
 # for the tests of delivery (crashes, failovers), where only what arrives counts.
@@ -88,12 +87,24 @@ class StackOptions:
 class LocalStack:
     """Dispatcher plus simulated workers on a NATS server (embedded unless a URL is given)."""
 
-    def __init__(self, config: Config, options: StackOptions = StackOptions(), *,
-                 nats_url: str | None = None, port: int = 0,
-                 metrics: DispatcherMetrics | None = None) -> None:
-        replaced = {name: value for name, value in (
-            ("workers", options.workers_settings), ("dispatcher", options.dispatcher),
-            ("broker", options.settings)) if value is not None}
+    def __init__(
+        self,
+        config: Config,
+        options: StackOptions = StackOptions(),
+        *,
+        nats_url: str | None = None,
+        port: int = 0,
+        metrics: DispatcherMetrics | None = None,
+    ) -> None:
+        replaced = {
+            name: value
+            for name, value in (
+                ("workers", options.workers_settings),
+                ("dispatcher", options.dispatcher),
+                ("broker", options.settings),
+            )
+            if value is not None
+        }
         self.config = msgspec.structs.replace(config, **replaced)
         self.options = options
         self.nats_url = nats_url
@@ -116,8 +127,9 @@ class LocalStack:
             stack.push_async_callback(self.nc.drain)
             limiter = await open_limiter_store(self.options.redis_url, self.nc, self.config)
             stack.push_async_callback(limiter.aclose)
-            self.dispatcher = await stack.enter_async_context(Dispatcher(
-                self.nc, self.config, limiter=limiter, metrics=self.metrics))
+            self.dispatcher = await stack.enter_async_context(
+                Dispatcher(self.nc, self.config, limiter=limiter, metrics=self.metrics)
+            )
             await self._start_workers()
         except BaseException:
             await stack.aclose()
@@ -130,17 +142,27 @@ class LocalStack:
         subjects = self.config.subjects
         # Entered before the workers, so it is left after they drain (and store).
         results = await self._stack.enter_async_context(
-            KeyValueWriter(self.nc, subjects.results_bucket))
+            KeyValueWriter(self.nc, subjects.results_bucket)
+        )
         for endpoint in endpoints:
             profile = self.dispatcher.scheduler.endpoints[endpoint].profile
             for n in range(self.options.workers):
                 engine = await self._stack.enter_async_context(
-                    SimEngine(params, time_scale=self.options.time_scale, seed=n))
+                    SimEngine(params, time_scale=self.options.time_scale, seed=n)
+                )
                 self.engines.append(engine)
-                worker = await self._stack.enter_async_context(WorkerService(
-                    self.nc, engine, endpoint=endpoint, worker_id=f"{endpoint}-w{n + 1}",
-                    subjects=subjects, results=results, profile=profile,
-                    settings=self.config.workers))
+                worker = await self._stack.enter_async_context(
+                    WorkerService(
+                        self.nc,
+                        engine,
+                        endpoint=endpoint,
+                        worker_id=f"{endpoint}-w{n + 1}",
+                        subjects=subjects,
+                        results=results,
+                        profile=profile,
+                        settings=self.config.workers,
+                    )
+                )
                 self.workers.append(worker)
 
     def counted(self, metric, endpoint: str = "chat") -> float:

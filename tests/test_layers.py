@@ -52,9 +52,20 @@ def modules() -> list[str]:
 @functools.cache
 def loaded_by_module() -> dict[str, list[str]]:
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(list(LAYERS)),
-         json.dumps(sorted(IO_LIBRARIES)), json.dumps(modules())],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            "-c",
+            _PROBE,
+            json.dumps(list(LAYERS)),
+            json.dumps(sorted(IO_LIBRARIES)),
+            json.dumps(modules()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -73,18 +84,33 @@ def test_no_module_loads_a_higher_layer_or_its_sibling() -> None:
 
 def test_pure_packages_load_no_io_library() -> None:
     loaded = loaded_by_module()
-    breaches = [f"{name} loads {m}" for name, modules_loaded in loaded.items()
-                if name.startswith(PURE) for m in modules_loaded
-                if m.split(".")[0] in IO_LIBRARIES]
+    breaches = [
+        f"{name} loads {m}"
+        for name, modules_loaded in loaded.items()
+        if name.startswith(PURE)
+        for m in modules_loaded
+        if m.split(".")[0] in IO_LIBRARIES
+    ]
     assert not breaches, "\n".join(sorted(breaches))
 
 
 def test_the_probe_sees_a_breach() -> None:
     """The check above can fail: a module that loads a higher layer is reported."""
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(list(LAYERS)),
-         json.dumps(sorted(IO_LIBRARIES)), json.dumps(["dispatcher.service"])],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+        [
+            sys.executable,
+            "-c",
+            _PROBE,
+            json.dumps(list(LAYERS)),
+            json.dumps(sorted(IO_LIBRARIES)),
+            json.dumps(["dispatcher.service"]),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     loaded = json.loads(result.stdout)["dispatcher.service"]
     assert "nats" in {m.split(".")[0] for m in loaded}
     assert "broker_config.config" in loaded

@@ -41,8 +41,9 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.
         pytest.fail(f"not within {timeout_s}s: {what}")
 
 
-async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 10.0,
-                     what: str = "condition") -> T:
+async def eventually(
+    check: Callable[[], Awaitable[T]], timeout: float = 10.0, what: str = "condition"
+) -> T:
     """Poll `check` until it returns something true; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:

@@ -88,46 +88,88 @@ class Options:
 
 def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Run a fairq worker: batches in, events out.")
-    parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL",
-                        help=f"NATS server (default {DEFAULT_NATS_URL})")
+        prog=prog, description="Run a fairq worker: batches in, events out."
+    )
+    parser.add_argument(
+        "--nats",
+        default=DEFAULT_NATS_URL,
+        metavar="URL",
+        help=f"NATS server (default {DEFAULT_NATS_URL})",
+    )
     add_connection_args(parser)
-    parser.add_argument("--connect-wait", type=float, default=60.0, metavar="S",
-                        help="how long to keep trying to reach NATS at start (default 60)")
+    parser.add_argument(
+        "--connect-wait",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long to keep trying to reach NATS at start (default 60)",
+    )
     parser.add_argument("--endpoint", required=True, help="the endpoint this worker serves")
-    parser.add_argument("--kind", choices=("generate", "embed"),
-                        help="what the endpoint does (default: its `kind` in --config, "
-                             "else generate)")
+    parser.add_argument(
+        "--kind",
+        choices=("generate", "embed"),
+        help="what the endpoint does (default: its `kind` in --config, else generate)",
+    )
     parser.add_argument("--worker-id", required=True, help="unique among the endpoint's workers")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
-    parser.add_argument("--engine-config", type=Path, metavar="TOML",
-                        help="sim: EngineParams (e.g. configs/engine.toml); "
-                             "vllm: VLLMEngineConfig fields")
-    parser.add_argument("--time-scale", type=float, metavar="X",
-                        help="sim only: multiplies simulated step times (default 1.0)")
+    parser.add_argument(
+        "--engine-config",
+        type=Path,
+        metavar="TOML",
+        help="sim: EngineParams (e.g. configs/engine.toml); vllm: VLLMEngineConfig fields",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        metavar="X",
+        help="sim only: multiplies simulated step times (default 1.0)",
+    )
     parser.add_argument("--seed", type=int, help="sim only: output text and lengths (default 0)")
-    parser.add_argument("--slow-fault", type=float, metavar="X",
-                        help="sim only: SIGUSR2 makes every step X times longer, and "
-                             "SIGUSR2 again undoes it (default 10; SIGUSR1 toggles a hang)")
+    parser.add_argument(
+        "--slow-fault",
+        type=float,
+        metavar="X",
+        help="sim only: SIGUSR2 makes every step X times longer, and "
+        "SIGUSR2 again undoes it (default 10; SIGUSR1 toggles a hang)",
+    )
     parser.add_argument("--model", metavar="DIR", help="vllm only: the model directory")
-    parser.add_argument("--config", type=Path, metavar="TOML",
-                        help="fairq config: the endpoint's cost profile and the subject prefix")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="TOML",
+        help="fairq config: the endpoint's cost profile and the subject prefix",
+    )
     parser.add_argument("--prefix", help="subject prefix (default: --config's, else fq)")
     defaults = WorkerOptions()
-    parser.add_argument("--heartbeat-interval", type=float, metavar="S",
-                        help=f"default: --config's [workers], else "
-                             f"{defaults.heartbeat_interval_s:g}")
-    parser.add_argument("--drain-timeout", type=float, metavar="S",
-                        help="on SIGTERM, how long in-flight requests may take to finish "
-                             f"(default: --config's [workers], else {defaults.drain_timeout_s:g})")
-    parser.add_argument("--health-port", type=int, metavar="PORT",
-                        help="serve /healthz (liveness: heartbeats go out, not evicted) and "
-                             "/readyz (takes work) over HTTP on PORT (0: a free port, "
-                             "printed as HEALTH_URL)")
-    parser.add_argument("--health-host", default="127.0.0.1",
-                        help="address for --health-port (0.0.0.0 inside a container)")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        metavar="S",
+        help=f"default: --config's [workers], else {defaults.heartbeat_interval_s:g}",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, how long in-flight requests may take to finish "
+        f"(default: --config's [workers], else {defaults.drain_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        metavar="PORT",
+        help="serve /healthz (liveness: heartbeats go out, not evicted) and "
+        "/readyz (takes work) over HTTP on PORT (0: a free port, "
+        "printed as HEALTH_URL)",
+    )
+    parser.add_argument(
+        "--health-host",
+        default="127.0.0.1",
+        help="address for --health-port (0.0.0.0 inside a container)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
     return parser
 
 
@@ -146,15 +188,21 @@ def parse_options(args: argparse.Namespace) -> Options:
         raise UsageError(f"--connect-wait must be > 0, got {args.connect_wait}")
     prefix, profile, settings, embed = args.prefix, None, WorkerOptions(), args.kind == "embed"
     if args.config is not None:
-        prefix_from_config, profile, settings, kind = _from_fairq_config(args.config,
-                                                                         args.endpoint)
+        prefix_from_config, profile, settings, kind = _from_fairq_config(args.config, args.endpoint)
         if args.kind is not None and args.kind != kind:
-            raise UsageError(f"--kind {args.kind}: endpoint {args.endpoint!r} is of kind "
-                             f"{kind!r} in {args.config}")
+            raise UsageError(
+                f"--kind {args.kind}: endpoint {args.endpoint!r} is of kind "
+                f"{kind!r} in {args.config}"
+            )
         prefix, embed = prefix or prefix_from_config, kind == "embed"
-    overrides = {name: value for name, value in (
-        ("heartbeat_interval_s", args.heartbeat_interval),
-        ("drain_timeout_s", args.drain_timeout)) if value is not None}
+    overrides = {
+        name: value
+        for name, value in (
+            ("heartbeat_interval_s", args.heartbeat_interval),
+            ("drain_timeout_s", args.drain_timeout),
+        )
+        if value is not None
+    }
     try:
         subjects = Subjects(prefix or "fq")
         settings = msgspec.convert(msgspec.to_builtins(settings) | overrides, WorkerOptions)
@@ -169,13 +217,26 @@ def parse_options(args: argparse.Namespace) -> Options:
     slow_fault = 10.0 if args.slow_fault is None else args.slow_fault
     if not 0 < slow_fault < math.inf:
         raise UsageError(f"--slow-fault must be a finite number > 0, got {args.slow_fault}")
-    return Options(args.nats, args.connect_wait, args.endpoint, args.worker_id, subjects, profile,
-                   settings, engine, args.health_port, args.health_host, slow_fault, embed,
-                   credentials)
+    return Options(
+        args.nats,
+        args.connect_wait,
+        args.endpoint,
+        args.worker_id,
+        subjects,
+        profile,
+        settings,
+        engine,
+        args.health_port,
+        args.health_host,
+        slow_fault,
+        embed,
+        credentials,
+    )
 
 
-def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, WorkerOptions,
-                                                           EndpointKind]:
+def _from_fairq_config(
+    path: Path, endpoint: str
+) -> tuple[str, ModelProfile, WorkerOptions, EndpointKind]:
     try:
         config = load_config(path)
     except ValueError as exc:
@@ -183,25 +244,38 @@ def _from_fairq_config(path: Path, endpoint: str) -> tuple[str, ModelProfile, Wo
     if endpoint not in config.endpoints:
         known = ", ".join(sorted(config.endpoints)) or "none"
         raise UsageError(f"{path}: no endpoint {endpoint!r} (configured: {known})")
-    return (config.broker.prefix, Registry(config).profile(endpoint), config.workers,
-            config.endpoints[endpoint].kind)
+    return (
+        config.broker.prefix,
+        Registry(config).profile(endpoint),
+        config.workers,
+        config.endpoints[endpoint].kind,
+    )
 
 
 def _sim_engine(args: argparse.Namespace) -> Engine:
     if args.model is not None:
         raise UsageError("--model is for --engine vllm; the simulated engine has no model")
     try:
-        params = (load_engine_params(args.engine_config) if args.engine_config is not None
-                  else EngineParams())
-        return SimEngine(params, time_scale=1.0 if args.time_scale is None else args.time_scale,
-                         seed=0 if args.seed is None else args.seed)
+        params = (
+            load_engine_params(args.engine_config)
+            if args.engine_config is not None
+            else EngineParams()
+        )
+        return SimEngine(
+            params,
+            time_scale=1.0 if args.time_scale is None else args.time_scale,
+            seed=0 if args.seed is None else args.seed,
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 
 
 def _vllm_engine(args: argparse.Namespace, embed: bool) -> Engine:
-    for flag, value in (("--time-scale", args.time_scale), ("--seed", args.seed),
-                        ("--slow-fault", args.slow_fault)):
+    for flag, value in (
+        ("--time-scale", args.time_scale),
+        ("--seed", args.seed),
+        ("--slow-fault", args.slow_fault),
+    ):
         if value is not None:
             raise UsageError(f"{flag} is for --engine sim (set vLLM's seed in --engine-config)")
     # Imported only here: its module is the one place fairq reaches vllm from.
@@ -238,8 +312,9 @@ class WorkerFailure(RuntimeError):
 
 
 @contextlib.asynccontextmanager
-async def serving(options: Options, stop: asyncio.Event) -> AsyncIterator[tuple[nats.NATS,
-                                                                                WorkerService]]:
+async def serving(
+    options: Options, stop: asyncio.Event
+) -> AsyncIterator[tuple[nats.NATS, WorkerService]]:
     """A connected, serving worker: (connection, service) until the block is left, which
     drains the service, then closes the connection. `stop` is set when the connection is
     lost for good. Raises WorkerFailure."""
@@ -257,14 +332,19 @@ async def serving(options: Options, stop: asyncio.Event) -> AsyncIterator[tuple[
     try:
         # nats-py retries a failed first connect; the wait bounds it (NATS may start later).
         async with asyncio.timeout(options.connect_wait_s):
-            nc = await nats.connect(server_urls(options.nats_url),
-                                    name=f"fairq-worker-{options.endpoint}-{options.worker_id}",
-                                    connect_timeout=CONNECT_TIMEOUT_S,
-                                    error_cb=on_error, closed_cb=on_closed,
-                                    **options.credentials)
+            nc = await nats.connect(
+                server_urls(options.nats_url),
+                name=f"fairq-worker-{options.endpoint}-{options.worker_id}",
+                connect_timeout=CONNECT_TIMEOUT_S,
+                error_cb=on_error,
+                closed_cb=on_closed,
+                **options.credentials,
+            )
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        raise WorkerFailure(f"cannot connect to NATS at {options.nats_url} within "
-                            f"{options.connect_wait_s:g}s: {exc!r}") from exc
+        raise WorkerFailure(
+            f"cannot connect to NATS at {options.nats_url} within "
+            f"{options.connect_wait_s:g}s: {exc!r}"
+        ) from exc
     try:
         async with _service(nc, options) as service:
             freeze_startup_heap()
@@ -283,8 +363,10 @@ async def _service(nc: nats.NATS, options: Options) -> AsyncIterator[WorkerServi
     try:
         await nc.jetstream().key_value(bucket)  # the bucket exists: the broker is provisioned
     except BucketNotFoundError as exc:
-        raise WorkerFailure(f"results bucket {bucket} not found on {options.nats_url}: the "
-                            "dispatcher provisions the broker, start it first") from exc
+        raise WorkerFailure(
+            f"results bucket {bucket} not found on {options.nats_url}: the "
+            "dispatcher provisions the broker, start it first"
+        ) from exc
     except nats.errors.Error as exc:
         raise WorkerFailure(f"cannot open results bucket {bucket}: {exc!r}") from exc
     async with contextlib.AsyncExitStack() as stack:
@@ -296,10 +378,20 @@ async def _service(nc: nats.NATS, options: Options) -> AsyncIterator[WorkerServi
         except (EngineError, ImportError) as exc:
             # ImportError: --engine vllm where vllm is not installed (see docs/vllm.md).
             raise WorkerFailure(f"the engine failed to start: {exc}") from exc
-        service = await stack.enter_async_context(WorkerService(
-            nc, engine, endpoint=options.endpoint, worker_id=options.worker_id,
-            subjects=options.subjects, results=writer, profile=options.profile,
-            settings=options.settings, embed=options.embed, fence=fence))
+        service = await stack.enter_async_context(
+            WorkerService(
+                nc,
+                engine,
+                endpoint=options.endpoint,
+                worker_id=options.worker_id,
+                subjects=options.subjects,
+                results=writer,
+                profile=options.profile,
+                settings=options.settings,
+                embed=options.embed,
+                fence=fence,
+            )
+        )
         log.info("worker %s serving endpoint %s", options.worker_id, options.endpoint)
         yield service
         log.info("worker %s draining", options.worker_id)
@@ -365,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_options(args)
     except UsageError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         asyncio.run(run(options))
     except WorkerFailure as exc:

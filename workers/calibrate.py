@@ -96,14 +96,14 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.shapes()  # grid() checks the lengths and counts
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) \
-                or self.repeats < 1:
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
         if not (0 < self.time_scale < math.inf):
             raise ValueError(f"time scale must be finite and > 0, got {self.time_scale!r}")
         if self.capacity_mu_per_s is not None and not (0 < self.capacity_mu_per_s < math.inf):
-            raise ValueError("capacity_mu_per_s must be finite and > 0, "
-                             f"got {self.capacity_mu_per_s!r}")
+            raise ValueError(
+                f"capacity_mu_per_s must be finite and > 0, got {self.capacity_mu_per_s!r}"
+            )
         if self.capacity_shape is not None:  # a one-point grid checks it like the others
             shape = self.capacity_shape
             grid([shape.input_tokens], [shape.output_tokens], [shape.images])
@@ -150,32 +150,40 @@ async def calibrate(engine: Engine, plan: Plan, name: str) -> Calibration:
     requests = _Requests(engine)
     shapes = plan.shapes()
     await _run(engine, requests.make(shapes[0]), shapes[0])  # warm-up, not timed
-    samples = [await _timed(engine, requests, shape, plan.time_scale)
-               for _ in range(plan.repeats) for shape in shapes]
+    samples = [
+        await _timed(engine, requests, shape, plan.time_scale)
+        for _ in range(plan.repeats)
+        for shape in shapes
+    ]
     fit = fit_profile(samples)
     run = None
     capacity = plan.capacity_mu_per_s
     if capacity is None:
-        run = await _measure_capacity(engine, requests, fit.to_profile(name, 1.0),
-                                      plan.capacity_run_shape(), plan.time_scale)
+        run = await _measure_capacity(
+            engine, requests, fit.to_profile(name, 1.0), plan.capacity_run_shape(), plan.time_scale
+        )
         capacity = run.mu_per_s
     return Calibration(fit, fit.to_profile(name, capacity), samples, run)
 
 
-async def _measure_capacity(engine: Engine, requests: _Requests, profile: ModelProfile,
-                            shape: Shape, time_scale: float) -> CapacityRun:
+async def _measure_capacity(
+    engine: Engine, requests: _Requests, profile: ModelProfile, shape: Shape, time_scale: float
+) -> CapacityRun:
     """Run as many requests of `shape` at once as the engine holds; model units per second."""
     limits = engine.capacity
-    n = min(limits.sequences,
-            limits.tokens // (shape.input_tokens + shape.output_tokens))
+    n = min(limits.sequences, limits.tokens // (shape.input_tokens + shape.output_tokens))
     if n < 1:
-        raise ValueError(f"a request of {shape.input_tokens} input and {shape.output_tokens} "
-                         f"output tokens does not fit the engine's KV cache of "
-                         f"{limits.tokens} tokens")
+        raise ValueError(
+            f"a request of {shape.input_tokens} input and {shape.output_tokens} "
+            f"output tokens does not fit the engine's KV cache of "
+            f"{limits.tokens} tokens"
+        )
     units = profile.model_units(shape.input_tokens, shape.output_tokens, shape.images)
     if units <= 0:
-        raise CalibrationError("the fitted coefficients give a request no model units, so "
-                               "capacity cannot be measured in them")
+        raise CalibrationError(
+            "the fitted coefficients give a request no model units, so "
+            "capacity cannot be measured in them"
+        )
     batch = [requests.make(shape) for _ in range(n)]  # prompts built before the clock runs
     start = time.perf_counter()
     async with asyncio.TaskGroup() as tg:
@@ -193,8 +201,9 @@ def synthetic_prompt(engine: Engine, tokens: int, seed: int = 0) -> str:
         length = _exact_length(cache(partial(_prompt_tokens, engine, words)), tokens)
         if length is not None:
             return words.text(length)
-    raise ValueError(f"cannot build a prompt of exactly {tokens} input tokens for this "
-                     "engine's tokenizer")
+    raise ValueError(
+        f"cannot build a prompt of exactly {tokens} input tokens for this engine's tokenizer"
+    )
 
 
 class _Words:
@@ -211,8 +220,9 @@ class _Words:
 
 
 def _prompt_tokens(engine: Engine, words: _Words, n: int) -> int:
-    return engine.count_tokens(EngineRequest(id="calibration-prompt", max_tokens=1,
-                                             prompt=words.text(n)))
+    return engine.count_tokens(
+        EngineRequest(id="calibration-prompt", max_tokens=1, prompt=words.text(n))
+    )
 
 
 def _exact_length(tokens_of: Callable[[int], int], target: int) -> int | None:
@@ -246,14 +256,15 @@ class _Requests:
     def make(self, shape: Shape) -> EngineRequest:
         n = next(self._numbers)
         return EngineRequest(
-            id=f"calibration-{n}", max_tokens=shape.output_tokens,
+            id=f"calibration-{n}",
+            max_tokens=shape.output_tokens,
             prompt=synthetic_prompt(self._engine, shape.input_tokens, seed=n),
             target_output_tokens=shape.output_tokens,
-            images=[SYNTHETIC_IMAGE] * shape.images)
+            images=[SYNTHETIC_IMAGE] * shape.images,
+        )
 
 
-async def _timed(engine: Engine, requests: _Requests, shape: Shape,
-                 time_scale: float) -> Sample:
+async def _timed(engine: Engine, requests: _Requests, shape: Shape, time_scale: float) -> Sample:
     request = requests.make(shape)
     start = time.perf_counter()
     await _run(engine, request, shape)
@@ -275,7 +286,8 @@ async def _run(engine: Engine, request: EngineRequest, shape: Shape) -> Delta:
         raise CalibrationError(
             f"request {request.id}: asked for {shape.input_tokens} input and "
             f"{shape.output_tokens} output tokens, the engine ran {ran[0]} and {ran[1]} "
-            f"(finish reason {final.finish_reason!r})")
+            f"(finish reason {final.finish_reason!r})"
+        )
     return final
 
 
@@ -289,38 +301,74 @@ def _median(values: Sequence[int]) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "calibrate", help="fit a model-unit cost profile by timing an engine",
+        "calibrate",
+        help="fit a model-unit cost profile by timing an engine",
         description="Time an engine over a grid of input and output lengths, one request "
-                    "at a time, fit alpha/beta/gamma (non-negative least squares), measure "
-                    "the batched capacity, and write the profile TOML.")
+        "at a time, fit alpha/beta/gamma (non-negative least squares), measure "
+        "the batched capacity, and write the profile TOML.",
+    )
     parser.add_argument("--engine", choices=sorted(DEFAULT_OUTPUTS), default="sim")
-    parser.add_argument("--engine-config", type=Path, metavar="TOML",
-                        help="sim: EngineParams (e.g. configs/engine.toml); vllm: "
-                             "VLLMEngineConfig fields (ignore_eos is always on)")
+    parser.add_argument(
+        "--engine-config",
+        type=Path,
+        metavar="TOML",
+        help="sim: EngineParams (e.g. configs/engine.toml); vllm: "
+        "VLLMEngineConfig fields (ignore_eos is always on)",
+    )
     parser.add_argument("--model", metavar="DIR", help="vllm: the model directory")
-    parser.add_argument("--inputs", type=_lengths, default=DEFAULT_INPUTS, metavar="N,N,...",
-                        help=f"input lengths in tokens (default {_joined(DEFAULT_INPUTS)})")
-    defaults = "; ".join(f"{engine}: {_joined(outputs)}"
-                         for engine, outputs in DEFAULT_OUTPUTS.items())
-    parser.add_argument("--outputs", type=_lengths, metavar="N,N,...",
-                        help=f"output lengths in tokens (default {defaults})")
-    parser.add_argument("--images", type=_lengths, default=(0,), metavar="N,N,...",
-                        help="images per request (default 0; vLLM runs text only)")
-    parser.add_argument("--repeats", type=int, default=1, metavar="N",
-                        help="runs per grid point (default 1)")
-    parser.add_argument("--name", help="profile name (default: the name of --model's directory, "
-                                       "else the engine's name)")
+    parser.add_argument(
+        "--inputs",
+        type=_lengths,
+        default=DEFAULT_INPUTS,
+        metavar="N,N,...",
+        help=f"input lengths in tokens (default {_joined(DEFAULT_INPUTS)})",
+    )
+    defaults = "; ".join(
+        f"{engine}: {_joined(outputs)}" for engine, outputs in DEFAULT_OUTPUTS.items()
+    )
+    parser.add_argument(
+        "--outputs",
+        type=_lengths,
+        metavar="N,N,...",
+        help=f"output lengths in tokens (default {defaults})",
+    )
+    parser.add_argument(
+        "--images",
+        type=_lengths,
+        default=(0,),
+        metavar="N,N,...",
+        help="images per request (default 0; vLLM runs text only)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, metavar="N", help="runs per grid point (default 1)"
+    )
+    parser.add_argument(
+        "--name",
+        help="profile name (default: the name of --model's directory, else the engine's name)",
+    )
     capacity = parser.add_mutually_exclusive_group()
-    capacity.add_argument("--capacity-mu-per-s", type=float, metavar="X",
-                          help="write this capacity instead of measuring it")
-    capacity.add_argument("--capacity-shape", type=_lengths, metavar="IN,OUT[,IMAGES]",
-                          help="the request shape of the capacity run (default: median "
-                               "input and output lengths of the grid, fewest images)")
-    parser.add_argument("--time-scale", type=float, metavar="X",
-                        help="sim only: step times are multiplied by X and measurements "
-                             "divided by it (default 1)")
-    parser.add_argument("--out", type=Path, required=True, metavar="PROFILE.toml",
-                        help="where to write the profile")
+    capacity.add_argument(
+        "--capacity-mu-per-s",
+        type=float,
+        metavar="X",
+        help="write this capacity instead of measuring it",
+    )
+    capacity.add_argument(
+        "--capacity-shape",
+        type=_lengths,
+        metavar="IN,OUT[,IMAGES]",
+        help="the request shape of the capacity run (default: median "
+        "input and output lengths of the grid, fewest images)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        metavar="X",
+        help="sim only: step times are multiplied by X and measurements divided by it (default 1)",
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, metavar="PROFILE.toml", help="where to write the profile"
+    )
     parser.set_defaults(run=run)
 
 
@@ -353,17 +401,21 @@ async def _calibrate(engine: Engine, plan: Plan, name: str) -> Calibration:
 
 def format_report(result: Calibration) -> str:
     fit, profile, run = result.fit, result.profile, result.capacity_run
-    lines = [f"profile {profile.name!r} from {fit.n} timed requests",
-             f"alpha = {fit.alpha:.6g} s per input token",
-             f"beta  = {fit.beta:.6g} s per output token",
-             f"gamma = {fit.gamma:.6g} s per image",
-             f"R^2   = {fit.r2:.6f}"]
+    lines = [
+        f"profile {profile.name!r} from {fit.n} timed requests",
+        f"alpha = {fit.alpha:.6g} s per input token",
+        f"beta  = {fit.beta:.6g} s per output token",
+        f"gamma = {fit.gamma:.6g} s per image",
+        f"R^2   = {fit.r2:.6f}",
+    ]
     if run is None:
         lines.append(f"capacity_mu_per_s = {profile.capacity_mu_per_s:.6g} (given)")
     else:
-        lines.append(f"capacity_mu_per_s = {run.mu_per_s:.6g} ({run.requests} concurrent "
-                     f"requests of {run.shape.input_tokens} input, {run.shape.output_tokens} "
-                     f"output tokens and {run.shape.images} images in {run.seconds:.3f} s)")
+        lines.append(
+            f"capacity_mu_per_s = {run.mu_per_s:.6g} ({run.requests} concurrent "
+            f"requests of {run.shape.input_tokens} input, {run.shape.output_tokens} "
+            f"output tokens and {run.shape.images} images in {run.seconds:.3f} s)"
+        )
     return "\n".join(lines)
 
 
@@ -373,13 +425,20 @@ def _plan(args: argparse.Namespace) -> Plan:
     capacity_shape = None
     if args.capacity_shape is not None:
         if len(args.capacity_shape) not in (2, 3):
-            raise ValueError("--capacity-shape takes IN,OUT or IN,OUT,IMAGES, "
-                             f"got {_joined(args.capacity_shape)}")
+            raise ValueError(
+                "--capacity-shape takes IN,OUT or IN,OUT,IMAGES, "
+                f"got {_joined(args.capacity_shape)}"
+            )
         capacity_shape = Shape(*args.capacity_shape)
-    return Plan(inputs=args.inputs, outputs=args.outputs or DEFAULT_OUTPUTS[args.engine],
-                images=args.images, repeats=args.repeats,
-                time_scale=1.0 if args.time_scale is None else args.time_scale,
-                capacity_mu_per_s=args.capacity_mu_per_s, capacity_shape=capacity_shape)
+    return Plan(
+        inputs=args.inputs,
+        outputs=args.outputs or DEFAULT_OUTPUTS[args.engine],
+        images=args.images,
+        repeats=args.repeats,
+        time_scale=1.0 if args.time_scale is None else args.time_scale,
+        capacity_mu_per_s=args.capacity_mu_per_s,
+        capacity_shape=capacity_shape,
+    )
 
 
 def _profile_name(args: argparse.Namespace) -> str:
@@ -392,8 +451,9 @@ def _profile_name(args: argparse.Namespace) -> str:
 def _sim_engine(args: argparse.Namespace, plan: Plan) -> SimEngine:
     if args.model is not None:
         raise ValueError("--model is for --engine vllm; the simulated engine has no model")
-    params = (load_engine_params(args.engine_config) if args.engine_config is not None
-              else EngineParams())
+    params = (
+        load_engine_params(args.engine_config) if args.engine_config is not None else EngineParams()
+    )
     return SimEngine(params, time_scale=plan.time_scale)
 
 
@@ -403,8 +463,9 @@ def _vllm_engine(args: argparse.Namespace) -> Engine:
     # Imported only here: its module is the one place fairq reaches vllm from.
     from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    fields: dict[str, Any] = ({} if args.engine_config is None
-                              else read_toml(args.engine_config, dict[str, Any]))
+    fields: dict[str, Any] = (
+        {} if args.engine_config is None else read_toml(args.engine_config, dict[str, Any])
+    )
     if args.model is not None:
         fields["model"] = args.model
     if "model" not in fields:
@@ -413,8 +474,9 @@ def _vllm_engine(args: argparse.Namespace) -> Engine:
     try:
         return VLLMEngine(msgspec.convert(fields, VLLMEngineConfig))
     except msgspec.ValidationError as exc:
-        raise ValueError(f"{args.engine_config or '--model'}: invalid vLLM engine config: "
-                         f"{exc}") from exc
+        raise ValueError(
+            f"{args.engine_config or '--model'}: invalid vLLM engine config: {exc}"
+        ) from exc
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -423,7 +485,8 @@ def _lengths(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def _joined(values: Sequence[int]) -> str:

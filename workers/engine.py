@@ -14,7 +14,6 @@ from broker_config.wire import ChatMessage, Sampling, TokenLogprob
 from costmodel.units import Capacity
 from workers.images import PreparedImage
 
-
 # Engine priorities the worker sets, higher served first.
 EXPEDITED = 1  # a request of a tenant below its fair share (the dispatcher's decision)
 PROBE = 2  # a health probe: ahead of every tenant's request

@@ -144,8 +144,9 @@ class ImagePool:
         if executor is not None:
             _stop(executor)
 
-    async def prepare(self, images: list[str], tenant: str,
-                      wanted: Callable[[], bool] = lambda: True) -> list[PreparedImage] | None:
+    async def prepare(
+        self, images: list[str], tenant: str, wanted: Callable[[], bool] = lambda: True
+    ) -> list[PreparedImage] | None:
         """The images prepared; ValueError for a bad one (the request's error). None if
         `wanted()` says no once its turn came (the request was stopped meanwhile)."""
         async with self._turns.turn(tenant):
@@ -166,15 +167,18 @@ class ImagePool:
         finally:
             _stop(alone)
 
-    async def _run(self, executor: ProcessPoolExecutor,
-                   images: list[str]) -> list[PreparedImage]:
+    async def _run(self, executor: ProcessPoolExecutor, images: list[str]) -> list[PreparedImage]:
         timeout = self.options.timeout_s
         try:
             # From a thread: a submit may start the pool's processes (and, the first
             # time, the fork server), which blocks for 100 ms and more.
-            future = await asyncio.to_thread(executor.submit, prepare_images, images,
-                                             self.options.max_image_pixels,
-                                             self.options.max_edge)
+            future = await asyncio.to_thread(
+                executor.submit,
+                prepare_images,
+                images,
+                self.options.max_image_pixels,
+                self.options.max_edge,
+            )
         except (BrokenProcessPool, RuntimeError) as exc:  # shut down by another's restart
             raise _Broken from exc
         try:
@@ -212,8 +216,9 @@ def _executor(processes: int) -> ProcessPoolExecutor:
     # Below the worker in CPU priority, whose event loop streams every request's tokens.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__, "PIL.Image", "PIL.ImageOps"])
-    return ProcessPoolExecutor(processes, mp_context=context, initializer=os.nice,
-                               initargs=(POOL_NICENESS,))
+    return ProcessPoolExecutor(
+        processes, mp_context=context, initializer=os.nice, initargs=(POOL_NICENESS,)
+    )
 
 
 def _stop(executor: ProcessPoolExecutor) -> None:

@@ -28,23 +28,30 @@ PROBE_ROOM = Capacity(1, 64, 0.0)
 def advertised(engine_capacity: Capacity) -> Capacity:
     """The capacity a worker offers the dispatcher: the engine's, less the probes' room
     (an engine of one sequence keeps it, and probes then rely on engine priority)."""
-    return Capacity(max(1, engine_capacity.sequences - PROBE_ROOM.sequences),
-                    max(1, engine_capacity.tokens - PROBE_ROOM.tokens),
-                    engine_capacity.model_units)
+    return Capacity(
+        max(1, engine_capacity.sequences - PROBE_ROOM.sequences),
+        max(1, engine_capacity.tokens - PROBE_ROOM.tokens),
+        engine_capacity.model_units,
+    )
 
 
 async def answer_probe(engine: Engine, item: BatchItem, worker_id: str) -> Completion | None:
     """Run the probe `item` through `engine` until its deadline; the Completion to report,
     or None when the deadline passed first (the dispatcher has counted a failure)."""
-    request = EngineRequest(id=f"probe~{item.id}", max_tokens=item.max_tokens,
-                            prompt=item.request.prompt or "ping", priority=PROBE,
-                            input_tokens=item.request.input_tokens)
+    request = EngineRequest(
+        id=f"probe~{item.id}",
+        max_tokens=item.max_tokens,
+        prompt=item.request.prompt or "ping",
+        priority=PROBE,
+        input_tokens=item.request.input_tokens,
+    )
     code, usage = None, Usage(0, 0, 0.0)
     deadline = item.request.deadline
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout_at(None if deadline is None
-                                      else loop.time() + (deadline - time.time())):
+        async with asyncio.timeout_at(
+            None if deadline is None else loop.time() + (deadline - time.time())
+        ):
             async for delta in engine.generate(request):
                 if delta.finished:
                     usage = Usage(delta.input_tokens, delta.output_tokens, 0.0)
@@ -60,6 +67,14 @@ async def answer_probe(engine: Engine, item: BatchItem, worker_id: str) -> Compl
     except EngineError as exc:
         log.warning("the engine failed probe %s: %s", item.id, exc)
         code = ErrorCode.INTERNAL
-    return Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
-                      worker_id=worker_id, usage=usage, code=code, stored=False,
-                      finished_at=time.time(), probe=True)
+    return Completion(
+        id=item.id,
+        tenant=item.tenant,
+        endpoint=item.endpoint,
+        worker_id=worker_id,
+        usage=usage,
+        code=code,
+        stored=False,
+        finished_at=time.time(),
+        probe=True,
+    )

@@ -51,11 +51,15 @@ class FinalResults:
         self._bucket = subjects.results_bucket
         self._store = store
 
-    async def store(self, key: str, item: BatchItem,
-                    event: FinalEvent) -> tuple[bool, FinalEvent | None]:
+    async def store(
+        self, key: str, item: BatchItem, event: FinalEvent
+    ) -> tuple[bool, FinalEvent | None]:
         """(stored, the event for the reply subject) for the request `key` names."""
-        value = encode(StoredResult(tenant=item.tenant, endpoint=item.endpoint, event=event,
-                                    stored_at=time.time()))
+        value = encode(
+            StoredResult(
+                tenant=item.tenant, endpoint=item.endpoint, event=event, stored_at=time.time()
+            )
+        )
         delay = STORE_BACKOFF_S
         for attempt in range(1, STORE_ATTEMPTS + 1):
             try:
@@ -66,21 +70,30 @@ class FinalResults:
                 log.info("request %s has a result already; it stands", key)
                 return True, await self._standing(key)
             except nats.errors.Error as exc:
-                log.warning("storing the result of %s failed (attempt %d of %d): %r",
-                            key, attempt, STORE_ATTEMPTS, exc)
+                log.warning(
+                    "storing the result of %s failed (attempt %d of %d): %r",
+                    key,
+                    attempt,
+                    STORE_ATTEMPTS,
+                    exc,
+                )
             if attempt < STORE_ATTEMPTS:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, STORE_BACKOFF_MAX_S)
-        log.error("could not store the result of %s: reporting it unstored, so the "
-                  "dispatcher redelivers it", key)
+        log.error(
+            "could not store the result of %s: reporting it unstored, so the "
+            "dispatcher redelivers it",
+            key,
+        )
         return False, None
 
     async def _standing(self, key: str) -> FinalEvent | None:
         """The result stored for `key` (None if it cannot be read now: it is stored, so
         the request is still answered through `status`)."""
         try:
-            msg = await self._nc.jetstream().get_last_msg(kv_stream(self._bucket),
-                                                          kv_subject(self._bucket, key))
+            msg = await self._nc.jetstream().get_last_msg(
+                kv_stream(self._bucket), kv_subject(self._bucket, key)
+            )
             return STORED_RESULT.decode(msg.data).event
         except (nats.errors.Error, msgspec.DecodeError) as exc:
             log.warning("cannot read the standing result of %s: %r", key, exc)

@@ -66,8 +66,10 @@ class Running:
     # Logprobs of the tokens whose text no token event carried yet (None: not asked for).
     pending_logprobs: list[TokenLogprob] | None = None
 
-async def engine_request(engine_id: str, item: BatchItem, *, embed: bool, images: ImagePool,
-                         wanted: Callable[[], bool]) -> EngineRequest | None:
+
+async def engine_request(
+    engine_id: str, item: BatchItem, *, embed: bool, images: ImagePool, wanted: Callable[[], bool]
+) -> EngineRequest | None:
     """The engine's view of an item, its images prepared in `images`' processes (text
     alone never waits for them); ValueError for a bad image; None if `wanted()` turned
     false while its images waited for their turn."""
@@ -77,16 +79,25 @@ async def engine_request(engine_id: str, item: BatchItem, *, embed: bool, images
         return None
     # Engine priority is the dispatcher's decision, never the client's own `priority`,
     # which orders requests only inside the client's tenant.
-    return EngineRequest(id=engine_id, max_tokens=item.max_tokens, prompt=body.prompt,
-                         messages=body.messages, priority=EXPEDITED if item.expedited else 0,
-                         input_tokens=body.input_tokens, images=prepared,
-                         sampling=body.sampling, embed=embed)
+    return EngineRequest(
+        id=engine_id,
+        max_tokens=item.max_tokens,
+        prompt=body.prompt,
+        messages=body.messages,
+        priority=EXPEDITED if item.expedited else 0,
+        input_tokens=body.input_tokens,
+        images=prepared,
+        sampling=body.sampling,
+        embed=embed,
+    )
+
 
 async def close_stream(deltas: AsyncIterator[Delta]) -> None:
     """Close an engine stream left early, so the engine frees the request at once."""
     aclose = getattr(deltas, "aclose", None)  # async generators; plain iterators have none
     if aclose is not None:
         await aclose()
+
 
 def conclude(running: Running, final: Delta | None) -> Ending:
     """How a request ended, from the engine's final delta (None: stopped before it)."""
@@ -119,7 +130,13 @@ def final_event(running: Running, ending: Ending, usage: Usage) -> FinalEvent:
         total_s=max(0.0, time.time() - item.enqueued_at),
     )
     finish_reason = running.finish_reason
-    return DoneEvent(id=item.id, seq=running.seq, text="".join(running.parts), usage=usage,
-                     timings=timings, metadata=item.request.metadata,
-                     finish_reason=finish_reason if finish_reason in FINISH_REASONS else None,
-                     embedding=running.embedding)
+    return DoneEvent(
+        id=item.id,
+        seq=running.seq,
+        text="".join(running.parts),
+        usage=usage,
+        timings=timings,
+        metadata=item.request.metadata,
+        finish_reason=finish_reason if finish_reason in FINISH_REASONS else None,
+        embedding=running.embedding,
+    )

@@ -106,10 +106,20 @@ class WorkerService:
     when that final heartbeat arrives (or when heartbeats stop) as lost, and takes it back.
     """
 
-    def __init__(self, nc: Client, engine: Engine, *, endpoint: str, worker_id: str,
-                 subjects: Subjects, results: ResultStore, profile: ModelProfile | None = None,
-                 settings: WorkerOptions = WorkerOptions(), embed: bool = False,
-                 fence: EpochWatch | None = None) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        engine: Engine,
+        *,
+        endpoint: str,
+        worker_id: str,
+        subjects: Subjects,
+        results: ResultStore,
+        profile: ModelProfile | None = None,
+        settings: WorkerOptions = WorkerOptions(),
+        embed: bool = False,
+        fence: EpochWatch | None = None,
+    ) -> None:
         """`fence`: the dispatchers' lease epoch; what carries an older one is refused."""
         check_token(endpoint, "endpoint")
         check_token(worker_id, "worker id")
@@ -146,8 +156,10 @@ class WorkerService:
     def live(self) -> bool:
         """Heartbeats go out and the dispatcher has not evicted this run (for /healthz:
         a failure has the process restarted)."""
-        return (not self.evicted.is_set()
-                and time.time() - self._beat_at < 3 * self._heartbeat_interval_s + 5.0)
+        return (
+            not self.evicted.is_set()
+            and time.time() - self._beat_at < 3 * self._heartbeat_interval_s + 5.0
+        )
 
     def ready(self) -> bool:
         """Takes work: not draining, not evicted, its engine healthy (for /readyz)."""
@@ -168,11 +180,14 @@ class WorkerService:
         self._tg = tg
         try:
             self._work_sub = await self._nc.subscribe(
-                self.subjects.work(self.endpoint, self.worker_id), cb=self._on_batch)
+                self.subjects.work(self.endpoint, self.worker_id), cb=self._on_batch
+            )
             self._abort_sub = await self._nc.subscribe(
-                self.subjects.abort(self.endpoint), cb=self._on_abort)
+                self.subjects.abort(self.endpoint), cb=self._on_abort
+            )
             self._evict_sub = await self._nc.subscribe(
-                self.subjects.evict(self.endpoint, self.worker_id), cb=self._on_evict)
+                self.subjects.evict(self.endpoint, self.worker_id), cb=self._on_evict
+            )
             # Subscribed on the server before the heartbeat announces this worker.
             await self._nc.flush()
         except BaseException:
@@ -219,8 +234,11 @@ class WorkerService:
         tasks = [r.task for r in self._running.values() if r.task is not None]
         abandoned = [r for r in self._running.values() if not r.finalizing]
         for running in abandoned:
-            log.warning("%s: abandoning request %s (no final event; the dispatcher runs or "
-                        "ends it)", why, running.key)
+            log.warning(
+                "%s: abandoning request %s (no final event; the dispatcher runs or ends it)",
+                why,
+                running.key,
+            )
             if running.task is not None:
                 running.task.cancel()
         if tasks:
@@ -251,8 +269,13 @@ class WorkerService:
             log.warning("evicted: skipping a batch of %d requests", len(batch.items))
             return
         if batch.endpoint != self.endpoint or batch.worker_id != self.worker_id:
-            log.error("skipping a batch for %s/%s sent to %s/%s", batch.endpoint,
-                      batch.worker_id, self.endpoint, self.worker_id)
+            log.error(
+                "skipping a batch for %s/%s sent to %s/%s",
+                batch.endpoint,
+                batch.worker_id,
+                self.endpoint,
+                self.worker_id,
+            )
             return
         for item in batch.items:
             self._start(item)
@@ -262,8 +285,12 @@ class WorkerService:
         if self._fence is None or self._fence.admits(epoch):
             return True
         self.fenced += 1
-        log.warning("refusing %s from a dispatcher whose lease ended (epoch %d; the lease "
-                    "is at %d)", what, epoch, self._fence.epoch)
+        log.warning(
+            "refusing %s from a dispatcher whose lease ended (epoch %d; the lease is at %d)",
+            what,
+            epoch,
+            self._fence.epoch,
+        )
         return False
 
     def _start(self, item: BatchItem) -> None:
@@ -272,8 +299,12 @@ class WorkerService:
             self._tg.create_task(self._probe(item), name=f"probe-{item.id}")
             return
         if item.endpoint != self.endpoint:
-            log.error("skipping request %s: it is for endpoint %r, this worker serves %r",
-                      item.id, item.endpoint, self.endpoint)
+            log.error(
+                "skipping request %s: it is for endpoint %r, this worker serves %r",
+                item.id,
+                item.endpoint,
+                self.endpoint,
+            )
             return
         try:
             key = self.subjects.result_key(item.tenant, item.id)
@@ -281,25 +312,32 @@ class WorkerService:
             log.error("skipping a request whose result cannot be stored: %s", exc)
             return
         if key in self._running:
-            log.warning("skipping request %s of %s: it is already running here", item.id,
-                        item.tenant)
+            log.warning(
+                "skipping request %s of %s: it is already running here", item.id, item.tenant
+            )
             return
         assert self._tg is not None
         input_tokens = item.request.input_tokens or 0  # counted when the request starts
-        running = Running(key, item, input_tokens,
-                           self._model_units(item, input_tokens, item.max_tokens))
+        running = Running(
+            key, item, input_tokens, self._model_units(item, input_tokens, item.max_tokens)
+        )
         self._running[key] = running
         running.task = self._tg.create_task(self._serve(running), name=f"request-{key}")
 
     async def _on_evict(self, msg: Msg) -> None:
         evict = _decode_or_log(msg, "eviction", EVICT.decode)
-        if evict is None or not self._admits(evict.epoch, "an eviction") or (
-                self.evicted.is_set()) or (
-                evict.endpoint, evict.worker_id, evict.started_at) != (
-                self.endpoint, self.worker_id, self.started_at):
+        if (
+            evict is None
+            or not self._admits(evict.epoch, "an eviction")
+            or (self.evicted.is_set())
+            or (evict.endpoint, evict.worker_id, evict.started_at)
+            != (self.endpoint, self.worker_id, self.started_at)
+        ):
             return
-        log.error("evicted by the dispatcher (failed health probes): abandoning %d "
-                  "requests and stopping", len(self._running))
+        log.error(
+            "evicted by the dispatcher (failed health probes): abandoning %d requests and stopping",
+            len(self._running),
+        )
         self.evicted.set()
         await self._abandon_unfinished("evicted")
 
@@ -310,11 +348,17 @@ class WorkerService:
 
     async def _on_abort(self, msg: Msg) -> None:
         abort = _decode_or_log(msg, "abort", ABORT.decode)
-        if (abort is None or not self._admits(abort.epoch, "an abort")
-                or abort.endpoint != self.endpoint):
+        if (
+            abort is None
+            or not self._admits(abort.epoch, "an abort")
+            or abort.endpoint != self.endpoint
+        ):
             return
-        message = ("cancelled" if abort.code is ErrorCode.CANCELLED
-                   else f"aborted by the dispatcher ({abort.code})")
+        message = (
+            "cancelled"
+            if abort.code is ErrorCode.CANCELLED
+            else f"aborted by the dispatcher ({abort.code})"
+        )
         for request_id in abort.ids:
             running = self._find(abort.tenant, request_id)
             if running is not None and self._stop(running, Ending(abort.code, message)):
@@ -364,15 +408,18 @@ class WorkerService:
         try:
             if item.request.images and not self._engine.accepts_images:
                 raise ValueError("it has images, and this endpoint's model takes text only")
-            request = await engine_request(running.key, item, embed=self._embed,
-                                           images=self.image_pool, wanted=wanted)
+            request = await engine_request(
+                running.key, item, embed=self._embed, images=self.image_pool, wanted=wanted
+            )
             if request is not None and item.request.input_tokens is None:
                 # With images an engine may run the model's image processor to count.
                 count = self._engine.count_tokens
-                running.input_tokens = (await asyncio.to_thread(count, request)
-                                        if request.images else count(request))
-                running.footprint_mu = self._model_units(item, running.input_tokens,
-                                                         item.max_tokens)
+                running.input_tokens = (
+                    await asyncio.to_thread(count, request) if request.images else count(request)
+                )
+                running.footprint_mu = self._model_units(
+                    item, running.input_tokens, item.max_tokens
+                )
         except ValueError as exc:
             return Ending(ErrorCode.INVALID_REQUEST, str(exc))
         if running.stop is not None:  # cancelled while its images waited for the pool
@@ -430,30 +477,49 @@ class WorkerService:
         if running.first_token_at is None:
             running.first_token_at = time.time()
         running.parts.append(delta.text)
-        event = TokenEvent(id=running.item.id, seq=running.seq, text=delta.text,
-                           logprobs=running.pending_logprobs)
+        event = TokenEvent(
+            id=running.item.id, seq=running.seq, text=delta.text, logprobs=running.pending_logprobs
+        )
         running.pending_logprobs = None
         running.seq += 1
         await self._send_event(running.item, event)
 
     async def _finish(self, running: Running, ending: Ending) -> None:
         item = running.item
-        cost = (self._model_units(item, running.input_tokens, running.output_tokens,
-                                  running.cached_input_tokens) if running.in_engine else 0.0)
+        cost = (
+            self._model_units(
+                item, running.input_tokens, running.output_tokens, running.cached_input_tokens
+            )
+            if running.in_engine
+            else 0.0
+        )
         images = len(item.request.images)
         # Only when there are some: msgspec omits a default by identity, not by value,
         # and the contract's usage has no `other_units` otherwise.
-        usage = Usage(running.input_tokens, running.output_tokens, cost,
-                      **({"other_units": float(images)} if images else {}),
-                      cached_input_tokens=running.cached_input_tokens)
+        usage = Usage(
+            running.input_tokens,
+            running.output_tokens,
+            cost,
+            **({"other_units": float(images)} if images else {}),
+            cached_input_tokens=running.cached_input_tokens,
+        )
         event = final_event(running, ending, usage)
         stored, result = await self._results.store(running.key, item, event)
         if result is not None:
             await self._send_event(item, result)
-        self._report(Completion(id=item.id, tenant=item.tenant, endpoint=item.endpoint,
-                                worker_id=self.worker_id, usage=usage, code=ending.code,
-                                stored=stored, finished_at=time.time(),
-                                first_token_at=running.first_token_at))
+        self._report(
+            Completion(
+                id=item.id,
+                tenant=item.tenant,
+                endpoint=item.endpoint,
+                worker_id=self.worker_id,
+                usage=usage,
+                code=ending.code,
+                stored=stored,
+                finished_at=time.time(),
+                first_token_at=running.first_token_at,
+            )
+        )
 
     def _report(self, completion: Completion) -> None:
         """Queue a completion; the requests finishing in this turn of the event loop are
@@ -468,16 +534,21 @@ class WorkerService:
         if not self._completions:
             return  # sent already by the drain
         items, self._completions = self._completions, []
-        await self._publish_internal(self.subjects.completion(self.endpoint, self.worker_id),
-                                     Completions(items))
+        await self._publish_internal(
+            self.subjects.completion(self.endpoint, self.worker_id), Completions(items)
+        )
 
-    def _model_units(self, item: BatchItem, input_tokens: int, output_tokens: int,
-                     cached_input_tokens: int = 0) -> float:
+    def _model_units(
+        self, item: BatchItem, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0
+    ) -> float:
         if self._profile is None:
             return 0.0
-        return self._profile.model_units(input_tokens, output_tokens,
-                                         other=len(item.request.images),
-                                         cached_input_tokens=cached_input_tokens)
+        return self._profile.model_units(
+            input_tokens,
+            output_tokens,
+            other=len(item.request.images),
+            cached_input_tokens=cached_input_tokens,
+        )
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -485,16 +556,22 @@ class WorkerService:
         if item.reply is None:
             return
         try:
-            await self._nc.publish(item.reply, encode(event, item.encoding),
-                                   headers={HDR_CONTENT_TYPE: item.encoding.content_type})
+            await self._nc.publish(
+                item.reply,
+                encode(event, item.encoding),
+                headers={HDR_CONTENT_TYPE: item.encoding.content_type},
+            )
         except nats.errors.Error as exc:
             # Events are at-most-once; the final one is also in the results bucket.
             log.warning("publishing an event of %s to %s failed: %r", item.id, item.reply, exc)
 
     async def _publish_internal(self, subject: str, message: object) -> None:
         try:
-            await self._nc.publish(subject, encode(message, _INTERNAL_ENCODING),
-                                   headers={HDR_CONTENT_TYPE: _INTERNAL_ENCODING.content_type})
+            await self._nc.publish(
+                subject,
+                encode(message, _INTERNAL_ENCODING),
+                headers={HDR_CONTENT_TYPE: _INTERNAL_ENCODING.content_type},
+            )
         except nats.errors.Error as exc:
             log.error("publishing to %s failed: %r", subject, exc)
 
@@ -507,14 +584,18 @@ class WorkerService:
 
     async def _heartbeat(self, *, final: bool = False) -> None:
         self._beat_at = time.time()
-        await self._publish_internal(self.subjects.heartbeat(self.endpoint, self.worker_id),
-                                     self._heartbeat_message(final=final))
+        await self._publish_internal(
+            self.subjects.heartbeat(self.endpoint, self.worker_id),
+            self._heartbeat_message(final=final),
+        )
 
     def _heartbeat_message(self, *, final: bool) -> Heartbeat:
         running = [] if final else list(self._running.values())
-        used = Capacity(sequences=len(running),
-                        tokens=sum(r.input_tokens + r.item.max_tokens for r in running),
-                        model_units=sum(r.footprint_mu for r in running))
+        used = Capacity(
+            sequences=len(running),
+            tokens=sum(r.input_tokens + r.item.max_tokens for r in running),
+            model_units=sum(r.footprint_mu for r in running),
+        )
         healthy = not final and self._engine.healthy and not self.evicted.is_set()
         if final:
             capacity = NO_CAPACITY
@@ -523,12 +604,21 @@ class WorkerService:
         else:
             capacity, healthy = self._engine_capacity(healthy)
         seq, self._heartbeat_seq = self._heartbeat_seq, self._heartbeat_seq + 1
-        return Heartbeat(worker_id=self.worker_id, endpoint=self.endpoint, capacity=capacity,
-                         used=used, in_flight=[r.key for r in running], healthy=healthy,
-                         started_at=self.started_at, sent_at=time.time(), seq=seq,
-                         output_tokens=[r.output_tokens for r in running],
-                         capacity_mu_per_s=(self._profile.capacity_mu_per_s
-                                            if self._profile is not None else 0.0))
+        return Heartbeat(
+            worker_id=self.worker_id,
+            endpoint=self.endpoint,
+            capacity=capacity,
+            used=used,
+            in_flight=[r.key for r in running],
+            healthy=healthy,
+            started_at=self.started_at,
+            sent_at=time.time(),
+            seq=seq,
+            output_tokens=[r.output_tokens for r in running],
+            capacity_mu_per_s=(
+                self._profile.capacity_mu_per_s if self._profile is not None else 0.0
+            ),
+        )
 
     def _engine_capacity(self, healthy: bool) -> tuple[Capacity, bool]:
         try:
@@ -549,5 +639,3 @@ def _decode_or_log(msg: Msg, what: str, decode: Callable[[bytes, Encoding], T]) 
     except (msgspec.DecodeError, WireError) as exc:
         log.warning("skipping a malformed %s on %s: %s", what, msg.subject, exc)
         return None
-
-

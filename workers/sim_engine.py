@@ -33,9 +33,13 @@ from workers.engine import Delta, EngineError, EngineRequest
 from workers.stops import StopScanner
 
 # Characters per token of the simulated tokenizer (about right for English text).
-_WORDS = tuple(" " + word for word in (
-    "the quick model queue token batch tenant fair share worker engine stream "
-    "prefill decode cache step").split())
+_WORDS = tuple(
+    " " + word
+    for word in (
+        "the quick model queue token batch tenant fair share worker engine stream "
+        "prefill decode cache step"
+    ).split()
+)
 # How often a hung engine looks whether the hang was lifted.
 _HANG_POLL_S = 0.01
 # Step pacing makes up at most this much lag behind the real clock, so a stalled event
@@ -112,8 +116,7 @@ class _Stream:
         word = _WORDS[draw % len(_WORDS)]
         self.output_tokens += 1
         text, stopped = (word, False) if self.stops is None else self.stops.feed(word)
-        logprobs = None if self.top_logprobs is None else [_logprob(word, draw,
-                                                                    self.top_logprobs)]
+        logprobs = None if self.top_logprobs is None else [_logprob(word, draw, self.top_logprobs)]
         self.queue.put_nowait(Delta(text, 1, logprobs=logprobs))
         return stopped
 
@@ -121,23 +124,39 @@ class _Stream:
         if self.ended:
             return
         self.ended = True
-        if (self.stops is not None and finish_reason in ("stop", "length")
-                and (held := self.stops.flush())):
+        if (
+            self.stops is not None
+            and finish_reason in ("stop", "length")
+            and (held := self.stops.flush())
+        ):
             self.queue.put_nowait(Delta(held, 0))
         self.queue.put_nowait(_End(finish_reason, error))
 
     def final(self, finish_reason: str) -> Delta:
         ttft = None if self.first_token_at is None else self.first_token_at - self.accepted
-        return Delta("", 0, finished=True, input_tokens=self.input_tokens,
-                     output_tokens=self.output_tokens, ttft_s=ttft,
-                     finish_reason=finish_reason, embedding=self.embedding)
+        return Delta(
+            "",
+            0,
+            finished=True,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            ttft_s=ttft,
+            finish_reason=finish_reason,
+            embedding=self.embedding,
+        )
 
 
 class SimEngine:
     """An Engine that simulates continuous batching in real time on the running loop."""
 
-    def __init__(self, params: EngineParams | None = None, *, time_scale: float = 1.0,
-                 seed: int = 0, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        params: EngineParams | None = None,
+        *,
+        time_scale: float = 1.0,
+        seed: int = 0,
+        faults: Faults | None = None,
+    ) -> None:
         if not 0 <= time_scale < math.inf:
             raise ValueError(f"time_scale must be finite and >= 0, got {time_scale!r}")
         self.params = params if params is not None else EngineParams()
@@ -145,8 +164,9 @@ class SimEngine:
         self._time_scale = time_scale
         self._seed = seed
         self._model = BatchingEngineModel(self.params)
-        self._capacity = Capacity(self.params.max_sequences, self.params.kv_cache_tokens,
-                                  UNLIMITED_MODEL_UNITS)
+        self._capacity = Capacity(
+            self.params.max_sequences, self.params.kv_cache_tokens, UNLIMITED_MODEL_UNITS
+        )
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -242,8 +262,9 @@ class SimEngine:
         if request.id in self._streams:
             raise ValueError(f"request {request.id!r} is already running")
         if request.max_tokens < 1:
-            raise ValueError(f"request {request.id!r}: max_tokens must be >= 1, "
-                             f"got {request.max_tokens!r}")
+            raise ValueError(
+                f"request {request.id!r}: max_tokens must be >= 1, got {request.max_tokens!r}"
+            )
         text = _render(request)  # checked even when the input length is given
         # A declared count stands in for text a benchmark did not bother to write, but
         # never makes the input smaller than its text: as a real engine, this one
@@ -257,15 +278,23 @@ class SimEngine:
             wanted = 1 + digest % request.max_tokens
         if request.embed:
             wanted = 1  # one pass over the input
-        stream = _Stream(request.id, input_tokens,
-                         "length" if wanted >= request.max_tokens else "stop",
-                         word_seed=digest >> 32,
-                         stops=StopScanner(sampling.stop) if sampling.stop else None,
-                         top_logprobs=sampling.logprobs,
-                         embedding=_embedding(text) if request.embed else None)
+        stream = _Stream(
+            request.id,
+            input_tokens,
+            "length" if wanted >= request.max_tokens else "stop",
+            word_seed=digest >> 32,
+            stops=StopScanner(sampling.stop) if sampling.stop else None,
+            top_logprobs=sampling.logprobs,
+            embedding=_embedding(text) if request.embed else None,
+        )
         # The model checks the lengths (>= 1, fits the KV cache) and names the request.
-        self._model.add(stream, input_tokens, min(wanted, request.max_tokens),
-                        len(request.images), request.priority)
+        self._model.add(
+            stream,
+            input_tokens,
+            min(wanted, request.max_tokens),
+            len(request.images),
+            request.priority,
+        )
         self._streams[request.id] = stream
         self._wake.set()
         return stream
@@ -342,7 +371,7 @@ def _draw_key(seed: int, request: EngineRequest, sampling: Sampling, text: str) 
 def _logprob(word: str, draw: int, alternatives: int) -> TokenLogprob:
     logprob = -0.01 - (draw >> 8) % 3000 / 1000
     # The token itself is the most likely; other words follow, each half as likely.
-    others = [w for w in _WORDS if w != word][:max(0, alternatives - 1)]
+    others = [w for w in _WORDS if w != word][: max(0, alternatives - 1)]
     top = [TopLogprob(word, logprob)] if alternatives else []
     top += [TopLogprob(w, logprob - math.log(2) * (i + 1)) for i, w in enumerate(others)]
     return TokenLogprob(word, logprob, top)

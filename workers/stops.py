@@ -25,10 +25,10 @@ class StopScanner:
         found = [at for stop in self._stops if (at := held.find(stop)) >= 0]
         if found:
             self._held = ""
-            return held[:min(found)], True
+            return held[: min(found)], True
         keep = self._partial_stop_length(held)
-        self._held = held[len(held) - keep:]
-        return held[:len(held) - keep], False
+        self._held = held[len(held) - keep :]
+        return held[: len(held) - keep], False
 
     def flush(self) -> str:
         """What was held back, once the output ended without a stop string."""

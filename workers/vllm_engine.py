@@ -43,8 +43,17 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 # Sampling fields passed to vLLM under the same name and meaning (top_k 0 is "off" in both),
 # when the request sets them; `stop` and `n` are handled apart.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "logprobs")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+)
 
 
 class VLLMEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -162,8 +171,12 @@ class VLLMEngine:
         try:
             accepted = time.monotonic()
             prompt, params = await self._prepare(llm, request)
-            usage = _Usage(request.id, len(prompt["prompt_token_ids"]), accepted,
-                           None if self._embed else params.logprobs)
+            usage = _Usage(
+                request.id,
+                len(prompt["prompt_token_ids"]),
+                accepted,
+                None if self._embed else params.logprobs,
+            )
             if live.aborted:  # during rendering: vLLM never sees it
                 finished = True
                 yield usage.final("", 0, "abort", None)
@@ -172,8 +185,9 @@ class VLLMEngine:
                 try:
                     # vLLM runs the lowest priority value first; fairq serves the highest
                     # first.
-                    queue = await llm.add_request(request.id, prompt, params,
-                                                  priority=-request.priority)
+                    queue = await llm.add_request(
+                        request.id, prompt, params, priority=-request.priority
+                    )
                 except BaseException:
                     # Cancelled or failed while vLLM registered it: vLLM may hold it
                     # already. By its external id: no other request runs with that id.
@@ -263,8 +277,9 @@ class _Usage:
     """Token counts and time to first token of one request while it streams, and the deltas
     made of vLLM's outputs."""
 
-    def __init__(self, request_id: str, input_tokens: int, accepted: float,
-                 top_logprobs: int | None) -> None:
+    def __init__(
+        self, request_id: str, input_tokens: int, accepted: float, top_logprobs: int | None
+    ) -> None:
         self.request_id = request_id
         self.input_tokens = input_tokens
         self.output_tokens = 0
@@ -279,8 +294,9 @@ class _Usage:
         if count and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.output_tokens += count
-        logprobs = (None if self.top_logprobs is None
-                    else _token_logprobs(completion, self.top_logprobs))
+        logprobs = (
+            None if self.top_logprobs is None else _token_logprobs(completion, self.top_logprobs)
+        )
         if out.finished:
             return self.final(completion.text, count, completion.finish_reason, out, logprobs)
         return Delta(completion.text, count, logprobs=logprobs)
@@ -294,19 +310,30 @@ class _Usage:
             return self.final("", 0, "abort", out)
         return self.final("", 0, "stop", out, embedding=data.tolist())
 
-    def final(self, text: str, count: int, reason: str | None, out: Output | None,
-              logprobs: list[TokenLogprob] | None = None,
-              embedding: list[float] | None = None) -> Delta:
+    def final(
+        self,
+        text: str,
+        count: int,
+        reason: str | None,
+        out: Output | None,
+        logprobs: list[TokenLogprob] | None = None,
+        embedding: list[float] | None = None,
+    ) -> Delta:
         if reason == "error":
             raise EngineError(f"vLLM failed request {self.request_id!r} (finish reason error)")
         self._check_against_engine(out)
         return Delta(
-            text, count, finished=True, finish_reason=reason,
-            input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+            text,
+            count,
+            finished=True,
+            finish_reason=reason,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
             # What vLLM's prefix cache held of the prompt (absent: prefix caching off).
             cached_input_tokens=getattr(out, "num_cached_tokens", None) or 0,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.accepted,
-            logprobs=logprobs, embedding=embedding,
+            logprobs=logprobs,
+            embedding=embedding,
         )
 
     def _check_against_engine(self, out: Output | None) -> None:
@@ -316,11 +343,19 @@ class _Usage:
         # A pooling output has no metrics.
         generated = getattr(getattr(out, "metrics", None), "num_generation_tokens", None)
         if generated is not None and generated != self.output_tokens:
-            log.warning("request %s: streamed %d output tokens but vLLM counted %d",
-                        self.request_id, self.output_tokens, generated)
+            log.warning(
+                "request %s: streamed %d output tokens but vLLM counted %d",
+                self.request_id,
+                self.output_tokens,
+                generated,
+            )
         if len(out.prompt_token_ids or ()) != self.input_tokens:
-            log.warning("request %s: rendered %d input tokens but vLLM ran %d",
-                        self.request_id, self.input_tokens, len(out.prompt_token_ids or ()))
+            log.warning(
+                "request %s: rendered %d input tokens but vLLM ran %d",
+                self.request_id,
+                self.input_tokens,
+                len(out.prompt_token_ids or ()),
+            )
 
 
 def _sampling_params(request: EngineRequest, ignore_eos: bool) -> SamplingParams:
@@ -329,8 +364,9 @@ def _sampling_params(request: EngineRequest, ignore_eos: bool) -> SamplingParams
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     sampling = request.sampling or Sampling()
-    chosen = {name: value for name in _SAMPLING_FIELDS
-              if (value := getattr(sampling, name)) is not None}
+    chosen = {
+        name: value for name in _SAMPLING_FIELDS if (value := getattr(sampling, name)) is not None
+    }
     return SamplingParams(
         max_tokens=request.max_tokens,
         ignore_eos=ignore_eos,
@@ -349,19 +385,20 @@ def _token_logprobs(completion: CompletionOutput, top: int) -> list[TokenLogprob
     for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=True):
         sampled = position[token_id]
         ranked = sorted(position.values(), key=lambda logprob: logprob.rank)[:top]
-        entries.append(TokenLogprob(
-            sampled.decoded_token or "",
-            sampled.logprob,
-            [TopLogprob(alt.decoded_token or "", alt.logprob) for alt in ranked],
-        ))
+        entries.append(
+            TokenLogprob(
+                sampled.decoded_token or "",
+                sampled.logprob,
+                [TopLogprob(alt.decoded_token or "", alt.logprob) for alt in ranked],
+            )
+        )
     return entries
 
 
 def _start(config: VLLMEngineConfig, embed: bool) -> AsyncLLM:
     if config.kv_cache_bytes is not None and os.environ.get(CPU_KV_ENV, ""):
         raise EngineError(
-            f"{CPU_KV_ENV} is set and would override kv_cache_bytes on a CPU; "
-            "unset one of them"
+            f"{CPU_KV_ENV} is set and would override kv_cache_bytes on a CPU; unset one of them"
         )
     # vLLM reports usage statistics to its servers unless told not to.
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -427,15 +464,17 @@ def _chat(request: EngineRequest) -> list[dict[str, Any]]:
             raise ValueError("it has images but no user message to put them in")
         users[-1]["content"] = [
             *({"type": "image_pil", "image_pil": image} for image in _pil_images(request)),
-            {"type": "text", "text": users[-1]["content"]}]
+            {"type": "text", "text": users[-1]["content"]},
+        ]
     return chat
 
 
 def _pil_images(request: EngineRequest) -> list[Any]:
     from PIL import Image
 
-    return [Image.frombuffer("RGB", (image.width, image.height), image.rgb)
-            for image in request.images]
+    return [
+        Image.frombuffer("RGB", (image.width, image.height), image.rgb) for image in request.images
+    ]
 
 
 def _client_errors() -> tuple[type[Exception], ...]:

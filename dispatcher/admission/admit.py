@@ -31,17 +31,17 @@ from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectGetError
 from broker_config.limits import over_limits
 from broker_config.subjects import Subjects
-from dispatcher.dispatch.convert import to_error_event, to_request, too_large_to_dispatch
+from dispatcher.admission.redis_store import AsyncLimiterStore, LimiterUnavailable
+from dispatcher.admission.tokens import InputCounter
 from dispatcher.core.limits import Settlement, charged, settlement
+from dispatcher.core.pool import Key, WorkerPool
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import ADMITTED, Decision, Outcome, Request
-from dispatcher.core.pool import Key, WorkerPool
+from dispatcher.dispatch.convert import to_error_event, to_request, too_large_to_dispatch
 from dispatcher.dispatch.held import Held, HeldRequests
-from dispatcher.observe.metrics import DispatcherMetrics
-from dispatcher.intake.park import stored_at
-from dispatcher.admission.redis_store import AsyncLimiterStore, LimiterUnavailable
 from dispatcher.dispatch.stored_results import BROKER_ERRORS, Results
-from dispatcher.admission.tokens import InputCounter
+from dispatcher.intake.park import stored_at
+from dispatcher.observe.metrics import DispatcherMetrics
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -75,10 +75,19 @@ class Decisions:
 
 
 class Admission:
-    def __init__(self, config: Config, options: DispatcherOptions, subjects: Subjects,
-                 scheduler: Scheduler, limiter: AsyncLimiterStore, pool: WorkerPool,
-                 held: HeldRequests, results: Results, metrics: DispatcherMetrics,
-                 backlog: Callable[[], dict[tuple[str, str], int]]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        options: DispatcherOptions,
+        subjects: Subjects,
+        scheduler: Scheduler,
+        limiter: AsyncLimiterStore,
+        pool: WorkerPool,
+        held: HeldRequests,
+        results: Results,
+        metrics: DispatcherMetrics,
+        backlog: Callable[[], dict[tuple[str, str], int]],
+    ) -> None:
         self.config = config
         self.options = options
         self.subjects = subjects
@@ -103,9 +112,18 @@ class Admission:
         parsed: list[tuple[Msg, wire.Submission]] = []
         for msg in messages:
             try:
-                parsed.append((msg, wire.parse_submission(
-                    msg.subject, msg.data, msg.headers, self.subjects,
-                    tenant_inboxes=self.options.tenant_inboxes)))
+                parsed.append(
+                    (
+                        msg,
+                        wire.parse_submission(
+                            msg.subject,
+                            msg.data,
+                            msg.headers,
+                            self.subjects,
+                            tenant_inboxes=self.options.tenant_inboxes,
+                        ),
+                    )
+                )
             except wire.WireError as error:
                 await _guarded(self._refuse_unparsed(msg, error), msg)
         try:
@@ -117,17 +135,21 @@ class Admission:
                     await msg.nak(delay=HAND_BACK_S)
             return
         for msg, submission in parsed:
-            await _guarded(self._take(msg, submission,
-                                      stored.get((submission.tenant, submission.id))), msg)
+            await _guarded(
+                self._take(msg, submission, stored.get((submission.tenant, submission.id))), msg
+            )
 
-    async def _take(self, msg: Msg, submission: wire.Submission,
-                    stored: wire.StoredResult | None) -> None:
+    async def _take(
+        self, msg: Msg, submission: wire.Submission, stored: wire.StoredResult | None
+    ) -> None:
         now = time.time()
         key = (submission.tenant, submission.id)
         held = self.held.get(key)
         if held is not None:
             if (held.msg.metadata.stream, held.msg.metadata.sequence.stream) == (
-                    msg.metadata.stream, msg.metadata.sequence.stream):
+                msg.metadata.stream,
+                msg.metadata.sequence.stream,
+            ):
                 held.msg = msg  # our own message, redelivered: keep its newest ack token
             else:
                 await msg.term()  # the same id published again: the first one answers
@@ -168,18 +190,21 @@ class Admission:
             violation = f"over a limit of [dispatcher.input]: {violation}"
         else:
             # The broker's own limit (`nc` is the dispatcher's connection).
-            violation = too_large_to_dispatch(sub, held.received_at, body_bytes,
-                                              self.results.nc.max_payload)
+            violation = too_large_to_dispatch(
+                sub, held.received_at, body_bytes, self.results.nc.max_payload
+            )
         if violation is None:
             return False
         label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
         self.metrics.child(self.metrics.admissions, label, "invalid_request").inc()
-        await self.end(held, wire.ErrorEvent(sub.id, wire.ErrorCode.INVALID_REQUEST, violation),
-                       now)
+        await self.end(
+            held, wire.ErrorEvent(sub.id, wire.ErrorCode.INVALID_REQUEST, violation), now
+        )
         return True
 
-    async def admit(self, held: Held, now: float, waited_s: float = 0.0, *,
-                    charged_before: bool = False) -> None:
+    async def admit(
+        self, held: Held, now: float, waited_s: float = 0.0, *, charged_before: bool = False
+    ) -> None:
         """Admission proper: checks, the limiter store, then the scheduler's queue.
 
         `charged_before`: an adopted request whose worker was lost, admitted and charged
@@ -192,11 +217,15 @@ class Admission:
             return
         request = await self._request(held)
         result = self.scheduler.check(
-            request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s)
+            request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s
+        )
         if charged_before:
             if not held.charges:
-                held.charges = charged(result if isinstance(result, list) else
-                                       self.scheduler.limit_checks(request, now))
+                held.charges = charged(
+                    result
+                    if isinstance(result, list)
+                    else self.scheduler.limit_checks(request, now)
+                )
             if isinstance(result, list):
                 result = ADMITTED
         elif isinstance(result, list):
@@ -204,8 +233,13 @@ class Admission:
                 decision = await self.limiter.apply(result, now)
             except LimiterUnavailable as exc:
                 log.error("rate limiter unavailable: %s", exc)
-                await self.end(held, wire.ErrorEvent(
-                    sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0), now)
+                await self.end(
+                    held,
+                    wire.ErrorEvent(
+                        sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0
+                    ),
+                    now,
+                )
                 self.metrics.child(self.metrics.admissions, sub.endpoint, "internal").inc()
                 return
             if decision.admitted:
@@ -232,9 +266,14 @@ class Admission:
         spec = self.config.endpoints.get(sub.endpoint)
         if spec is None:
             return to_request(sub, held.received_at, 1, held)
-        return to_request(sub, held.received_at, spec.max_tokens_cap, held,
-                          spec.affinity_block_tokens,
-                          await self.input_counter.count(sub.endpoint, sub.request))
+        return to_request(
+            sub,
+            held.received_at,
+            spec.max_tokens_cap,
+            held,
+            spec.affinity_block_tokens,
+            await self.input_counter.count(sub.endpoint, sub.request),
+        )
 
     def adopt_running(self) -> None:
         """Adopt the queued requests a worker's heartbeat says it runs: after a restart,
@@ -259,8 +298,7 @@ class Admission:
         """The tenant's requests to `endpoint` the stream holds beyond the one being
         admitted and those already queued or running here (as of the last listing)."""
         unfinished = self.backlog().get((endpoint, tenant), 0)
-        flow = self.scheduler.flow(endpoint, tenant) if endpoint in self.config.endpoints \
-            else None
+        flow = self.scheduler.flow(endpoint, tenant) if endpoint in self.config.endpoints else None
         here = len(flow.queue) + flow.running if flow is not None else 0
         return max(0, unfinished - here - 1)
 
@@ -273,8 +311,7 @@ class Admission:
             await self.results.store(tenant, "", event, time.time())
         await self.results.publish(error.reply, error.encoding, event)
         await msg.term()
-        self.metrics.child(self.metrics.invalid_messages,
-                           "sent" if error.reply else "none").inc()
+        self.metrics.child(self.metrics.invalid_messages, "sent" if error.reply else "none").inc()
 
     async def reject(self, held: Held, decision: Decision, now: float) -> None:
         """End a held request with `decision`'s error (it was never sent to a worker);
@@ -295,8 +332,7 @@ class Admission:
                 refunds.extend(settlement(held.charges, 0).refund)
                 held.charges = ()
         for first in range(0, len(refunds), SETTLE_BATCH):
-            await self.settle(Settlement(refund=tuple(refunds[first:first + SETTLE_BATCH])),
-                              now)
+            await self.settle(Settlement(refund=tuple(refunds[first : first + SETTLE_BATCH])), now)
         await self.held.hand_back(queued_only=True)
 
     async def hand_back(self, held: Held, now: float) -> None:
@@ -316,16 +352,19 @@ class Admission:
             except LimiterUnavailable as exc:
                 log.warning("token limits not settled at real usage: %s", exc)
 
-    async def end(self, held: Held, event: wire.FinalEvent,
-                  now: float) -> wire.FinalEvent | None:
+    async def end(self, held: Held, event: wire.FinalEvent, now: float) -> wire.FinalEvent | None:
         """End a held request with `event`: the result that stands, or None if the broker
         could not store it; then the message is handed back (naked), so the request comes
         back rather than vanish."""
         try:
             return await self.results.finish(held.msg, held.submission, event, now)
         except BROKER_ERRORS as exc:
-            log.error("could not end request %s of %s: %r; handing it back",
-                      held.submission.id, held.submission.tenant, exc)
+            log.error(
+                "could not end request %s of %s: %r; handing it back",
+                held.submission.id,
+                held.submission.tenant,
+                exc,
+            )
             # Delayed: a results bucket that keeps failing must not spin redeliveries.
             with contextlib.suppress(nats.errors.Error):  # else after the ack wait
                 await held.msg.nak(delay=HAND_BACK_S)
@@ -335,21 +374,24 @@ class Admission:
         """Queued requests whose deadline passed before they were dispatched."""
         for request in requests:
             held = self.held.admitted.pop((request.tenant, request.id))
-            await self.reject(held, Decision(Outcome.DEADLINE_EXCEEDED,
-                                             "the deadline passed while queued"), now)
+            await self.reject(
+                held, Decision(Outcome.DEADLINE_EXCEEDED, "the deadline passed while queued"), now
+            )
 
     def forget_counts(self, now: float) -> None:
         """Drop the counts of unlisted tenants the scheduler has forgotten (no flow) and
         that had no decision for `COUNTS_MEMORY_S` (a tenant whose every request is
         rejected never gets a flow, and stays in view while it keeps trying)."""
-        self.counts = {key: counts for key, counts in self.counts.items()
-                       if key[1] in self.config.tenants
-                       or self.scheduler.flow(*key) is not None
-                       or now - counts.last_at < COUNTS_MEMORY_S}
+        self.counts = {
+            key: counts
+            for key, counts in self.counts.items()
+            if key[1] in self.config.tenants
+            or self.scheduler.flow(*key) is not None
+            or now - counts.last_at < COUNTS_MEMORY_S
+        }
 
     def forget_old_cancels(self, now: float) -> None:
-        self.cancelled = {k: at for k, at in self.cancelled.items()
-                          if now - at < CANCEL_MEMORY_S}
+        self.cancelled = {k: at for k, at in self.cancelled.items() if now - at < CANCEL_MEMORY_S}
 
 
 async def _guarded(step: Awaitable[None], msg: Msg) -> None:

@@ -42,6 +42,12 @@ from nats.js.kv import KeyValue
 
 from broker_config.config import BrokerSettings, Config
 from broker_config.streams import ProvisionError, apply_key_value, limits_bucket_config
+from dispatcher.admission.redis_store import (
+    AsyncLimiterStore,
+    LimiterUnavailable,
+    RedisLimiterStore,
+    validate_checks,
+)
 from dispatcher.core.limits import (
     Check,
     MemoryLimiterStore,
@@ -49,12 +55,6 @@ from dispatcher.core.limits import (
     Settlement,
 )
 from dispatcher.core.types import Decision
-from dispatcher.admission.redis_store import (
-    AsyncLimiterStore,
-    LimiterUnavailable,
-    RedisLimiterStore,
-    validate_checks,
-)
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -86,8 +86,7 @@ class KvLimiterStore:
         self._flusher: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, nc: NATS, settings: BrokerSettings, *,
-                   flush_s: float) -> Self:
+    async def open(cls, nc: NATS, settings: BrokerSettings, *, flush_s: float) -> Self:
         """Create or update the bucket, and start writing behind."""
         try:
             kv = await apply_key_value(nc.jetstream(), limits_bucket_config(settings))
@@ -121,8 +120,7 @@ class KvLimiterStore:
             await self._flusher  # never cancelled: a write under way completes
         await self.flush()  # what was charged while the loop's last round ran
         if self._pending:
-            log.error("monthly usage of %d quota counters could not be stored",
-                      len(self._pending))
+            log.error("monthly usage of %d quota counters could not be stored", len(self._pending))
 
     async def flush(self) -> None:
         """Add each counter's pending change to its stored value; what could not be
@@ -133,16 +131,22 @@ class KvLimiterStore:
             written: set[str] = set()
             try:
                 for first in range(0, len(items), FLUSH_CONCURRENCY):
-                    await asyncio.gather(*(
-                        self._flush_one(key, change, expires_at, written)
-                        for key, (change, expires_at) in items[first:first + FLUSH_CONCURRENCY]))
+                    await asyncio.gather(
+                        *(
+                            self._flush_one(key, change, expires_at, written)
+                            for key, (change, expires_at) in items[
+                                first : first + FLUSH_CONCURRENCY
+                            ]
+                        )
+                    )
             finally:
                 for key, (change, expires_at) in items:
                     if key not in written:
                         self._add_pending(key, change, expires_at)
 
-    async def _flush_one(self, key: str, change: float, expires_at: float,
-                         written: set[str]) -> None:
+    async def _flush_one(
+        self, key: str, change: float, expires_at: float, written: set[str]
+    ) -> None:
         try:
             stored = await self._add_stored(key, change, expires_at)
         except Exception as exc:  # kept pending by the caller, written next round
@@ -151,8 +155,7 @@ class KvLimiterStore:
         written.add(key)
         # The stored value has every dispatcher's usage; this one's since the swap is
         # still pending, and counts here too.
-        self._memory.set_quota_used(
-            key, stored + self._pending.get(key, (0.0, 0.0))[0], expires_at)
+        self._memory.set_quota_used(key, stored + self._pending.get(key, (0.0, 0.0))[0], expires_at)
 
     async def _flush_loop(self) -> None:
         while not self._stopping.is_set():
@@ -163,10 +166,12 @@ class KvLimiterStore:
 
     def _forget_ended(self, now: float) -> None:
         """Counters whose period ended are read again if they are ever used again."""
-        self._loaded = {key: end for key, end in self._loaded.items()
-                        if end > now or key in self._pending}
-        self._revisions = {key: seen for key, seen in self._revisions.items()
-                           if key in self._loaded}
+        self._loaded = {
+            key: end for key, end in self._loaded.items() if end > now or key in self._pending
+        }
+        self._revisions = {
+            key: seen for key, seen in self._revisions.items() if key in self._loaded
+        }
 
     async def _load(self, quotas: list[QuotaCheck]) -> None:
         missing = [check for check in quotas if check.key not in self._loaded]
@@ -201,7 +206,7 @@ class KvLimiterStore:
     async def _read(self, key: str) -> StoredUsage | None:
         try:
             return await self._get(key)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             raise LimiterUnavailable(f"limits bucket unavailable: {exc!r}") from exc
 
     async def _get(self, key: str) -> StoredUsage | None:
@@ -237,15 +242,13 @@ class KvLimiterStore:
         raise nats.errors.Error(f"{MAX_CAS_ATTEMPTS} conflicting writes in a row")
 
 
-async def open_limiter_store(redis_url: str | None, nc: NATS,
-                             config: Config) -> AsyncLimiterStore:
+async def open_limiter_store(redis_url: str | None, nc: NATS, config: Config) -> AsyncLimiterStore:
     """The Redis store for a redis:// (rediss://, unix://) URL, shared atomically by
     dispatchers; without one, this embedded store, its monthly usage kept in NATS and
     written every `[dispatcher] usage_flush_s`."""
     if redis_url is not None:
         return RedisLimiterStore.from_url(redis_url)
-    return await KvLimiterStore.open(nc, config.broker,
-                                     flush_s=config.dispatcher.usage_flush_s)
+    return await KvLimiterStore.open(nc, config.broker, flush_s=config.dispatcher.usage_flush_s)
 
 
 def _kv_key(key: str) -> str:
@@ -259,6 +262,10 @@ def _decode(key: str, value: bytes | None) -> StoredUsage:
     try:
         return msgspec.json.decode(value or b"", type=StoredUsage)
     except msgspec.DecodeError as exc:
-        log.error("quota counter %s holds %r, not usage: its tenant's admissions fail "
-                  "until an operator deletes or fixes it", key, (value or b"")[:100])
+        log.error(
+            "quota counter %s holds %r, not usage: its tenant's admissions fail "
+            "until an operator deletes or fixes it",
+            key,
+            (value or b"")[:100],
+        )
         raise LimiterUnavailable(f"quota counter {key} is unreadable") from exc

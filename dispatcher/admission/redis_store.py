@@ -88,9 +88,14 @@ class RedisLimiterStore:
     """Rate limits and quotas in Redis, under keys `<prefix>tat:<key>` (GCRA) and
     `<prefix>used:<key>` (quota hash {used, exp})."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str = DEFAULT_PREFIX,
-                 expiry_grace_s: float = DEFAULT_EXPIRY_GRACE_S,
-                 owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        expiry_grace_s: float = DEFAULT_EXPIRY_GRACE_S,
+        owns_client: bool = False,
+    ) -> None:
         self._client = client
         self._prefix = prefix
         self._grace = _checked_grace(expiry_grace_s)
@@ -99,16 +104,24 @@ class RedisLimiterStore:
         self._script = client.register_script(_SCRIPT)
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
-                 timeout_s: float = DEFAULT_TIMEOUT_S,
-                 expiry_grace_s: float = DEFAULT_EXPIRY_GRACE_S) -> Self:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        expiry_grace_s: float = DEFAULT_EXPIRY_GRACE_S,
+    ) -> Self:
         """A store with its own client; bad URLs raise ValueError (from redis-py)."""
         _checked_grace(expiry_grace_s)  # before a client exists that would need closing
         client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
             # One immediate retry on a broken connection (a pooled connection that died
             # with a Redis restart). Timeouts are not retried: the script may have run.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
         return cls(client, prefix=prefix, expiry_grace_s=expiry_grace_s, owns_client=True)
 
     async def apply(self, checks: Sequence[Check], now: float) -> Decision:
@@ -127,7 +140,8 @@ class RedisLimiterStore:
 
     async def settle(self, settlement: Settlement, now: float) -> None:
         steps = [("charge", check) for check in settlement.charge] + [
-            ("refund", check) for check in settlement.refund]
+            ("refund", check) for check in settlement.refund
+        ]
         validate_checks([check for _, check in steps], now)
         if not steps:
             return
@@ -156,8 +170,10 @@ class RedisLimiterStore:
 def validate_checks(checks: Sequence[Check], now: float) -> None:
     """Reject input the arithmetic cannot take (zero rates, negative costs, NaN) with a
     ValueError naming the field, instead of a division error or a silent wrong answer."""
-    _require(isinstance(now, (int, float)) and math.isfinite(now),
-             f"now must be a finite number, got {now!r}")
+    _require(
+        isinstance(now, (int, float)) and math.isfinite(now),
+        f"now must be a finite number, got {now!r}",
+    )
     for check in checks:
         _validate_check(check)
 
@@ -166,8 +182,9 @@ def _validate_check(check: Check) -> None:
     if not isinstance(check, (RateCheck, QuotaCheck)):
         raise ValueError(f"not a limiter check: {check!r}")
     what = f"{type(check).__name__} {check.key!r}"
-    _require(isinstance(check.key, str) and check.key != "",
-             f"{what}: key must be a non-empty string")
+    _require(
+        isinstance(check.key, str) and check.key != "", f"{what}: key must be a non-empty string"
+    )
     if isinstance(check, RateCheck):
         _require_number(what, "per_minute", check.per_minute, positive=True)
         _require_number(what, "burst", check.burst, positive=True)
@@ -175,20 +192,27 @@ def _validate_check(check: Check) -> None:
     else:
         _require_number(what, "limit", check.limit)
         _require_number(what, "cost", check.cost)
-        _require(isinstance(check.expires_at, (int, float)) and math.isfinite(check.expires_at),
-                 f"{what}: expires_at must be a finite number, got {check.expires_at!r}")
+        _require(
+            isinstance(check.expires_at, (int, float)) and math.isfinite(check.expires_at),
+            f"{what}: expires_at must be a finite number, got {check.expires_at!r}",
+        )
 
 
 def _checked_grace(expiry_grace_s: float) -> float:
-    _require(math.isfinite(expiry_grace_s) and expiry_grace_s >= 0,
-             f"expiry_grace_s must be a finite number >= 0, got {expiry_grace_s!r}")
+    _require(
+        math.isfinite(expiry_grace_s) and expiry_grace_s >= 0,
+        f"expiry_grace_s must be a finite number >= 0, got {expiry_grace_s!r}",
+    )
     return expiry_grace_s
 
 
 def _require_number(what: str, field: str, value: float, *, positive: bool = False) -> None:
     bound = "> 0" if positive else ">= 0"
-    ok = isinstance(value, (int, float)) and math.isfinite(value) and (
-        value > 0 if positive else value >= 0)
+    ok = (
+        isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value > 0 if positive else value >= 0)
+    )
     _require(ok, f"{what}: {field} must be a finite number {bound}, got {value!r}")
 
 

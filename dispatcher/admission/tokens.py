@@ -32,8 +32,9 @@ class TokenizerError(ConfigError):
 
 class InputCounter:
     def __init__(self, endpoints: Mapping[str, Endpoint]) -> None:
-        self._tokenizers = {name: _load(name, spec.tokenizer)
-                            for name, spec in endpoints.items() if spec.tokenizer}
+        self._tokenizers = {
+            name: _load(name, spec.tokenizer) for name, spec in endpoints.items() if spec.tokenizer
+        }
 
     async def count(self, endpoint: str, body: wire.SubmitRequest) -> int | None:
         """The input's tokens by the endpoint's tokenizer; None when it has none."""
@@ -50,8 +51,9 @@ def _load(endpoint: str, path: str) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as exc:  # the library raises bare Exceptions for unreadable files
-        raise TokenizerError(f"field `endpoints.{endpoint}.tokenizer`: cannot load "
-                             f"{path!r}: {exc}") from exc
+        raise TokenizerError(
+            f"field `endpoints.{endpoint}.tokenizer`: cannot load {path!r}: {exc}"
+        ) from exc
     # A tokenizer.json saved for training may truncate or pad: either would miscount.
     tokenizer.no_truncation()
     tokenizer.no_padding()

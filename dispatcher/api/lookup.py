@@ -50,10 +50,14 @@ class _Batch:
 
 
 class StreamLookup:
-    def __init__(self, streams: tuple[tuple[DirectBatchGet, Callable[[str], str]], ...],
-                 subjects: Subjects, held: HeldRequests,
-                 parse: Callable[[StoredMessage], wire.Submission | None],
-                 max_scans: int = MAX_SCANS) -> None:
+    def __init__(
+        self,
+        streams: tuple[tuple[DirectBatchGet, Callable[[str], str]], ...],
+        subjects: Subjects,
+        held: HeldRequests,
+        parse: Callable[[StoredMessage], wire.Submission | None],
+        max_scans: int = MAX_SCANS,
+    ) -> None:
         self.streams = streams  # (reader, tenant -> its subject filter), oldest first
         self.subjects = subjects
         self.held = held
@@ -92,8 +96,9 @@ class StreamLookup:
         if self._latest.get(tenant) is task:
             del self._latest[tenant]
 
-    async def _scan_after(self, previous: asyncio.Task[None] | None, tenant: str,
-                          batch: _Batch) -> None:
+    async def _scan_after(
+        self, previous: asyncio.Task[None] | None, tenant: str, batch: _Batch
+    ) -> None:
         """Scan for `batch` once the tenant's previous scan is over; ids asked for until
         this one starts join it."""
         try:
@@ -133,8 +138,9 @@ class StreamLookup:
                         message = replace(message, headers=restored_headers(message.headers))
                     request_id = request_id_of(message) or ""
                     if request_id in wanted and request_id not in found:
-                        found[request_id] = InStream(reader.stream, seq, self.parse(message),
-                                                     ahead.get(endpoint, 0))
+                        found[request_id] = InStream(
+                            reader.stream, seq, self.parse(message), ahead.get(endpoint, 0)
+                        )
                         if len(found) == len(wanted):
                             return found
                     if self.held.get((tenant, request_id)) is None:

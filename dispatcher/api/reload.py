@@ -37,8 +37,7 @@ from nats.aio.msg import Msg
 
 from broker_config.config import Config, ConfigError, load_config
 from broker_config.subjects import HDR_ADMIN_OP
-from dispatcher.core.reconfigure import (RELOADABLE, ReloadError, check_reloadable,
-                                         tenant_changes)
+from dispatcher.core.reconfigure import RELOADABLE, ReloadError, check_reloadable, tenant_changes
 from dispatcher.core.types import Decision, Outcome, Request
 
 if TYPE_CHECKING:
@@ -104,17 +103,23 @@ class Reloader:
         async with self._lock:
             reply = await self._reload()
         if reply.ok:
-            log.info("config reloaded from %s: tenants added %s, removed %s, changed %s",
-                     self.path, reply.added, reply.removed, reply.changed)
+            log.info(
+                "config reloaded from %s: tenants added %s, removed %s, changed %s",
+                self.path,
+                reply.added,
+                reply.removed,
+                reply.changed,
+            )
         else:
-            log.error("config reload refused, the running configuration stays: %s",
-                      reply.error)
+            log.error("config reload refused, the running configuration stays: %s", reply.error)
         return reply
 
     async def _reload(self) -> ReloadReply:
         if self.path is None:
-            return self._refused("this dispatcher was started without a config file "
-                                 "(--config): there is nothing to reload")
+            return self._refused(
+                "this dispatcher was started without a config file "
+                "(--config): there is nothing to reload"
+            )
         if not self._started:
             return self._refused("this dispatcher is still starting; reload once it runs")
         try:
@@ -124,7 +129,8 @@ class Reloader:
         service = self.dispatcher
         scheduler = service.scheduler
         config = msgspec.structs.replace(
-            service.config, **{name: getattr(read, name) for name in RELOADABLE})
+            service.config, **{name: getattr(read, name) for name in RELOADABLE}
+        )
         old_registry = scheduler.registry
         try:
             check_reloadable(self.file_config, read)
@@ -150,8 +156,9 @@ class Reloader:
         for request in requests:
             waiting = held.admitted.pop((request.tenant, request.id), None)
             if waiting is not None:
-                await admission.reject(waiting, Decision(
-                    Outcome.UNKNOWN_TENANT, removed_message(request.tenant)), now)
+                await admission.reject(
+                    waiting, Decision(Outcome.UNKNOWN_TENANT, removed_message(request.tenant)), now
+                )
 
     async def end_set_aside(self) -> None:
         """End the requests the scheduler set aside since (see the module doc)."""
@@ -165,25 +172,23 @@ class Reloader:
         a JSON object (no fields yet). The header keeps out what lands here without being
         asked for: a PubAck or an API answer whose caller named this as its reply."""
         if (msg.headers or {}).get(HDR_ADMIN_OP) != "reload":
-            log.warning("a message on %s without %s: reload; ignored", msg.subject,
-                        HDR_ADMIN_OP)
-            reply = self._refused(f"not a reload request: send the header {HDR_ADMIN_OP}: "
-                                  "reload")
+            log.warning("a message on %s without %s: reload; ignored", msg.subject, HDR_ADMIN_OP)
+            reply = self._refused(f"not a reload request: send the header {HDR_ADMIN_OP}: reload")
         else:
             try:
                 if msg.data.strip() and not isinstance(msgspec.json.decode(msg.data), dict):
                     raise msgspec.DecodeError("expected a JSON object")
             except msgspec.DecodeError as exc:
-                reply = self._refused(f"invalid reload request: {exc}; send an empty body "
-                                      "or {}")
+                reply = self._refused(f"invalid reload request: {exc}; send an empty body or {{}}")
             else:
                 reply = await self.reload()
         if msg.reply:
             await msg.respond(msgspec.json.encode(reply))
 
 
-def install_reload_signal(loop: asyncio.AbstractEventLoop,
-                          current: Callable[[], Dispatcher]) -> None:
+def install_reload_signal(
+    loop: asyncio.AbstractEventLoop, current: Callable[[], Dispatcher]
+) -> None:
     """SIGHUP reloads the config file of the `current()` dispatcher (for the process entry
     points, whose dispatcher is a new one after each tenure)."""
     loop.add_signal_handler(signal.SIGHUP, lambda: current().reloader.trigger())

@@ -29,11 +29,11 @@ from broker_config.config import Config
 from broker_config.direct_get import DirectBatchGet, StoredMessage
 from broker_config.subjects import Subjects
 from dispatcher.admission.admit import CANCELLED, Admission
-from dispatcher.dispatch.convert import to_error_event
-from dispatcher.core.scheduler import DepthRow, Scheduler
-from dispatcher.core.pool import Key
-from dispatcher.dispatch.held import HeldRequests
 from dispatcher.api.lookup import StreamLookup
+from dispatcher.core.pool import Key
+from dispatcher.core.scheduler import DepthRow, Scheduler
+from dispatcher.dispatch.convert import to_error_event
+from dispatcher.dispatch.held import HeldRequests
 from dispatcher.dispatch.stored_results import BROKER_ERRORS, Results
 
 log = logging.getLogger("fairq.dispatcher")
@@ -44,10 +44,19 @@ LOOKUP_RETRY_AFTER_S = 0.5
 
 
 class Api:
-    def __init__(self, nc: NATS, config: Config, subjects: Subjects, scheduler: Scheduler,
-                 held: HeldRequests, admission: Admission, results: Results,
-                 parked: DirectBatchGet, stored: DirectBatchGet,
-                 backlog: Callable[[], dict[tuple[str, str], int]]) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        config: Config,
+        subjects: Subjects,
+        scheduler: Scheduler,
+        held: HeldRequests,
+        admission: Admission,
+        results: Results,
+        parked: DirectBatchGet,
+        stored: DirectBatchGet,
+        backlog: Callable[[], dict[tuple[str, str], int]],
+    ) -> None:
         self.nc = nc
         self.config = config
         self.subjects = subjects
@@ -56,9 +65,12 @@ class Api:
         self.admission = admission
         self.results = results
         # Where a tenant's requests not taken in yet are, oldest first.
-        self.lookup = StreamLookup(((parked, subjects.parked_tenant_filter),
-                                    (stored, subjects.stored_tenant_filter)),
-                                   subjects, held, self._parse)
+        self.lookup = StreamLookup(
+            ((parked, subjects.parked_tenant_filter), (stored, subjects.stored_tenant_filter)),
+            subjects,
+            held,
+            self._parse,
+        )
         self._cancels: dict[Key, asyncio.Future[bool]] = {}
         self.backlog = backlog
 
@@ -77,8 +89,9 @@ class Api:
             request_id = wire.STATUS_REQUEST.decode(msg.data or b"{}").id
         except (ValueError, wire.WireError):
             request_id = ""
-        await self._respond(msg, wire.ErrorEvent(request_id, wire.ErrorCode.RATE_LIMITED, message,
-                                            retry_after_s))
+        await self._respond(
+            msg, wire.ErrorEvent(request_id, wire.ErrorCode.RATE_LIMITED, message, retry_after_s)
+        )
 
     # -- status ----------------------------------------------------------------------------
 
@@ -108,8 +121,11 @@ class Api:
             return wire.StatusReply(request_id, "unknown")
         position = found.waiting_before
         if found.submission is not None:
-            flow = self.scheduler.flow(found.submission.endpoint, key[0]) \
-                if found.submission.endpoint in self.scheduler.endpoints else None
+            flow = (
+                self.scheduler.flow(found.submission.endpoint, key[0])
+                if found.submission.endpoint in self.scheduler.endpoints
+                else None
+            )
             position += len(flow.queue) if flow is not None else 0
         return wire.StatusReply(request_id, "queued", position=position)
 
@@ -148,8 +164,7 @@ class Api:
         self.admission.cancelled[key] = now
         submission = found.submission
         event = to_error_event(submission.id, CANCELLED)
-        if await self.results.store(submission.tenant, submission.endpoint, event,
-                                    now) != event:
+        if await self.results.store(submission.tenant, submission.endpoint, event, now) != event:
             # A re-submission of a request that finished: nothing to cancel; intake
             # answers it with the stored result.
             del self.admission.cancelled[key]
@@ -180,9 +195,13 @@ class Api:
 
     def _parse(self, message: StoredMessage) -> wire.Submission | None:
         try:
-            return wire.parse_submission(message.subject, message.data, message.headers,
-                                         self.subjects,
-                                         tenant_inboxes=self.config.dispatcher.tenant_inboxes)
+            return wire.parse_submission(
+                message.subject,
+                message.data,
+                message.headers,
+                self.subjects,
+                tenant_inboxes=self.config.dispatcher.tenant_inboxes,
+            )
         except wire.WireError:
             return None
 
@@ -197,16 +216,25 @@ class Api:
         for key in rows.keys() | counts.keys():
             row = rows.get(key)
             decisions = counts.get(key)
-            admitted, rejected = (decisions.admitted, decisions.rejected) if decisions \
-                else (0, 0)
+            admitted, rejected = (decisions.admitted, decisions.rejected) if decisions else (0, 0)
             if row is None and (policy := self.scheduler.registry.tenant(key[1])) is None:
                 continue  # a tenant a reload removed, with nothing left here
             tier = row.tier if row else policy.tier
-            entries.append(wire.DepthEntry(
-                key[0], tier, key[1], row.queued if row else 0, row.running if row else 0,
-                row.oldest_wait_s if row else 0.0, admitted, rejected))
-        await self._respond(msg, wire.DepthReply(sorted(
-            entries, key=lambda e: (e.endpoint, e.tier, e.tenant))))
+            entries.append(
+                wire.DepthEntry(
+                    key[0],
+                    tier,
+                    key[1],
+                    row.queued if row else 0,
+                    row.running if row else 0,
+                    row.oldest_wait_s if row else 0.0,
+                    admitted,
+                    rejected,
+                )
+            )
+        await self._respond(
+            msg, wire.DepthReply(sorted(entries, key=lambda e: (e.endpoint, e.tier, e.tenant)))
+        )
 
     def depth_rows(self, now: float) -> list[DepthRow]:
         """The scheduler's queues, with what is still in the stream counted as queued.
@@ -232,9 +260,14 @@ class Api:
         query = await self._decode(msg, codec)
         tenant = self.subjects.tenant_of(msg.subject)
         if query is not None and tenant is None:
-            await self._respond(msg, wire.ErrorEvent(
-                query.id, wire.ErrorCode.INVALID_REQUEST,
-                f"invalid tenant in subject {msg.subject[:200]!r}"))
+            await self._respond(
+                msg,
+                wire.ErrorEvent(
+                    query.id,
+                    wire.ErrorCode.INVALID_REQUEST,
+                    f"invalid tenant in subject {msg.subject[:200]!r}",
+                ),
+            )
             return "", None
         return tenant or "", query
 
@@ -254,8 +287,9 @@ class Api:
         if not msg.reply:  # a cancel may be published without waiting for the answer
             return
         if msg.reply.startswith(("$", f"{self.subjects.prefix}.")):
-            log.warning("an API call on %s asked for its answer on %s; not answered",
-                        msg.subject, msg.reply)
+            log.warning(
+                "an API call on %s asked for its answer on %s; not answered", msg.subject, msg.reply
+            )
             return
         await msg.respond(wire.encode(reply))
 
@@ -264,6 +298,9 @@ def _unavailable(request_id: str, exc: Exception) -> wire.ErrorEvent:
     """The answer when the broker did not answer a lookup: retryable, not silence (the
     caller would otherwise wait out its own timeout)."""
     log.warning("an API lookup of %s failed: %r", request_id, exc)
-    return wire.ErrorEvent(request_id, wire.ErrorCode.INTERNAL,
-                           f"the broker did not answer a lookup ({exc}); try again",
-                           LOOKUP_RETRY_AFTER_S)
+    return wire.ErrorEvent(
+        request_id,
+        wire.ErrorCode.INTERNAL,
+        f"the broker did not answer a lookup ({exc}); try again",
+        LOOKUP_RETRY_AFTER_S,
+    )

@@ -37,8 +37,15 @@ def sequences_outside_reserve(sequences: int, fraction: float) -> int:
 class EndpointQueues:
     """Everything the scheduler keeps for one endpoint."""
 
-    def __init__(self, name: str, spec: Endpoint, profile: ModelProfile,
-                 selector: Selector, reserve_fraction: float, tier_count: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: Endpoint,
+        profile: ModelProfile,
+        selector: Selector,
+        reserve_fraction: float,
+        tier_count: int,
+    ) -> None:
         self.name = name
         self.spec = spec
         self.profile = profile
@@ -50,8 +57,9 @@ class EndpointQueues:
         self._presence_changed_at = -math.inf
         self.clock = 0.0
         self.flows: dict[str, TenantFlow] = {}
-        self.default_total = Capacity(spec.batch.sequences, spec.batch.tokens,
-                                      spec.batch.model_units)
+        self.default_total = Capacity(
+            spec.batch.sequences, spec.batch.tokens, spec.batch.model_units
+        )
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
         self.startup_wait_s = 0.0  # scaled to zero: the first replica's cold start
         # Since when no worker serves it and none is coming (no autoscaling); None while
@@ -104,8 +112,8 @@ class EndpointQueues:
         """Add a finished request's model units, priced from its real usage (also one
         adopted after a restart, which the scheduler does not track)."""
         self.completed_mu += self.profile.model_units(
-            usage.input_tokens, usage.output_tokens, usage.other_units,
-            usage.cached_input_tokens)
+            usage.input_tokens, usage.output_tokens, usage.other_units, usage.cached_input_tokens
+        )
 
     def reserve(self, total: Capacity) -> Capacity:
         return newcomer_reserve(total, self.reserve_fraction)
@@ -116,15 +124,17 @@ class EndpointQueues:
         while tenants came or went within the window (one may return). Otherwise every
         present tenant is backlogged, and one below its share takes a free slot without
         a reserve: held, the reserve would only sit idle."""
-        return (self.backlogged_flows < self.present_flows
-                or now - self._presence_changed_at <= self.newcomer_window_s)
+        return (
+            self.backlogged_flows < self.present_flows
+            or now - self._presence_changed_at <= self.newcomer_window_s
+        )
 
     def expected_wait(self, flow: TenantFlow | None, weight: float, tier_rank: int) -> float:
         """The tenant's queued model units over its weighted share of capacity, after the
         cold start of a first replica if none serves."""
         if flow is None or not len(flow.queue) or self.capacity_mu_per_s <= 0:
             return self.startup_wait_s
-        competing = sum(self.present_weight_by_rank[:tier_rank + 1])
+        competing = sum(self.present_weight_by_rank[: tier_rank + 1])
         share = self.capacity_mu_per_s * weight / max(competing, weight)
         return self.startup_wait_s + flow.queue.queued_model_units / share
 
@@ -140,8 +150,11 @@ class EndpointQueues:
             return count
         for flow in self.flows.values():
             head = flow.queue.peek()
-            if (head is not None and head.input_tokens + head.max_tokens <= free.tokens
-                    and head.model_units <= free.model_units):
+            if (
+                head is not None
+                and head.input_tokens + head.max_tokens <= free.tokens
+                and head.model_units <= free.model_units
+            ):
                 count += 1
                 if count == free.sequences:
                     break
@@ -198,8 +211,11 @@ class EndpointQueues:
         """Drop the flows of tenants with nothing queued or running whose state matters
         no more (the selector says which; a debt matters for `DEBT_MEMORY_S`), so that
         tenants that come once leave nothing behind. Returns how many were dropped."""
-        idle = [flow for flow in self.flows.values()
-                if not len(flow.queue) and not flow.running and not flow.in_ring]
+        idle = [
+            flow
+            for flow in self.flows.values()
+            if not len(flow.queue) and not flow.running and not flow.in_ring
+        ]
         forgive = {flow for flow in idle if now - flow.idle_since >= DEBT_MEMORY_S}
         gone = self.selector.forget(idle, forgive)
         for flow in gone:

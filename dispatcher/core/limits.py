@@ -94,14 +94,15 @@ def refunded_tat(tat: float, now: float, check: RateCheck) -> float:
 
 def month_end(now: float) -> float:
     """Unix time at which the calendar month (UTC) containing `now` ends."""
-    day = dt.datetime.fromtimestamp(now, tz=dt.timezone.utc)
+    day = dt.datetime.fromtimestamp(now, tz=dt.UTC)
     first_next = (day.replace(day=1) + dt.timedelta(days=32)).replace(
-        day=1, hour=0, minute=0, second=0, microsecond=0)
+        day=1, hour=0, minute=0, second=0, microsecond=0
+    )
     return first_next.timestamp()
 
 
 def month_key(now: float) -> str:
-    return dt.datetime.fromtimestamp(now, tz=dt.timezone.utc).strftime("%Y-%m")
+    return dt.datetime.fromtimestamp(now, tz=dt.UTC).strftime("%Y-%m")
 
 
 def request_tokens(input_tokens: int, max_tokens: int) -> int:
@@ -109,8 +110,14 @@ def request_tokens(input_tokens: int, max_tokens: int) -> int:
     return input_tokens + max_tokens
 
 
-def limit_checks(tenant: str, endpoint: str, limits: Limits, tokens: int,
-                 now: float, total_quota: int | None = None) -> list[Check]:
+def limit_checks(
+    tenant: str,
+    endpoint: str,
+    limits: Limits,
+    tokens: int,
+    now: float,
+    total_quota: int | None = None,
+) -> list[Check]:
     """The checks one request must pass, for any store. `total_quota`: the tenant's
     monthly quota across all endpoints, if it has one."""
     checks: list[Check] = []
@@ -121,8 +128,9 @@ def limit_checks(tenant: str, endpoint: str, limits: Limits, tokens: int,
     return checks
 
 
-def token_checks(tenant: str, endpoint: str, limits: Limits, tokens: float,
-                 at: float, total_quota: int | None) -> list[Check]:
+def token_checks(
+    tenant: str, endpoint: str, limits: Limits, tokens: float, at: float, total_quota: int | None
+) -> list[Check]:
     """The limits counted in tokens, each costing `tokens`; quotas of the month of `at`."""
     checks: list[Check] = []
     if limits.tpm is not None:
@@ -135,13 +143,15 @@ def token_checks(tenant: str, endpoint: str, limits: Limits, tokens: float,
     return checks
 
 
-def quota_check(tenant: str, endpoint: str | None, limit: float, tokens: float,
-                now: float) -> QuotaCheck:
+def quota_check(
+    tenant: str, endpoint: str | None, limit: float, tokens: float, now: float
+) -> QuotaCheck:
     """`endpoint` None: the tenant's quota across endpoints (a key of its own kind, since
     any name could be an endpoint's)."""
     scope = f"quota:{endpoint}" if endpoint is not None else "quota-total"
-    return QuotaCheck(f"{scope}:{tenant}:{month_key(now)}", float(limit), float(tokens),
-                      month_end(now))
+    return QuotaCheck(
+        f"{scope}:{tenant}:{month_key(now)}", float(limit), float(tokens), month_end(now)
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,8 +168,10 @@ class Settlement:
 
 def charged(checks: Sequence[Check]) -> tuple[Check, ...]:
     """What applying `checks` took: a rate check at most a full bucket (`gcra`)."""
-    return tuple(replace(check, cost=min(check.cost, check.burst))
-                 if isinstance(check, RateCheck) else check for check in checks)
+    return tuple(
+        replace(check, cost=min(check.cost, check.burst)) if isinstance(check, RateCheck) else check
+        for check in checks
+    )
 
 
 def settlement(charges: Sequence[Check], used_tokens: float) -> Settlement:
@@ -227,8 +239,10 @@ class MemoryLimiterStore:
             if isinstance(check, RateCheck):
                 self._tat[check.key] = charged_tat(self._tat.get(check.key, now), now, check)
             else:
-                self._used[check.key] = (self.quota_used(check.key, now) + check.cost,
-                                         check.expires_at)
+                self._used[check.key] = (
+                    self.quota_used(check.key, now) + check.cost,
+                    check.expires_at,
+                )
         for check in settlement.refund:
             if isinstance(check, RateCheck):
                 self._tat[check.key] = refunded_tat(self._tat.get(check.key, now), now, check)
@@ -256,14 +270,23 @@ def rejection(check: Check, retry_after_s: float) -> Decision:
     """The Decision for `check` failing, worded the same by every store."""
     if isinstance(check, RateCheck):
         kind = "requests" if check.key.startswith("rpm:") else "tokens"
-        return Decision(check.outcome, f"limit of {check.per_minute:g} {kind} per minute "
-                        "exceeded", retry_after_s)
-    return Decision(check.outcome, f"monthly quota of {check.limit:.0f} tokens exhausted",
-                    retry_after_s)
+        return Decision(
+            check.outcome,
+            f"limit of {check.per_minute:g} {kind} per minute exceeded",
+            retry_after_s,
+        )
+    return Decision(
+        check.outcome, f"monthly quota of {check.limit:.0f} tokens exhausted", retry_after_s
+    )
 
 
-def throttle(expected_wait_s: float, now: float, latency_target_s: float,
-             deadline: float | None, waited_s: float = 0.0) -> Decision:
+def throttle(
+    expected_wait_s: float,
+    now: float,
+    latency_target_s: float,
+    deadline: float | None,
+    waited_s: float = 0.0,
+) -> Decision:
     """Reject at once a request whose queueing delay already misses its target (or its
     deadline); retry_after_s is how much the backlog must shrink first.
 
@@ -276,9 +299,11 @@ def throttle(expected_wait_s: float, now: float, latency_target_s: float,
     if expected_wait_s <= budget:
         return ADMITTED
     waited = f" after {waited_s:.1f}s waiting in the broker" if waited_s else ""
-    return Decision(Outcome.OVERLOADED,
-                    f"expected wait {expected_wait_s:.1f}s{waited} exceeds {target}",
-                    expected_wait_s - budget)
+    return Decision(
+        Outcome.OVERLOADED,
+        f"expected wait {expected_wait_s:.1f}s{waited} exceeds {target}",
+        expected_wait_s - budget,
+    )
 
 
 def scheduling_only(config: Config) -> Config:
@@ -288,8 +313,14 @@ def scheduling_only(config: Config) -> Config:
     deadline still applies); every tenant is admitted into one tier with weight 1.
     Endpoints (profile, cost mode, quantum, caps, newcomer reserve) stay as they are.
     """
-    endpoints = {name: msgspec.structs.replace(spec, latency_target_s=math.inf)
-                 for name, spec in config.endpoints.items()}
+    endpoints = {
+        name: msgspec.structs.replace(spec, latency_target_s=math.inf)
+        for name, spec in config.endpoints.items()
+    }
     return msgspec.structs.replace(
-        config, endpoints=endpoints, tiers=[Tier(name="all")], tenants={},
-        unlisted_tenants=UnlistedTenants(policy="admit", tier="all", weight=1.0))
+        config,
+        endpoints=endpoints,
+        tiers=[Tier(name="all")],
+        tenants={},
+        unlisted_tenants=UnlistedTenants(policy="admit", tier="all", weight=1.0),
+    )

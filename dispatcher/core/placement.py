@@ -55,8 +55,9 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-def affinity_key(session: str | None, leading_text: str,
-                 block_tokens: int = DEFAULT_AFFINITY_BLOCK_TOKENS) -> str | None:
+def affinity_key(
+    session: str | None, leading_text: str, block_tokens: int = DEFAULT_AFFINITY_BLOCK_TOKENS
+) -> str | None:
     """The key a request routes on: its session, else its prompt's first block (whose
     KV cache a replica that served it may still hold); None for a prompt shorter than
     one block, which has no prefix worth keeping on one worker."""
@@ -77,18 +78,18 @@ class Ring:
     moves only its own keys, as long as it does not change the smallest size (every
     other member's count of points is relative to it)."""
 
-    def __init__(self, members: Iterable[str] | Mapping[str, float],
-                 vnodes: int = VNODES) -> None:
-        weights = (dict(members) if isinstance(members, Mapping)
-                   else dict.fromkeys(members, 1.0))
+    def __init__(self, members: Iterable[str] | Mapping[str, float], vnodes: int = VNODES) -> None:
+        weights = dict(members) if isinstance(members, Mapping) else dict.fromkeys(members, 1.0)
         if not all(0 < weight < math.inf for weight in weights.values()):
             raise ValueError(f"ring weights must be finite and > 0, got {weights!r}")
         smallest = min(weights.values(), default=1.0)
         self.weights = weights
         self.members = frozenset(weights)
         points = sorted(
-            (stable_hash(f"{member}#{i}"), member) for member, weight in weights.items()
-            for i in range(round(vnodes * min(weight / smallest, MAX_VNODES_FACTOR))))
+            (stable_hash(f"{member}#{i}"), member)
+            for member, weight in weights.items()
+            for i in range(round(vnodes * min(weight / smallest, MAX_VNODES_FACTOR)))
+        )
         self._hashes = [h for h, _ in points]
         self._owners = [m for _, m in points]
 
@@ -116,18 +117,31 @@ def fleet_sizes(workers: Iterable[tuple[str, int, float]]) -> dict[str, float]:
     workers = list(workers)
     speeds = {mu_per_s for *_, mu_per_s in workers}
     by_speed = len(speeds) > 1 and all(0 < speed < math.inf for speed in speeds)
-    return {worker_id: mu_per_s if by_speed else max(sequences, 1)
-            for worker_id, sequences, mu_per_s in workers}
+    return {
+        worker_id: mu_per_s if by_speed else max(sequences, 1)
+        for worker_id, sequences, mu_per_s in workers
+    }
 
 
 class Slot:
     """One worker's room in a pass, and what the pass placed on it."""
 
-    __slots__ = ("worker_id", "sequences", "tokens", "units", "total", "reserve", "idle",
-                 "load", "size", "requests")
+    __slots__ = (
+        "worker_id",
+        "sequences",
+        "tokens",
+        "units",
+        "total",
+        "reserve",
+        "idle",
+        "load",
+        "size",
+        "requests",
+    )
 
-    def __init__(self, worker_id: str, free: Capacity, total: Capacity, load: float = 0.0,
-                 size: float = 1.0) -> None:
+    def __init__(
+        self, worker_id: str, free: Capacity, total: Capacity, load: float = 0.0, size: float = 1.0
+    ) -> None:
         self.worker_id = worker_id
         self.sequences, self.tokens, self.units = free.sequences, free.tokens, free.model_units
         self.total = total
@@ -138,13 +152,20 @@ class Slot:
         self.requests: list[Request] = []
 
     def fits(self, tokens: int, units: float, reserve: Capacity) -> bool:
-        return (self.sequences > reserve.sequences and tokens <= self.tokens - reserve.tokens
-                and units <= self.units - reserve.model_units)
+        return (
+            self.sequences > reserve.sequences
+            and tokens <= self.tokens - reserve.tokens
+            and units <= self.units - reserve.model_units
+        )
 
 
 class Placement:
-    def __init__(self, slots: Sequence[Slot], ring: Ring | None = None,
-                 load_bound: float = DEFAULT_LOAD_BOUND) -> None:
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        ring: Ring | None = None,
+        load_bound: float = DEFAULT_LOAD_BOUND,
+    ) -> None:
         if load_bound <= 1:
             raise ValueError(f"load_bound must be > 1, got {load_bound!r}")
         self.slots = list(slots)
@@ -159,14 +180,24 @@ class Placement:
         return cls([Slot("", free, total)])
 
     @classmethod
-    def of_fleet(cls, workers: Iterable[tuple[str, Capacity, Capacity, float]],
-                 sizes: Mapping[str, float], ring: Ring | None = None,
-                 load_bound: float = DEFAULT_LOAD_BOUND) -> Placement:
+    def of_fleet(
+        cls,
+        workers: Iterable[tuple[str, Capacity, Capacity, float]],
+        sizes: Mapping[str, float],
+        ring: Ring | None = None,
+        load_bound: float = DEFAULT_LOAD_BOUND,
+    ) -> Placement:
         """A pass over (worker id, free, total, model units in flight) of every healthy
         worker of one endpoint, full ones included (they count in the fleet's load),
         with their `sizes` (`fleet_sizes`)."""
-        return cls([Slot(worker_id, free, total, load, sizes[worker_id])
-                    for worker_id, free, total, load in workers], ring, load_bound)
+        return cls(
+            [
+                Slot(worker_id, free, total, load, sizes[worker_id])
+                for worker_id, free, total, load in workers
+            ],
+            ring,
+            load_bound,
+        )
 
     def set_reserves(self, reserve_of: Callable[[Capacity], Capacity]) -> None:
         for slot in self.slots:
@@ -218,9 +249,14 @@ class Placement:
             fleet_load = self._load + request.model_units
             for worker_id in self.ring.walk(key):
                 slot = self._by_id.get(worker_id)
-                if slot is not None and slot in fitting and (
+                if (
+                    slot is not None
+                    and slot in fitting
+                    and (
                         slot.load < self.load_bound * slot.size / self._size * fleet_load
-                        or slot.load == 0):
+                        or slot.load == 0
+                    )
+                ):
                     return slot
         return min(fitting, key=lambda s: (s.load / s.size, -s.sequences))
 

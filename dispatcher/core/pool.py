@@ -145,11 +145,18 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, *, timeout_s: float, heartbeat_lag_s: float = HEARTBEAT_LAG_S,
-                 missing_beats: int = MISSING_BEATS, evict_after: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        heartbeat_lag_s: float = HEARTBEAT_LAG_S,
+        missing_beats: int = MISSING_BEATS,
+        evict_after: int = 2,
+    ) -> None:
         if timeout_s <= 0 or heartbeat_lag_s < 0 or missing_beats < 1 or evict_after < 1:
-            raise ValueError("timeout_s must be > 0, heartbeat_lag_s >= 0, missing_beats >= 1, "
-                             "evict_after >= 1")
+            raise ValueError(
+                "timeout_s must be > 0, heartbeat_lag_s >= 0, missing_beats >= 1, evict_after >= 1"
+            )
         self.timeout_s = timeout_s
         self.evict_after = evict_after
         self.heartbeat_lag_s = heartbeat_lag_s
@@ -169,17 +176,34 @@ class WorkerPool:
 
     # -- reports ------------------------------------------------------------------------
 
-    def add(self, worker_id: str, endpoint: str, capacity: Capacity, now: float,
-            started_at: float = 0.0) -> Worker:
+    def add(
+        self, worker_id: str, endpoint: str, capacity: Capacity, now: float, started_at: float = 0.0
+    ) -> Worker:
         """A worker the caller knows without heartbeats (the simulator's replicas)."""
-        worker = Worker(worker_id, endpoint, started_at, capacity, now, progress_at=now,
-                        sequences=capacity.sequences)
+        worker = Worker(
+            worker_id,
+            endpoint,
+            started_at,
+            capacity,
+            now,
+            progress_at=now,
+            sequences=capacity.sequences,
+        )
         self.workers[worker_id] = worker
         return worker
 
-    def heartbeat(self, worker_id: str, endpoint: str, started_at: float, capacity: Capacity,
-                  in_flight: Collection[Key], healthy: bool, now: float,
-                  output_tokens: int = 0, mu_per_s: float = 0.0) -> Lost:
+    def heartbeat(
+        self,
+        worker_id: str,
+        endpoint: str,
+        started_at: float,
+        capacity: Capacity,
+        in_flight: Collection[Key],
+        healthy: bool,
+        now: float,
+        output_tokens: int = 0,
+        mu_per_s: float = 0.0,
+    ) -> Lost:
         """Take a heartbeat; returns the work the worker no longer has (it restarted,
         drained away, or a request never reached it). `output_tokens`: what its in-flight
         requests have generated so far; more than last time is progress (a long answer
@@ -223,8 +247,10 @@ class WorkerPool:
         count only from now (else a delayed batch looks lost, runs again elsewhere, and
         also where it arrives)."""
         for worker in self.workers.values():
-            worker.assigned = {key: (request, max(sent_at, now))
-                               for key, (request, sent_at) in worker.assigned.items()}
+            worker.assigned = {
+                key: (request, max(sent_at, now))
+                for key, (request, sent_at) in worker.assigned.items()
+            }
             worker.missing.clear()
 
     def _find_lost(self, worker: Worker, now: float) -> Lost:
@@ -259,8 +285,7 @@ class WorkerPool:
         found = []
         for worker in list(self.workers.values()):
             quiet_s = now - worker.last_seen
-            if quiet_s > self.timeout_s and (
-                    worker.healthy or worker.assigned or worker.adopted):
+            if quiet_s > self.timeout_s and (worker.healthy or worker.assigned or worker.adopted):
                 worker.healthy = False
                 self._forget_reports(worker)
                 worker.reported = frozenset()
@@ -288,8 +313,7 @@ class WorkerPool:
     def probe_sent(self, worker: Worker, probe_id: str, now: float) -> None:
         worker.probe_id, worker.probe_sent_at = probe_id, now
 
-    def probe_answered(self, worker_id: str, probe_id: str, ok: bool,
-                       now: float) -> Lost | None:
+    def probe_answered(self, worker_id: str, probe_id: str, ok: bool, now: float) -> Lost | None:
         """The worker answered `probe_id`; the work it loses if that failure evicts it
         (None otherwise, and for an answer to a probe no longer awaited)."""
         worker = self.workers.get(worker_id)
@@ -351,21 +375,27 @@ class WorkerPool:
 
     # -- choice -------------------------------------------------------------------------
 
-    def placement(self, endpoint: str, load_bound: float = DEFAULT_LOAD_BOUND,
-                  can_take: Callable[[Worker], bool] | None = None,
-                  affinity: bool = True) -> Placement | None:
+    def placement(
+        self,
+        endpoint: str,
+        load_bound: float = DEFAULT_LOAD_BOUND,
+        can_take: Callable[[Worker], bool] | None = None,
+        affinity: bool = True,
+    ) -> Placement | None:
         """A dispatch pass's room over the endpoint's healthy workers (those `can_take`
         refuses, and full ones, count in the fleet's load with no room); None when no
         worker has a free sequence. Without `affinity`, no ring: least utilised only."""
         fleet = [w for w in self.workers.values() if w.healthy and w.endpoint == endpoint]
-        offers = [(w, w.free() if can_take is None or can_take(w) else NO_CAPACITY)
-                  for w in fleet]
+        offers = [(w, w.free() if can_take is None or can_take(w) else NO_CAPACITY) for w in fleet]
         if not any(free.sequences > 0 for _, free in offers):
             return None
         sizes = fleet_sizes((w.worker_id, w.sequences, w.mu_per_s) for w in fleet)
         return Placement.of_fleet(
-            ((w.worker_id, free, w.capacity, w.assigned_units) for w, free in offers), sizes,
-            self._ring(endpoint, sizes) if affinity else None, load_bound)
+            ((w.worker_id, free, w.capacity, w.assigned_units) for w, free in offers),
+            sizes,
+            self._ring(endpoint, sizes) if affinity else None,
+            load_bound,
+        )
 
     def _ring(self, endpoint: str, sizes: dict[str, float]) -> Ring:
         ring = self._rings.get(endpoint)

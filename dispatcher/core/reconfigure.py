@@ -40,12 +40,17 @@ class ReloadError(ValueError):
 def check_reloadable(old: Config, new: Config) -> None:
     """A ReloadError naming the sections of `new` that differ from `old` and that a
     reload cannot change, if any."""
-    sections = [name for name in Config.__struct_fields__
-                if name not in RELOADABLE and getattr(old, name) != getattr(new, name)]
+    sections = [
+        name
+        for name in Config.__struct_fields__
+        if name not in RELOADABLE and getattr(old, name) != getattr(new, name)
+    ]
     if sections:
-        raise ReloadError(f"section(s) {', '.join(sections)} changed: a reload may change "
-                          f"only {', '.join(RELOADABLE)}; restart the dispatchers to apply "
-                          "the rest (the running configuration stays in force)")
+        raise ReloadError(
+            f"section(s) {', '.join(sections)} changed: a reload may change "
+            f"only {', '.join(RELOADABLE)}; restart the dispatchers to apply "
+            "the rest (the running configuration stays in force)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +66,14 @@ class TenantChanges:
 
 def tenant_changes(old: Registry, new: Registry) -> TenantChanges:
     before, after = old.config.tenants, new.config.tenants
-    changed = sorted(name for name in before.keys() & after.keys()
-                     if old.tenant(name) != new.tenant(name))
+    changed = sorted(
+        name for name in before.keys() & after.keys() if old.tenant(name) != new.tenant(name)
+    )
     if old.tenant("") != new.tenant(""):  # "" is never listed: the unlisted policy
         changed.append(UNLISTED)
-    return TenantChanges(sorted(after.keys() - before.keys()),
-                         sorted(before.keys() - after.keys()), changed)
+    return TenantChanges(
+        sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys()), changed
+    )
 
 
 def reconfigure(scheduler: Scheduler, config: Config, now: float) -> list[Request]:
@@ -106,8 +113,11 @@ def reconfigure(scheduler: Scheduler, config: Config, now: float) -> list[Reques
         moved = {flow for flow, _ in moves}
         # Flows of tenants removed by an earlier reload, still running: nothing queued,
         # in no ring; their rank only has to stay valid for their accounting.
-        earlier = [flow for flow in running.get(endpoint.name, ())
-                   if flow not in kept and flow not in moved]
+        earlier = [
+            flow
+            for flow in running.get(endpoint.name, ())
+            if flow not in kept and flow not in moved
+        ]
         for flow in earlier:
             flow.tier_rank = registry.tier_rank.get(flow.policy.tier, lowest)
         if isinstance(endpoint.selector, TierLadder):
@@ -115,6 +125,8 @@ def reconfigure(scheduler: Scheduler, config: Config, now: float) -> list[Reques
         else:  # arrival order and VTC read no tier; VTC reads the weight as it charges
             for flow, rank in moves:
                 flow.tier_rank = rank
-        endpoint.recount([*endpoint.flows.values(), *(f for f, _ in moves if f not in kept),
-                          *earlier], len(config.tiers))
+        endpoint.recount(
+            [*endpoint.flows.values(), *(f for f, _ in moves if f not in kept), *earlier],
+            len(config.tiers),
+        )
     return removed

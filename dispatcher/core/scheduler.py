@@ -22,16 +22,24 @@ from typing import Literal
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
-from dispatcher.core.limits import (Check, LimiterStore, Settlement, charged, limit_checks,
-                                       request_tokens, settlement, throttle)
-from dispatcher.core.policies.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
-from dispatcher.core.view import RequestKey, SchedulerView
+from dispatcher.core.limits import (
+    Check,
+    LimiterStore,
+    Settlement,
+    charged,
+    limit_checks,
+    request_tokens,
+    settlement,
+    throttle,
+)
 from dispatcher.core.placement import BLOCKED, HELD, PLACED, Placement
+from dispatcher.core.policies.drr import TenantFlow
 from dispatcher.core.queues import arrival_order, priority_order
 from dispatcher.core.reconfigure import reconfigure
 from dispatcher.core.tiers import selector_for
 from dispatcher.core.types import Decision, Outcome, Request, Selection
+from dispatcher.core.view import RequestKey, SchedulerView
 
 Policy = Literal["fairq", "fifo", "vtc"]
 POLICIES: tuple[Policy, ...] = ("fairq", "fifo", "vtc")
@@ -60,8 +68,9 @@ class Completed:
 
 
 class Scheduler(SchedulerView):
-    def __init__(self, config: Config, *, policy: Policy = "fairq",
-                 estimator: OutputEstimator | None = None) -> None:
+    def __init__(
+        self, config: Config, *, policy: Policy = "fairq", estimator: OutputEstimator | None = None
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
         self.config = config
@@ -71,8 +80,13 @@ class Scheduler(SchedulerView):
         self._order = priority_order if policy == "fairq" else arrival_order
         self.endpoints = {
             name: EndpointQueues(
-                name, spec, self.registry.profile(name), selector_for(policy, len(config.tiers)),
-                spec.newcomer_reserve if policy == "fairq" else 0.0, len(config.tiers))
+                name,
+                spec,
+                self.registry.profile(name),
+                selector_for(policy, len(config.tiers)),
+                spec.newcomer_reserve if policy == "fairq" else 0.0,
+                len(config.tiers),
+            )
             for name, spec in config.endpoints.items()
         }
         self._queued: dict[RequestKey, TenantFlow] = {}
@@ -84,8 +98,9 @@ class Scheduler(SchedulerView):
 
     # -- admission ---------------------------------------------------------------
 
-    def check(self, request: Request, now: float, waiting_elsewhere: int = 0,
-              waited_s: float = 0.0) -> Decision | list[Check]:
+    def check(
+        self, request: Request, now: float, waiting_elsewhere: int = 0, waited_s: float = 0.0
+    ) -> Decision | list[Check]:
         """Everything admission decides without the limiter store: a rejection, or the
         rate-limit and quota checks the store must pass for the request to enter.
 
@@ -106,9 +121,13 @@ class Scheduler(SchedulerView):
         if request.deadline is not None and request.deadline <= now:
             return Decision(Outcome.DEADLINE_EXCEEDED, "the deadline has already passed")
         if (grace := self.config.dispatcher.no_worker_grace_s) is not None and (
-                unserved := endpoint.unserved_for(now)) >= grace:
-            return Decision(Outcome.UNAVAILABLE, f"no worker serves endpoint "
-                            f"{request.endpoint!r} (none for {unserved:.0f}s)", grace)
+            unserved := endpoint.unserved_for(now)
+        ) >= grace:
+            return Decision(
+                Outcome.UNAVAILABLE,
+                f"no worker serves endpoint {request.endpoint!r} (none for {unserved:.0f}s)",
+                grace,
+            )
         request.max_tokens = min(request.max_tokens, endpoint.spec.max_tokens_cap)
         # Offered load, even if turned away below (it scales an idle endpoint back up).
         self._estimate(endpoint, request)
@@ -117,10 +136,16 @@ class Scheduler(SchedulerView):
         flow = endpoint.flows.get(request.tenant)
         queued = (len(flow.queue) if flow is not None else 0) + waiting_elsewhere
         if limits.max_queued is not None and queued >= limits.max_queued:
-            return Decision(Outcome.QUEUE_FULL,
-                            f"tenant queue is full ({limits.max_queued} requests)", 1.0)
-        decision = throttle(endpoint.expected_wait(flow, policy.weight, policy.tier_rank),
-                            now, endpoint.spec.latency_target_s, request.deadline, waited_s)
+            return Decision(
+                Outcome.QUEUE_FULL, f"tenant queue is full ({limits.max_queued} requests)", 1.0
+            )
+        decision = throttle(
+            endpoint.expected_wait(flow, policy.weight, policy.tier_rank),
+            now,
+            endpoint.spec.latency_target_s,
+            request.deadline,
+            waited_s,
+        )
         if not decision.admitted:
             return decision
         return self.limit_checks(request, now)
@@ -132,14 +157,21 @@ class Scheduler(SchedulerView):
         policy = self.registry.tenant(request.tenant)
         if endpoint is None or policy is None:
             return []
-        tokens = request_tokens(request.input_tokens,
-                                min(request.max_tokens, endpoint.spec.max_tokens_cap))
-        return limit_checks(request.tenant, request.endpoint,
-                            policy.limits_for(request.endpoint), tokens, now,
-                            policy.monthly_quota_tokens)
+        tokens = request_tokens(
+            request.input_tokens, min(request.max_tokens, endpoint.spec.max_tokens_cap)
+        )
+        return limit_checks(
+            request.tenant,
+            request.endpoint,
+            policy.limits_for(request.endpoint),
+            tokens,
+            now,
+            policy.monthly_quota_tokens,
+        )
 
-    def admit(self, request: Request, now: float, store: LimiterStore,
-              waited_s: float = 0.0) -> Decision:
+    def admit(
+        self, request: Request, now: float, store: LimiterStore, waited_s: float = 0.0
+    ) -> Decision:
         """check -> store.apply -> enqueue, for callers with a synchronous store."""
         result = self.check(request, now, waited_s=waited_s)
         if isinstance(result, Decision):
@@ -171,8 +203,9 @@ class Scheduler(SchedulerView):
 
     # -- dispatch ----------------------------------------------------------------
 
-    def next_batch(self, endpoint_name: str, free: Capacity, now: float,
-                   total: Capacity | None = None) -> Selection:
+    def next_batch(
+        self, endpoint_name: str, free: Capacity, now: float, total: Capacity | None = None
+    ) -> Selection:
         """Fill one worker's `free` room with the next requests (`place` on a single
         worker). `total` is the worker's whole capacity (default: the endpoint's batch
         setting)."""
@@ -200,8 +233,7 @@ class Scheduler(SchedulerView):
             flow = selector.select()
             if flow is None:
                 # Only the reserve holds work back and no newcomer is likely: lift it.
-                lift = (not recheck and held_by_reserve
-                        and not endpoint.reserve_can_matter(now))
+                lift = not recheck and held_by_reserve and not endpoint.reserve_can_matter(now)
                 if not (recheck or lift):
                     break
                 if lift:
@@ -217,8 +249,9 @@ class Scheduler(SchedulerView):
                 self._forget_queued(endpoint, flow, request)
                 batch.expired.append(request)
                 continue
-            below_share = (flow.running * endpoint.present_weight
-                           < flow.weight * max(endpoint.running, 1))
+            below_share = flow.running * endpoint.present_weight < flow.weight * max(
+                endpoint.running, 1
+            )
             outcome = room.place(request, respect_reserve=not below_share)
             if outcome == BLOCKED:
                 break  # hold the workers until one is idle for an oversized head
@@ -243,8 +276,7 @@ class Scheduler(SchedulerView):
 
     # -- completion, cancellation, expiry -----------------------------------------
 
-    def complete(self, tenant: str, request_id: str, usage: Usage,
-                 now: float) -> Completed | None:
+    def complete(self, tenant: str, request_id: str, usage: Usage, now: float) -> Completed | None:
         """Settle a finished request: correct its tenant's DRR charge with real usage."""
         entry = self._running.pop((tenant, request_id), None)
         if entry is None:
@@ -253,18 +285,21 @@ class Scheduler(SchedulerView):
         endpoint = self.endpoints[request.endpoint]
         endpoint.clock = now
         endpoint.count_completed(usage)
-        correction = endpoint.cost(usage.input_tokens, usage.output_tokens,
-                                   usage.other_units) - request.charged_cost
+        correction = (
+            endpoint.cost(usage.input_tokens, usage.output_tokens, usage.other_units)
+            - request.charged_cost
+        )
         flow.deficit -= correction
         flow.served_cost += correction
         if not flow.in_ring:
             flow.deficit = min(flow.deficit, 0.0)
         endpoint.selector.complete(flow, request, usage)
         self._stop(endpoint, flow, request)
-        self.estimator.observe((tenant, request.endpoint), usage.output_tokens,
-                               request.max_tokens)
-        return Completed(request, settlement(
-            request.charges, request_tokens(usage.input_tokens, usage.output_tokens)))
+        self.estimator.observe((tenant, request.endpoint), usage.output_tokens, request.max_tokens)
+        return Completed(
+            request,
+            settlement(request.charges, request_tokens(usage.input_tokens, usage.output_tokens)),
+        )
 
     def progress(self, reports: Iterable[tuple[RequestKey, int]]) -> None:
         """Running requests' output so far, (key, output tokens), from the workers'
@@ -294,7 +329,7 @@ class Scheduler(SchedulerView):
         self._stop(endpoint, flow, request)
         request.dispatched_at, request.output_charged = None, 0
         if endpoint.flows.get(tenant) is not flow:  # a reload removed its tenant (and may
-            flow = self._flow(endpoint, tenant)    # have added it back: a new flow)
+            flow = self._flow(endpoint, tenant)  # have added it back: a new flow)
             if flow is None:
                 self.removed.append(request)
                 return request
@@ -337,9 +372,16 @@ class Scheduler(SchedulerView):
                 if not len(flow.queue) and not flow.running:
                     continue
                 oldest = flow.queue.oldest_arrival()
-                rows.append(DepthRow(endpoint.name, flow.policy.tier, flow.tenant,
-                                     len(flow.queue), flow.running,
-                                     0.0 if oldest is None else max(0.0, now - oldest)))
+                rows.append(
+                    DepthRow(
+                        endpoint.name,
+                        flow.policy.tier,
+                        flow.tenant,
+                        len(flow.queue),
+                        flow.running,
+                        0.0 if oldest is None else max(0.0, now - oldest),
+                    )
+                )
         return rows
 
     def set_capacity(self, endpoint: str, mu_per_s: float, startup_wait_s: float = 0.0) -> None:
@@ -370,15 +412,18 @@ class Scheduler(SchedulerView):
     def _estimate(self, endpoint: EndpointQueues, request: Request) -> None:
         output = self.estimator.estimate((request.tenant, request.endpoint), request.max_tokens)
         request.model_units = endpoint.profile.model_units(
-            request.input_tokens, output, request.other_units)
+            request.input_tokens, output, request.other_units
+        )
         # fairq charges output as it is generated (`progress`): an estimate charged up
         # front and corrected minutes later on a busy engine skews every turn meanwhile.
         charged_output = 0 if endpoint.selector.charges_output_as_generated else output
-        request.charged_cost = endpoint.cost(request.input_tokens, charged_output,
-                                             request.other_units)
+        request.charged_cost = endpoint.cost(
+            request.input_tokens, charged_output, request.other_units
+        )
 
-    def _start(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request,
-               now: float) -> None:
+    def _start(
+        self, endpoint: EndpointQueues, flow: TenantFlow, request: Request, now: float
+    ) -> None:
         del self._queued[(request.tenant, request.id)]
         request.dispatched_at = now
         self._running[(request.tenant, request.id)] = (request, flow)
@@ -390,9 +435,7 @@ class Scheduler(SchedulerView):
         endpoint.running -= 1
         endpoint.mark_absent_if_idle(flow)
 
-    def _forget_queued(self, endpoint: EndpointQueues, flow: TenantFlow,
-                       request: Request) -> None:
+    def _forget_queued(self, endpoint: EndpointQueues, flow: TenantFlow, request: Request) -> None:
         del self._queued[(request.tenant, request.id)]
         endpoint.took_queued(flow)
         endpoint.mark_absent_if_idle(flow)
-

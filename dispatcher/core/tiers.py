@@ -14,8 +14,8 @@ from typing import Protocol
 
 from costmodel.units import Usage
 from dispatcher.core.policies.drr import DrrRing, TenantFlow
-from dispatcher.core.types import Request
 from dispatcher.core.policies.vtc import VtcSelector
+from dispatcher.core.types import Request
 
 
 class Selector(Protocol):
@@ -98,11 +98,11 @@ class TierLadder:
             self.rings[flow.tier_rank].restore(flow)
 
     def forget(self, idle: list[TenantFlow], forgive: set[TenantFlow]) -> list[TenantFlow]:
-        return [flow for flow in idle
-                if flow in forgive or self.rings[flow.tier_rank].repaid(flow)]
+        return [flow for flow in idle if flow in forgive or self.rings[flow.tier_rank].repaid(flow)]
 
-    def retier(self, new_ranks: list[int | None], tier_count: int,
-               moves: list[tuple[TenantFlow, int]]) -> None:
+    def retier(
+        self, new_ranks: list[int | None], tier_count: int, moves: list[tuple[TenantFlow, int]]
+    ) -> None:
         """The tiers changed (a reload). `moves`: the flows whose tenant changed tier or
         left, each with its new rank; they leave their rings first. Then the ring of old
         rank r becomes the ring of rank `new_ranks[r]`, state and all (None: its tier is

@@ -3,8 +3,8 @@ apart from the decisions in scheduler.py: `Scheduler` inherits them."""
 
 from __future__ import annotations
 
-from dispatcher.core.policies.drr import TenantFlow
 from dispatcher.core.endpoint import EndpointQueues
+from dispatcher.core.policies.drr import TenantFlow
 from dispatcher.core.types import Request
 
 RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
@@ -33,13 +33,19 @@ class SchedulerView:
         return entry[0] if entry else None
 
     def queued_count(self, endpoint: str | None = None) -> int:
-        return (len(self._queued) if endpoint is None
-                else sum(len(f.queue) for f in self.endpoints[endpoint].flows.values()))
+        return (
+            len(self._queued)
+            if endpoint is None
+            else sum(len(f.queue) for f in self.endpoints[endpoint].flows.values())
+        )
 
     def tenant_queued(self, tenant: str) -> int:
         """Requests of `tenant` waiting in its queues, over every endpoint."""
-        return sum(len(endpoint.flows[tenant].queue) for endpoint in self.endpoints.values()
-                   if tenant in endpoint.flows)
+        return sum(
+            len(endpoint.flows[tenant].queue)
+            for endpoint in self.endpoints.values()
+            if tenant in endpoint.flows
+        )
 
     def flow(self, endpoint: str, tenant: str) -> TenantFlow | None:
         return self.endpoints[endpoint].flows.get(tenant)

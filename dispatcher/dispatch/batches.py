@@ -22,19 +22,27 @@ from nats.aio.client import Client as NATS
 
 from broker_config.subjects import Subjects
 from dispatcher.admission.admit import Admission
-from dispatcher.dispatch.convert import BATCH_HEADERS, encode_batches, to_batch_item
+from dispatcher.core.pool import Worker, WorkerPool
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
-from dispatcher.core.pool import Worker, WorkerPool
+from dispatcher.dispatch.convert import BATCH_HEADERS, encode_batches, to_batch_item
 from dispatcher.dispatch.held import Held
 from dispatcher.observe.metrics import DispatcherMetrics
 
 log = logging.getLogger("fairq.dispatcher")
 
+
 class Dispatch:
-    def __init__(self, nc: NATS, subjects: Subjects, scheduler: Scheduler, pool: WorkerPool,
-                 admission: Admission, metrics: DispatcherMetrics,
-                 top_up: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        scheduler: Scheduler,
+        pool: WorkerPool,
+        admission: Admission,
+        metrics: DispatcherMetrics,
+        top_up: Callable[[str], Awaitable[None]],
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.scheduler = scheduler
@@ -62,15 +70,15 @@ class Dispatch:
         for name, endpoint in self.scheduler.endpoints.items():
             if not self.may_send():
                 return
-            room = self.pool.placement(name, endpoint.spec.affinity_load_bound,
-                                       affinity=endpoint.spec.affinity)
+            room = self.pool.placement(
+                name, endpoint.spec.affinity_load_bound, affinity=endpoint.spec.affinity
+            )
             if room is None:
                 continue
             offered = {slot.worker_id: slot.sequences for slot in room.slots}
             selection = self.scheduler.place(name, room, now)
             # Taken before any await: the pool may change while batches go out.
-            batches = [(self.pool.workers[slot.worker_id], slot.requests)
-                       for slot in room.placed()]
+            batches = [(self.pool.workers[slot.worker_id], slot.requests) for slot in room.placed()]
             await self.admission.drop_expired(selection.expired, now)
             fill = self.metrics.child(self.metrics.batch_fill, name)
             for worker, requests in batches:
@@ -88,15 +96,19 @@ class Dispatch:
             self.metrics.child(self.metrics.queue_wait, request.endpoint).observe(waited)
             self.metrics.watch.waited(request.endpoint, request.tenant, waited, now)
         subject = self.subjects.work(worker.endpoint, worker.worker_id)
-        for message in encode_batches(worker.worker_id, worker.endpoint, items, now,
-                                      self.nc.max_payload, self.epoch):
+        for message in encode_batches(
+            worker.worker_id, worker.endpoint, items, now, self.nc.max_payload, self.epoch
+        ):
             try:
                 await self.nc.publish(subject, message, headers=BATCH_HEADERS)
             except nats.errors.MaxPayloadError:
                 # Admission refuses what cannot fit alone; only a server whose limit
                 # dropped since gets here. The worker never lists these requests: they
                 # come back as lost and are tried again.
-                log.error("a batch for %s is over the broker's max_payload (%d bytes)",
-                          worker.worker_id, self.nc.max_payload)
+                log.error(
+                    "a batch for %s is over the broker's max_payload (%d bytes)",
+                    worker.worker_id,
+                    self.nc.max_payload,
+                )
         for tenant in {request.tenant for request in requests}:
             await self.top_up(tenant)  # their windows have room again

@@ -25,10 +25,14 @@ def prompt_text(body: wire.SubmitRequest) -> str:
     return "".join(m.content for m in body.messages or ())
 
 
-def to_request(submission: wire.Submission, received_at: float, max_tokens_cap: int,
-               payload: object,
-               affinity_block_tokens: int = DEFAULT_AFFINITY_BLOCK_TOKENS,
-               counted_input: int | None = None) -> Request:
+def to_request(
+    submission: wire.Submission,
+    received_at: float,
+    max_tokens_cap: int,
+    payload: object,
+    affinity_block_tokens: int = DEFAULT_AFFINITY_BLOCK_TOKENS,
+    counted_input: int | None = None,
+) -> Request:
     """The core's view of a submitted request. `max_tokens_cap` stands in for an absent
     `max_tokens` (the scheduler then caps either to the endpoint's own limit).
     `counted_input`: the input's tokens as the dispatcher counted them with a tokenizer,
@@ -37,25 +41,44 @@ def to_request(submission: wire.Submission, received_at: float, max_tokens_cap: 
     prompt admitted as a short one (the engine's real count settles the rest)."""
     body = submission.request
     text = prompt_text(body)
-    input_tokens = (counted_input if counted_input is not None else
-                    max(body.input_tokens or 0, approx_tokens(text)))
+    input_tokens = (
+        counted_input
+        if counted_input is not None
+        else max(body.input_tokens or 0, approx_tokens(text))
+    )
     # The leading block: a chat's system prompt and first message, or the prompt.
     leading = text if body.messages is None else "".join(m.content for m in body.messages[:2])
-    return Request(submission.id, submission.tenant, submission.endpoint, received_at,
-                   input_tokens, body.max_tokens or max_tokens_cap, priority=body.priority,
-                   deadline=body.deadline, session=body.session,
-                   affinity=affinity_key(body.session, leading, affinity_block_tokens),
-                   other_units=float(len(body.images)), payload=payload)
+    return Request(
+        submission.id,
+        submission.tenant,
+        submission.endpoint,
+        received_at,
+        input_tokens,
+        body.max_tokens or max_tokens_cap,
+        priority=body.priority,
+        deadline=body.deadline,
+        session=body.session,
+        affinity=affinity_key(body.session, leading, affinity_block_tokens),
+        other_units=float(len(body.images)),
+        payload=payload,
+    )
 
 
 def to_batch_item(request: Request, submission: wire.Submission, now: float) -> wire.BatchItem:
     """What a worker receives for a dispatched request: the body as submitted plus the
     dispatcher's decisions (the capped `max_tokens`, the engine priority)."""
     return wire.BatchItem(
-        id=request.id, tenant=request.tenant, endpoint=request.endpoint,
-        request=submission.request, max_tokens=request.max_tokens,
-        expedited=request.expedited, reply=submission.reply, encoding=submission.encoding,
-        enqueued_at=request.arrival, dispatched_at=now)
+        id=request.id,
+        tenant=request.tenant,
+        endpoint=request.endpoint,
+        request=submission.request,
+        max_tokens=request.max_tokens,
+        expedited=request.expedited,
+        reply=submission.reply,
+        encoding=submission.encoding,
+        enqueued_at=request.arrival,
+        dispatched_at=now,
+    )
 
 
 # Batches travel as msgpack: internal, and cheaper to encode and decode than JSON.
@@ -66,15 +89,26 @@ BATCH_HEADERS = {HDR_CONTENT_TYPE: BATCH_ENCODING.content_type}
 BATCH_SLACK_BYTES = 64
 
 
-def encode_batches(worker_id: str, endpoint: str, items: list[wire.BatchItem], sent_at: float,
-                   max_payload: int, epoch: int = 0) -> list[bytes]:
+def encode_batches(
+    worker_id: str,
+    endpoint: str,
+    items: list[wire.BatchItem],
+    sent_at: float,
+    max_payload: int,
+    epoch: int = 0,
+) -> list[bytes]:
     """The items as batch messages that the broker takes (each, with BATCH_HEADERS, at
     most its `max_payload`), in order: one message unless images make them large. An
     item too large for a message of its own stays alone in one (admission refuses such
     requests, `too_large_to_dispatch`)."""
+
     def encoded(chunk: list[wire.BatchItem]) -> bytes:
-        return wire.encode(wire.Batch(worker_id=worker_id, endpoint=endpoint, items=chunk,
-                                      sent_at=sent_at, epoch=epoch), BATCH_ENCODING)
+        return wire.encode(
+            wire.Batch(
+                worker_id=worker_id, endpoint=endpoint, items=chunk, sent_at=sent_at, epoch=epoch
+            ),
+            BATCH_ENCODING,
+        )
 
     max_bytes = max_payload - message_bytes(b"", BATCH_HEADERS)
     whole = encoded(items)
@@ -93,25 +127,36 @@ def encode_batches(worker_id: str, endpoint: str, items: list[wire.BatchItem], s
     return [encoded(chunk) for chunk in chunks]
 
 
-def too_large_to_dispatch(submission: wire.Submission, received_at: float, body_bytes: int,
-                          max_payload: int) -> str | None:
+def too_large_to_dispatch(
+    submission: wire.Submission, received_at: float, body_bytes: int, max_payload: int
+) -> str | None:
     """Why the request cannot be sent to a worker: its batch item alone, in a message
     with BATCH_HEADERS, exceeds the broker's `max_payload`; None if it fits (only a
     body near the limit is encoded)."""
     if body_bytes + 4096 <= max_payload:  # far more room than the item's own fields take
         return None
     request = to_request(submission, received_at, 1, None)
-    (alone,) = encode_batches("w" * 64, request.endpoint,  # the longest worker id
-                              [to_batch_item(request, submission, received_at)],
-                              received_at, max_payload)
+    (alone,) = encode_batches(
+        "w" * 64,
+        request.endpoint,  # the longest worker id
+        [to_batch_item(request, submission, received_at)],
+        received_at,
+        max_payload,
+    )
     size = message_bytes(alone, BATCH_HEADERS) + BATCH_SLACK_BYTES
     if size <= max_payload:
         return None
-    return (f"the request takes {size} bytes as sent to a worker, over the broker's "
-            f"largest message (max_payload {max_payload})")
+    return (
+        f"the request takes {size} bytes as sent to a worker, over the broker's "
+        f"largest message (max_payload {max_payload})"
+    )
 
 
 def to_error_event(request_id: str, decision: Decision) -> wire.ErrorEvent:
     """The error event that tells a client its request was rejected or dropped."""
-    return wire.ErrorEvent(request_id, wire.ErrorCode(decision.outcome.error_code),
-                           decision.message, decision.retry_after_s)
+    return wire.ErrorEvent(
+        request_id,
+        wire.ErrorCode(decision.outcome.error_code),
+        decision.message,
+        decision.retry_after_s,
+    )

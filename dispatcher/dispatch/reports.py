@@ -44,9 +44,9 @@ from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects
 from costmodel.units import Usage
 from dispatcher.admission.admit import Admission
 from dispatcher.core.limits import Settlement, request_tokens, settlement
+from dispatcher.core.pool import Key, Lost, Worker, WorkerPool
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
-from dispatcher.core.pool import Key, Lost, Worker, WorkerPool
 from dispatcher.dispatch.held import Held, HeldRequests
 from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.probes import Probes
@@ -55,10 +55,19 @@ log = logging.getLogger("fairq.dispatcher")
 
 
 class WorkerReports:
-    def __init__(self, config: Config, subjects: Subjects, scheduler: Scheduler,
-                 pool: WorkerPool, held: HeldRequests, admission: Admission,
-                 metrics: DispatcherMetrics, wake: asyncio.Event, probes: Probes,
-                 holds_lease: Callable[[], bool] = lambda: True) -> None:
+    def __init__(
+        self,
+        config: Config,
+        subjects: Subjects,
+        scheduler: Scheduler,
+        pool: WorkerPool,
+        held: HeldRequests,
+        admission: Admission,
+        metrics: DispatcherMetrics,
+        wake: asyncio.Event,
+        probes: Probes,
+        holds_lease: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.config = config
         self.subjects = subjects
         self.scheduler = scheduler
@@ -87,8 +96,12 @@ class WorkerReports:
         counts = beat.output_tokens
         if len(counts) != len(beat.in_flight):
             if counts:
-                log.warning("worker %s reports output for %d of %d requests; ignored",
-                            beat.worker_id, len(counts), len(beat.in_flight))
+                log.warning(
+                    "worker %s reports output for %d of %d requests; ignored",
+                    beat.worker_id,
+                    len(counts),
+                    len(beat.in_flight),
+                )
             counts = [0] * len(beat.in_flight)
         in_flight = set()
         generated = []
@@ -105,13 +118,23 @@ class WorkerReports:
         if known is not None and known.started_at != beat.started_at:
             self.metrics.child(self.metrics.replacements, beat.endpoint).inc()
         async with self._lock:
-            lost = self.pool.heartbeat(beat.worker_id, beat.endpoint, beat.started_at,
-                                       beat.capacity, in_flight, beat.healthy, time.time(),
-                                       sum(count for _, count in generated),
-                                       beat.capacity_mu_per_s)
+            lost = self.pool.heartbeat(
+                beat.worker_id,
+                beat.endpoint,
+                beat.started_at,
+                beat.capacity,
+                in_flight,
+                beat.healthy,
+                time.time(),
+                sum(count for _, count in generated),
+                beat.capacity_mu_per_s,
+            )
             if lost:
-                log.warning("worker %s no longer has %d requests; taking them back",
-                            beat.worker_id, len(lost.requests) + len(lost.adopted))
+                log.warning(
+                    "worker %s no longer has %d requests; taking them back",
+                    beat.worker_id,
+                    len(lost.requests) + len(lost.adopted),
+                )
                 self._lose(beat.worker_id, lost)
             self.scheduler.progress(generated)
             # The scheduler does not track adopted requests' output: marked here. Only
@@ -120,8 +143,7 @@ class WorkerReports:
                 if count and (held := self.held.adopted.get(key)) is not None:
                     held.streamed = True
         worker = self.pool.get(beat.worker_id)
-        self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(
-            worker.load)
+        self.metrics.worker_utilisation.labels(worker.endpoint, worker.worker_id).set(worker.load)
         self._update_capacity(worker.endpoint)
         self.wake.set()
 
@@ -159,8 +181,11 @@ class WorkerReports:
         if not self.holds_lease():
             return
         for worker, lost in self.pool.silent(now):
-            log.warning("worker %s silent for %.1fs; out of rotation", worker.worker_id,
-                        now - worker.last_seen)
+            log.warning(
+                "worker %s silent for %.1fs; out of rotation",
+                worker.worker_id,
+                now - worker.last_seen,
+            )
             self._lose(worker.worker_id, lost)
             self._update_capacity(worker.endpoint)
         taking, self._lost = self._lost, []
@@ -184,10 +209,14 @@ class WorkerReports:
 
     def _quiet(self, lost: Lost) -> list[Key]:
         """Of what a worker lost, the requests that streamed nothing (to run again)."""
-        keys = [(request.tenant, request.id) for request in lost.requests
-                if request.output_charged <= 0]
-        return keys + [key for key in lost.adopted
-                       if (held := self.held.adopted.get(key)) is not None and not held.streamed]
+        keys = [
+            (request.tenant, request.id) for request in lost.requests if request.output_charged <= 0
+        ]
+        return keys + [
+            key
+            for key in lost.adopted
+            if (held := self.held.adopted.get(key)) is not None and not held.streamed
+        ]
 
     async def _streamed(self, lost: Lost, now: float) -> list[Held]:
         """Of what a worker lost, the requests that streamed, settled at what they
@@ -213,8 +242,9 @@ class WorkerReports:
             log.error("results lookup failed (%s); %d requests handed back", exc, len(keys))
             return None
 
-    async def _run_again(self, key: Key, worker_id: str,
-                         stored: dict[Key, wire.StoredResult] | None, now: float) -> None:
+    async def _run_again(
+        self, key: Key, worker_id: str, stored: dict[Key, wire.StoredResult] | None, now: float
+    ) -> None:
         """A request that streamed nothing (as far as the heartbeats said) runs again,
         keeping its place by arrival; but it may have finished between two heartbeats
         with its completion lost (a broker node died under its worker's connection): its
@@ -241,32 +271,40 @@ class WorkerReports:
             held.worker = None
             await self.admission.admit(held, now, charged_before=True)
 
-    async def _answer_stored(self, worker_id: str, held: Held,
-                             found: wire.StoredResult) -> None:
+    async def _answer_stored(self, worker_id: str, held: Held, found: wire.StoredResult) -> None:
         """Complete a request from its stored result, as its lost completion would have,
         and send the client its final event (the worker's may have been lost too)."""
         event = found.event
         done = wire.Completion(
-            id=held.submission.id, tenant=held.submission.tenant,
-            endpoint=held.submission.endpoint, worker_id=worker_id,
+            id=held.submission.id,
+            tenant=held.submission.tenant,
+            endpoint=held.submission.endpoint,
+            worker_id=worker_id,
             usage=event.usage if isinstance(event, wire.DoneEvent) else Usage(0, 0, 0.0),
-            code=None if isinstance(event, wire.DoneEvent) else event.code, stored=True,
-            finished_at=found.stored_at)
-        log.info("request %s of %s finished on %s, its completion lost; answered from its "
-                 "stored result", done.id, done.tenant, worker_id)
+            code=None if isinstance(event, wire.DoneEvent) else event.code,
+            stored=True,
+            finished_at=found.stored_at,
+        )
+        log.info(
+            "request %s of %s finished on %s, its completion lost; answered from its stored result",
+            done.id,
+            done.tenant,
+            worker_id,
+        )
         async with self._lock:  # as completions are
             settled = await self._complete(done)
         await self.admission.settle(settled, time.time())
-        await self.admission.results.publish(held.submission.reply, held.submission.encoding,
-                                             event)
+        await self.admission.results.publish(held.submission.reply, held.submission.encoding, event)
 
     async def _settle_streamed(self, request: Request, now: float) -> Held | None:
         """Settle a streamed request of a lost worker at what it generated; its held
         message, to end."""
         profile = self.scheduler.endpoints[request.endpoint].profile
-        usage = Usage(request.input_tokens, request.output_charged,
-                      profile.model_units(request.input_tokens, request.output_charged,
-                                          request.other_units))
+        usage = Usage(
+            request.input_tokens,
+            request.output_charged,
+            profile.model_units(request.input_tokens, request.output_charged, request.other_units),
+        )
         completed = self.scheduler.complete(request.tenant, request.id, usage, now)
         if completed is not None:
             await self.admission.settle(completed.settlement, now)
@@ -281,13 +319,14 @@ class WorkerReports:
 
     async def _fail(self, held: Held, now: float) -> None:
         event = wire.ErrorEvent(
-            held.submission.id, wire.ErrorCode.INTERNAL,
+            held.submission.id,
+            wire.ErrorCode.INTERNAL,
             "the worker running it was lost (evicted, silent, restarted, or it dropped "
             "the request) after the request had streamed output; resubmit it with a new id",
-            self.config.dispatcher.lost_worker_retry_after_s)
+            self.config.dispatcher.lost_worker_retry_after_s,
+        )
         if await self.admission.end(held, event, now) == event:
-            self.metrics.child(self.metrics.failed_by_lost_worker,
-                               held.submission.endpoint).inc()
+            self.metrics.child(self.metrics.failed_by_lost_worker, held.submission.endpoint).inc()
 
     def _update_capacity(self, endpoint: str) -> None:
         """The throttle's view of the endpoint's throughput: healthy workers x profile,
@@ -298,8 +337,10 @@ class WorkerReports:
         healthy = self.pool.healthy_count(endpoint)
         autoscale = self.config.endpoints[endpoint].autoscale
         self.scheduler.set_capacity(
-            endpoint, healthy * profile.capacity_mu_per_s,
-            startup_wait_s=autoscale.cold_start_s if autoscale and not healthy else 0.0)
+            endpoint,
+            healthy * profile.capacity_mu_per_s,
+            startup_wait_s=autoscale.cold_start_s if autoscale and not healthy else 0.0,
+        )
         self._update_serving(endpoint, healthy)
 
     def _update_serving(self, endpoint: str, healthy: int) -> None:
@@ -317,9 +358,13 @@ class WorkerReports:
                     self.evicted(*eviction)
         self.wake.set()
         # Outside the lock, in one call: a slow limiter store must not hold up heartbeats.
-        await self.admission.settle(Settlement(
-            tuple(check for settled in settlements for check in settled.charge),
-            tuple(check for settled in settlements for check in settled.refund)), time.time())
+        await self.admission.settle(
+            Settlement(
+                tuple(check for settled in settlements for check in settled.charge),
+                tuple(check for settled in settlements for check in settled.refund),
+            ),
+            time.time(),
+        )
 
     async def _complete(self, done: wire.Completion) -> Settlement:
         """Release a finished request; the settlement of its token limits, for the
@@ -358,16 +403,22 @@ class WorkerReports:
     async def _abort_rerun(self, worker_id: str, done: wire.Completion) -> None:
         """It finished on a worker thought lost while it runs again on `worker_id`: stop
         that run (its result could not be stored anyway, the first one stands)."""
-        log.info("request %s of %s finished on %s while running again on %s; aborting "
-                 "the second run", done.id, done.tenant, done.worker_id, worker_id)
-        await self.admission.results.abort(done.endpoint, (done.tenant, done.id),
-                                           wire.ErrorCode.INTERNAL)
-
+        log.info(
+            "request %s of %s finished on %s while running again on %s; aborting the second run",
+            done.id,
+            done.tenant,
+            done.worker_id,
+            worker_id,
+        )
+        await self.admission.results.abort(
+            done.endpoint, (done.tenant, done.id), wire.ErrorCode.INTERNAL
+        )
 
     def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
         self.metrics.child(self.metrics.input_tokens, endpoint).inc(done.usage.input_tokens)
         self.metrics.child(self.metrics.cached_input_tokens, endpoint).inc(
-            done.usage.cached_input_tokens)
+            done.usage.cached_input_tokens
+        )
         ttft = max(0.0, done.first_token_at - received_at)
         self.metrics.child(self.metrics.ttft, endpoint).observe(ttft)
         # Stamped with this clock, as the other samples: the worker's may differ.
@@ -375,7 +426,8 @@ class WorkerReports:
         decoding = done.finished_at - done.first_token_at
         if decoding > 0:
             self.metrics.child(self.metrics.output_tps, endpoint).observe(
-                done.usage.output_tokens / decoding)
+                done.usage.output_tokens / decoding
+            )
 
 
 def _encoding(msg: Msg) -> wire.Encoding:

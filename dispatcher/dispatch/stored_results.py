@@ -50,7 +50,8 @@ class Results:
     async def __aenter__(self) -> Results:
         stack = self._stack
         self._reader = await stack.enter_async_context(
-            DirectBatchGet(self.nc, jetstream.kv_stream(self.bucket)))
+            DirectBatchGet(self.nc, jetstream.kv_stream(self.bucket))
+        )
         self._writer = await stack.enter_async_context(KeyValueWriter(self.nc, self.bucket))
         return self
 
@@ -69,19 +70,24 @@ class Results:
             try:
                 results[subjects[subject]] = wire.STORED_RESULT.decode(data)
             except msgspec.DecodeError:  # one bad entry must not fail the whole batch
-                log.error("results bucket: %s holds no stored result (%d bytes); treated as "
-                          "absent", subject, len(data))
+                log.error(
+                    "results bucket: %s holds no stored result (%d bytes); treated as absent",
+                    subject,
+                    len(data),
+                )
         return results
 
     async def get(self, key: Key) -> wire.StoredResult | None:
         return (await self.lookup([key])).get(key)
 
-    async def store(self, tenant: str, endpoint: str, event: wire.FinalEvent,
-                    now: float) -> wire.FinalEvent:
+    async def store(
+        self, tenant: str, endpoint: str, event: wire.FinalEvent, now: float
+    ) -> wire.FinalEvent:
         """Store `event` as the request's result unless it has one: create-only, so a
         worker that finished it meanwhile keeps its result. The result that stands."""
-        value = wire.encode(wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event,
-                                              stored_at=now))
+        value = wire.encode(
+            wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event, stored_at=now)
+        )
         key = self.subjects.result_key(tenant, event.id)
         for _ in range(STORE_ATTEMPTS):
             try:
@@ -98,19 +104,27 @@ class Results:
 
     async def publish(self, reply: str | None, encoding: wire.Encoding, event: Any) -> None:
         if reply:
-            await self.nc.publish(reply, wire.encode(event, encoding),
-                                  headers={HDR_CONTENT_TYPE: encoding.content_type})
+            await self.nc.publish(
+                reply,
+                wire.encode(event, encoding),
+                headers={HDR_CONTENT_TYPE: encoding.content_type},
+            )
 
     async def abort(self, endpoint: str, key: Key, code: wire.ErrorCode) -> None:
         """Stop a running request wherever it runs: its worker ends it with `code` (and
         stores that only if it has no result yet)."""
-        abort = wire.Abort(endpoint=endpoint, tenant=key[0], ids=[key[1]], code=code,
-                           epoch=self.epoch)
-        await self.nc.publish(self.subjects.abort(endpoint), wire.encode(abort),
-                              headers={HDR_CONTENT_TYPE: wire.Encoding.JSON.content_type})
+        abort = wire.Abort(
+            endpoint=endpoint, tenant=key[0], ids=[key[1]], code=code, epoch=self.epoch
+        )
+        await self.nc.publish(
+            self.subjects.abort(endpoint),
+            wire.encode(abort),
+            headers={HDR_CONTENT_TYPE: wire.Encoding.JSON.content_type},
+        )
 
-    async def finish(self, msg: Msg, submission: wire.Submission, event: wire.FinalEvent,
-                     now: float) -> wire.FinalEvent:
+    async def finish(
+        self, msg: Msg, submission: wire.Submission, event: wire.FinalEvent, now: float
+    ) -> wire.FinalEvent:
         """End a request here, without a worker: store, tell the client, drop the message.
         If it has a result already (a worker stored one meanwhile), the client gets that.
         The result that stands. Raises one of BROKER_ERRORS."""

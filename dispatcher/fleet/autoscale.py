@@ -20,16 +20,23 @@ from broker_config import wire
 from broker_config.config import Config
 from broker_config.subjects import Subjects
 from costmodel.capacity import Autoscaler
-from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.pool import WorkerPool
+from dispatcher.core.scheduler import Scheduler
 from dispatcher.observe.metrics import DispatcherMetrics
 
 REPUBLISH_S = 5.0
 
 
 class Autoscaling:
-    def __init__(self, nc: NATS, config: Config, subjects: Subjects, scheduler: Scheduler,
-                 pool: WorkerPool, metrics: DispatcherMetrics) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        config: Config,
+        subjects: Subjects,
+        scheduler: Scheduler,
+        pool: WorkerPool,
+        metrics: DispatcherMetrics,
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.scheduler = scheduler
@@ -37,7 +44,9 @@ class Autoscaling:
         self.metrics = metrics
         self.scalers = {
             name: Autoscaler(spec.autoscale, scheduler.endpoints[name].profile.capacity_mu_per_s)
-            for name, spec in config.endpoints.items() if spec.autoscale is not None}
+            for name, spec in config.endpoints.items()
+            if spec.autoscale is not None
+        }
         self._counted_mu = dict.fromkeys(self.scalers, 0.0)
         self._published: dict[str, tuple[int, float]] = {}  # endpoint -> (desired, at)
         for name, scaler in self.scalers.items():
@@ -51,17 +60,24 @@ class Autoscaling:
             self._counted_mu[name] = queues.offered_mu
             serving = self.pool.healthy_count(name)
             decision = scaler.decide(now, serving, queues.queued_model_units())
-            for gauge, value in ((self.metrics.desired_replicas, decision.desired),
-                                 (self.metrics.serving_replicas, serving),
-                                 (self.metrics.demand, decision.demand_mu_per_s),
-                                 (self.metrics.utilisation, decision.utilisation)):
+            for gauge, value in (
+                (self.metrics.desired_replicas, decision.desired),
+                (self.metrics.serving_replicas, serving),
+                (self.metrics.demand, decision.demand_mu_per_s),
+                (self.metrics.utilisation, decision.utilisation),
+            ):
                 gauge.labels(name).set(value)
             last = self._published.get(name)
             if last is None or last[0] != decision.desired or now - last[1] >= REPUBLISH_S:
                 self._published[name] = (decision.desired, now)
                 event = wire.ScaleEvent(
-                    endpoint=name, desired=decision.desired, serving=serving,
-                    demand_mu_per_s=decision.demand_mu_per_s, sent_at=now,
-                    utilisation=(decision.utilisation if math.isfinite(decision.utilisation)
-                                 else None))
+                    endpoint=name,
+                    desired=decision.desired,
+                    serving=serving,
+                    demand_mu_per_s=decision.demand_mu_per_s,
+                    sent_at=now,
+                    utilisation=(
+                        decision.utilisation if math.isfinite(decision.utilisation) else None
+                    ),
+                )
                 await self.nc.publish(self.subjects.scale(name), wire.encode(event))

@@ -19,16 +19,22 @@ from broker_config.config import DispatcherOptions
 from costmodel.capacity import DriftMeter
 from costmodel.units import ModelProfile
 from dispatcher.core.endpoint import EndpointQueues
-from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.pool import Worker, WorkerPool
+from dispatcher.core.scheduler import Scheduler
 from dispatcher.observe.metrics import DispatcherMetrics
 
 log = logging.getLogger(__name__)
 
 
 class DriftWatch:
-    def __init__(self, options: DispatcherOptions, scheduler: Scheduler, pool: WorkerPool,
-                 metrics: DispatcherMetrics, dispatch_due: asyncio.Event) -> None:
+    def __init__(
+        self,
+        options: DispatcherOptions,
+        scheduler: Scheduler,
+        pool: WorkerPool,
+        metrics: DispatcherMetrics,
+        dispatch_due: asyncio.Event,
+    ) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.metrics = metrics
@@ -52,10 +58,10 @@ class DriftWatch:
             queues = self.scheduler.endpoints[name]
             workers = serving[name]
             predicted = sum(advertised_mu_per_s(w, queues.profile) for w in workers)
-            meter.observe(looked_at, queues.completed_mu, predicted,
-                          full=at_limits(queues, workers, now))
-            self.metrics.drift.labels(name).set(math.nan if meter.ratio is None
-                                                else meter.ratio)
+            meter.observe(
+                looked_at, queues.completed_mu, predicted, full=at_limits(queues, workers, now)
+            )
+            self.metrics.drift.labels(name).set(math.nan if meter.ratio is None else meter.ratio)
             if meter.warning_due(looked_at):
                 policy = meter.policy
                 log.warning(
@@ -65,8 +71,15 @@ class DriftWatch:
                     "count with the wrong capacity: measure a profile on this traffic "
                     "(`fairq calibrate --out FILE`), point the endpoint's `profile_file` at "
                     "it and restart its workers, which advertise their profile's capacity",
-                    name, len(workers), meter.ratio, predicted, queues.profile.name,
-                    policy.low, policy.high, looked_at - meter.out_since)
+                    name,
+                    len(workers),
+                    meter.ratio,
+                    predicted,
+                    queues.profile.name,
+                    policy.low,
+                    policy.high,
+                    looked_at - meter.out_since,
+                )
 
 
 def at_limits(queues: EndpointQueues, workers: list[Worker], now: float) -> bool:

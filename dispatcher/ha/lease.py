@@ -59,8 +59,14 @@ def holder_id() -> str:
 
 
 class Lease:
-    def __init__(self, holder: str, *, ttl_s: float, poll_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        holder: str,
+        *,
+        ttl_s: float,
+        poll_s: float = POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.kv: KeyValue | None = None
         self.holder = holder
         self.ttl_s = ttl_s
@@ -99,14 +105,16 @@ class Lease:
             self._renewed_at = sent
             self._lost_it = False
             self._renewals = asyncio.create_task(self._renew_loop(), name="lease-renewals")
-            log.info("took the lease (epoch %d) after %.1f s%s", self.epoch,
-                     self.clock() - waiting_since,
-                     "" if take_back else ", nothing to take back from its last holder")
+            log.info(
+                "took the lease (epoch %d) after %.1f s%s",
+                self.epoch,
+                self.clock() - waiting_since,
+                "" if take_back else ", nothing to take back from its last holder",
+            )
             return take_back
 
     def valid(self) -> bool:
-        return (not self.lost.is_set()
-                and self.clock() - self._renewed_at < VALID_SHARE * self.ttl_s)
+        return not self.lost.is_set() and self.clock() - self._renewed_at < VALID_SHARE * self.ttl_s
 
     async def release(self) -> None:
         """Give the lease up (a planned stop): a standby takes it within its poll."""
@@ -118,8 +126,7 @@ class Lease:
             await self.kv.delete(LEASE_KEY, last=self._revision)
         except (nats.errors.Error, KeyWrongLastSequenceError) as exc:
             # Not released: the next holder takes back what this one held.
-            log.warning("could not release the lease (%r); it ages out in %.1f s", exc,
-                        self.ttl_s)
+            log.warning("could not release the lease (%r); it ages out in %.1f s", exc, self.ttl_s)
         else:
             self.released = True
 
@@ -160,18 +167,22 @@ class Lease:
             sent = self.clock()
             try:
                 self._revision = await asyncio.wait_for(
-                    self.kv.update(LEASE_KEY, self._record(self.epoch), last=self._revision),
-                    every)
+                    self.kv.update(LEASE_KEY, self._record(self.epoch), last=self._revision), every
+                )
                 self._renewed_at = sent
             except KeyWrongLastSequenceError:
                 if not await self._still_ours():
-                    self._lose("it expired (this process did not run for its TTL) or "
-                               "another dispatcher took it", to_another=True)
+                    self._lose(
+                        "it expired (this process did not run for its TTL) or "
+                        "another dispatcher took it",
+                        to_another=True,
+                    )
                     return
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            except (TimeoutError, nats.errors.Error) as exc:
                 if not self.valid():
-                    self._lose(f"could not renew the lease within its TTL ({exc!r})",
-                               to_another=False)
+                    self._lose(
+                        f"could not renew the lease within its TTL ({exc!r})", to_another=False
+                    )
                     return
 
     async def _still_ours(self) -> bool:
@@ -181,8 +192,10 @@ class Lease:
             entry = await self.kv.get(LEASE_KEY)
         except nats.errors.Error:  # gone, deleted, or unreadable: not provably ours
             return False
-        if (_holder(entry.value) != self.holder
-                or epoch_of(entry.value, entry.revision or 0) != self.epoch):
+        if (
+            _holder(entry.value) != self.holder
+            or epoch_of(entry.value, entry.revision or 0) != self.epoch
+        ):
             return False
         self._revision = entry.revision or 0
         return True

@@ -36,24 +36,30 @@ class Tenures:
     has taken the lease and started, and `serving` is set from then until its drain;
     `current` is the one serving or standing by."""
 
-    def __init__(self, nc: NATS, config: Config, *, lease: Lease | None,
-                 on_running: Callable[[Dispatcher], None] = lambda _: None,
-                 **dispatcher_options: Any) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        config: Config,
+        *,
+        lease: Lease | None,
+        on_running: Callable[[Dispatcher], None] = lambda _: None,
+        **dispatcher_options: Any,
+    ) -> None:
         self._nc = nc
         self._lease = lease
         self._on_running = on_running
         self._options = dispatcher_options  # Dispatcher's keyword arguments
         self._heard: dict[str, float] = {}
         self.serving = asyncio.Event()
-        self.current = Dispatcher(nc, config, lease=lease, heard=self._heard,
-                                  **dispatcher_options)
+        self.current = Dispatcher(nc, config, lease=lease, heard=self._heard, **dispatcher_options)
 
     def _next(self) -> Dispatcher:
         """The next tenure's, with the config as running (reloads included) and the file
         as last read: the file is not read again (it may be mid-edit)."""
         previous = self.current
-        dispatcher = Dispatcher(self._nc, previous.config, lease=self._lease,
-                                heard=self._heard, **self._options)
+        dispatcher = Dispatcher(
+            self._nc, previous.config, lease=self._lease, heard=self._heard, **self._options
+        )
         dispatcher.reloader.file_config = previous.reloader.file_config
         return dispatcher
 
@@ -62,8 +68,12 @@ class Tenures:
             try:
                 await self._tenure(self.current, stop)
             except* nats.errors.Error as failed:
-                log.error("the broker failed the dispatcher (%r); starting again in %.0f s",
-                          failed.exceptions, RESTART_AFTER_S, exc_info=failed)
+                log.error(
+                    "the broker failed the dispatcher (%r); starting again in %.0f s",
+                    failed.exceptions,
+                    RESTART_AFTER_S,
+                    exc_info=failed,
+                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), RESTART_AFTER_S)
             if stop.is_set():

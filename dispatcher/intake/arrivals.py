@@ -33,8 +33,13 @@ class Arrivals:
 
 
 class HandOver:
-    def __init__(self, handler: Callable[[list[Msg]], Awaitable[None]], *, batch: int,
-                 after: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        handler: Callable[[list[Msg]], Awaitable[None]],
+        *,
+        batch: int,
+        after: Callable[[str], Awaitable[None]],
+    ) -> None:
         self.handler = handler
         self.batch = batch
         self.after = after

@@ -102,8 +102,11 @@ class Park:
     async def _move(self, msg: Msg) -> Moved:
         # The client's own publish expectations (`Nats-Expected-Stream`...) were about the
         # requests stream: the parked stream would refuse the copy for them.
-        headers = {name: value for name, value in (msg.headers or {}).items()
-                   if not name.lower().startswith("nats-expected")}
+        headers = {
+            name: value
+            for name, value in (msg.headers or {}).items()
+            if not name.lower().startswith("nats-expected")
+        }
         ns, seq = _origin(msg.reply)
         headers[HDR_PARKED_ID] = headers.pop(HDR_MSG_ID, "")  # "": it had none
         headers[HDR_PARKED_AT] = str(ns)
@@ -113,12 +116,17 @@ class Park:
             await msg.ack()
             return Moved.MOVED
         except Refused as exc:
-            log.warning("the parked stream refused request %s of %s (%s): handed over as "
-                        "it is", seq, msg.subject, exc)
+            log.warning(
+                "the parked stream refused request %s of %s (%s): handed over as it is",
+                seq,
+                msg.subject,
+                exc,
+            )
             return Moved.REFUSED
         except nats.errors.Error as exc:
-            log.warning("moving request %s of %s to the parked stream failed: %s", seq,
-                        msg.subject, exc)
+            log.warning(
+                "moving request %s of %s to the parked stream failed: %s", seq, msg.subject, exc
+            )
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak(delay=MOVE_RETRY_S)
             return Moved.FAILED

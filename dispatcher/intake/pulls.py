@@ -56,9 +56,15 @@ class Pull:
 
 
 class StandingPulls:
-    def __init__(self, nc: NATS, *, on_message: Callable[[Pull | None, Msg], Awaitable[None]],
-                 on_expired: Callable[[Pull, int], Awaitable[None]],
-                 expires_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        on_message: Callable[[Pull | None, Msg], Awaitable[None]],
+        on_expired: Callable[[Pull, int], Awaitable[None]],
+        expires_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.nc = nc
         self.on_message = on_message
         self.on_expired = on_expired
@@ -74,7 +80,8 @@ class StandingPulls:
         self._reconnects = self.nc.stats["reconnects"]
         # Unbounded pending queue: the server bounds it (the consumers' max_ack_pending).
         self._subscription = await self.nc.subscribe(
-            f"{self._inbox}.*", cb=self._on_reply, pending_msgs_limit=0, pending_bytes_limit=0)
+            f"{self._inbox}.*", cb=self._on_reply, pending_msgs_limit=0, pending_bytes_limit=0
+        )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -100,9 +107,11 @@ class StandingPulls:
         pull.requested = credits
         pull.pull_deadline = self.clock() + self.expires_s + PULL_LOST_MARGIN_S
         try:
-            await self.nc.publish(jetstream.pull_subject(pull.stream, pull.consumer),
-                                  jetstream.pull_request(credits, self.expires_s),
-                                  reply=f"{self._inbox}.{pull.consumer}")
+            await self.nc.publish(
+                jetstream.pull_subject(pull.stream, pull.consumer),
+                jetstream.pull_request(credits, self.expires_s),
+                reply=f"{self._inbox}.{pull.consumer}",
+            )
         except nats.errors.Error as exc:
             pull.requested = 0
             pull.retry_at = self.clock() + PULL_RETRY_S

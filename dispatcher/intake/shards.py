@@ -69,18 +69,23 @@ class Tenant(Arrivals):
 
 
 class Intake:
-    def __init__(self, nc: NATS, subjects: Subjects, *,
-                 handler: Callable[[list[Msg]], Awaitable[None]],
-                 queued: Callable[[str], int],
-                 in_hand: Callable[[], Counter[tuple[bool, str]]],
-                 shards: int = 16,
-                 limits: ConsumerLimits = ConsumerLimits(max_ack_pending=10_000),
-                 parked_limits: ConsumerLimits = ConsumerLimits(),
-                 window: int = 64,
-                 batch: int = 256,
-                 expires_s: float = 10.0,
-                 list_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        *,
+        handler: Callable[[list[Msg]], Awaitable[None]],
+        queued: Callable[[str], int],
+        in_hand: Callable[[], Counter[tuple[bool, str]]],
+        shards: int = 16,
+        limits: ConsumerLimits = ConsumerLimits(max_ack_pending=10_000),
+        parked_limits: ConsumerLimits = ConsumerLimits(),
+        window: int = 64,
+        batch: int = 256,
+        expires_s: float = 10.0,
+        list_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects
@@ -92,9 +97,13 @@ class Intake:
         self.window = window
         self.list_s = list_s
         self.clock = clock
-        self._pulls = StandingPulls(nc, on_message=self._on_message,
-                                    on_expired=self._on_expired, expires_s=expires_s,
-                                    clock=clock)
+        self._pulls = StandingPulls(
+            nc,
+            on_message=self._on_message,
+            on_expired=self._on_expired,
+            expires_s=expires_s,
+            clock=clock,
+        )
         self.tenants: dict[str, Tenant] = {}
         self.shards: dict[str, Pull] = {}
         # (endpoint, tenant) -> unfinished requests in both streams, as of the last listing.
@@ -128,10 +137,14 @@ class Intake:
         except BaseException:
             await self._stack.aclose()
             raise
-        self._finishing = [asyncio.create_task(self._hand_over.run(), name="intake-hand-over"),
-                           asyncio.create_task(self._move_loop(), name="intake-move")]
-        self._cancelled = [asyncio.create_task(self._care_loop(), name="intake-care"),
-                           asyncio.create_task(self._watch_stalled(), name="intake-stalled")]
+        self._finishing = [
+            asyncio.create_task(self._hand_over.run(), name="intake-hand-over"),
+            asyncio.create_task(self._move_loop(), name="intake-move"),
+        ]
+        self._cancelled = [
+            asyncio.create_task(self._care_loop(), name="intake-care"),
+            asyncio.create_task(self._watch_stalled(), name="intake-stalled"),
+        ]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -164,8 +177,9 @@ class Intake:
         """Make the shard's consumer and pull; on a failure it is tried again later by the
         tick, or, `strict` (at start), a refused setting raises."""
         spec = ConsumerSpec.for_shard(self.subjects, key, self.limits)
-        pull = self.shards.setdefault(key, Pull(spec.durable, self.subjects.requests_stream,
-                                                spec.filter_subject, gone=True))
+        pull = self.shards.setdefault(
+            key, Pull(spec.durable, self.subjects.requests_stream, spec.filter_subject, gone=True)
+        )
         try:
             await ensure_consumer(self.js, self.subjects.requests_stream, spec)
         except Exception as exc:
@@ -173,8 +187,9 @@ class Intake:
                 raise
             retry_s = BROKER_RETRY_S if jetstream.unanswered(exc) else CONSUMER_RETRY_S
             pull.retry_at = self.clock() + retry_s
-            log.error("cannot make the consumer of shard %s (trying again in %gs): %r", key,
-                      retry_s, exc)
+            log.error(
+                "cannot make the consumer of shard %s (trying again in %gs): %r", key, retry_s, exc
+            )
             return
         self._pulls.add(pull)
         await self._pull(pull)
@@ -186,8 +201,9 @@ class Intake:
         except Exception as exc:  # tried again by the next tick
             log.error("cannot make the parked consumer of tenant %r: %s", tenant.name, exc)
             return
-        tenant.parked_pull = self._pulls.add(Pull(spec.durable, self.subjects.parked_stream,
-                                                  tenant=tenant.name))
+        tenant.parked_pull = self._pulls.add(
+            Pull(spec.durable, self.subjects.parked_stream, tenant=tenant.name)
+        )
 
     def _tenant(self, name: str, shard: str = "") -> Tenant:
         tenant = self.tenants.get(name)
@@ -205,10 +221,12 @@ class Intake:
     async def _list(self) -> None:
         before = self.in_hand()
         settled = {t.name for t in self.tenants.values() if t.parked and not t.moving}
-        stored = (await self.js.stream_info(self.subjects.requests_stream, subjects_filter=">")
-                  ).state.subjects or {}
-        parked = (await self.js.stream_info(self.subjects.parked_stream, subjects_filter=">")
-                  ).state.subjects or {}
+        stored = (
+            await self.js.stream_info(self.subjects.requests_stream, subjects_filter=">")
+        ).state.subjects or {}
+        parked = (
+            await self.js.stream_info(self.subjects.parked_stream, subjects_filter=">")
+        ).state.subjects or {}
         # The max of both: messages acked or delivered meanwhile.
         self._held = held = before | self.in_hand()
         backlog: Counter[tuple[str, str]] = Counter()
@@ -226,8 +244,9 @@ class Intake:
                 self.tenants[name].waiting = 0
             for name, count in counts.items():
                 tenant = self._tenant(name, key)
-                tenant.waiting = max(0, count - held[(False, name)] - self._holding(tenant)
-                                     - tenant.moving)
+                tenant.waiting = max(
+                    0, count - held[(False, name)] - self._holding(tenant) - tenant.moving
+                )
         parked_by: Counter[str] = Counter()
         for subject, count in parked.items():
             _, _, endpoint, name = subject.split(".")
@@ -252,7 +271,7 @@ class Intake:
             await asyncio.sleep(self.list_s)
             try:
                 await self._list()
-            except (nats.errors.Error, APIError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, nats.errors.Error, APIError) as exc:
                 log.warning("listing the request subjects failed: %s", exc)
             except Exception:  # the loop must go on: it also finds lost pulls
                 log.exception("listing the request subjects failed")
@@ -265,13 +284,13 @@ class Intake:
         while self._open:
             await asyncio.sleep(STALLED_POLL_S)
             for key, shard in list(self.shards.items()):
-                if shard.requested or not any(self.tenants[name].waiting
-                                              for name in shard.tenants):
+                if shard.requested or not any(self.tenants[name].waiting for name in shard.tenants):
                     continue
                 try:
-                    info = await self.js.stream_info(self.subjects.requests_stream,
-                                                      subjects_filter=shard.filter_subject)
-                except (nats.errors.Error, APIError, asyncio.TimeoutError) as exc:
+                    info = await self.js.stream_info(
+                        self.subjects.requests_stream, subjects_filter=shard.filter_subject
+                    )
+                except (TimeoutError, nats.errors.Error, APIError) as exc:
                     log.warning("listing the subjects of shard %s failed: %s", key, exc)
                     continue
                 for subject in info.state.subjects or {}:
@@ -294,9 +313,16 @@ class Intake:
                 tenant.parked_pull = None
             if tenant.parked and tenant.parked_pull is None:
                 await self._add_parked(tenant)
-            if not (tenant.ready or tenant.handing_over or tenant.waiting or tenant.parked
-                    or tenant.moving or self.queued(tenant.name)
-                    or self._held[(False, tenant.name)] or self._held[(True, tenant.name)]):
+            if not (
+                tenant.ready
+                or tenant.handing_over
+                or tenant.waiting
+                or tenant.parked
+                or tenant.moving
+                or self.queued(tenant.name)
+                or self._held[(False, tenant.name)]
+                or self._held[(True, tenant.name)]
+            ):
                 self._forget(tenant)
 
     def _forget(self, tenant: Tenant) -> None:
@@ -351,8 +377,7 @@ class Intake:
             tenant.parked = max(0, tenant.parked - 1)
             self._hand_over.arrive(tenant, restore(msg))
             return
-        tenant = self._tenant(msg.subject.rsplit(".", 1)[1],
-                              self.subjects.shard_key(msg.subject))
+        tenant = self._tenant(msg.subject.rsplit(".", 1)[1], self.subjects.shard_key(msg.subject))
         tenant.waiting = max(0, tenant.waiting - 1)
         full = self._holding(tenant) + self.queued(tenant.name) >= 2 * self.window
         # A redelivery (handed back by a dispatcher that stopped) is older than what was

@@ -80,8 +80,14 @@ class QueueWatch:
         self._ttfts: dict[Key, deque[tuple[float, float]]] = {}
         # (when, admitted, rejected) at each refresh of the rate window.
         self._counted: dict[Key, deque[tuple[float, int, int]]] = {}
-        self._snapshot = msgspec.json.encode(Snapshot(0.0, RATE_WINDOW_S, LATENCY_WINDOW_S, [
-            EndpointView(Figures(name), []) for name in self._endpoints]))
+        self._snapshot = msgspec.json.encode(
+            Snapshot(
+                0.0,
+                RATE_WINDOW_S,
+                LATENCY_WINDOW_S,
+                [EndpointView(Figures(name), []) for name in self._endpoints],
+            )
+        )
         self._read_at = -math.inf  # time.monotonic() of the last read
 
     def read(self) -> bytes:
@@ -97,9 +103,14 @@ class QueueWatch:
         """A request of `tenant` streamed its first token `seconds` after intake."""
         _sample(self._ttfts, (endpoint, tenant), now, seconds)
 
-    def refresh(self, rows: list[DepthRow], counts: Mapping[Key, Counts],
-                tier_of: Callable[[str], str | None], tiers: Sequence[str],
-                now: float) -> None:
+    def refresh(
+        self,
+        rows: list[DepthRow],
+        counts: Mapping[Key, Counts],
+        tier_of: Callable[[str], str | None],
+        tiers: Sequence[str],
+        now: float,
+    ) -> None:
         """Build the snapshot the HTTP server serves next, from the queues (`rows`), the
         admission counts and the samples; forget what fell out of every window. Tiers
         are shown in the order of `tiers` (the config's, highest first)."""
@@ -111,23 +122,34 @@ class QueueWatch:
         waits, ttfts = _values(self._waits), _values(self._ttfts)
         tenants: dict[Key, tuple[str, Figures]] = {}
         for row in rows:
-            tenants[(row.endpoint, row.tenant)] = (row.tier, Figures(
-                row.tenant, queued=row.queued, running=row.running))
+            tenants[(row.endpoint, row.tenant)] = (
+                row.tier,
+                Figures(row.tenant, queued=row.queued, running=row.running),
+            )
         for key in {*rates, *self._waits, *self._ttfts} - tenants.keys():
             tier = tier_of(key[1])
             if tier is not None:
                 tenants[key] = (tier, Figures(key[1]))
         by_endpoint: dict[str, dict[str, list[tuple[Key, Figures]]]] = {
-            name: {} for name in self._endpoints}
+            name: {} for name in self._endpoints
+        }
         for key, (tier, figures) in tenants.items():
             figures.admitted_per_s, figures.rejected_per_s = rates.get(key, (0.0, 0.0))
             figures.p95_queue_wait_s = _p95([waits[key]] if key in waits else [])
             figures.p95_ttft_s = _p95([ttfts[key]] if key in ttfts else [])
             by_endpoint.setdefault(key[0], {}).setdefault(tier, []).append((key, figures))
         rank = {name: n for n, name in enumerate(tiers)}
-        self._snapshot = msgspec.json.encode(Snapshot(now, RATE_WINDOW_S, LATENCY_WINDOW_S, [
-            _endpoint_view(name, members, rank, waits, ttfts)
-            for name, members in by_endpoint.items()]))
+        self._snapshot = msgspec.json.encode(
+            Snapshot(
+                now,
+                RATE_WINDOW_S,
+                LATENCY_WINDOW_S,
+                [
+                    _endpoint_view(name, members, rank, waits, ttfts)
+                    for name, members in by_endpoint.items()
+                ],
+            )
+        )
 
     def _rates(self, counts: Mapping[Key, Counts], now: float) -> dict[Key, tuple[float, float]]:
         """(admitted, rejected) per second over the rate window, per endpoint and tenant."""
@@ -143,44 +165,57 @@ class QueueWatch:
                 history.popleft()
             then, admitted, rejected = history[0]
             span = now - then
-            rates[key] = (((count.admitted - admitted) / span,
-                           (count.rejected - rejected) / span) if span > 0 else (0.0, 0.0))
+            rates[key] = (
+                ((count.admitted - admitted) / span, (count.rejected - rejected) / span)
+                if span > 0
+                else (0.0, 0.0)
+            )
         return rates
 
 
 Arrays = dict[Key, np.ndarray]
 
 
-def _endpoint_view(name: str, tiers: dict[str, list[tuple[Key, Figures]]],
-                   rank: Mapping[str, int], waits: Arrays, ttfts: Arrays) -> EndpointView:
+def _endpoint_view(
+    name: str,
+    tiers: dict[str, list[tuple[Key, Figures]]],
+    rank: Mapping[str, int],
+    waits: Arrays,
+    ttfts: Arrays,
+) -> EndpointView:
     views = [_tier_view(tier, members, waits, ttfts) for tier, members in tiers.items()]
     views.sort(key=lambda view: (rank.get(view.figures.name, len(rank)), view.figures.name))
     keys = [key for members in tiers.values() for key, _ in members]
-    return EndpointView(_total(name, keys, [view.figures for view in views], waits, ttfts),
-                        views)
+    return EndpointView(_total(name, keys, [view.figures for view in views], waits, ttfts), views)
 
 
-def _tier_view(tier: str, members: list[tuple[Key, Figures]], waits: Arrays,
-               ttfts: Arrays) -> TierView:
+def _tier_view(
+    tier: str, members: list[tuple[Key, Figures]], waits: Arrays, ttfts: Arrays
+) -> TierView:
     tenants = [figures for _, figures in members]
     # Busiest first: a page with a thousand tenants shows those that matter on top.
     tenants.sort(key=lambda f: (-(f.queued + f.running), -f.admitted_per_s, f.name))
     return TierView(_total(tier, [key for key, _ in members], tenants, waits, ttfts), tenants)
 
 
-def _total(name: str, keys: list[Key], parts: list[Figures], waits: Arrays,
-           ttfts: Arrays) -> Figures:
+def _total(
+    name: str, keys: list[Key], parts: list[Figures], waits: Arrays, ttfts: Arrays
+) -> Figures:
     """Sums of `parts`, and percentiles over the samples of every key together."""
     return Figures(
-        name, queued=sum(f.queued for f in parts), running=sum(f.running for f in parts),
+        name,
+        queued=sum(f.queued for f in parts),
+        running=sum(f.running for f in parts),
         admitted_per_s=sum(f.admitted_per_s for f in parts),
         rejected_per_s=sum(f.rejected_per_s for f in parts),
         p95_queue_wait_s=_p95([waits[key] for key in keys if key in waits]),
-        p95_ttft_s=_p95([ttfts[key] for key in keys if key in ttfts]))
+        p95_ttft_s=_p95([ttfts[key] for key in keys if key in ttfts]),
+    )
 
 
-def _sample(samples: dict[Key, deque[tuple[float, float]]], key: Key, now: float,
-            value: float) -> None:
+def _sample(
+    samples: dict[Key, deque[tuple[float, float]]], key: Key, now: float, value: float
+) -> None:
     window = samples.get(key)
     if window is None:
         window = samples[key] = deque(maxlen=MAX_SAMPLES)
@@ -197,8 +232,10 @@ def _trim(samples: dict[Key, deque[tuple[float, float]]], since: float) -> None:
 
 
 def _values(samples: dict[Key, deque[tuple[float, float]]]) -> Arrays:
-    return {key: np.fromiter((value for _, value in window), float, len(window))
-            for key, window in samples.items()}
+    return {
+        key: np.fromiter((value for _, value in window), float, len(window))
+        for key, window in samples.items()
+    }
 
 
 def _p95(arrays: list[np.ndarray]) -> float | None:

@@ -143,8 +143,9 @@ def jain_index(values: Sequence[float]) -> float:
     return sum(values) ** 2 / (len(values) * square_sum)
 
 
-def max_min_shares(available: Mapping[str, float], capacity: float,
-                   weights: Mapping[str, float] | None = None) -> dict[str, float]:
+def max_min_shares(
+    available: Mapping[str, float], capacity: float, weights: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """Weighted max-min fair split of `capacity` among demands capped at `available`."""
     weights = weights or {}
     order = sorted(available, key=lambda t: (available[t] / weights.get(t, 1.0), t))
@@ -170,12 +171,17 @@ def metric_windows(records: Sequence[RequestRecord], options: MetricOptions) -> 
     horizon = max(r.arrival for r in records)
     if horizon <= 0:
         horizon = max((r.finished for r in records if r.finished is not None), default=0.0)
-    count = math.floor((horizon - options.warmup_s) / options.window_s) \
-        if horizon > options.warmup_s else 0
+    count = (
+        math.floor((horizon - options.warmup_s) / options.window_s)
+        if horizon > options.warmup_s
+        else 0
+    )
     if count < 1:
         return [(0.0, horizon)] if horizon > 0 else []
-    return [(options.warmup_s + k * options.window_s,
-             options.warmup_s + (k + 1) * options.window_s) for k in range(count)]
+    return [
+        (options.warmup_s + k * options.window_s, options.warmup_s + (k + 1) * options.window_s)
+        for k in range(count)
+    ]
 
 
 def _overlap(start: float, end: float, window: Window) -> float:
@@ -206,8 +212,9 @@ def _window_span(windows: Sequence[Window], start: float, end: float) -> range:
     return range(first, lo)
 
 
-def service_per_window(records: Iterable[RequestRecord], windows: Sequence[Window],
-                       options: MetricOptions) -> dict[str, list[float]]:
+def service_per_window(
+    records: Iterable[RequestRecord], windows: Sequence[Window], options: MetricOptions
+) -> dict[str, list[float]]:
     """Service (cost units) each tenant received in each window."""
     service: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(windows))
     for record in records:
@@ -221,8 +228,9 @@ def service_per_window(records: Iterable[RequestRecord], windows: Sequence[Windo
     return dict(service)
 
 
-def demand_per_window(records: Iterable[RequestRecord], windows: Sequence[Window],
-                      options: MetricOptions) -> dict[str, list[float]]:
+def demand_per_window(
+    records: Iterable[RequestRecord], windows: Sequence[Window], options: MetricOptions
+) -> dict[str, list[float]]:
     """Cost of each tenant's requests that arrived in each window (VTC's demand)."""
     demand: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(windows))
     for record in records:
@@ -232,8 +240,9 @@ def demand_per_window(records: Iterable[RequestRecord], windows: Sequence[Window
     return dict(demand)
 
 
-def available_per_window(records: Iterable[RequestRecord], windows: Sequence[Window],
-                         options: MetricOptions) -> dict[str, list[float]]:
+def available_per_window(
+    records: Iterable[RequestRecord], windows: Sequence[Window], options: MetricOptions
+) -> dict[str, list[float]]:
     """Work each tenant could have been served in each window: the unserved remainder,
     at the window's start, of its served requests that arrived before the window's end."""
     available: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(windows))
@@ -251,10 +260,12 @@ def available_per_window(records: Iterable[RequestRecord], windows: Sequence[Win
     return dict(available)
 
 
-def service_difference(service: Mapping[str, Sequence[float]],
-                       demand: Mapping[str, Sequence[float]],
-                       windows: Sequence[Window],
-                       weights: Mapping[str, float] | None = None) -> list[float]:
+def service_difference(
+    service: Mapping[str, Sequence[float]],
+    demand: Mapping[str, Sequence[float]],
+    windows: Sequence[Window],
+    weights: Mapping[str, float] | None = None,
+) -> list[float]:
     """VTC's per-window service difference, in service units per second (per unit of
     weight: with `weights`, a tenant's service and demand are divided by its weight)."""
     tenants = sorted(set(service) | set(demand))
@@ -270,10 +281,12 @@ def service_difference(service: Mapping[str, Sequence[float]],
     return diffs
 
 
-def jain_per_window(service: Mapping[str, Sequence[float]],
-                    available: Mapping[str, Sequence[float]],
-                    windows: Sequence[Window],
-                    weights: Mapping[str, float] | None = None) -> list[float | None]:
+def jain_per_window(
+    service: Mapping[str, Sequence[float]],
+    available: Mapping[str, Sequence[float]],
+    windows: Sequence[Window],
+    weights: Mapping[str, float] | None = None,
+) -> list[float | None]:
     """Jain's index of service normalised by max-min fair share, per window."""
     indices: list[float | None] = []
     for k in range(len(windows)):
@@ -320,23 +333,29 @@ def tenant_summary(records: Sequence[RequestRecord], options: MetricOptions) -> 
             "count": len(mine),
             "served": len(served),
             "outcomes": dict(sorted(outcomes.items())),
-            "queue_wait_s": latency_summary(r.dispatched - r.arrival for r in served
-                                            if r.dispatched is not None),
+            "queue_wait_s": latency_summary(
+                r.dispatched - r.arrival for r in served if r.dispatched is not None
+            ),
             "ttft_s": latency_summary(r.first_token - r.arrival for r in served),
             "service": float(sum(options.cost(r) for r in served)),
         }
     return tenants
 
 
-def summarize(records: Sequence[RequestRecord], options: MetricOptions = DEFAULT_METRICS,
-              weights: Mapping[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord],
+    options: MetricOptions = DEFAULT_METRICS,
+    weights: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
     """The summary block of a result: throughput, fairness figures, per-tenant latency."""
     windows = metric_windows(records, options)
     service = service_per_window(records, windows, options)
-    diffs = service_difference(service, demand_per_window(records, windows, options), windows,
-                               weights)
-    jains = jain_per_window(service, available_per_window(records, windows, options),
-                            windows, weights)
+    diffs = service_difference(
+        service, demand_per_window(records, windows, options), windows, weights
+    )
+    jains = jain_per_window(
+        service, available_per_window(records, windows, options), windows, weights
+    )
     measured = [j for j in jains if j is not None]
     return {
         "throughput_tokens_per_s": throughput_tokens_per_s(records),
@@ -351,9 +370,12 @@ def summarize(records: Sequence[RequestRecord], options: MetricOptions = DEFAULT
     }
 
 
-def service_over_time(records: Iterable[RequestRecord], bin_s: float, end: float,
-                      options: MetricOptions = DEFAULT_METRICS
-                      ) -> tuple[list[float], dict[str, list[float]]]:
+def service_over_time(
+    records: Iterable[RequestRecord],
+    bin_s: float,
+    end: float,
+    options: MetricOptions = DEFAULT_METRICS,
+) -> tuple[list[float], dict[str, list[float]]]:
     """Per-tenant service rate (units per second) in consecutive bins from 0 to `end`:
     (bin start times, tenant -> rates). For plots."""
     if not bin_s > 0:

@@ -67,8 +67,9 @@ class Resize:
 class FleetScaling:
     """An `Autoscaler` per endpoint, on the replicas' model units per second."""
 
-    def __init__(self, policy: ScalingPolicy, mu_per_s: dict[str, float],
-                 tick_s: float = 1.0) -> None:
+    def __init__(
+        self, policy: ScalingPolicy, mu_per_s: dict[str, float], tick_s: float = 1.0
+    ) -> None:
         if not tick_s > 0:
             raise ValueError(f"tick_s must be > 0, got {tick_s!r}")
         self.policy = policy
@@ -79,8 +80,9 @@ class FleetScaling:
         self._last: dict[str, int] = {}
         self._counted_mu: dict[str, float] = {}
 
-    def decide(self, endpoint: str, replicas: list[Replica], queues: EndpointQueues,
-               now: float) -> Resize:
+    def decide(
+        self, endpoint: str, replicas: list[Replica], queues: EndpointQueues, now: float
+    ) -> Resize:
         """`replicas`: the endpoint's alive ones (serving or starting). As the dispatcher
         does, the autoscaler is fed the model units offered since the last decision."""
         scaler = self.scalers[endpoint]

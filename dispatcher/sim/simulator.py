@@ -50,21 +50,21 @@ from costmodel.capacity import ScalingPolicy
 from costmodel.engine_model import BatchingEngineModel, EngineParams
 from costmodel.prefix_cache import BLOCK_TOKENS, PrefixCache
 from costmodel.units import Capacity, Usage
-from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.endpoint import sequences_outside_reserve
+from dispatcher.core.limits import MemoryLimiterStore
+from dispatcher.core.placement import affinity_key
+from dispatcher.core.pool import WorkerPool
+from dispatcher.core.scheduler import Policy, Scheduler
+from dispatcher.core.types import Outcome, Request
+from dispatcher.sim.clients import Client, ClosedLoop
 from dispatcher.sim.fairness import (
     DEFAULT_METRICS,
     MetricOptions,
     RequestRecord,
     summarize,
 )
-from dispatcher.core.placement import affinity_key
-from dispatcher.core.scheduler import Policy, Scheduler
-from dispatcher.sim.clients import Client, ClosedLoop
 from dispatcher.sim.replicas import FleetScaling, Replica
 from dispatcher.sim.trace import TraceRecord
-from dispatcher.core.types import Outcome, Request
-from dispatcher.core.pool import WorkerPool
 
 # Event kinds, in the order they are handled at one instant.
 _STEP_END = 0
@@ -101,12 +101,21 @@ class _Entry:
 class Simulation:
     """One run; `simulate` is the usual entry point."""
 
-    def __init__(self, trace: Sequence[TraceRecord], config: Config,
-                 engine: EngineParams | None = None, *, replicas: int = 1,
-                 policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = (),
-                 fleet: Sequence[EngineParams] = (), affinity: bool = True,
-                 early_binding: bool = False, autoscale: ScalingPolicy | None = None,
-                 scale_tick_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        trace: Sequence[TraceRecord],
+        config: Config,
+        engine: EngineParams | None = None,
+        *,
+        replicas: int = 1,
+        policy: Policy = "fairq",
+        closed_loop: Sequence[ClosedLoop] = (),
+        fleet: Sequence[EngineParams] = (),
+        affinity: bool = True,
+        early_binding: bool = False,
+        autoscale: ScalingPolicy | None = None,
+        scale_tick_s: float = 1.0,
+    ) -> None:
         if replicas < 1 and autoscale is None:
             raise ValueError(f"replicas must be >= 1, got {replicas!r}")
         if autoscale is not None and fleet:
@@ -119,11 +128,21 @@ class Simulation:
         self.affinity = affinity
         self.early_binding = early_binding
         self.scheduler = Scheduler(config, policy=policy)
-        self.scaling = None if autoscale is None else FleetScaling(autoscale, {
-            name: self.scheduler.registry.profile(name).capacity_mu_per_s
-            for name in config.endpoints}, scale_tick_s)
-        self._reports_tokens = any(e.selector.charges_output_as_generated
-                                   for e in self.scheduler.endpoints.values())
+        self.scaling = (
+            None
+            if autoscale is None
+            else FleetScaling(
+                autoscale,
+                {
+                    name: self.scheduler.registry.profile(name).capacity_mu_per_s
+                    for name in config.endpoints
+                },
+                scale_tick_s,
+            )
+        )
+        self._reports_tokens = any(
+            e.selector.charges_output_as_generated for e in self.scheduler.endpoints.values()
+        )
         self.store = MemoryLimiterStore()
         self.default_endpoint = next(iter(config.endpoints))
         # Replicas never go silent: the simulator drives no heartbeats.
@@ -137,7 +156,8 @@ class Simulation:
             self._update_capacity(name)
         self.entries = [self._entry(i, record) for i, record in enumerate(trace)]
         self._events: list[tuple[float, int, int]] = [
-            (e.request.arrival, _ARRIVAL, i) for i, e in enumerate(self.entries)]
+            (e.request.arrival, _ARRIVAL, i) for i, e in enumerate(self.entries)
+        ]
         if autoscale is not None:
             self._events.append((0.0, _SCALE, 0))
         self._clients: list[Client] = []
@@ -155,15 +175,20 @@ class Simulation:
         if endpoint not in self.config.endpoints:
             raise ValueError(f"closed-loop client on unknown endpoint {endpoint!r}")
         waiting = list(range(len(self.entries) - 1, first - 1, -1))
-        slots = sum(self._slots_outside_reserve(endpoint, params)
-                    for params in self.fleet or [self.params])
+        slots = sum(
+            self._slots_outside_reserve(endpoint, params) for params in self.fleet or [self.params]
+        )
         self._clients.append(Client(endpoint, spec.start_s, slots, waiting))
         self._events.append((spec.start_s, _WAKE, 0))  # in case nothing else happens then
 
     def _slots_outside_reserve(self, endpoint: str, params: EngineParams) -> int:
         """Sequence slots of one replica of `endpoint` outside the newcomer reserve."""
-        return max(1, sequences_outside_reserve(
-            params.max_sequences, self.scheduler.endpoints[endpoint].reserve_fraction))
+        return max(
+            1,
+            sequences_outside_reserve(
+                params.max_sequences, self.scheduler.endpoints[endpoint].reserve_fraction
+            ),
+        )
 
     def _top_up(self) -> None:
         """Each closed-loop client fills the free slots outside the reserve."""
@@ -172,8 +197,10 @@ class Simulation:
                 continue
             queues = self.scheduler.endpoints[client.endpoint]
             # A rejected request takes no slot: the client sends on at once.
-            while client.waiting and (queues.running + self.scheduler.queued_count(
-                    client.endpoint)) < client.slots:
+            while (
+                client.waiting
+                and (queues.running + self.scheduler.queued_count(client.endpoint)) < client.slots
+            ):
                 entry = self.entries[client.waiting.pop()]
                 entry.request.arrival = self.now
                 self._arrive(entry)
@@ -185,39 +212,63 @@ class Simulation:
         # The scheduler caps max_tokens too; capping here as well gives the engine's
         # output length without waiting for admission (an unknown endpoint never runs).
         max_tokens = min(asked, spec.max_tokens_cap) if spec else asked
-        request = Request(str(index), record.tenant, endpoint, record.arrival_s,
-                          record.input_tokens, max_tokens, priority=record.priority,
-                          deadline=record.deadline_s, session=record.session,
-                          payload=index)
+        request = Request(
+            str(index),
+            record.tenant,
+            endpoint,
+            record.arrival_s,
+            record.input_tokens,
+            max_tokens,
+            priority=record.priority,
+            deadline=record.deadline_s,
+            session=record.session,
+            payload=index,
+        )
         if self.affinity and spec is not None:
             # The trace has no text: a shared prefix of a block or more stands for the
             # prompt's leading block.
             request.affinity = affinity_key(record.session, "") or (
-                f"p:{record.prefix_id}" if record.prefix_id is not None
-                and record.prefix_tokens >= spec.affinity_block_tokens else None)
+                f"p:{record.prefix_id}"
+                if record.prefix_id is not None
+                and record.prefix_tokens >= spec.affinity_block_tokens
+                else None
+            )
         return _Entry(request, min(record.output_tokens, max_tokens), record)
 
-    def _add_replica(self, endpoint: str, params: EngineParams, now: float,
-                     ready: bool = True) -> Replica:
-        total = Capacity(params.max_sequences, params.kv_cache_tokens,
-                         self.config.endpoints[endpoint].batch.model_units)
+    def _add_replica(
+        self, endpoint: str, params: EngineParams, now: float, ready: bool = True
+    ) -> Replica:
+        total = Capacity(
+            params.max_sequences,
+            params.kv_cache_tokens,
+            self.config.endpoints[endpoint].batch.model_units,
+        )
         number = sum(1 for r in self.replicas if r.worker.endpoint == endpoint)
         worker = self.pool.add(f"{endpoint}-{number}", endpoint, total, now)
         worker.healthy = ready
-        replica = Replica(worker, BatchingEngineModel(params), PrefixCache(
-            max(1, params.kv_cache_tokens // BLOCK_TOKENS)), now, ready)
+        replica = Replica(
+            worker,
+            BatchingEngineModel(params),
+            PrefixCache(max(1, params.kv_cache_tokens // BLOCK_TOKENS)),
+            now,
+            ready,
+        )
         self.replicas.append(replica)
         self._replica_of[worker.worker_id] = replica
         return replica
 
     def _update_capacity(self, endpoint: str) -> None:
         """For the throttle: serving replicas x the profile, or a cold start."""
-        serving = sum(1 for r in self.replicas
-                      if r.worker.endpoint == endpoint and r.ready and r.alive)
+        serving = sum(
+            1 for r in self.replicas if r.worker.endpoint == endpoint and r.ready and r.alive
+        )
         self.scheduler.set_capacity(
-            endpoint, serving * self.scheduler.registry.profile(endpoint).capacity_mu_per_s,
-            startup_wait_s=self.scaling.policy.cold_start_s if self.scaling and not serving
-            else 0.0)
+            endpoint,
+            serving * self.scheduler.registry.profile(endpoint).capacity_mu_per_s,
+            startup_wait_s=self.scaling.policy.cold_start_s
+            if self.scaling and not serving
+            else 0.0,
+        )
 
     def _scale(self) -> None:
         scaling = self.scaling
@@ -227,8 +278,10 @@ class Simulation:
             resize = scaling.decide(name, alive, queues, self.now)
             for _ in range(resize.start):
                 replica = self._add_replica(name, self.params, self.now, ready=False)
-                heapq.heappush(self._events, (self.now + scaling.policy.cold_start_s, _READY,
-                                              len(self.replicas) - 1))
+                heapq.heappush(
+                    self._events,
+                    (self.now + scaling.policy.cold_start_s, _READY, len(self.replicas) - 1),
+                )
             for replica in resize.stop:
                 replica.drain(self.now)
             self._update_capacity(name)
@@ -271,13 +324,17 @@ class Simulation:
         if self.scheduler.queued_count():
             raise RuntimeError(
                 f"simulation ended with {self.scheduler.queued_count()} requests queued "
-                "and every replica idle: the scheduler withheld admissible work")
+                "and every replica idle: the scheduler withheld admissible work"
+            )
         return [self._record(e) for e in self.entries]
 
     def _arrive(self, entry: _Entry) -> None:
         request = entry.request
-        if request.endpoint in self.config.endpoints and request.input_tokens + \
-                request.max_tokens > max(p.kv_cache_tokens for p in self.fleet or [self.params]):
+        if (
+            request.endpoint in self.config.endpoints
+            and request.input_tokens + request.max_tokens
+            > max(p.kv_cache_tokens for p in self.fleet or [self.params])
+        ):
             entry.outcome = Outcome.INVALID
         else:
             entry.outcome = self.scheduler.admit(request, self.now, self.store).outcome
@@ -288,9 +345,12 @@ class Simulation:
     def _dispatch(self, endpoint: str) -> None:
         """Work for the endpoint's replicas not in the middle of a step."""
         room = self.pool.placement(
-            endpoint, self.scheduler.endpoints[endpoint].spec.affinity_load_bound,
-            can_take=None if self.early_binding
-            else lambda worker: self._replica_of[worker.worker_id].step is None)
+            endpoint,
+            self.scheduler.endpoints[endpoint].spec.affinity_load_bound,
+            can_take=None
+            if self.early_binding
+            else lambda worker: self._replica_of[worker.worker_id].step is None,
+        )
         if room is None:
             return
         selection = self.scheduler.place(endpoint, room, self.now)
@@ -306,9 +366,13 @@ class Simulation:
                 entry.worker = slot.worker_id
                 # The engine runs in dispatch order, except that requests of tenants below
                 # their fair share go first (as the worker asks vLLM to).
-                replica.engine.add(request.payload, request.input_tokens, entry.output_tokens,
-                                   priority=int(request.expedited),
-                                   cached_tokens=entry.cached_tokens)
+                replica.engine.add(
+                    request.payload,
+                    request.input_tokens,
+                    entry.output_tokens,
+                    priority=int(request.expedited),
+                    cached_tokens=entry.cached_tokens,
+                )
                 self.pool.assign(replica.worker, request, self.now)
 
     def _start_step(self, index: int, replica: Replica) -> None:
@@ -319,7 +383,8 @@ class Simulation:
         worker = replica.worker
         self.slot_s += step.duration_s * worker.capacity.sequences
         self.idle_slot_s += step.duration_s * self.scheduler.endpoints[
-            worker.endpoint].waiting_that_fits(worker.free())
+            worker.endpoint
+        ].waiting_that_fits(worker.free())
 
     def _end_step(self, replica: Replica) -> None:
         step = replica.step
@@ -329,15 +394,18 @@ class Simulation:
         for seq in step.first_tokens:
             self.entries[seq].first_token = self.now
         if self._reports_tokens:  # every step's token, as a worker's heartbeat would
-            self.scheduler.progress(((r.tenant, r.id), r.output_charged + 1) for r in (
-                self.entries[s].request for s in (*step.first_tokens, *step.tokens)))
+            self.scheduler.progress(
+                ((r.tenant, r.id), r.output_charged + 1)
+                for r in (self.entries[s].request for s in (*step.first_tokens, *step.tokens))
+            )
         for seq in step.finished:
             entry = self.entries[seq]
             entry.finished = self.now
             request = entry.request
             self.pool.complete(replica.worker.worker_id, (request.tenant, request.id), self.now)
-            completed = self.scheduler.complete(request.tenant, request.id,
-                                                self._usage(entry), self.now)
+            completed = self.scheduler.complete(
+                request.tenant, request.id, self._usage(entry), self.now
+            )
             if completed is not None:
                 self.store.settle(completed.settlement, self.now)
         replica.retire_if_drained(self.now)
@@ -347,50 +415,79 @@ class Simulation:
         too, else the correction of its charge would refund their cost."""
         request = entry.request
         profile = self.scheduler.endpoints[request.endpoint].profile
-        return Usage(request.input_tokens, entry.output_tokens,
-                     profile.model_units(request.input_tokens, entry.output_tokens,
-                                         request.other_units),
-                     other_units=request.other_units)
+        return Usage(
+            request.input_tokens,
+            entry.output_tokens,
+            profile.model_units(request.input_tokens, entry.output_tokens, request.other_units),
+            other_units=request.other_units,
+        )
 
     @staticmethod
     def _record(entry: _Entry) -> RequestRecord:
         request = entry.request
         return RequestRecord(
-            id=request.id, tenant=request.tenant, arrival=request.arrival,
-            dispatched=request.dispatched_at, first_token=entry.first_token,
-            finished=entry.finished, input_tokens=request.input_tokens,
-            output_tokens=entry.output_tokens, outcome=entry.outcome.value,
-            endpoint=request.endpoint, cached_tokens=entry.cached_tokens, worker=entry.worker)
+            id=request.id,
+            tenant=request.tenant,
+            arrival=request.arrival,
+            dispatched=request.dispatched_at,
+            first_token=entry.first_token,
+            finished=entry.finished,
+            input_tokens=request.input_tokens,
+            output_tokens=entry.output_tokens,
+            outcome=entry.outcome.value,
+            endpoint=request.endpoint,
+            cached_tokens=entry.cached_tokens,
+            worker=entry.worker,
+        )
 
 
-def simulate(trace: Sequence[TraceRecord], config: Config,
-             engine: EngineParams | None = None, *, replicas: int = 1,
-             policy: Policy = "fairq", closed_loop: Sequence[ClosedLoop] = (),
-             metrics: MetricOptions = DEFAULT_METRICS, fleet: Sequence[EngineParams] = (),
-             affinity: bool = True, early_binding: bool = False,
-             autoscale: ScalingPolicy | None = None) -> SimResult:
+def simulate(
+    trace: Sequence[TraceRecord],
+    config: Config,
+    engine: EngineParams | None = None,
+    *,
+    replicas: int = 1,
+    policy: Policy = "fairq",
+    closed_loop: Sequence[ClosedLoop] = (),
+    metrics: MetricOptions = DEFAULT_METRICS,
+    fleet: Sequence[EngineParams] = (),
+    affinity: bool = True,
+    early_binding: bool = False,
+    autoscale: ScalingPolicy | None = None,
+) -> SimResult:
     """Run `trace` (and the `closed_loop` clients) through the scheduler and `replicas`
     engines per endpoint (or the `fleet`'s); `affinity` False routes every request to
     the least loaded replica; `early_binding`: see the module docstring; `autoscale`
     resizes each endpoint's fleet from `replicas` on (summary: `gpu_seconds`)."""
-    simulation = Simulation(trace, config, engine, replicas=replicas, policy=policy,
-                            closed_loop=closed_loop, fleet=fleet, affinity=affinity,
-                            early_binding=early_binding, autoscale=autoscale)
+    simulation = Simulation(
+        trace,
+        config,
+        engine,
+        replicas=replicas,
+        policy=policy,
+        closed_loop=closed_loop,
+        fleet=fleet,
+        affinity=affinity,
+        early_binding=early_binding,
+        autoscale=autoscale,
+    )
     records = simulation.run()
     registry = simulation.scheduler.registry
     # Each known tenant's configured weight, for the weighted fairness figures.
-    weights = {tenant: known.weight for tenant in {r.tenant for r in records}
-               if (known := registry.tenant(tenant)) is not None}
+    weights = {
+        tenant: known.weight
+        for tenant in {r.tenant for r in records}
+        if (known := registry.tenant(tenant)) is not None
+    }
     summary = summarize(records, metrics, weights)
     summary["simulation"] = {
         "policy": policy,
         "replicas": len(simulation.fleet),
         "affinity": affinity,
-        "cached_token_ratio": sum(r.cached_tokens for r in records) / max(
-            1, sum(r.input_tokens for r in records if r.dispatched is not None)),
+        "cached_token_ratio": sum(r.cached_tokens for r in records)
+        / max(1, sum(r.input_tokens for r in records if r.dispatched is not None)),
         "requests": len(records),
-        "makespan_s": max((r.finished for r in records if r.finished is not None),
-                          default=0.0),
+        "makespan_s": max((r.finished for r in records if r.finished is not None), default=0.0),
         "engine_steps": sum(r.engine.steps for r in simulation.replicas),
         "gpu_seconds": sum(r.gpu_seconds(simulation.now) for r in simulation.replicas),
         "scaling": simulation.scaling.decisions if simulation.scaling else [],

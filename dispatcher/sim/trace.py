@@ -40,13 +40,16 @@ class TraceRecord:
         """The prompt's cacheable KV blocks (those a replica that served the shared
         prefix or this session's earlier turns may hold), and every block this request
         leaves behind (prompt and answer: the next turn's context)."""
-        shared = [("prefix", self.prefix_id, i) for i in range(
-            self.prefix_tokens // block_tokens)] if self.prefix_id is not None else []
+        shared = (
+            [("prefix", self.prefix_id, i) for i in range(self.prefix_tokens // block_tokens)]
+            if self.prefix_id is not None
+            else []
+        )
         if self.session is None:
             return shared, shared
         after = self.input_tokens - self.prefix_tokens + self.output_tokens
         context = [("session", self.session, i) for i in range(after // block_tokens)]
-        return shared + context[:self.history_tokens // block_tokens], shared + context
+        return shared + context[: self.history_tokens // block_tokens], shared + context
 
 
 class TraceRecordError(ValueError):
@@ -72,7 +75,8 @@ def check_trace_record(record: TraceRecord) -> None:
         if getattr(record, column) < 0:
             raise TraceRecordError(column, f"must be >= 0, got {getattr(record, column)!r}")
     if record.prefix_tokens + record.history_tokens > record.input_tokens:
-        raise TraceRecordError("history_tokens", "prefix_tokens + history_tokens must not "
-                               "exceed input_tokens")
+        raise TraceRecordError(
+            "history_tokens", "prefix_tokens + history_tokens must not exceed input_tokens"
+        )
     if record.deadline_s is not None and not math.isfinite(record.deadline_s):
         raise TraceRecordError("deadline_s", f"must be finite, got {record.deadline_s!r}")

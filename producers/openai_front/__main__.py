@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from broker_config.auth import FRONT_USER, front_inbox_prefix, with_tenant_inboxes
 from broker_config.config import (
     DEFAULT_NATS_URL,
     EXAMPLE_CONFIG,
@@ -30,7 +31,6 @@ from broker_config.config import (
     ConfigError,
     load_config,
 )
-from broker_config.auth import FRONT_USER, front_inbox_prefix, with_tenant_inboxes
 from broker_config.connection import (
     ConnectionOptionsError,
     add_connection_args,
@@ -45,18 +45,23 @@ from producers.openai_front.server import FrontServer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m producers.openai_front",
-                                     description="Serve fairq's endpoints over an "
-                                                 "OpenAI-compatible HTTP API.")
+    parser = argparse.ArgumentParser(
+        prog="python -m producers.openai_front",
+        description="Serve fairq's endpoints over an OpenAI-compatible HTTP API.",
+    )
     parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
     parser.add_argument("--nats", default=DEFAULT_NATS_URL, metavar="URL")
     add_connection_args(parser)
     parser.add_argument("--host", help="listen address (default: [front] host)")
-    parser.add_argument("--port", type=int, help="listen port, 0 for a free one "
-                                                 "(default: [front] port)")
-    parser.add_argument("--dev-key-for", metavar="TENANT",
-                        help="also accept a key made now for TENANT, printed as "
-                             "OPENAI_API_KEY (for local use; production keys go in [front])")
+    parser.add_argument(
+        "--port", type=int, help="listen port, 0 for a free one (default: [front] port)"
+    )
+    parser.add_argument(
+        "--dev-key-for",
+        metavar="TENANT",
+        help="also accept a key made now for TENANT, printed as "
+        "OPENAI_API_KEY (for local use; production keys go in [front])",
+    )
     return parser
 
 
@@ -68,14 +73,24 @@ async def serve(config: Config, args: argparse.Namespace, dev_key: str | None) -
     user = (args.user or FRONT_USER) if has_credentials(args) else None
     try:
         # A broker user's own inbox: the only one outside its tenants' it may read.
-        client = await Client.connect(args.nats, prefix=config.broker.prefix, user=args.user,
-                                      password=args.password, creds=args.creds, nkey=args.nkey,
-                                      inbox_prefix=front_inbox_prefix(user) if user else None)
+        client = await Client.connect(
+            args.nats,
+            prefix=config.broker.prefix,
+            user=args.user,
+            password=args.password,
+            creds=args.creds,
+            nkey=args.nkey,
+            inbox_prefix=front_inbox_prefix(user) if user else None,
+        )
     except (ConnectionFailed, SubjectError) as exc:
         print(f"openai front: {exc}", file=sys.stderr)
         return 1
-    async with client, FrontServer(Front(client, config, KeyRing(config.front.keys)),
-                                   config.front, args.port) as server:
+    async with (
+        client,
+        FrontServer(
+            Front(client, config, KeyRing(config.front.keys)), config.front, args.port
+        ) as server,
+    ):
         print(f"OPENAI_BASE_URL={server.base_url}", flush=True)
         if dev_key is not None:
             print(f"OPENAI_API_KEY={dev_key}", flush=True)
@@ -89,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.host is not None:
             config = msgspec.structs.replace(
-                config, front=msgspec.structs.replace(config.front, host=args.host))
+                config, front=msgspec.structs.replace(config.front, host=args.host)
+            )
         dev_key = None
         if args.dev_key_for is not None:
             config, dev_key = with_dev_key(config, args.dev_key_for)

@@ -59,20 +59,29 @@ class Front:
         self.keys = keys
         # Cancels of requests whose clients left, until they are done.
         self._cancels: set[asyncio.Task[None]] = set()
-        self.app = Starlette(routes=[
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
-        ], exception_handlers={ow.FrontError: _error_response, HTTPException: _http_error})
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            ],
+            exception_handlers={ow.FrontError: _error_response, HTTPException: _http_error},
+        )
 
     # -- routes --------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
         self._tenant(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "fairq"}
-            for name in sorted(self.config.endpoints)]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "fairq"}
+                    for name in sorted(self.config.endpoints)
+                ],
+            }
+        )
 
     async def chat(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -81,21 +90,21 @@ class Front:
 
     async def completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body: ow.CompletionRequest = ow.decode_body(await self._body(request),
-                                                    ow.CompletionRequest)
+        body: ow.CompletionRequest = ow.decode_body(await self._body(request), ow.CompletionRequest)
         return await self._generate(request, tenant, body, ow.completion_submit(body), "cmpl")
 
     async def embeddings(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body: ow.EmbeddingRequest = ow.decode_body(await self._body(request),
-                                                   ow.EmbeddingRequest)
+        body: ow.EmbeddingRequest = ow.decode_body(await self._body(request), ow.EmbeddingRequest)
         inputs = ow.embedding_inputs(body)
         endpoint = self._endpoint(body.model, "embed")
-        fields = [{"prompt": text, "max_tokens": 1, **ow.fairq_fields(body.fairq)}
-                  for text in inputs]
+        fields = [
+            {"prompt": text, "max_tokens": 1, **ow.fairq_fields(body.fairq)} for text in inputs
+        ]
         submitted: list[Submitted] = []
         dones = await self._until_disconnect(
-            request, self._embed_all(endpoint, tenant, fields, submitted), submitted)
+            request, self._embed_all(endpoint, tenant, fields, submitted), submitted
+        )
         return JSONResponse(ow.embedding_list(body.model, dones, body.encoding_format))
 
     # -- requests ------------------------------------------------------------------------
@@ -104,8 +113,12 @@ class Front:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         tenant = self.keys.tenant(key.strip()) if scheme.lower() == "bearer" else None
         if tenant is None:
-            raise ow.FrontError(401, "missing or unknown API key (send Authorization: Bearer "
-                                "KEY)", type_="authentication_error", code="invalid_api_key")
+            raise ow.FrontError(
+                401,
+                "missing or unknown API key (send Authorization: Bearer KEY)",
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
         return tenant
 
     async def _body(self, request: Request) -> bytes:
@@ -123,26 +136,39 @@ class Front:
                         raise _too_large(limit)
                     chunks.append(chunk)
         except TimeoutError:
-            raise ow.FrontError(408, "the request body did not arrive within "
-                                f"{self.options.request_read_timeout_s:g}s") from None
+            raise ow.FrontError(
+                408,
+                f"the request body did not arrive within {self.options.request_read_timeout_s:g}s",
+            ) from None
         return b"".join(chunks)
 
     def _endpoint(self, model: str, kind: EndpointKind) -> str:
         spec = self.config.endpoints.get(model)
         if spec is None:
-            raise ow.FrontError(404, f"the model {model!r} does not exist (GET /v1/models "
-                                "lists them)", param="model", code="model_not_found")
+            raise ow.FrontError(
+                404,
+                f"the model {model!r} does not exist (GET /v1/models lists them)",
+                param="model",
+                code="model_not_found",
+            )
         if spec.kind != kind:
             route = "/v1/embeddings" if spec.kind == "embed" else "/v1/chat/completions"
-            raise ow.FrontError(400, f"the model {model!r} is an {spec.kind} endpoint: use "
-                                f"{route}", param="model", code="wrong_model_kind")
+            raise ow.FrontError(
+                400,
+                f"the model {model!r} is an {spec.kind} endpoint: use {route}",
+                param="model",
+                code="wrong_model_kind",
+            )
         return model
 
     async def _submit(self, endpoint: str, tenant: str, fields: dict[str, Any]) -> Submitted:
         # With per-tenant broker users the dispatcher takes only replies in the tenant's
         # inbox; the front's user may listen there for the tenants it serves.
-        reply: bool | str = (f"{Subjects.inbox_prefix(tenant)}.{uuid.uuid4().hex}"
-                             if self.config.dispatcher.tenant_inboxes else True)
+        reply: bool | str = (
+            f"{Subjects.inbox_prefix(tenant)}.{uuid.uuid4().hex}"
+            if self.config.dispatcher.tenant_inboxes
+            else True
+        )
         try:
             return await self.client.submit(endpoint, tenant, reply=reply, **fields)
         except InvalidRequest as exc:
@@ -150,35 +176,49 @@ class Front:
         except BacklogFull as exc:
             raise ow.error_for(ErrorCode.OVERLOADED, str(exc), 1.0) from exc
         except FairqTimeout as exc:  # also what a broker user refused this tenant sees
-            raise ow.FrontError(503, f"the broker did not take the request of tenant "
-                                f"{tenant!r} on {endpoint!r}: {exc}", type_="server_error",
-                                retry_after_s=1.0) from exc
+            raise ow.FrontError(
+                503,
+                f"the broker did not take the request of tenant {tenant!r} on {endpoint!r}: {exc}",
+                type_="server_error",
+                retry_after_s=1.0,
+            ) from exc
         except FairqError as exc:  # broker unreachable or refusing: not the client's fault
-            raise ow.FrontError(503, f"fairq is unavailable: {exc}", type_="server_error",
-                                retry_after_s=1.0) from exc
+            raise ow.FrontError(
+                503, f"fairq is unavailable: {exc}", type_="server_error", retry_after_s=1.0
+            ) from exc
 
-    async def _generate(self, request: Request, tenant: str, body: Any,
-                        fields: dict[str, Any], prefix: str) -> Response:
+    async def _generate(
+        self, request: Request, tenant: str, body: Any, fields: dict[str, Any], prefix: str
+    ) -> Response:
         submitted = await self._submit(self._endpoint(body.model, "generate"), tenant, fields)
         ids = ow.ResponseIds(prefix, submitted.id, body.model)
         chat = prefix == "chatcmpl"
         if not body.stream:
-            done, logprobs = await self._until_disconnect(request, self._final(submitted),
-                                                          [submitted])
-            return JSONResponse(ow.chat_completion(ids, done, logprobs) if chat
-                                else ow.text_completion(ids, done, logprobs))
+            done, logprobs = await self._until_disconnect(
+                request, self._final(submitted), [submitted]
+            )
+            return JSONResponse(
+                ow.chat_completion(ids, done, logprobs)
+                if chat
+                else ow.text_completion(ids, done, logprobs)
+            )
         events = self.client.stream(submitted, timeout_s=self.options.event_timeout_s)
-        first = await self._until_disconnect(request, self._next(events, submitted),
-                                             [submitted])
+        first = await self._until_disconnect(request, self._next(events, submitted), [submitted])
         if isinstance(first, ErrorEvent):
             raise ow.error_for(first.code, first.message, first.retry_after_s)
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = ow.StreamChunks(ids, chat=chat, include_usage=usage)
-        return _EventStream(self._sse(chunks, first, events, submitted), chunks,
-                            lambda: self._abandon([submitted]))
+        return _EventStream(
+            self._sse(chunks, first, events, submitted), chunks, lambda: self._abandon([submitted])
+        )
 
-    async def _sse(self, chunks: ow.StreamChunks, first: Event,
-                   events: AsyncIterator[Event], submitted: Submitted) -> AsyncIterator[str]:
+    async def _sse(
+        self,
+        chunks: ow.StreamChunks,
+        first: Event,
+        events: AsyncIterator[Event],
+        submitted: Submitted,
+    ) -> AsyncIterator[str]:
         """The stream's server-sent events. A failure of the front's own (the events
         stopped coming, NATS was lost) ends it with an `error` object, and the request is
         cancelled by `_EventStream`, since nobody will read the rest."""
@@ -203,8 +243,11 @@ class Front:
         except FairqTimeout as exc:
             raise ow.error_for(ErrorCode.DEADLINE_EXCEEDED, str(exc)) from exc
         except StopAsyncIteration:
-            raise ow.FrontError(500, f"the events of request {submitted.id} ended without a "
-                                "final event", type_="server_error") from None
+            raise ow.FrontError(
+                500,
+                f"the events of request {submitted.id} ended without a final event",
+                type_="server_error",
+            ) from None
         except FairqError as exc:
             raise ow.FrontError(503, str(exc), type_="server_error") from exc
 
@@ -229,8 +272,9 @@ class Front:
         finally:
             await _close(events)
 
-    async def _embed_all(self, endpoint: str, tenant: str, fields: list[dict[str, Any]],
-                         submitted: list[Submitted]) -> list[DoneEvent]:
+    async def _embed_all(
+        self, endpoint: str, tenant: str, fields: list[dict[str, Any]], submitted: list[Submitted]
+    ) -> list[DoneEvent]:
         """Every input's done event, in order; the requests are listed in `submitted` as
         they go out. If one fails, the others are cancelled and its error is raised."""
         slots = asyncio.Semaphore(EMBED_IN_FLIGHT)
@@ -252,8 +296,9 @@ class Front:
             raise first from None
         return [task.result() for task in tasks]
 
-    async def _until_disconnect(self, request: Request, work: Awaitable[T],
-                                submitted: Sequence[Submitted]) -> T:
+    async def _until_disconnect(
+        self, request: Request, work: Awaitable[T], submitted: Sequence[Submitted]
+    ) -> T:
         """`work`'s result; if the client leaves first, its requests are cancelled."""
         task = asyncio.ensure_future(work)
         try:
@@ -290,10 +335,12 @@ class _EventStream(StreamingResponse):
     """A server-sent event stream whose request is abandoned unless it ran to its final
     event: also when it is cancelled before its first chunk went out."""
 
-    def __init__(self, content: AsyncIterator[str], chunks: ow.StreamChunks,
-                 abandon: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+    def __init__(
+        self, content: AsyncIterator[str], chunks: ow.StreamChunks, abandon: Callable[[], None]
+    ) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self._chunks = chunks
         self._abandon = abandon
 
@@ -316,8 +363,9 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 def _too_large(limit: int) -> ow.FrontError:
-    return ow.FrontError(413, f"the request body is over the front's limit of {limit} bytes "
-                         "([front] max_body_bytes)")
+    return ow.FrontError(
+        413, f"the request body is over the front's limit of {limit} bytes ([front] max_body_bytes)"
+    )
 
 
 async def _error_response(request: Request, exc: Exception) -> Response:

@@ -47,8 +47,9 @@ def with_dev_key(config: Config, tenant: str) -> tuple[Config, str]:
     """`config` that also accepts a new key for `tenant`, and the key."""
     key = new_key()
     try:
-        front = msgspec.structs.replace(config.front,
-                                        keys=[*config.front.keys, front_key(tenant, key)])
+        front = msgspec.structs.replace(
+            config.front, keys=[*config.front.keys, front_key(tenant, key)]
+        )
     except msgspec.ValidationError as exc:
         raise ConfigError(f"--dev-key-for {tenant!r}: {exc}") from exc
     if tenant not in config.tenants and config.unlisted_tenants.policy == "reject":
@@ -58,9 +59,11 @@ def with_dev_key(config: Config, tenant: str) -> tuple[Config, str]:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "front-key", help="make an API key for the OpenAI-compatible front",
+        "front-key",
+        help="make an API key for the OpenAI-compatible front",
         description="Print a new API key for TENANT and the line that makes the front "
-                    "accept it (the config keeps only its hash).")
+        "accept it (the config keeps only its hash).",
+    )
     parser.add_argument("tenant")
     parser.set_defaults(run=_run_front_key)
 

@@ -26,9 +26,16 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit
 class FrontError(Exception):
     """An HTTP error in OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -38,8 +45,14 @@ class FrontError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 # The HTTP status, OpenAI error type and code for each of the contract's error codes.
@@ -151,19 +164,27 @@ def _sampling(request: _Common, logprobs: int | None) -> dict[str, Any]:
     if request.n not in (None, 1):
         raise _refuse("n", "only n = 1 is supported")
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
-    fields = {"temperature": request.temperature, "top_p": request.top_p,
-              "top_k": request.top_k, "min_p": request.min_p, "stop": stop,
-              "seed": request.seed, "presence_penalty": request.presence_penalty,
-              "frequency_penalty": request.frequency_penalty,
-              "repetition_penalty": request.repetition_penalty, "logprobs": logprobs}
+    fields = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "stop": stop,
+        "seed": request.seed,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "logprobs": logprobs,
+    }
     return {name: value for name, value in fields.items() if value is not None}
 
 
 def fairq_fields(options: FairqOptions | None) -> dict[str, Any]:
     if options is None:
         return {}
-    return {name: value for name, value in msgspec.structs.asdict(options).items()
-            if value is not None}
+    return {
+        name: value for name, value in msgspec.structs.asdict(options).items() if value is not None
+    }
 
 
 def chat_submit(request: ChatRequest) -> dict[str, Any]:
@@ -178,11 +199,17 @@ def chat_submit(request: ChatRequest) -> dict[str, Any]:
         messages.append({"role": message.role, "content": text})
         images += found
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    max_tokens = (request.max_tokens if request.max_completion_tokens is None
-                  else request.max_completion_tokens)
-    fields: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
-                              "sampling": _sampling(request, logprobs) or None,
-                              **fairq_fields(request.fairq)}
+    max_tokens = (
+        request.max_tokens
+        if request.max_completion_tokens is None
+        else request.max_completion_tokens
+    )
+    fields: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "sampling": _sampling(request, logprobs) or None,
+        **fairq_fields(request.fairq),
+    }
     if images:
         fields["images"] = images
     return fields
@@ -218,9 +245,12 @@ def completion_submit(request: CompletionRequest) -> dict[str, Any]:
     if request.suffix is not None:
         raise _refuse("suffix", "not supported")
     # OpenAI's legacy completions default to 16 tokens.
-    return {"prompt": prompt, "max_tokens": 16 if request.max_tokens is None
-            else request.max_tokens, "sampling": _sampling(request, request.logprobs) or None,
-            **fairq_fields(request.fairq)}
+    return {
+        "prompt": prompt,
+        "max_tokens": 16 if request.max_tokens is None else request.max_tokens,
+        "sampling": _sampling(request, request.logprobs) or None,
+        **fairq_fields(request.fairq),
+    }
 
 
 def embedding_inputs(request: EmbeddingRequest) -> list[str]:
@@ -239,31 +269,47 @@ def embedding_inputs(request: EmbeddingRequest) -> list[str]:
 
 def usage(done: DoneEvent) -> dict[str, int]:
     prompt, completion = done.usage.input_tokens, done.usage.output_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if entries is None:
         return None
-    return {"content": [{"token": e.token, "logprob": e.logprob,
-                         "bytes": list(e.token.encode()),
-                         "top_logprobs": [{"token": t.token, "logprob": t.logprob,
-                                           "bytes": list(t.token.encode())} for t in e.top]}
-                        for e in entries]}
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.token.encode()),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                    for t in e.top
+                ],
+            }
+            for e in entries
+        ]
+    }
 
 
-def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0
-                        ) -> dict[str, Any] | None:
+def completion_logprobs(
+    entries: list[TokenLogprob] | None, offset: int = 0
+) -> dict[str, Any] | None:
     if entries is None:
         return None
     offsets = []
     for entry in entries:
         offsets.append(offset)
         offset += len(entry.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 class ResponseIds:
@@ -278,38 +324,63 @@ class ResponseIds:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
 
-def chat_completion(ids: ResponseIds, done: DoneEvent,
-                    logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-    return {**ids.head("chat.completion"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                         "logprobs": chat_logprobs(logprobs),
-                         "finish_reason": done.finish_reason or "stop"}],
-            "usage": usage(done)}
+def chat_completion(
+    ids: ResponseIds, done: DoneEvent, logprobs: list[TokenLogprob] | None
+) -> dict[str, Any]:
+    return {
+        **ids.head("chat.completion"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text},
+                "logprobs": chat_logprobs(logprobs),
+                "finish_reason": done.finish_reason or "stop",
+            }
+        ],
+        "usage": usage(done),
+    }
 
 
-def text_completion(ids: ResponseIds, done: DoneEvent,
-                    logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-    return {**ids.head("text_completion"),
-            "choices": [{"index": 0, "text": done.text,
-                         "logprobs": completion_logprobs(logprobs),
-                         "finish_reason": done.finish_reason or "stop"}],
-            "usage": usage(done)}
+def text_completion(
+    ids: ResponseIds, done: DoneEvent, logprobs: list[TokenLogprob] | None
+) -> dict[str, Any]:
+    return {
+        **ids.head("text_completion"),
+        "choices": [
+            {
+                "index": 0,
+                "text": done.text,
+                "logprobs": completion_logprobs(logprobs),
+                "finish_reason": done.finish_reason or "stop",
+            }
+        ],
+        "usage": usage(done),
+    }
 
 
 def embedding_list(model: str, dones: list[DoneEvent], encoding_format: str) -> dict[str, Any]:
     data = []
     for index, done in enumerate(dones):
         if done.embedding is None:
-            raise FrontError(500, f"model {model!r} returned no embedding: is it an "
-                             "embedding endpoint (kind = \"embed\")?", type_="server_error")
+            raise FrontError(
+                500,
+                f"model {model!r} returned no embedding: is it an "
+                'embedding endpoint (kind = "embed")?',
+                type_="server_error",
+            )
         vector: list[float] | str = done.embedding
         if encoding_format == "base64":
-            vector = base64.b64encode(struct.pack(f"<{len(done.embedding)}f",
-                                                  *done.embedding)).decode()
+            vector = base64.b64encode(
+                struct.pack(f"<{len(done.embedding)}f", *done.embedding)
+            ).decode()
         data.append({"object": "embedding", "index": index, "embedding": vector})
     prompt = sum(done.usage.input_tokens for done in dones)
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+    }
 
 
 class StreamChunks:
@@ -349,10 +420,15 @@ class StreamChunks:
         assert isinstance(event, DoneEvent)
         sent = "".join(self._sent)
         if not event.text.startswith(sent):
-            return [FrontError(500, f"the stream of request {event.id} missed some of its "
-                               "text; its whole answer is in its result (fairq status)",
-                               type_="server_error").body()]
-        chunks = [self._text(event.text[len(sent):])] if len(event.text) > len(sent) else []
+            return [
+                FrontError(
+                    500,
+                    f"the stream of request {event.id} missed some of its "
+                    "text; its whole answer is in its result (fairq status)",
+                    type_="server_error",
+                ).body()
+            ]
+        chunks = [self._text(event.text[len(sent) :])] if len(event.text) > len(sent) else []
         chunks.append(self._chunk({}, finish_reason=event.finish_reason or "stop"))
         if self._include_usage:
             chunks.append({**self._head(), "choices": [], "usage": usage(event)})
@@ -367,16 +443,28 @@ class StreamChunks:
     def _head(self) -> dict[str, Any]:
         return self._ids.head("chat.completion.chunk" if self._chat else "text_completion")
 
-    def _chunk(self, delta: dict[str, Any], *, text: str = "",
-               logprobs: list[TokenLogprob] | None = None,
-               finish_reason: str | None = None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        delta: dict[str, Any],
+        *,
+        text: str = "",
+        logprobs: list[TokenLogprob] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
         if self._chat:
-            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": chat_logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": text,
-                      "logprobs": completion_logprobs(logprobs, self._offset),
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": completion_logprobs(logprobs, self._offset),
+                "finish_reason": finish_reason,
+            }
         chunk = {**self._head(), "choices": [choice]}
         if self._include_usage:
             chunk["usage"] = None

@@ -69,7 +69,8 @@ class FrontServer:
         config.accesslog = None
         app: Any = self._front.app  # hypercorn's ASGI types are narrower than Starlette's
         self._task = asyncio.create_task(
-            serve(app, config, shutdown_trigger=self._stop.wait), name="openai-front")
+            serve(app, config, shutdown_trigger=self._stop.wait), name="openai-front"
+        )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -32,9 +32,9 @@ from broker_config.config import (
 )
 from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
 from broker_config.wire import DoneEvent, ErrorCode
-from dispatcher.core.limits import month_key
 from dispatcher.admission.kv_store import StoredUsage
 from dispatcher.admission.redis_store import DEFAULT_PREFIX
+from dispatcher.core.limits import month_key
 from producers.client import Client, RequestFailed
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import until
@@ -72,13 +72,15 @@ def redis(request: pytest.FixtureRequest) -> Iterator[EmbeddedRedisServer | None
         yield server
 
 
-def limits_config(tokenizer: Path, limits: str, tenant_quota: int | None = None) -> tuple[
-        Config, str, str]:
+def limits_config(
+    tokenizer: Path, limits: str, tenant_quota: int | None = None
+) -> tuple[Config, str, str]:
     """`chat` counts with the tokenizer, `code` has none; a liar and an honest tenant."""
     suffix = uuid.uuid4().hex[:8]
     liar, honest = f"liar-{suffix}", f"honest-{suffix}"
     quota = f"monthly_quota_tokens = {tenant_quota}" if tenant_quota else ""
-    config = parse_config(f"""
+    config = parse_config(
+        f"""
         [endpoints.chat]
         tokenizer = "{tokenizer}"
         latency_target_s = 1e6
@@ -93,23 +95,36 @@ def limits_config(tokenizer: Path, limits: str, tenant_quota: int | None = None)
         [tenants.{honest}]
         tier = "free"
         {quota}
-    """, source="limits.toml")
+    """,
+        source="limits.toml",
+    )
     return config, liar, honest
 
 
 def stack_options(redis: EmbeddedRedisServer | None) -> StackOptions:
-    return StackOptions(workers=1, time_scale=0.02, dispatcher=FAST,
-                        redis_url=redis.url if redis is not None else None,
-                        workers_settings=WorkerOptions(heartbeat_interval_s=0.2))
+    return StackOptions(
+        workers=1,
+        time_scale=0.02,
+        dispatcher=FAST,
+        redis_url=redis.url if redis is not None else None,
+        workers_settings=WorkerOptions(heartbeat_interval_s=0.2),
+    )
 
 
-async def run_until_refused(fq: Client, tenant: str, endpoints: list[str], *, declared: int,
-                            attempts: int = 6) -> tuple[int, RequestFailed]:
+async def run_until_refused(
+    fq: Client, tenant: str, endpoints: list[str], *, declared: int, attempts: int = 6
+) -> tuple[int, RequestFailed]:
     """Requests one after another until one is refused: (how many ran, the refusal)."""
     for n in range(attempts):
         try:
-            done = await fq.run(endpoints[n % len(endpoints)], tenant, prompt=PROMPT,
-                                max_tokens=MAX_TOKENS, input_tokens=declared, timeout_s=10)
+            done = await fq.run(
+                endpoints[n % len(endpoints)],
+                tenant,
+                prompt=PROMPT,
+                max_tokens=MAX_TOKENS,
+                input_tokens=declared,
+                timeout_s=10,
+            )
         except RequestFailed as refusal:
             return n, refusal
         assert done.usage.input_tokens + done.usage.output_tokens == REAL
@@ -117,22 +132,24 @@ async def run_until_refused(fq: Client, tenant: str, endpoints: list[str], *, de
 
 
 async def test_a_tokenizer_charges_a_liar_as_if_it_told_the_truth(
-        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    tokenizer_file: Path, redis: EmbeddedRedisServer | None
+) -> None:
     config, liar, honest = limits_config(tokenizer_file, f"tpm = 6, tpm_burst = {BURST}")
     async with LocalStack(config, stack_options(redis)) as stack:
         fq = Client(stack.nc)
-        ran_honest, refused_honest = await run_until_refused(fq, honest, ["chat"],
-                                                             declared=WORDS)
+        ran_honest, refused_honest = await run_until_refused(fq, honest, ["chat"], declared=WORDS)
         ran_liar, refused_liar = await run_until_refused(fq, liar, ["chat"], declared=1)
     assert ran_honest == ran_liar == 3
     assert refused_honest.code is refused_liar.code is ErrorCode.RATE_LIMITED
     # Both owe the same debt: 4 x 501 tokens against a bucket of 2,000 at 1 per 10 s.
     assert refused_liar.event.retry_after_s == pytest.approx(
-        refused_honest.event.retry_after_s, abs=2.0)
+        refused_honest.event.retry_after_s, abs=2.0
+    )
 
 
 async def test_without_a_tokenizer_a_liar_is_charged_its_texts_length(
-        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    tokenizer_file: Path, redis: EmbeddedRedisServer | None
+) -> None:
     """Without a tokenizer a declared count is taken, but never below the text's rough
     count (4 characters a token): a liar sending its requests all at once gets no more
     in than one that tells the truth."""
@@ -141,30 +158,44 @@ async def test_without_a_tokenizer_a_liar_is_charged_its_texts_length(
         fq = Client(stack.nc)
         outcomes = {}
         for tenant, declared in ((honest, WORDS), (liar, 1)):
-            results = await asyncio.gather(*(
-                fq.run("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                       input_tokens=declared, timeout_s=10) for _ in range(8)),
-                return_exceptions=True)
-            outcomes[tenant] = sorted("done" if isinstance(result, DoneEvent) else
-                                      result.code.value for result in results)
+            results = await asyncio.gather(
+                *(
+                    fq.run(
+                        "code",
+                        tenant,
+                        prompt=PROMPT,
+                        max_tokens=MAX_TOKENS,
+                        input_tokens=declared,
+                        timeout_s=10,
+                    )
+                    for _ in range(8)
+                ),
+                return_exceptions=True,
+            )
+            outcomes[tenant] = sorted(
+                "done" if isinstance(result, DoneEvent) else result.code.value for result in results
+            )
     assert outcomes[honest] == outcomes[liar] == ["done"] * 3 + ["rate_limited"] * 5
 
 
 async def test_what_admission_counted_short_is_charged_when_the_request_finishes(
-        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    tokenizer_file: Path, redis: EmbeddedRedisServer | None
+) -> None:
     """The endpoint's tokenizer reads each 7-letter word as one token; the engine reads
     two (it counts 4 characters a token): admission charges 251 a request, completion the
     other 250. So the fourth request gets in on credit and then the debt holds."""
-    config, tenant, _ = limits_config(tokenizer_file, f"tpm = 6, tpm_burst = {BURST}",
-                                      tenant_quota=10_000)
+    config, tenant, _ = limits_config(
+        tokenizer_file, f"tpm = 6, tpm_burst = {BURST}", tenant_quota=10_000
+    )
     prompt = " ".join(["abcdefg"] * (WORDS // 2))
     async with LocalStack(config, stack_options(redis)) as stack:
         fq = Client(stack.nc)
         ran = 0
         with pytest.raises(RequestFailed) as refused:
-            for ran in range(6):
-                done = await fq.run("chat", tenant, prompt=prompt, max_tokens=MAX_TOKENS,
-                                    timeout_s=10)
+            for ran in range(6):  # noqa: B007 - read after the loop
+                done = await fq.run(
+                    "chat", tenant, prompt=prompt, max_tokens=MAX_TOKENS, timeout_s=10
+                )
                 assert done.usage.input_tokens == WORDS
         if redis is None:
             await stack.dispatcher.limiter.flush()
@@ -174,14 +205,15 @@ async def test_what_admission_counted_short_is_charged_when_the_request_finishes
 
 
 async def test_a_tenant_quota_holds_across_endpoints_and_counts_the_truth(
-        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    tokenizer_file: Path, redis: EmbeddedRedisServer | None
+) -> None:
     config, liar, honest = limits_config(tokenizer_file, "", tenant_quota=BURST)
     async with LocalStack(config, stack_options(redis)) as stack:
         fq = Client(stack.nc)
-        ran_honest, refused_honest = await run_until_refused(fq, honest, ["chat", "code"],
-                                                             declared=WORDS)
-        ran_liar, refused_liar = await run_until_refused(fq, liar, ["chat", "code"],
-                                                         declared=1)
+        ran_honest, refused_honest = await run_until_refused(
+            fq, honest, ["chat", "code"], declared=WORDS
+        )
+        ran_liar, refused_liar = await run_until_refused(fq, liar, ["chat", "code"], declared=1)
         if redis is None:
             await stack.dispatcher.limiter.flush()  # written behind: now, not in a moment
         used = await stored_usage(stack.nc, redis, liar)
@@ -193,12 +225,13 @@ async def test_a_tenant_quota_holds_across_endpoints_and_counts_the_truth(
 
 
 async def test_monthly_usage_outlives_a_dispatcher_restart_and_a_redis_crash(
-        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    tokenizer_file: Path, redis: EmbeddedRedisServer | None
+) -> None:
     config, _, tenant = limits_config(tokenizer_file, "", tenant_quota=BURST)
     async with EmbeddedNatsServer() as server:
         async with LocalStack(config, stack_options(redis), nats_url=server.url) as stack:
             fq = Client(stack.nc)
-            for n in range(3):
+            for _ in range(3):
                 await fq.run("chat", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS, timeout_s=10)
         if redis is not None:
             redis.kill()
@@ -206,16 +239,13 @@ async def test_monthly_usage_outlives_a_dispatcher_restart_and_a_redis_crash(
         async with LocalStack(config, stack_options(redis), nats_url=server.url) as stack:
             fq = Client(stack.nc)
             with pytest.raises(RequestFailed) as refused:
-                await fq.run("chat", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                             timeout_s=10)
+                await fq.run("chat", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS, timeout_s=10)
             assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
             # What is left of the quota still passes: 2,000 - 3 x 501 = 497.
-            await fq.run("chat", tenant, prompt=" ".join(["abc"] * 400), max_tokens=1,
-                         timeout_s=10)
+            await fq.run("chat", tenant, prompt=" ".join(["abc"] * 400), max_tokens=1, timeout_s=10)
 
 
-async def stored_usage(nc: nats.NATS, redis: EmbeddedRedisServer | None,
-                       tenant: str) -> float:
+async def stored_usage(nc: nats.NATS, redis: EmbeddedRedisServer | None, tenant: str) -> float:
     """The tenant's usage across endpoints this month, as the store keeps it."""
     key = f"quota-total:{tenant}:{month_key(time.time())}"
     if redis is None:
@@ -232,19 +262,24 @@ async def stored_usage(nc: nats.NATS, redis: EmbeddedRedisServer | None,
         await client.aclose()
 
 
-
 async def test_requests_that_never_run_give_their_tokens_back(
-        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    tokenizer_file: Path, redis: EmbeddedRedisServer | None
+) -> None:
     """A queued request cancelled, and one whose deadline passes in the queue (`code`
     has no worker here), are given back what admission charged."""
     config, tenant, _ = limits_config(tokenizer_file, "", tenant_quota=1500)
     options = dataclasses.replace(stack_options(redis), endpoints=("chat",))
     async with LocalStack(config, options) as stack:
         fq = Client(stack.nc)
-        kept = await fq.submit("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                               reply=False)
-        await fq.submit("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                        deadline=time.time() + 1.0, reply=False)
+        kept = await fq.submit("code", tenant, prompt=PROMPT, max_tokens=MAX_TOKENS, reply=False)
+        await fq.submit(
+            "code",
+            tenant,
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            deadline=time.time() + 1.0,
+            reply=False,
+        )
         await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 2, "queued")
         assert (await fq.cancel(tenant, kept.id)).cancelled
         await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 0, "expired")
@@ -257,7 +292,8 @@ async def test_requests_that_never_run_give_their_tokens_back(
 
 
 async def test_requests_handed_over_at_a_stop_are_charged_once_by_whoever_holds_them(
-        tokenizer_file: Path, redis: EmbeddedRedisServer | None) -> None:
+    tokenizer_file: Path, redis: EmbeddedRedisServer | None
+) -> None:
     """A dispatcher that stops hands its queued requests back and gives their charge
     back; the next one charges them again at admission (a redelivery is never taken as
     paid) and settles them at what they used, unused max_tokens included."""
@@ -270,18 +306,23 @@ async def test_requests_handed_over_at_a_stop_are_charged_once_by_whoever_holds_
             async with LocalStack(config, no_code_worker, nats_url=server.url) as stack:
                 fq = Client(stack.nc)
                 for _ in range(3 if holder == 0 else 0):
-                    ids.append((await fq.submit("code", tenant, prompt=PROMPT, max_tokens=50,
-                                                reply=False)).id)
-                await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 3,
-                            "queued")
+                    ids.append(
+                        (
+                            await fq.submit(
+                                "code", tenant, prompt=PROMPT, max_tokens=50, reply=False
+                            )
+                        ).id
+                    )
+                await until(lambda: stack.dispatcher.scheduler.queued_count("code") == 3, "queued")
                 if redis is None:
                     await stack.dispatcher.limiter.flush()
                 assert await stored_usage(stack.nc, redis, tenant) == 3 * charge
             async with await nats.connect(server.url) as nc:  # given back at the stop
                 assert await stored_usage(nc, redis, tenant) == 0
         async with LocalStack(config, stack_options(redis), nats_url=server.url) as stack:
-            await until(lambda: stack.counted(stack.metrics.input_tokens, "code") == 3 * WORDS,
-                        "completed")
+            await until(
+                lambda: stack.counted(stack.metrics.input_tokens, "code") == 3 * WORDS, "completed"
+            )
             fq = Client(stack.nc)
             used = 0
             for request_id in ids:

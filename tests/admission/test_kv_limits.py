@@ -1,4 +1,5 @@
-"""The embedded limiter store's monthly usage in a NATS KV bucket (dispatcher/admission/kv_store.py),
+"""The embedded limiter store's monthly usage in a NATS KV bucket
+(dispatcher/admission/kv_store.py),
 against a real nats-server: it outlives the store, dispatchers sharing the bucket add up,
 and an unreachable bucket is an error, never a decision. The decisions themselves are the
 contract tests' (tests/admission/test_limiter_contract.py runs them on this store too)."""
@@ -14,10 +15,10 @@ import pytest
 
 from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
-from dispatcher.core.limits import QuotaCheck, RateCheck, Settlement, quota_check
-from dispatcher.core.types import ADMITTED, Outcome
 from dispatcher.admission.kv_store import KvLimiterStore, StoredUsage
 from dispatcher.admission.redis_store import LimiterUnavailable
+from dispatcher.core.limits import QuotaCheck, RateCheck, Settlement, quota_check
+from dispatcher.core.types import ADMITTED, Outcome
 
 pytestmark = pytest.mark.integration
 
@@ -147,7 +148,8 @@ async def test_a_counter_that_is_not_usage_fails_closed(nats_url: str) -> None:
 
 
 async def test_a_settlement_naming_one_counter_many_times_is_stored_once_each(
-        nats_url: str) -> None:
+    nats_url: str,
+) -> None:
     """Several requests settled in one call (a completions message, a stop giving back
     what its queue was charged) often name the same counter."""
     nc = await nats.connect(nats_url)

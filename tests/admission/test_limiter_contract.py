@@ -18,8 +18,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from broker_config.config import BrokerSettings, load_config
-
 from broker_config.server import EmbeddedRedisServer
+from dispatcher.admission.kv_store import KvLimiterStore, open_limiter_store
+from dispatcher.admission.redis_store import (
+    DEFAULT_PREFIX,
+    AsyncLimiterStore,
+    LimiterUnavailable,
+    MemoryLimiterAsync,
+    RedisLimiterStore,
+)
 from dispatcher.core.limits import (
     Check,
     QuotaCheck,
@@ -29,21 +36,18 @@ from dispatcher.core.limits import (
     quota_check,
 )
 from dispatcher.core.types import ADMITTED, Decision, Outcome
-from dispatcher.admission.kv_store import KvLimiterStore, open_limiter_store
-from dispatcher.admission.redis_store import (
-    DEFAULT_PREFIX,
-    AsyncLimiterStore,
-    LimiterUnavailable,
-    MemoryLimiterAsync,
-    RedisLimiterStore,
-)
 
 # Unix time of 2023-11-14: a realistic wall clock for the calendar-quota tests.
 WALL_T0 = 1_700_000_000.0
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration),
-                        pytest.param("nats-kv", marks=pytest.mark.integration)])
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("redis", marks=pytest.mark.integration),
+        pytest.param("nats-kv", marks=pytest.mark.integration),
+    ]
+)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[AsyncLimiterStore]:
     limiter: AsyncLimiterStore
     nc = None
@@ -83,14 +87,16 @@ async def test_burst_then_one_request_per_interval(store: AsyncLimiterStore) -> 
         assert await store.apply([rpm], 100.0) == ADMITTED
     limited = rejected(Outcome.RATE_LIMITED, "limit of 60 requests per minute exceeded", 1.0)
     assert_decision(await store.apply([rpm], 100.0), limited)
-    assert_decision(await store.apply([rpm], 100.4), rejected(
-        Outcome.RATE_LIMITED, limited.message, 0.6))
+    assert_decision(
+        await store.apply([rpm], 100.4), rejected(Outcome.RATE_LIMITED, limited.message, 0.6)
+    )
     assert await store.apply([rpm], 101.0) == ADMITTED
     assert_decision(await store.apply([rpm], 101.0), limited)
 
 
 async def test_request_on_its_emission_time_passes_despite_float_error(
-        store: AsyncLimiterStore) -> None:
+    store: AsyncLimiterStore,
+) -> None:
     # Interval 0.1: the tat after three steps is 0.30000000000000004, past now=0.3 by one
     # rounding error, which the clock epsilon forgives.
     rpm = RateCheck("rpm:chat:acme", per_minute=600, burst=1, cost=1)
@@ -99,45 +105,56 @@ async def test_request_on_its_emission_time_passes_despite_float_error(
     assert (await store.apply([rpm], 0.35)).outcome is Outcome.RATE_LIMITED
 
 
-async def test_first_failing_check_decides_and_nothing_is_charged(
-        store: AsyncLimiterStore) -> None:
+async def test_first_failing_check_decides_and_nothing_is_charged(store: AsyncLimiterStore) -> None:
     rpm = RateCheck("rpm:chat:acme", per_minute=60, burst=2, cost=1)
     tpm = RateCheck("tpm:chat:acme", per_minute=600, burst=10, cost=50)
     quota = QuotaCheck("quota:chat:acme:x", limit=10, cost=11, expires_at=200.0)
 
     # rpm and tpm would pass, the quota fails: its rejection, and no one is charged.
-    assert_decision(await store.apply([rpm, tpm, quota], 100.0), rejected(
-        Outcome.QUOTA_EXCEEDED, "monthly quota of 10 tokens exhausted", 100.0))
+    assert_decision(
+        await store.apply([rpm, tpm, quota], 100.0),
+        rejected(Outcome.QUOTA_EXCEEDED, "monthly quota of 10 tokens exhausted", 100.0),
+    )
     assert await store.apply([rpm], 100.0) == ADMITTED
     assert await store.apply([rpm], 100.0) == ADMITTED
     assert await store.apply([QuotaCheck(quota.key, 10, 10, 200.0)], 100.0) == ADMITTED
 
     # Now rpm and the quota both fail: the first one in the list decides.
-    assert_decision(await store.apply([rpm, quota], 100.0), rejected(
-        Outcome.RATE_LIMITED, "limit of 60 requests per minute exceeded", 1.0))
-    assert_decision(await store.apply([quota, rpm], 100.0), rejected(
-        Outcome.QUOTA_EXCEEDED, "monthly quota of 10 tokens exhausted", 100.0))
+    assert_decision(
+        await store.apply([rpm, quota], 100.0),
+        rejected(Outcome.RATE_LIMITED, "limit of 60 requests per minute exceeded", 1.0),
+    )
+    assert_decision(
+        await store.apply([quota, rpm], 100.0),
+        rejected(Outcome.QUOTA_EXCEEDED, "monthly quota of 10 tokens exhausted", 100.0),
+    )
     # tpm was never charged: its whole bucket is still there (capped cost, see below).
     assert await store.apply([tpm], 100.0) == ADMITTED
 
 
 async def test_check_outcome_is_the_rejections_outcome(store: AsyncLimiterStore) -> None:
-    custom = RateCheck("rpm:embed:acme", per_minute=6, burst=1, cost=1,
-                       outcome=Outcome.OVERLOADED)
+    custom = RateCheck("rpm:embed:acme", per_minute=6, burst=1, cost=1, outcome=Outcome.OVERLOADED)
     assert await store.apply([custom], 0.0) == ADMITTED
-    assert_decision(await store.apply([custom], 0.0), rejected(
-        Outcome.OVERLOADED, "limit of 6 requests per minute exceeded", 10.0))
+    assert_decision(
+        await store.apply([custom], 0.0),
+        rejected(Outcome.OVERLOADED, "limit of 6 requests per minute exceeded", 10.0),
+    )
 
 
 async def test_request_bigger_than_bucket_is_charged_a_full_bucket(
-        store: AsyncLimiterStore) -> None:
+    store: AsyncLimiterStore,
+) -> None:
     big = RateCheck("tpm:chat:acme", per_minute=600, burst=50, cost=5000)
     small = RateCheck("tpm:chat:acme", per_minute=600, burst=50, cost=1)
     assert await store.apply([big], 0.0) == ADMITTED  # from an idle key: the whole bucket
-    assert_decision(await store.apply([small], 0.0), rejected(
-        Outcome.RATE_LIMITED, "limit of 600 tokens per minute exceeded", 0.1))
-    assert_decision(await store.apply([big], 0.0), rejected(
-        Outcome.RATE_LIMITED, "limit of 600 tokens per minute exceeded", 5.0))
+    assert_decision(
+        await store.apply([small], 0.0),
+        rejected(Outcome.RATE_LIMITED, "limit of 600 tokens per minute exceeded", 0.1),
+    )
+    assert_decision(
+        await store.apply([big], 0.0),
+        rejected(Outcome.RATE_LIMITED, "limit of 600 tokens per minute exceeded", 5.0),
+    )
     assert await store.apply([small], 0.1) == ADMITTED
     assert await store.apply([big], 5.1) == ADMITTED  # a full bucket again after 5 s
 
@@ -148,10 +165,14 @@ async def test_quota_resets_at_the_end_of_its_period(store: AsyncLimiterStore) -
     november = quota_check("acme", "chat", 100, 60, now)
     assert november.expires_at == end
     assert await store.apply([november], now) == ADMITTED
-    assert_decision(await store.apply([november], now), rejected(
-        Outcome.QUOTA_EXCEEDED, "monthly quota of 100 tokens exhausted", 10.0))
-    assert_decision(await store.apply([november], end - 1e-3), rejected(
-        Outcome.QUOTA_EXCEEDED, "monthly quota of 100 tokens exhausted", 1e-3))
+    assert_decision(
+        await store.apply([november], now),
+        rejected(Outcome.QUOTA_EXCEEDED, "monthly quota of 100 tokens exhausted", 10.0),
+    )
+    assert_decision(
+        await store.apply([november], end - 1e-3),
+        rejected(Outcome.QUOTA_EXCEEDED, "monthly quota of 100 tokens exhausted", 1e-3),
+    )
 
     # At the period's end the counter is gone, even under the same key...
     assert await store.apply([november], end) == ADMITTED
@@ -179,30 +200,40 @@ async def test_refund_gives_quota_back_but_never_below_zero(store: AsyncLimiterS
 
     await store.settle(Settlement(refund=(spend(50, key="quota:chat:other:x"),)), 2.0)  # no credit
     assert await store.apply([spend(100, key="quota:chat:other:x")], 2.0) == ADMITTED
-    assert (await store.apply([spend(1, key="quota:chat:other:x")], 2.0)).outcome is \
-        Outcome.QUOTA_EXCEEDED
+    assert (
+        await store.apply([spend(1, key="quota:chat:other:x")], 2.0)
+    ).outcome is Outcome.QUOTA_EXCEEDED
 
 
 async def test_a_charge_is_taken_past_the_limit_and_delays_what_follows(
-        store: AsyncLimiterStore) -> None:
+    store: AsyncLimiterStore,
+) -> None:
     """Usage beyond what admission charged (an under-declared input) is charged on
     completion whatever the limit: the tenant then waits until it is paid back."""
     tpm = RateCheck("tpm:chat:acme", per_minute=600, burst=100, cost=10)
     quota = QuotaCheck("quota:chat:acme:x", limit=100, cost=10, expires_at=1000.0)
     assert await store.apply([tpm, quota], 0.0) == ADMITTED
-    await store.settle(Settlement(charge=(
-        RateCheck(tpm.key, 600, 100, 290), QuotaCheck(quota.key, 100, 290, 1000.0))), 0.0)
+    await store.settle(
+        Settlement(
+            charge=(RateCheck(tpm.key, 600, 100, 290), QuotaCheck(quota.key, 100, 290, 1000.0))
+        ),
+        0.0,
+    )
     # 300 tokens taken from a bucket of 100 at 10 per second: 20 s of debt first.
-    assert_decision(await store.apply([tpm], 0.0), rejected(
-        Outcome.RATE_LIMITED, "limit of 600 tokens per minute exceeded", 21.0))
+    assert_decision(
+        await store.apply([tpm], 0.0),
+        rejected(Outcome.RATE_LIMITED, "limit of 600 tokens per minute exceeded", 21.0),
+    )
     assert await store.apply([tpm], 21.0) == ADMITTED
-    assert_decision(await store.apply([QuotaCheck(quota.key, 100, 1, 1000.0)], 21.0),
-                    rejected(Outcome.QUOTA_EXCEEDED, "monthly quota of 100 tokens exhausted",
-                             979.0))
+    assert_decision(
+        await store.apply([QuotaCheck(quota.key, 100, 1, 1000.0)], 21.0),
+        rejected(Outcome.QUOTA_EXCEEDED, "monthly quota of 100 tokens exhausted", 979.0),
+    )
 
 
 async def test_a_rate_refund_gives_tokens_back_up_to_a_full_bucket(
-        store: AsyncLimiterStore) -> None:
+    store: AsyncLimiterStore,
+) -> None:
     tpm = RateCheck("tpm:chat:acme", per_minute=600, burst=100, cost=100)
     assert await store.apply([tpm], 0.0) == ADMITTED
     one = RateCheck(tpm.key, 600, 100, 1)
@@ -222,20 +253,24 @@ async def test_concurrent_applies_admit_exactly_the_bucket(store: AsyncLimiterSt
     assert sum(decision.admitted for decision in decisions) == 10
 
 
-@pytest.mark.parametrize(("checks", "now", "error"), [
-    ([RateCheck("rpm:a", per_minute=0, burst=1, cost=1)], 0.0, "per_minute must be"),
-    ([RateCheck("rpm:a", per_minute=60, burst=0, cost=1)], 0.0, "burst must be"),
-    ([RateCheck("rpm:a", per_minute=60, burst=1, cost=-1)], 0.0, "cost must be"),
-    ([RateCheck("rpm:a", per_minute=float("inf"), burst=1, cost=1)], 0.0, "per_minute"),
-    ([QuotaCheck("quota:a", limit=-1, cost=1, expires_at=9.0)], 0.0, "limit must be"),
-    ([QuotaCheck("quota:a", limit=1, cost=float("nan"), expires_at=9.0)], 0.0, "cost must"),
-    ([QuotaCheck("quota:a", limit=1, cost=1, expires_at=float("nan"))], 0.0, "expires_at"),
-    ([QuotaCheck("", limit=1, cost=1, expires_at=9.0)], 0.0, "non-empty"),
-    ([RateCheck("rpm:a", per_minute=60, burst=1, cost=1)], float("nan"), "now must be"),
-    (["rpm:a"], 0.0, "not a limiter check"),
-])
+@pytest.mark.parametrize(
+    ("checks", "now", "error"),
+    [
+        ([RateCheck("rpm:a", per_minute=0, burst=1, cost=1)], 0.0, "per_minute must be"),
+        ([RateCheck("rpm:a", per_minute=60, burst=0, cost=1)], 0.0, "burst must be"),
+        ([RateCheck("rpm:a", per_minute=60, burst=1, cost=-1)], 0.0, "cost must be"),
+        ([RateCheck("rpm:a", per_minute=float("inf"), burst=1, cost=1)], 0.0, "per_minute"),
+        ([QuotaCheck("quota:a", limit=-1, cost=1, expires_at=9.0)], 0.0, "limit must be"),
+        ([QuotaCheck("quota:a", limit=1, cost=float("nan"), expires_at=9.0)], 0.0, "cost must"),
+        ([QuotaCheck("quota:a", limit=1, cost=1, expires_at=float("nan"))], 0.0, "expires_at"),
+        ([QuotaCheck("", limit=1, cost=1, expires_at=9.0)], 0.0, "non-empty"),
+        ([RateCheck("rpm:a", per_minute=60, burst=1, cost=1)], float("nan"), "now must be"),
+        (["rpm:a"], 0.0, "not a limiter check"),
+    ],
+)
 async def test_bad_checks_raise_a_clear_error_and_charge_nothing(
-        store: AsyncLimiterStore, checks: list[Check], now: float, error: str) -> None:
+    store: AsyncLimiterStore, checks: list[Check], now: float, error: str
+) -> None:
     valid = RateCheck("rpm:b", per_minute=60, burst=1, cost=1)
     with pytest.raises(ValueError, match=error):
         await store.apply([valid, *checks], now)
@@ -263,8 +298,11 @@ class RateKey:
     burst: float
 
 
-RATE_KEYS = [RateKey("rpm:chat:a", 60, 3), RateKey("tpm:chat:a", 600, 50),
-             RateKey("rpm:chat:b", 180, 1)]
+RATE_KEYS = [
+    RateKey("rpm:chat:a", 60, 3),
+    RateKey("tpm:chat:a", 600, 50),
+    RateKey("rpm:chat:b", 180, 1),
+]
 QUOTA_KEYS = ["quota:chat:a", "quota:chat:b"]
 QUOTA_PERIOD_S = 20.0
 QUOTA_LIMIT = 120.0
@@ -279,14 +317,28 @@ def random_check(rng: random.Random, now: float) -> Check:
     period_end = (now // QUOTA_PERIOD_S + 1) * QUOTA_PERIOD_S
     # Sometimes a check from the previous period, as a late refund computes one.
     expires_at = period_end if rng.random() < 0.9 else period_end - QUOTA_PERIOD_S
-    return QuotaCheck(rng.choice(QUOTA_KEYS), QUOTA_LIMIT,
-                      rng.choice([float(rng.randint(1, 40)), rng.uniform(0, 60)]), expires_at)
+    return QuotaCheck(
+        rng.choice(QUOTA_KEYS),
+        QUOTA_LIMIT,
+        rng.choice([float(rng.randint(1, 40)), rng.uniform(0, 60)]),
+        expires_at,
+    )
 
 
 def random_step(rng: random.Random, now: float) -> float:
     """The next time: often the same instant, often exactly on an emission time."""
-    return now + rng.choice([0.0, 0.0, 1.0, 1.0 / 3.0, 0.1, rng.expovariate(1.0),
-                             rng.uniform(0, 1e-6), rng.uniform(0, 30)])
+    return now + rng.choice(
+        [
+            0.0,
+            0.0,
+            1.0,
+            1.0 / 3.0,
+            0.1,
+            rng.expovariate(1.0),
+            rng.uniform(0, 1e-6),
+            rng.uniform(0, 30),
+        ]
+    )
 
 
 @pytest.mark.integration
@@ -304,8 +356,11 @@ async def test_random_sequences_match_memory_store(redis_url: str) -> None:
                 now = random_step(rng, now)
                 if rng.random() < 0.15:
                     checks = tuple(random_check(rng, now) for _ in range(rng.randint(1, 3)))
-                    settled = (Settlement(charge=checks) if rng.random() < 0.5 else
-                               Settlement(refund=checks))
+                    settled = (
+                        Settlement(charge=checks)
+                        if rng.random() < 0.5
+                        else Settlement(refund=checks)
+                    )
                     await memory.settle(settled, now)
                     await redis_store.settle(settled, now)
                     continue
@@ -318,7 +373,8 @@ async def test_random_sequences_match_memory_store(redis_url: str) -> None:
                 assert (actual.retry_after_s is None) == (expected.retry_after_s is None)
                 if expected.retry_after_s is not None:
                     assert actual.retry_after_s == pytest.approx(
-                        expected.retry_after_s, abs=1e-6), context
+                        expected.retry_after_s, abs=1e-6
+                    ), context
                 outcomes[expected.outcome] = outcomes.get(expected.outcome, 0) + 1
     finally:
         await client.aclose()
@@ -343,8 +399,10 @@ async def test_keys_live_until_their_state_stops_mattering(redis_url: str) -> No
         rpm = RateCheck("rpm:chat:acme", per_minute=60, burst=5, cost=3)  # tat = now + 3 s
         quota = QuotaCheck("quota:chat:acme:x", limit=100, cost=1, expires_at=110.0)
         assert await store.apply([rpm, quota], 100.0) == ADMITTED
-        assert sorted(await client.keys("*")) == [b"t:tat:rpm:chat:acme",
-                                                  b"t:used:quota:chat:acme:x"]
+        assert sorted(await client.keys("*")) == [
+            b"t:tat:rpm:chat:acme",
+            b"t:used:quota:chat:acme:x",
+        ]
         # Remaining time plus the default one-second grace, in milliseconds.
         assert 3500 < await _pttl(client, "t:tat:rpm:chat:acme") <= 4000
         assert 10500 < await _pttl(client, "t:used:quota:chat:acme:x") <= 11000

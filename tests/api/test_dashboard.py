@@ -70,24 +70,31 @@ def test_figures_per_tenant_tier_and_endpoint() -> None:
         watch.waited("chat", "acme", n / 10, 104.0)  # 0.1 .. 2.0 s
         watch.first_token("chat", "acme", n, 104.0)
     watch.waited("chat", "globex", 5.0, 104.0)
-    rows = [DepthRow("chat", "enterprise", "acme", 7, 3, 1.0),
-            DepthRow("chat", "standard", "globex", 1, 0, 0.5)]
+    rows = [
+        DepthRow("chat", "enterprise", "acme", 7, 3, 1.0),
+        DepthRow("chat", "standard", "globex", 1, 0, 0.5),
+    ]
     watch.refresh(rows, counts, TIERS.get, ORDER, 105.0)
     view = snapshot(watch)
     assert (view.at, view.rate_window_s, view.latency_window_s) == (
-        105.0, RATE_WINDOW_S, LATENCY_WINDOW_S)
+        105.0,
+        RATE_WINDOW_S,
+        LATENCY_WINDOW_S,
+    )
     chat, embed = view.endpoints
     assert (embed.figures.name, embed.figures.queued, embed.tiers) == ("embed", 0, [])
     assert [tier.figures.name for tier in chat.tiers] == ["enterprise", "standard"]
     (acme,), (globex,) = (tier.tenants for tier in chat.tiers)
-    assert (acme.queued, acme.running, acme.admitted_per_s, acme.rejected_per_s) == (
-        7, 3, 4.0, 0.0)
+    assert (acme.queued, acme.running, acme.admitted_per_s, acme.rejected_per_s) == (7, 3, 4.0, 0.0)
     assert (acme.p95_queue_wait_s, acme.p95_ttft_s) == (1.9, 19)
-    assert (globex.admitted_per_s, globex.rejected_per_s, globex.p95_ttft_s) == (
-        1.0, 2.0, None)
+    assert (globex.admitted_per_s, globex.rejected_per_s, globex.p95_ttft_s) == (1.0, 2.0, None)
     total = chat.figures
     assert (total.queued, total.running, total.admitted_per_s, total.rejected_per_s) == (
-        8, 3, 5.0, 2.0)
+        8,
+        3,
+        5.0,
+        2.0,
+    )
     # Pooled over both tenants' 21 waits: the 20th smallest.
     assert total.p95_queue_wait_s == 2.0
 
@@ -156,19 +163,25 @@ def chromium() -> str:
 def load_in_background(nats_url: str, stop: threading.Event) -> threading.Thread:
     """Three tenants keep the chat endpoint busy until `stop` is set; rate-limited
     requests are part of the picture (the page shows them as rejected)."""
+
     async def one(client: Client, tenant: str) -> None:
         while not stop.is_set():
             try:
-                await client.run("chat", tenant, prompt=f"{tenant} asks", max_tokens=32,
-                                 timeout_s=30.0)
+                await client.run(
+                    "chat", tenant, prompt=f"{tenant} asks", max_tokens=32, timeout_s=30.0
+                )
             except RequestFailed:
                 await asyncio.sleep(0.2)
 
     async def run() -> None:
         async with Client.connect(nats_url) as client:
-            await asyncio.gather(*(one(client, tenant)
-                                   for tenant, in_flight in IN_FLIGHT.items()
-                                   for _ in range(in_flight)))
+            await asyncio.gather(
+                *(
+                    one(client, tenant)
+                    for tenant, in_flight in IN_FLIGHT.items()
+                    for _ in range(in_flight)
+                )
+            )
 
     thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
     thread.start()
@@ -177,7 +190,8 @@ def load_in_background(nats_url: str, stop: threading.Event) -> threading.Thread
 
 @pytest.mark.integration
 def test_the_page_shows_the_queues_move_in_a_real_browser(
-        up: Up, chromium: str, tmp_path: Path) -> None:
+    up: Up, chromium: str, tmp_path: Path
+) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     url = up.values["DASHBOARD_URL"]
@@ -186,8 +200,9 @@ def test_the_page_shows_the_queues_move_in_a_real_browser(
         assert answer.headers["Content-Type"] == "application/json"
     screenshot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "dashboard.png")
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
-                                             chromium_sandbox=False)
+        browser = playwright.chromium.launch(
+            executable_path=chromium, headless=True, chromium_sandbox=False
+        )
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             page.goto(url)
@@ -201,12 +216,14 @@ def test_the_page_shows_the_queues_move_in_a_real_browser(
             try:
                 for tenant in TIERS:
                     expect(chat.locator(f'tr.tenant[data-tenant="{tenant}"]')).to_be_visible(
-                        timeout=BROWSER_S * 1000)
+                        timeout=BROWSER_S * 1000
+                    )
                 expect(admitted).not_to_have_text("0", timeout=BROWSER_S * 1000)
                 running = chat.locator('.summary [data-field="running"] b')
                 expect(running).not_to_have_text("0", timeout=BROWSER_S * 1000)
                 acme_ttft = chat.locator(
-                    'tr.tenant[data-tenant="acme"] td[data-field="p95_ttft_s"]')
+                    'tr.tenant[data-tenant="acme"] td[data-field="p95_ttft_s"]'
+                )
                 expect(acme_ttft).not_to_have_text("–", timeout=BROWSER_S * 1000)
                 tiers = chat.locator("tr.tier")
                 assert tiers.evaluate_all("rows => rows.map(row => row.dataset.tier)") == ORDER
@@ -226,14 +243,17 @@ def test_the_page_shows_the_queues_move_in_a_real_browser(
 
 GRAFANA_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "fairq.json"
 # The series a metric family of each type exposes, by suffix.
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
-            "gauge": ("",), "summary": ("", "_count", "_sum")}
+SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "gauge": ("",),
+    "summary": ("", "_count", "_sum"),
+}
 
 
 def queried_metrics() -> set[str]:
     dashboard = json.loads(GRAFANA_DASHBOARD.read_text())
-    exprs = [target["expr"] for panel in dashboard["panels"]
-             for target in panel.get("targets", ())]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", ())]
     exprs += [variable["query"]["query"] for variable in dashboard["templating"]["list"]]
     return {name for expr in exprs for name in re.findall(r"\bfairq_[a-z0-9_]+", expr)}
 
@@ -242,8 +262,7 @@ def queried_metrics() -> set[str]:
 def test_every_metric_the_grafana_dashboard_queries_exists(up: Up) -> None:
     with urllib.request.urlopen(up.values["METRICS_URL"], timeout=5) as answer:
         exposed = text_string_to_metric_families(answer.read().decode())
-    series = {family.name + suffix for family in exposed
-              for suffix in SUFFIXES[family.type]}
+    series = {family.name + suffix for family in exposed for suffix in SUFFIXES[family.type]}
     queried = queried_metrics()
     assert len(queried) >= 15
     assert queried <= series, sorted(queried - series)

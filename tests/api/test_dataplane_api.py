@@ -50,9 +50,11 @@ async def client(nats_url):
 
 async def publish(js, tenant: str, rid: str, reply: str | None = None, **body) -> None:
     headers = {"Nats-Msg-Id": rid, **({"Fq-Reply": reply} if reply else {})}
-    await js.publish(S.request("chat", tenant),
-                     json.dumps({"prompt": "hello", "max_tokens": 4, **body}).encode(),
-                     headers=headers)
+    await js.publish(
+        S.request("chat", tenant),
+        json.dumps({"prompt": "hello", "max_tokens": 4, **body}).encode(),
+        headers=headers,
+    )
 
 
 async def test_a_request_beyond_the_window_is_queued_and_cancellable_for_good(client):
@@ -72,29 +74,46 @@ async def test_a_request_beyond_the_window_is_queued_and_cancellable_for_good(cl
         # r30 is still in the stream: the dispatcher holds only its window of 8.
         status = await api(client, S.status("acme"), {"id": "r30"})
         assert status == {"id": "r30", "state": "queued", "position": 30}
-        assert await api(client, S.status("acme"), {"id": "nope"}) == \
-            {"id": "nope", "state": "unknown"}
+        assert await api(client, S.status("acme"), {"id": "nope"}) == {
+            "id": "nope",
+            "state": "unknown",
+        }
 
-        assert await api(client, S.cancel("acme"), {"id": "r30"}) == \
-            {"id": "r30", "cancelled": True}
+        assert await api(client, S.cancel("acme"), {"id": "r30"}) == {
+            "id": "r30",
+            "cancelled": True,
+        }
         event = json.loads((await events.next_msg(timeout=5)).data)
         assert (event["type"], event["id"], event["code"]) == ("error", "r30", "cancelled")
         status = await api(client, S.status("acme"), {"id": "r30"})
         assert status["state"] == "failed" and status["result"]["code"] == "cancelled"
         # Its message left the stream; r31 moved up one place.
         assert (await api(client, S.status("acme"), {"id": "r31"}))["position"] == 30
-        assert await api(client, S.cancel("acme"), {"id": "nope"}) == \
-            {"id": "nope", "cancelled": False}
+        assert await api(client, S.cancel("acme"), {"id": "nope"}) == {
+            "id": "nope",
+            "cancelled": False,
+        }
 
     # A new dispatcher with a worker runs everything else, and never the cancelled one.
     engine = Recording(time_scale=0.0)
-    async with Dispatcher(client, config_with(FAST)) as dispatcher, engine, \
-            WorkerService(client, engine, endpoint="chat", worker_id="w1",
-                          subjects=S, results=await js.key_value(S.results_bucket),
-                          settings=WorkerOptions(heartbeat_interval_s=0.2)):
+    async with (
+        Dispatcher(client, config_with(FAST)) as dispatcher,
+        engine,
+        WorkerService(
+            client,
+            engine,
+            endpoint="chat",
+            worker_id="w1",
+            subjects=S,
+            results=await js.key_value(S.results_bucket),
+            settings=WorkerOptions(heartbeat_interval_s=0.2),
+        ),
+    ):
+
         async def all_done():
-            states = [(await api(client, S.status("acme"), {"id": f"r{i}"}))["state"]
-                      for i in range(40)]
+            states = [
+                (await api(client, S.status("acme"), {"id": f"r{i}"}))["state"] for i in range(40)
+            ]
             return states.count("done") == 39 and states[30] == "failed"
 
         await eventually(all_done, timeout=30, what="the other 39 requests done")
@@ -108,22 +127,32 @@ async def test_a_cancel_racing_admission_never_reaches_a_worker(client):
     admission (its stored event, or the dispatcher's memory of the cancel)."""
     js = client.jetstream()
     engine = Recording(time_scale=0.0)
-    async with Dispatcher(client, config_with(FAST)) as dispatcher, engine, \
-            WorkerService(client, engine, endpoint="chat", worker_id="w1", subjects=S,
-                          results=await js.key_value(S.results_bucket),
-                          settings=WorkerOptions(heartbeat_interval_s=0.2)):
+    async with (
+        Dispatcher(client, config_with(FAST)) as dispatcher,
+        engine,
+        WorkerService(
+            client,
+            engine,
+            endpoint="chat",
+            worker_id="w1",
+            subjects=S,
+            results=await js.key_value(S.results_bucket),
+            settings=WorkerOptions(heartbeat_interval_s=0.2),
+        ),
+    ):
         rids = [f"c{i}" for i in range(30)]
         for rid in rids:
             await publish(js, "globex", rid)
-        replies = await asyncio.gather(*(api(client, S.cancel("globex"), {"id": rid})
-                                         for rid in rids))
+        replies = await asyncio.gather(
+            *(api(client, S.cancel("globex"), {"id": rid}) for rid in rids)
+        )
         cancelled = {r["id"] for r in replies if r["cancelled"]}
 
         async def settled():
-            states = {rid: (await api(client, S.status("globex"), {"id": rid}))
-                      for rid in rids}
-            return states if all(s["state"] in ("done", "failed")
-                                 for s in states.values()) else None
+            states = {rid: (await api(client, S.status("globex"), {"id": rid})) for rid in rids}
+            return (
+                states if all(s["state"] in ("done", "failed") for s in states.values()) else None
+            )
 
         states = await eventually(settled, timeout=WAIT_S, what="every request finished")
         assert dispatcher.scheduler.queued_count() == 0
@@ -156,13 +185,23 @@ async def test_engine_priority_is_the_dispatchers_decision_not_the_clients(clien
     engine = Recording(time_scale=0.2)
     inbox = client.new_inbox()
     replies = await client.subscribe(f"{inbox}.>")
-    async with Dispatcher(client, config_with(FAST)), engine, \
-            WorkerService(client, engine, endpoint="chat", worker_id="w1", subjects=S,
-                          results=await js.key_value(S.results_bucket),
-                          settings=WorkerOptions(heartbeat_interval_s=0.2)):
+    async with (
+        Dispatcher(client, config_with(FAST)),
+        engine,
+        WorkerService(
+            client,
+            engine,
+            endpoint="chat",
+            worker_id="w1",
+            subjects=S,
+            results=await js.key_value(S.results_bucket),
+            settings=WorkerOptions(heartbeat_interval_s=0.2),
+        ),
+    ):
         for i in range(80):
-            await publish(js, "globex", f"g{i}", reply=f"{inbox}.g{i}", priority=10**9,
-                          max_tokens=40)
+            await publish(
+                js, "globex", f"g{i}", reply=f"{inbox}.g{i}", priority=10**9, max_tokens=40
+            )
 
         async def flood_running():
             return sum(k.startswith("globex.") for k in engine.seen) >= 40
@@ -172,8 +211,9 @@ async def test_engine_priority_is_the_dispatchers_decision_not_the_clients(clien
         done = None
         deadline = time.monotonic() + WAIT_S
         while done is None:
-            event = json.loads((await replies.next_msg(
-                timeout=max(0.01, deadline - time.monotonic()))).data)
+            event = json.loads(
+                (await replies.next_msg(timeout=max(0.01, deadline - time.monotonic()))).data
+            )
             if event["id"] == "a1" and event["type"] in ("done", "error"):
                 done = event
         assert done["type"] == "done", done
@@ -186,8 +226,9 @@ class FullLength(SimEngine):
     """The simulated engine, every request generating all of its max_tokens."""
 
     def generate(self, request: EngineRequest):
-        return super().generate(dataclasses.replace(request,
-                                                    target_output_tokens=request.max_tokens))
+        return super().generate(
+            dataclasses.replace(request, target_output_tokens=request.max_tokens)
+        )
 
 
 async def test_a_running_requests_output_is_charged_as_the_worker_reports_it(client):
@@ -195,10 +236,19 @@ async def test_a_running_requests_output_is_charged_as_the_worker_reports_it(cli
     far each request is), not only for its prompt until the request ends."""
     js = client.jetstream()
     engine = FullLength(time_scale=0.5)  # 200 tokens: about 2.5 s
-    async with Dispatcher(client, config_with(FAST)) as dispatcher, engine, \
-            WorkerService(client, engine, endpoint="chat", worker_id="w1", subjects=S,
-                          results=await js.key_value(S.results_bucket),
-                          settings=WorkerOptions(heartbeat_interval_s=0.2)):
+    async with (
+        Dispatcher(client, config_with(FAST)) as dispatcher,
+        engine,
+        WorkerService(
+            client,
+            engine,
+            endpoint="chat",
+            worker_id="w1",
+            subjects=S,
+            results=await js.key_value(S.results_bucket),
+            settings=WorkerOptions(heartbeat_interval_s=0.2),
+        ),
+    ):
         # Two requests: the second keeps acme queued, so its deficit is kept in the ring.
         await publish(js, "acme", "long", max_tokens=200, input_tokens=1000)
         await publish(js, "acme", "next", max_tokens=200, input_tokens=1000)
@@ -209,8 +259,9 @@ async def test_a_running_requests_output_is_charged_as_the_worker_reports_it(cli
             request = scheduler.running_request("acme", "long")
             return request if request is not None and request.output_charged >= 20 else None
 
-        request = await eventually(charged_for_output, timeout=WAIT_S,
-                                   what="output charged while the request runs")
+        request = await eventually(
+            charged_for_output, timeout=WAIT_S, what="output charged while the request runs"
+        )
         generated = request.output_charged
         assert generated < 200  # still running
         assert request.charged_cost == pytest.approx(profile.model_units(1000, generated))
@@ -225,15 +276,18 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
     metrics = DispatcherMetrics(["chat", "embed"])
     port = metrics.serve(0)
     # The hung engine below stands for long requests: no probes to find it.
-    options = StackOptions(workers=1, endpoints=("chat",), time_scale=1.0, engine=engine,
-                           dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05,
-                                                        grace_s=0.0, probe_stall_s=3600.0,
-                                                        probe_idle_s=3600.0),
-                           workers_settings=WorkerOptions(heartbeat_interval_s=0.2,
-                                                          drain_timeout_s=0.0))
+    options = StackOptions(
+        workers=1,
+        endpoints=("chat",),
+        time_scale=1.0,
+        engine=engine,
+        dispatcher=DispatcherOptions(
+            settle_s=0.2, tick_s=0.05, grace_s=0.0, probe_stall_s=3600.0, probe_idle_s=3600.0
+        ),
+        workers_settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=0.0),
+    )
     try:
-        async with LocalStack(load_config(), options, nats_url=nats_url,
-                              metrics=metrics) as stack:
+        async with LocalStack(load_config(), options, nats_url=nats_url, metrics=metrics) as stack:
             stack.engines[0].faults.hang = True  # what starts keeps running
             nc = await nats.connect(nats_url)
             js = nc.jetstream()
@@ -241,11 +295,16 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
                 await publish(js, "acme", f"m{i}")
 
             def samples() -> dict[tuple[str, tuple], float]:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                              timeout=5).read().decode()
-                return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                        for family in text_string_to_metric_families(text)
-                        for s in family.samples}
+                text = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                    .read()
+                    .decode()
+                )
+                return {
+                    (s.name, tuple(sorted(s.labels.items()))): s.value
+                    for family in text_string_to_metric_families(text)
+                    for s in family.samples
+                }
 
             acme = (("endpoint", "chat"), ("tenant", "acme"), ("tier", "enterprise"))
 
@@ -255,23 +314,36 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
 
             values = await eventually(exported, timeout=WAIT_S, what="the gauges exported")
             assert values[("fairq_queue_depth", acme)] == 2
-            assert values[("fairq_admissions_total",
-                           (("endpoint", "chat"), ("outcome", "admitted")))] == 5
-            assert values[("fairq_admissions_total",
-                           (("endpoint", "chat"), ("outcome", "rate_limited")))] == 0
-            for counter in ("fairq_probes_total", "fairq_worker_evictions_total",
-                            "fairq_redispatched_total", "fairq_failed_by_lost_worker_total"):
+            assert (
+                values[("fairq_admissions_total", (("endpoint", "chat"), ("outcome", "admitted")))]
+                == 5
+            )
+            assert (
+                values[
+                    ("fairq_admissions_total", (("endpoint", "chat"), ("outcome", "rate_limited")))
+                ]
+                == 0
+            )
+            for counter in (
+                "fairq_probes_total",
+                "fairq_worker_evictions_total",
+                "fairq_redispatched_total",
+                "fairq_failed_by_lost_worker_total",
+            ):
                 assert values[(counter, (("endpoint", "chat"),))] == 0  # exported at zero
             stack.engines[0].faults.hang = False
 
             async def drained():
                 values = samples()
-                return values if values.get(("fairq_running", acme), 0) == 0 \
-                    and values.get(("fairq_queue_depth", acme), 0) == 0 else None
+                return (
+                    values
+                    if values.get(("fairq_running", acme), 0) == 0
+                    and values.get(("fairq_queue_depth", acme), 0) == 0
+                    else None
+                )
 
             values = await eventually(drained, timeout=30, what="everything finished")
-            assert values[("fairq_time_to_first_token_seconds_count",
-                           (("endpoint", "chat"),))] == 5
+            assert values[("fairq_time_to_first_token_seconds_count", (("endpoint", "chat"),))] == 5
             assert values[("fairq_queue_wait_seconds_count", (("endpoint", "chat"),))] == 5
             await nc.drain()
     finally:
@@ -282,9 +354,13 @@ async def test_image_model_units_stay_charged_after_completion(nats_url, monkeyp
     """The DRR charge is corrected with the real usage on completion; units of images are
     part of it (they used to be refunded: the usage was built without them)."""
     monkeypatch.setattr("dispatcher.service.FORGET_IDLE_S", 3600.0)  # acme's flow stays
-    options = StackOptions(workers=1, endpoints=("chat",), time_scale=0.0,
-                           dispatcher=FAST,
-                           workers_settings=WorkerOptions(heartbeat_interval_s=0.2))
+    options = StackOptions(
+        workers=1,
+        endpoints=("chat",),
+        time_scale=0.0,
+        dispatcher=FAST,
+        workers_settings=WorkerOptions(heartbeat_interval_s=0.2),
+    )
     async with LocalStack(load_config(), options, nats_url=nats_url) as stack:
         nc = await nats.connect(nats_url)
         inbox = nc.new_inbox()
@@ -298,6 +374,7 @@ async def test_image_model_units_stay_charged_after_completion(nats_url, monkeyp
         usage = done["usage"]
         assert usage["other_units"] == 2
         scheduler = stack.dispatcher.scheduler
+
         # The client hears of the end before the dispatcher does: the worker publishes the
         # final event, then its Completion, which corrects the charge.
         async def completed() -> bool:
@@ -306,19 +383,22 @@ async def test_image_model_units_stay_charged_after_completion(nats_url, monkeyp
         await eventually(completed, timeout=WAIT_S, what="the dispatcher seeing the completion")
         profile = scheduler.endpoints["chat"].profile
         charged = scheduler.flow("chat", "acme").served_cost
-        assert charged == pytest.approx(profile.model_units(
-            usage["input_tokens"], usage["output_tokens"], 2))
+        assert charged == pytest.approx(
+            profile.model_units(usage["input_tokens"], usage["output_tokens"], 2)
+        )
         assert charged > profile.model_units(usage["input_tokens"], usage["output_tokens"])
         await nc.drain()
 
 
 async def test_a_lookup_the_broker_does_not_answer_gets_a_retryable_error_not_silence(
-        client, monkeypatch):
+    client, monkeypatch
+):
     """Status and cancel of a request the dispatcher does not hold look in the stream; if
     that lookup fails (a timeout on a starved machine), the caller is told at once."""
     from broker_config.direct_get import DirectGetError
 
     async with Dispatcher(client, config_with(HOLD)) as dispatcher:
+
         async def broker_times_out(tenant, wanted):
             raise DirectGetError("batch direct get on FQ_REQUESTS: TimeoutError()")
 
@@ -347,12 +427,16 @@ async def test_one_tenants_slow_lookups_hold_up_no_other_call(client, monkeypatc
             return await real_scan(tenant, wanted)
 
         monkeypatch.setattr(lookup, "_scan", slow_for_acme)
-        flood = [asyncio.create_task(api(client, S.status("acme"), {"id": f"never-{i}"}))
-                 for i in range(40)]
+        flood = [
+            asyncio.create_task(api(client, S.status("acme"), {"id": f"never-{i}"}))
+            for i in range(40)
+        ]
         await asyncio.sleep(0.2)  # the first scan of acme runs; the rest wait for the next
         started = time.monotonic()
-        assert await api(client, S.status("globex"), {"id": "g1"}) == \
-            {"id": "g1", "state": "unknown"}
+        assert await api(client, S.status("globex"), {"id": "g1"}) == {
+            "id": "g1",
+            "state": "unknown",
+        }
         assert time.monotonic() - started < 0.9  # not behind acme's scan
         replies = await asyncio.gather(*flood)
         assert all(reply["state"] == "unknown" for reply in replies)
@@ -374,8 +458,9 @@ async def test_concurrent_cancels_of_one_request_send_one_cancelled_event(client
             return (await api(client, S.status("acme"), {"id": "c1"}))["state"] == "queued"
 
         await eventually(queued, timeout=WAIT_S, what="c1 taken in")
-        replies = await asyncio.gather(*(api(client, S.cancel("acme"), {"id": "c1"})
-                                         for _ in range(8)))
+        replies = await asyncio.gather(
+            *(api(client, S.cancel("acme"), {"id": "c1"}) for _ in range(8))
+        )
         # Those that came while the first attempt ran share it; one after it finds
         # nothing left to cancel.
         assert {"id": "c1", "cancelled": True} in replies, replies
@@ -421,8 +506,11 @@ async def test_an_api_answer_never_goes_to_fairqs_own_or_the_servers_subjects(cl
     async with Dispatcher(client, config_with(FAST)):
         answer = await api(client, S.status("acme"), {"id": "r1"})
         assert answer["state"] == "unknown"
-        for reply in ("fq.admin.reload", f"$KV.{S.results_bucket}.acme.r1",
-                      f"$KV.{S.limits_bucket}.quota-total.acme.x"):
+        for reply in (
+            "fq.admin.reload",
+            f"$KV.{S.results_bucket}.acme.r1",
+            f"$KV.{S.limits_bucket}.quota-total.acme.x",
+        ):
             await client.publish(S.status("acme"), b'{"id": "r1"}', reply=reply)
         await client.flush()
         await asyncio.sleep(0.5)

@@ -21,8 +21,8 @@ from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from broker_config.subjects import Subjects
 from dispatcher.api.reload import install_reload_signal
 from producers.admin import reload_dispatchers
-from tests.local_stack import LocalStack, StackOptions
 from tests.dispatch.test_dataplane_e2e import load_engine_config_one_slot, submit
+from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import api, eventually
 
 pytestmark = pytest.mark.integration
@@ -58,10 +58,13 @@ def write_config(path: Path, tenants: dict[str, str], extra: str = "") -> None:
 
 def options(engine=None) -> StackOptions:
     return StackOptions(
-        workers=1, endpoints=("chat",), time_scale=0.1, engine=engine,
+        workers=1,
+        endpoints=("chat",),
+        time_scale=0.1,
+        engine=engine,
         workers_settings=WorkerOptions(heartbeat_interval_s=0.2),
-        dispatcher=DispatcherOptions(settle_s=0.5, tick_s=0.05, worker_timeout_s=3.0,
-                                     grace_s=5.0))
+        dispatcher=DispatcherOptions(settle_s=0.5, tick_s=0.05, worker_timeout_s=3.0, grace_s=5.0),
+    )
 
 
 def with_config_file(stack: LocalStack, path: Path) -> LocalStack:
@@ -128,24 +131,29 @@ async def client(nats_url):
 
 
 async def test_a_tenant_moved_up_a_tier_under_load_is_served_by_it_within_a_second(
-        nats_url, client, tmp_path):
+    nats_url, client, tmp_path
+):
     path = tmp_path / "fairq.toml"
     write_config(path, {"ent": "enterprise", "mover": "free", "other": "free"})
-    async with LocalStack(load_config(path), options(load_engine_config_one_slot()),
-                          nats_url=nats_url) as stack:
+    async with LocalStack(
+        load_config(path), options(load_engine_config_one_slot()), nats_url=nats_url
+    ) as stack:
         with_config_file(stack, path)
         ent = await track(client, "ent", 80)
         mover = await track(client, "mover", 8)
         other = await track(client, "other", 8)
         # Enterprise's backlog holds the free tier back entirely: nothing of it runs.
-        await eventually(lambda: asyncio.sleep(0, sum(r.final is not None for r in ent) >= 10),
-                         what="enterprise requests completing")
+        await eventually(
+            lambda: asyncio.sleep(0, sum(r.final is not None for r in ent) >= 10),
+            what="enterprise requests completing",
+        )
         assert all(r.first_at is None for r in mover + other)
         write_config(path, {"ent": "enterprise", "mover": "enterprise", "other": "free"})
         reloaded_at = time.monotonic()
         replies = await reload_all(client)
-        assert [(r["ok"], r["added"], r["removed"], r["changed"], r["error"])
-                for r in replies] == [(True, [], [], ["mover"], None)]
+        assert [(r["ok"], r["added"], r["removed"], r["changed"], r["error"]) for r in replies] == [
+            (True, [], [], ["mover"], None)
+        ]
         depth = await api(client, "fq.api.depth", {})
         assert {q["tenant"]: q["tier"] for q in depth["queues"]}["mover"] == "enterprise"
         await finished(ent + mover + other)
@@ -174,7 +182,8 @@ async def test_a_tenant_added_to_the_file_is_served_after_sighup(nats_url, clien
             os.kill(os.getpid(), signal.SIGHUP)
             await eventually(
                 lambda: asyncio.sleep(0, stack.dispatcher.scheduler.registry.tenant("newco")),
-                what="the reload after SIGHUP")
+                what="the reload after SIGHUP",
+            )
         finally:
             loop.remove_signal_handler(signal.SIGHUP)
         after = await track(client, "newco", 3)
@@ -182,17 +191,19 @@ async def test_a_tenant_added_to_the_file_is_served_after_sighup(nats_url, clien
     assert [r.final["type"] for r in after] == ["done"] * 3
 
 
-async def test_a_removed_tenants_queued_requests_end_with_a_clear_error(
-        nats_url, client, tmp_path):
+async def test_a_removed_tenants_queued_requests_end_with_a_clear_error(nats_url, client, tmp_path):
     path = tmp_path / "fairq.toml"
     write_config(path, {"ent": "enterprise", "gone": "free"})
-    async with LocalStack(load_config(path), options(load_engine_config_one_slot()),
-                          nats_url=nats_url) as stack:
+    async with LocalStack(
+        load_config(path), options(load_engine_config_one_slot()), nats_url=nats_url
+    ) as stack:
         with_config_file(stack, path)
         ent = await track(client, "ent", 40)
         gone = await track(client, "gone", 5)
-        await eventually(lambda: asyncio.sleep(
-            0, stack.dispatcher.scheduler.tenant_queued("gone") == 5), what="gone queued")
+        await eventually(
+            lambda: asyncio.sleep(0, stack.dispatcher.scheduler.tenant_queued("gone") == 5),
+            what="gone queued",
+        )
         write_config(path, {"ent": "enterprise"})
         replies = await reload_all(client)
         assert [(r["ok"], r["removed"]) for r in replies] == [(True, ["gone"])]
@@ -209,7 +220,8 @@ async def test_a_removed_tenants_queued_requests_end_with_a_clear_error(
 
 
 async def test_a_bad_file_leaves_the_old_config_in_force_and_the_reply_says_why(
-        nats_url, client, tmp_path):
+    nats_url, client, tmp_path
+):
     path = tmp_path / "fairq.toml"
     write_config(path, {"acme": "enterprise"})
     async with LocalStack(load_config(path), options(), nats_url=nats_url) as stack:
@@ -230,8 +242,9 @@ async def test_a_bad_file_leaves_the_old_config_in_force_and_the_reply_says_why(
         (reply,) = await reload_all(client)
         assert not reply["ok"] and "tenants.acme.tier" in reply["error"], reply
         # A malformed request is answered, and the subscription keeps serving.
-        answer = await client.request("fq.admin.reload", b"[1, 2]", timeout=5.0,
-                                      headers={"Fq-Admin-Op": "reload"})
+        answer = await client.request(
+            "fq.admin.reload", b"[1, 2]", timeout=5.0, headers={"Fq-Admin-Op": "reload"}
+        )
         refused = json.loads(answer.data)
         assert not refused["ok"] and "invalid reload request" in refused["error"]
         # Without its header nothing is reloaded: what a caller directs here as its reply
@@ -250,17 +263,17 @@ async def test_a_bad_file_leaves_the_old_config_in_force_and_the_reply_says_why(
         await finished([accepted])
         assert accepted.final["type"] == "done"
         # The stack's own [dispatcher] table, not the file's, is still in force.
-        assert dispatcher.config.dispatcher == config.dispatcher != load_config(
-            path).dispatcher
+        assert dispatcher.config.dispatcher == config.dispatcher != load_config(path).dispatcher
 
 
-async def test_nothing_is_lost_or_run_twice_across_reloads_under_load(
-        nats_url, client, tmp_path):
+async def test_nothing_is_lost_or_run_twice_across_reloads_under_load(nats_url, client, tmp_path):
     path = tmp_path / "fairq.toml"
-    plans = [{"a": "free", "b": "enterprise", "c": "free"},
-             {"a": "enterprise", "b": "free", "c": "free"},
-             {"a": "enterprise", "b": "enterprise", "c": "enterprise", "d": "free"},
-             {"a": "free", "b": "free", "c": "enterprise", "d": "enterprise"}]
+    plans = [
+        {"a": "free", "b": "enterprise", "c": "free"},
+        {"a": "enterprise", "b": "free", "c": "free"},
+        {"a": "enterprise", "b": "enterprise", "c": "enterprise", "d": "free"},
+        {"a": "free", "b": "free", "c": "enterprise", "d": "enterprise"},
+    ]
     write_config(path, plans[0])
     engine = msgspec.structs.replace(load_engine_config_one_slot(), max_sequences=4)
     async with LocalStack(load_config(path), options(engine), nats_url=nats_url) as stack:
@@ -282,6 +295,7 @@ async def test_nothing_is_lost_or_run_twice_across_reloads_under_load(
             assert [r["ok"] for r in replies] == [True], replies
         await finished(requests)
     assert len(requests) == 360
-    assert all(r.finals == 1 and r.final["type"] == "done" for r in requests), \
-        [r.final for r in requests if r.finals != 1 or r.final["type"] != "done"][:3]
+    assert all(r.finals == 1 and r.final["type"] == "done" for r in requests), [
+        r.final for r in requests if r.finals != 1 or r.final["type"] != "done"
+    ][:3]
     assert sorted(dispatched) == sorted(f"{r.tenant}/{r.id}" for r in requests)

@@ -15,14 +15,28 @@ USAGE = Usage(4, 8, 0.0)
 
 
 def done(rid: str, text: str = "ok") -> wire.DoneEvent:
-    return wire.DoneEvent(id=rid, seq=1, text=text, usage=USAGE,
-                          timings=wire.Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0))
+    return wire.DoneEvent(
+        id=rid,
+        seq=1,
+        text=text,
+        usage=USAGE,
+        timings=wire.Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0),
+    )
 
 
-def completion(rid: str, worker: str, at: float,
-               code: wire.ErrorCode | None = None) -> tuple[float, wire.Completion]:
-    return at, wire.Completion(id=rid, tenant="A", endpoint="chat", worker_id=worker,
-                               usage=USAGE, code=code, stored=True, finished_at=at)
+def completion(
+    rid: str, worker: str, at: float, code: wire.ErrorCode | None = None
+) -> tuple[float, wire.Completion]:
+    return at, wire.Completion(
+        id=rid,
+        tenant="A",
+        endpoint="chat",
+        worker_id=worker,
+        usage=USAGE,
+        code=code,
+        stored=True,
+        finished_at=at,
+    )
 
 
 def stored(event: wire.FinalEvent) -> wire.StoredResult:
@@ -39,12 +53,19 @@ def test_verdict_counts_lost_two_results_repeats_and_runs_to_completion() -> Non
     watch.finals[keys[3]] = [done("r3"), done("r3")]
     watch.finals[keys[4]] = [done("r4")]
     watch.completions[keys[4]] = [completion("r4", "w1", 1.0), completion("r4", "w2", 2.0)]
-    results = {keys[0]: stored(done("r0")), keys[2]: stored(done("r2", "other")),
-               keys[3]: stored(done("r3")), keys[4]: stored(done("r4"))}
+    results = {
+        keys[0]: stored(done("r0")),
+        keys[2]: stored(done("r2", "other")),
+        keys[3]: stored(done("r3")),
+        keys[4]: stored(done("r4")),
+    }
     figures = verdict(watch, [], keys, results)
-    assert (figures["lost"], figures["two_different_results"],
-            figures["final_repeated_identical"], figures["ran_twice_to_completion"]) == (
-        1, 1, 1, 1)
+    assert (
+        figures["lost"],
+        figures["two_different_results"],
+        figures["final_repeated_identical"],
+        figures["ran_twice_to_completion"],
+    ) == (1, 1, 1, 1)
     assert figures["outcomes"] == {"done": 4, "none": 1}
 
 
@@ -57,10 +78,8 @@ def test_fault_figures_time_detection_redispatch_and_replacement() -> None:
     watch.final_at[streamed] = 16.0  # ended by the dispatcher 6 s after
     watch.completions[stayed] = [completion("stayed", "w1", 11.0)]
     watch.runs["w1"] = [(0.0, 100.0), (19.5, 200.0)]  # a new process 9.5 s after
-    watch.evictions.append((16.0, wire.Evict(endpoint="chat", worker_id="w1",
-                                             started_at=100.0)))
-    watch.evictions.append((30.0, wire.Evict(endpoint="chat", worker_id="w3",
-                                             started_at=300.0)))
+    watch.evictions.append((16.0, wire.Evict(endpoint="chat", worker_id="w1", started_at=100.0)))
+    watch.evictions.append((30.0, wire.Evict(endpoint="chat", worker_id="w3", started_at=300.0)))
     assert watch.held_by("w1", 10.0) == {moved, streamed, stayed}
     assert watch.held_by("w1", 12.0) == {moved, streamed}  # `stayed` finished at 11
     fault = Fault("hang", "w1", 42, 100.0, 10.0, watch.held_by("w1", 10.0))
@@ -79,11 +98,18 @@ def test_only_requests_sent_to_a_lost_worker_may_end_with_internal() -> None:
     watch.dispatches[on_hung].append(_Dispatch(5.0, "w1"))
     watch.dispatches[on_slowed].append(_Dispatch(5.0, "w2"))
     watch.dispatches[on_healthy].append(_Dispatch(5.0, "w3"))
-    ended = {key: stored(wire.ErrorEvent(id=key[1], code=wire.ErrorCode.INTERNAL,
-                                         message="lost", retry_after_s=1.0))
-             for key in (on_hung, on_slowed, on_healthy)}
-    faults = [Fault("hang", "w1", 1, 100.0, 10.0, {on_hung}),
-              Fault("slow", "w2", 2, 200.0, 10.0, {on_slowed})]
+    ended = {
+        key: stored(
+            wire.ErrorEvent(
+                id=key[1], code=wire.ErrorCode.INTERNAL, message="lost", retry_after_s=1.0
+            )
+        )
+        for key in (on_hung, on_slowed, on_healthy)
+    }
+    faults = [
+        Fault("hang", "w1", 1, 100.0, 10.0, {on_hung}),
+        Fault("slow", "w2", 2, 200.0, 10.0, {on_slowed}),
+    ]
     figures = verdict(watch, faults, list(ended), ended)
     # A slowed worker keeps its work, so its requests have no reason to end so either.
     assert figures["internal_elsewhere"] == 2
@@ -92,16 +118,21 @@ def test_only_requests_sent_to_a_lost_worker_may_end_with_internal() -> None:
 
 
 def test_a_saturated_run_fails_on_any_sign_of_a_healthy_worker_thought_lost() -> None:
-    clean = {"lost": 0, "two_different_results": 0, "ran_twice_to_completion": 0,
-             "internal_elsewhere": 0, "healthy_evictions": 0, "evictions": 0,
-             "redispatched": 0}
+    clean = {
+        "lost": 0,
+        "two_different_results": 0,
+        "ran_twice_to_completion": 0,
+        "internal_elsewhere": 0,
+        "healthy_evictions": 0,
+        "evictions": 0,
+        "redispatched": 0,
+    }
     assert failures(clean, saturated=True) == []
     assert failures(clean | {"redispatched": 2}, saturated=True) == ["redispatched"]
     assert failures(clean | {"redispatched": 2}, saturated=False) == []  # faults do that
     assert failures(clean | {"evictions": 1}, saturated=True) == ["evictions"]
     assert failures(clean | {"evictions": 1}, saturated=False) == []  # a hang's
-    assert failures(clean | {"internal_elsewhere": 1}, saturated=False) == [
-        "internal_elsewhere"]
+    assert failures(clean | {"internal_elsewhere": 1}, saturated=False) == ["internal_elsewhere"]
     assert failures(clean | {"lost": 1}, saturated=False) == ["lost"]
 
 
@@ -117,8 +148,7 @@ def test_ha_figures_time_the_new_holder_new_and_waiting_requests_and_count_resen
     watch.epoch_first_batch.update({1: 1.0, 2: 12.5})
     assert watch.waiting(10.0) == {waiting}
     assert watch.running(10.0) == {running, resent}
-    fault = HaFault("dispatcher-kill", "vm:1:x", 10.0, 1, watch.waiting(10.0),
-                    watch.running(10.0))
+    fault = HaFault("dispatcher-kill", "vm:1:x", 10.0, 1, watch.waiting(10.0), watch.running(10.0))
     (row,) = ha_figures(watch, [fault])
     assert row["new_holder_s"] == 2.5 and row["new_request_dispatched_s"] == 3.0
     assert row["waiting"] == 1 and row["waiting_dispatched_s"] == 4.0
@@ -126,11 +156,17 @@ def test_ha_figures_time_the_new_holder_new_and_waiting_requests_and_count_resen
     assert ha_failures([row]) == ["dispatcher-kill: running requests sent again"]
     # Past the goals (5 s for new requests, 30 s for waiting ones): failed, as is a
     # dispatcher fault after which no new request was dispatched at all.
-    late = row | {"new_request_dispatched_s": 5.5, "waiting_dispatched_s": 30.5,
-                  "running_sent_again": 0}
-    assert ha_failures([late, row | {"new_request_dispatched_s": None,
-                                     "running_sent_again": 0}]) == [
-        "dispatcher-kill: new requests", "dispatcher-kill: waiting requests",
-        "dispatcher-kill: new requests"]
+    late = row | {
+        "new_request_dispatched_s": 5.5,
+        "waiting_dispatched_s": 30.5,
+        "running_sent_again": 0,
+    }
+    assert ha_failures(
+        [late, row | {"new_request_dispatched_s": None, "running_sent_again": 0}]
+    ) == [
+        "dispatcher-kill: new requests",
+        "dispatcher-kill: waiting requests",
+        "dispatcher-kill: new requests",
+    ]
     # A node kill keeps its holder: only what it cost the requests counts.
     assert ha_failures([late | {"kind": "node-kill"}]) == []

@@ -19,9 +19,24 @@ BACKLOG = 500
 
 
 def test_the_quick_variant_counts_every_message_and_shows_head_of_line_blocking(
-        nats_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert intake_layouts.main(["--quick", "--tenants", "10", "--layouts", ",".join(LAYOUTS),
-                                "--backlog", str(BACKLOG), "--out-dir", str(tmp_path)]) == 0
+    nats_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        intake_layouts.main(
+            [
+                "--quick",
+                "--tenants",
+                "10",
+                "--layouts",
+                ",".join(LAYOUTS),
+                "--backlog",
+                str(BACKLOG),
+                "--out-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     summary = json.loads((tmp_path / "quick.json").read_text())
     rows = {row["layout"]: row for row in summary["rows"]}
     assert set(rows) == set(LAYOUTS)

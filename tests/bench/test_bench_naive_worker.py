@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_the_shared_queue_runs_requests_in_arrival_order_within_capacity(
-        nats_url: str) -> None:
+    nats_url: str,
+) -> None:
     nc = await nats.connect(nats_url, connect_timeout=5)
     js = nc.jetstream()
     provisioned = await provision(js, SETTINGS)
@@ -69,14 +70,18 @@ async def test_the_shared_queue_runs_requests_in_arrival_order_within_capacity(
     await nc.subscribe("_INBOX.naive.>", cb=on_event)
     # Queued before any worker pulls, so the order is the stream's alone.
     for tenant, request_id in ORDER:
-        await js.publish(S.request(ENDPOINT, tenant),
-                         b'{"prompt":"hello","max_tokens":8,"input_tokens":50}',
-                         headers={"Nats-Msg-Id": request_id,
-                                  "Fq-Reply": f"_INBOX.naive.{request_id}"})
-    async with SimEngine(EngineParams(), time_scale=0.05) as engine, \
-            WorkerService(nc, engine, endpoint=ENDPOINT, worker_id=WORKER, subjects=S,
-                          results=provisioned.results) as service, \
-            SharedQueueFeeder(nc, service, SLOTS, FeederSettings(max_tokens_cap=4)):
+        await js.publish(
+            S.request(ENDPOINT, tenant),
+            b'{"prompt":"hello","max_tokens":8,"input_tokens":50}',
+            headers={"Nats-Msg-Id": request_id, "Fq-Reply": f"_INBOX.naive.{request_id}"},
+        )
+    async with (
+        SimEngine(EngineParams(), time_scale=0.05) as engine,
+        WorkerService(
+            nc, engine, endpoint=ENDPOINT, worker_id=WORKER, subjects=S, results=provisioned.results
+        ) as service,
+        SharedQueueFeeder(nc, service, SLOTS, FeederSettings(max_tokens_cap=4)),
+    ):
         async with asyncio.timeout(20):
             await all_done.wait()
             while (await js.stream_info(S.requests_stream)).state.messages:
@@ -116,13 +121,31 @@ async def test_main_serves_the_shared_queue_until_sigterm(nats_url: str) -> None
             finals.put_nowait(event)
 
     await nc.subscribe("_INBOX.main.>", cb=on_event)
-    await js.publish(S.request(ENDPOINT, "A"), b'{"prompt":"hello","max_tokens":4}',
-                     headers={"Nats-Msg-Id": "m0", "Fq-Reply": "_INBOX.main.m0"})
+    await js.publish(
+        S.request(ENDPOINT, "A"),
+        b'{"prompt":"hello","max_tokens":4}',
+        headers={"Nats-Msg-Id": "m0", "Fq-Reply": "_INBOX.main.m0"},
+    )
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.naive_worker", "--nats", nats_url,
-        "--endpoint", ENDPOINT, "--worker-id", WORKER, "--config", str(EXAMPLE_CONFIG),
-        "--time-scale", "0.01", "--log-level", "WARNING", cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "bench.naive_worker",
+        "--nats",
+        nats_url,
+        "--endpoint",
+        ENDPOINT,
+        "--worker-id",
+        WORKER,
+        "--config",
+        str(EXAMPLE_CONFIG),
+        "--time-scale",
+        "0.01",
+        "--log-level",
+        "WARNING",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         async with asyncio.timeout(30):
             done = await finals.get()

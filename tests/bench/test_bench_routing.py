@@ -17,7 +17,8 @@ def test_the_affinity_benchmark_reports_both_routings(tmp_path, capsys) -> None:
 
 
 def test_work_spreads_in_proportion_to_each_replicas_capacity_with_or_without_keys(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     """Without keys by least-utilised routing; with keys because the ring gives each
     replica keys in proportion to its size (the run is seeded: no noise between runs)."""
     assert spread.main(["--smoke", "--out-dir", str(tmp_path)]) == 0

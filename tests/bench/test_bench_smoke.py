@@ -20,8 +20,9 @@ pytestmark = pytest.mark.integration
 
 
 async def test_noisy_neighbour_smoke(nats_binary: Path, tmp_path: Path) -> None:
-    summary = await scenario_noisy.run_all(scenario_noisy.QUICK, tmp_path,
-                                           "tests/bench/test_bench_smoke.py")
+    summary = await scenario_noisy.run_all(
+        scenario_noisy.QUICK, tmp_path, "tests/bench/test_bench_smoke.py"
+    )
     print(scenario_noisy.render(summary))
     for name, run in summary["runs"].items():
         sent = sum(row["count"] for row in run["tenants"].values())
@@ -38,8 +39,10 @@ async def test_dispatch_rate_smoke(nats_binary: Path, tmp_path: Path) -> None:
     summary = await scenario_rate.run_all(settings, tmp_path, "tests/bench/test_bench_smoke.py")
     print(scenario_rate.render(summary))
     outcomes = {run["mode"]: run["outcomes"] for run in summary["runs"]}
-    assert outcomes == {"raw": {"published": settings.requests},
-                        "fairq": {"done": settings.requests}}
+    assert outcomes == {
+        "raw": {"published": settings.requests},
+        "fairq": {"done": settings.requests},
+    }
     # About 40% of the raw broker path on 2 shared cores; a throughput collapse (a
     # per-request stall, a serialised round trip) falls far below a tenth of it.
     assert summary["fairq_over_raw"]["median"] >= 0.1
@@ -48,7 +51,9 @@ async def test_dispatch_rate_smoke(nats_binary: Path, tmp_path: Path) -> None:
 async def test_chaos_smoke(nats_binary: Path, tmp_path: Path) -> None:
     """500 requests through `fairq up` while a worker process is killed, one stopped, one
     hung and one slowed: nothing lost, one result each, each fault found and repaired."""
-    summary = await chaos.run_named("smoke", chaos.SMOKE, tmp_path, "tests/bench/test_bench_smoke.py")
+    summary = await chaos.run_named(
+        "smoke", chaos.SMOKE, tmp_path, "tests/bench/test_bench_smoke.py"
+    )
     print(chaos.render(summary))
     figures = summary["figures"]
     assert summary["failed"] == [], summary["failed"]
@@ -59,7 +64,8 @@ async def test_chaos_smoke(nats_binary: Path, tmp_path: Path) -> None:
     assert set(figures["outcomes"]) <= {"done", "internal"}
     faults = {f["kind"]: f for f in figures["faults"]}
     assert figures["outcomes"].get("internal", 0) <= sum(
-        faults[kind]["held"] for kind in ("kill", "stop", "hang"))
+        faults[kind]["held"] for kind in ("kill", "stop", "hang")
+    )
     assert set(faults) == set(chaos.FAULTS)
     for kind in ("kill", "stop", "hang"):
         fault = faults[kind]
@@ -79,14 +85,16 @@ async def test_chaos_ha_smoke(nats_binary: Path, tmp_path: Path) -> None:
     """1,000 requests on a 3-node cluster with two dispatchers while the lease holder is
     killed, paused and stopped and the requests stream's leader node is killed: nothing
     lost or run twice, no result changed, every request done, new requests flowing."""
-    summary = await chaos.run_named("ha-smoke", chaos.HA_SMOKE, tmp_path,
-                                    "tests/bench/test_bench_smoke.py")
+    summary = await chaos.run_named(
+        "ha-smoke", chaos.HA_SMOKE, tmp_path, "tests/bench/test_bench_smoke.py"
+    )
     print(chaos.render(summary))
     figures = summary["figures"]
     assert summary["failed"] == [], summary["failed"]
     settings = chaos.HA_SMOKE
-    assert figures["submitted"] == (settings.requests
-                                    + len(HA_FAULTS) * settings.burst_before_fault)
+    assert figures["submitted"] == (
+        settings.requests + len(HA_FAULTS) * settings.burst_before_fault
+    )
     assert figures["outcomes"] == {"done": figures["submitted"]}, figures["error_messages"]
     assert figures["unreadable_messages"] == 0
     faults = {f["kind"]: f for f in figures["ha_faults"]}
@@ -107,8 +115,9 @@ async def test_chaos_saturated_smoke(nats_binary: Path, tmp_path: Path) -> None:
     """The false-kill run, short: workers full of long prompts and long generations, and
     no worker evicted."""
     settings = replace(chaos.SATURATED, saturate_s=20.0, max_tokens=512)
-    summary = await chaos.run_named("saturated", settings, tmp_path,
-                                    "tests/bench/test_bench_smoke.py")
+    summary = await chaos.run_named(
+        "saturated", settings, tmp_path, "tests/bench/test_bench_smoke.py"
+    )
     print(chaos.render(summary))
     figures = summary["figures"]
     assert summary["failed"] == [], summary["failed"]
@@ -140,13 +149,20 @@ def test_the_trace_path_comes_from_the_flag_else_the_environment(tmp_path: Path)
 
 
 def test_a_missing_trace_names_its_public_source_and_how_to_fetch_it(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.delenv(AZURE_TRACE_ENV, raising=False)
     for main in (sim_azure.main, scenario_trace.main):
         assert main([]) == 2
         message = capsys.readouterr().err
-        for needed in (AZURE_TRACE_ENV, "--trace", "github.com/Azure/AzurePublicDataset",
-                       "AzureLLMInferenceTrace_conv.csv", "Splitwise", "curl -fLo"):
+        for needed in (
+            AZURE_TRACE_ENV,
+            "--trace",
+            "github.com/Azure/AzurePublicDataset",
+            "AzureLLMInferenceTrace_conv.csv",
+            "Splitwise",
+            "curl -fLo",
+        ):
             assert needed in message, (needed, message)
 
 
@@ -163,9 +179,12 @@ def test_the_trace_scenario_replays_the_flood_of_the_azure_trace(azure_trace_pat
 
 
 def test_the_autoscaling_benchmark_runs_on_the_first_minutes_of_the_trace(
-        azure_trace_path: Path, tmp_path: Path, capsys) -> None:
-    assert autoscale.main(["--smoke", "--trace", str(azure_trace_path),
-                           "--out-dir", str(tmp_path)]) == 0
+    azure_trace_path: Path, tmp_path: Path, capsys
+) -> None:
+    assert (
+        autoscale.main(["--smoke", "--trace", str(azure_trace_path), "--out-dir", str(tmp_path)])
+        == 0
+    )
     results = json.loads((tmp_path / "smoke.json").read_text())
     for fleet in ("one endpoint", "eight endpoints"):
         ways = results[fleet]
@@ -173,12 +192,17 @@ def test_the_autoscaling_benchmark_runs_on_the_first_minutes_of_the_trace(
             assert ways[way]["served"] == ways[way]["requests"] > 0, (fleet, way)
             assert 0 < ways[way]["slo_attainment"] <= 1
         # Exactly the replicas each minute needs costs less than holding the peak's.
-        assert 0 < ways["oracle at 100%"]["gpu_seconds"] <= ways["oracle"]["gpu_seconds"] \
+        assert (
+            0
+            < ways["oracle at 100%"]["gpu_seconds"]
+            <= ways["oracle"]["gpu_seconds"]
             <= ways["static for peak"]["gpu_seconds"]
+        )
     # Measured over the hour after the run-up, per endpoint too.
     scaled = results["eight endpoints"]["autoscaled"]
     assert sum(e["requests"] for e in scaled["endpoints"].values()) == scaled["requests"]
     assert sum(e["gpu_seconds"] for e in scaled["endpoints"].values()) == pytest.approx(
-        scaled["gpu_seconds"])
+        scaled["gpu_seconds"]
+    )
     out = capsys.readouterr().out
     assert "| eight endpoints | autoscaled |" in out and "| ep8 | 1.0x | yes |" in out

@@ -43,8 +43,7 @@ def test_the_mix_is_seeded_has_every_kind_and_stays_within_the_load() -> None:
     assert all(0 <= a.offset_s < settings.duration_s for a in arrivals)
     # Idle tenants go quiet well before the warm-up ends.
     kind_of = {t.name: t.kind for t in tenants}
-    assert all(a.offset_s < settings.idle_within_s for a in arrivals
-               if kind_of[a.tenant] == "idle")
+    assert all(a.offset_s < settings.idle_within_s for a in arrivals if kind_of[a.tenant] == "idle")
     # A few hundred requests per second at most, on average.
     assert 50 < len(arrivals) / settings.duration_s < 300
 
@@ -66,20 +65,22 @@ async def test_soak_smoke(nats_binary: Path, tmp_path: Path) -> None:
     """45 s of the mix with 100 tenants: nothing lost, every well-formed request done,
     every garbage one answered invalid_request, samples taken, consumers bounded."""
     plot = tmp_path / "smoke.png"
-    summary = await soak.run_named("smoke", soak.SMOKE, tmp_path, plot,
-                                   "tests/bench/test_bench_soak.py")
+    summary = await soak.run_named(
+        "smoke", soak.SMOKE, tmp_path, plot, "tests/bench/test_bench_soak.py"
+    )
     print(soak.render(summary))
     figures = summary["figures"]
     # A 45-s run says nothing about memory growth: that goal is the full soak's.
     assert set(summary["failed"]) <= {"rss_growth"}, summary["failed"]
     assert figures["lost"] == figures["refused"] == figures["well_formed_not_done"] == 0
     assert figures["garbage"] > 0 and figures["garbage_answered"] == figures["garbage"]
-    assert figures["outcomes"] == {"done": figures["well_formed"],
-                                   "invalid_request": figures["garbage"]}
+    assert figures["outcomes"] == {
+        "done": figures["well_formed"],
+        "invalid_request": figures["garbage"],
+    }
     samples = figures["samples"]
     assert len(samples) >= soak.SMOKE.duration_s / soak.SMOKE.sample_s
-    assert all(s["rss_kb"]["dispatcher"] > 0 and s["rss_kb"]["nats-server"] > 0
-               for s in samples)
+    assert all(s["rss_kb"]["dispatcher"] > 0 and s["rss_kb"]["nats-server"] > 0 for s in samples)
     assert samples[-1]["published"] == figures["requests"]
     # One consumer per shard, nothing per tenant; a parked consumer only for a tenant
     # that sent more than its window at once.

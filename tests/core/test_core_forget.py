@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from broker_config.config import Config, Registry, UnlistedTenants
 from costmodel.units import Capacity, Usage
-from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.endpoint import DEBT_MEMORY_S
+from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.scheduler import Scheduler
 from tests.core_support import make_config, req
 
@@ -31,8 +31,7 @@ def run(policy: str, cost: str, seed: int, *, forget: bool) -> list[list[str]]:
     With `forget`, idle flows are swept after every step, as the dispatcher does now and
     then, before any debt is old enough to be forgiven."""
     rng = random.Random(seed)
-    scheduler = Scheduler(make_config(cost=cost, quantum=50.0, tenants=TENANTS),
-                          policy=policy)
+    scheduler = Scheduler(make_config(cost=cost, quantum=50.0, tenants=TENANTS), policy=policy)
     store = MemoryLimiterStore()
     running: list[tuple[str, str, int]] = []
     admitted: list[tuple[str, str]] = []
@@ -41,9 +40,14 @@ def run(policy: str, cost: str, seed: int, *, forget: bool) -> list[list[str]]:
         now = float(step)
         for _ in range(rng.choice((0, 0, 1, 3))):
             tenant = rng.choice(list(TENANTS))
-            request = req(tenant, next(numbers), arrival=now, input_tokens=rng.randint(1, 80),
-                          max_tokens=rng.randint(1, 120),
-                          deadline=now + rng.randint(1, 30) if rng.random() < 0.2 else None)
+            request = req(
+                tenant,
+                next(numbers),
+                arrival=now,
+                input_tokens=rng.randint(1, 80),
+                max_tokens=rng.randint(1, 120),
+                deadline=now + rng.randint(1, 30) if rng.random() < 0.2 else None,
+            )
             assert scheduler.admit(request, now, store).admitted
             admitted.append((tenant, request.id))
         if admitted and rng.random() < 0.2:
@@ -53,8 +57,10 @@ def run(policy: str, cost: str, seed: int, *, forget: bool) -> list[list[str]]:
             scheduler.requeue(tenant, request_id)
         if running and rng.random() < 0.5:
             scheduler.progress([((t, i), rng.randint(0, m)) for t, i, m in running])
-        for t, i, m in [running.pop(rng.randrange(len(running)))
-                        for _ in range(min(len(running), rng.randint(0, 3)))]:
+        for t, i, m in [
+            running.pop(rng.randrange(len(running)))
+            for _ in range(min(len(running), rng.randint(0, 3)))
+        ]:
             scheduler.complete(t, i, Usage(10, rng.randint(1, m), 0.0), now)
         expired = [f"{r.tenant}/{r.id}" for r in scheduler.expire(now)]
         batch = scheduler.next_batch("ep", ROOM, now, SLOTS)
@@ -113,4 +119,5 @@ def test_an_unlisted_tenants_policy_is_made_per_call_not_kept() -> None:
 
 def with_unlisted(config: Config) -> Config:
     return msgspec.structs.replace(
-        config, unlisted_tenants=UnlistedTenants(policy="admit", tier="gold", weight=1.0))
+        config, unlisted_tenants=UnlistedTenants(policy="admit", tier="gold", weight=1.0)
+    )

@@ -20,9 +20,9 @@ from dispatcher.core.placement import (
     affinity_key,
     fleet_sizes,
 )
+from dispatcher.core.pool import WorkerPool
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Request
-from dispatcher.core.pool import WorkerPool
 from tests.core_support import make_config, req
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -47,6 +47,7 @@ def owner(room: Placement, request: Request) -> str:
 
 # -- the ring ------------------------------------------------------------------------------
 
+
 def test_the_ring_walks_every_member_once_and_does_not_depend_on_their_order() -> None:
     ring = Ring(["a", "b", "c", "d"])
     for key in KEYS[:50]:
@@ -57,10 +58,13 @@ def test_the_ring_walks_every_member_once_and_does_not_depend_on_their_order() -
 
 
 @SETTINGS
-@given(members=st.sets(st.text("abcdefgh", min_size=1, max_size=4), min_size=1, max_size=8),
-       newcomer=st.text("xyz", min_size=1, max_size=3))
+@given(
+    members=st.sets(st.text("abcdefgh", min_size=1, max_size=4), min_size=1, max_size=8),
+    newcomer=st.text("xyz", min_size=1, max_size=3),
+)
 def test_a_worker_joining_takes_keys_only_for_itself_and_leaving_moves_only_its_own(
-        members: set[str], newcomer: str) -> None:
+    members: set[str], newcomer: str
+) -> None:
     before = Ring(members)
     after = Ring(members | {newcomer})
     moved = 0
@@ -93,11 +97,19 @@ def test_keys_spread_in_proportion_to_the_members_weights() -> None:
 
 
 @SETTINGS
-@given(weights=st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4),
-                               st.sampled_from([1.0, 2.0, 4.0]), min_size=1, max_size=6),
-       newcomer=st.text("xyz", min_size=1, max_size=3), scale=st.sampled_from([1.0, 2.0, 8.0]))
+@given(
+    weights=st.dictionaries(
+        st.text("abcdefgh", min_size=1, max_size=4),
+        st.sampled_from([1.0, 2.0, 4.0]),
+        min_size=1,
+        max_size=6,
+    ),
+    newcomer=st.text("xyz", min_size=1, max_size=3),
+    scale=st.sampled_from([1.0, 2.0, 8.0]),
+)
 def test_a_weighted_worker_joining_takes_keys_only_for_itself(
-        weights: dict[str, float], newcomer: str, scale: float) -> None:
+    weights: dict[str, float], newcomer: str, scale: float
+) -> None:
     """As long as it is no smaller than the smallest member (else every other member's
     points are counted afresh)."""
     before = Ring(weights)
@@ -115,6 +127,7 @@ def test_ring_weights_must_be_positive_and_finite() -> None:
 
 # -- affinity keys -------------------------------------------------------------------------
 
+
 def test_the_affinity_key_is_the_session_else_the_first_block_of_the_prompt() -> None:
     long_prompt = "You are a helpful assistant. " * 40
     assert affinity_key("chat-7", "short") == "s:chat-7"
@@ -127,6 +140,7 @@ def test_the_affinity_key_is_the_session_else_the_first_block_of_the_prompt() ->
 
 # -- placement -----------------------------------------------------------------------------
 
+
 def test_a_key_stays_on_its_worker_and_spills_along_the_ring_when_it_is_full() -> None:
     slots = fleet(1, 1, 1)
     ring = Ring(s.worker_id for s in slots)
@@ -134,17 +148,26 @@ def test_a_key_stays_on_its_worker_and_spills_along_the_ring_when_it_is_full() -
     home = owner(room, keyed("k", rid="1"))
     assert all(owner(room, keyed("k", rid=str(i))) == home for i in range(2, 6))
     # Its worker full: the next worker on the ring takes it.
-    room = Placement([Slot(s.worker_id, ROOMY if s.worker_id != home else Capacity(0, 0, 0),
-                           ROOMY) for s in slots], ring, load_bound=10.0)
+    room = Placement(
+        [
+            Slot(s.worker_id, ROOMY if s.worker_id != home else Capacity(0, 0, 0), ROOMY)
+            for s in slots
+        ],
+        ring,
+        load_bound=10.0,
+    )
     assert owner(room, keyed("k")) == list(ring.walk("k"))[1]
 
 
 @SETTINGS
-@given(keys=st.lists(st.sampled_from(KEYS[:6] + [None]), min_size=1, max_size=300),
-       sizes=st.lists(st.sampled_from([1.0, 2.0, 4.0]), min_size=2, max_size=6),
-       bound=st.sampled_from([1.1, 1.25, 2.0]))
+@given(
+    keys=st.lists(st.sampled_from(KEYS[:6] + [None]), min_size=1, max_size=300),
+    sizes=st.lists(st.sampled_from([1.0, 2.0, 4.0]), min_size=2, max_size=6),
+    bound=st.sampled_from([1.1, 1.25, 2.0]),
+)
 def test_no_worker_goes_beyond_the_bound_times_its_share_plus_one_request(
-        keys: list[str | None], sizes: list[float], bound: float) -> None:
+    keys: list[str | None], sizes: list[float], bound: float
+) -> None:
     slots = fleet(*sizes)
     room = Placement(slots, Ring(s.worker_id for s in slots), load_bound=bound)
     total_size = sum(sizes)
@@ -192,11 +215,15 @@ def test_placing_on_a_fleet_keeps_the_fair_order_of_one_worker_of_the_same_room(
                 assert scheduler.admit(req(tenant, i, input_tokens=10 + i), 0.0, store).admitted
         return scheduler
 
-    room = Placement([Slot(f"w{i}", Capacity(4, 10**9, 1e12), Capacity(4, 10**9, 1e12))
-                      for i in range(3)])
+    room = Placement(
+        [Slot(f"w{i}", Capacity(4, 10**9, 1e12), Capacity(4, 10**9, 1e12)) for i in range(3)]
+    )
     spread = backlogged().place("ep", room, 0.0).requests
-    alone = backlogged().next_batch("ep", Capacity(12, 10**9, 1e12), 0.0,
-                                    Capacity(12, 10**9, 1e12)).requests
+    alone = (
+        backlogged()
+        .next_batch("ep", Capacity(12, 10**9, 1e12), 0.0, Capacity(12, 10**9, 1e12))
+        .requests
+    )
     assert [(r.tenant, r.id) for r in spread] == [(r.tenant, r.id) for r in alone]
     assert sorted(len(s.requests) for s in room.slots) == [4, 4, 4]
 

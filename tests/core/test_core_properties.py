@@ -31,10 +31,13 @@ def pick_one(scheduler: Scheduler):
 
 # (a) -------------------------------------------------------------------------------
 
+
 @SETTINGS
-@given(quantum=st.integers(1, 500),
-       sizes_a=st.lists(st.integers(1, 300), min_size=50, max_size=50),
-       sizes_b=st.lists(st.integers(1, 300), min_size=50, max_size=50))
+@given(
+    quantum=st.integers(1, 500),
+    sizes_a=st.lists(st.integers(1, 300), min_size=50, max_size=50),
+    sizes_b=st.lists(st.integers(1, 300), min_size=50, max_size=50),
+)
 def test_equal_weights_service_gap_is_bounded(quantum, sizes_a, sizes_b):
     scheduler = Scheduler(make_config(quantum=quantum))
     # Each tenant repeats its pattern so both stay backlogged for the whole run.
@@ -50,10 +53,13 @@ def test_equal_weights_service_gap_is_bounded(quantum, sizes_a, sizes_b):
 
 # (b) -------------------------------------------------------------------------------
 
+
 @settings(max_examples=30, deadline=None)
-@given(weights=st.lists(st.integers(1, 6), min_size=2, max_size=4),
-       quantum=st.integers(100, 400),
-       sizes=st.lists(st.integers(1, 100), min_size=5, max_size=20))
+@given(
+    weights=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+    quantum=st.integers(100, 400),
+    sizes=st.lists(st.integers(1, 100), min_size=5, max_size=20),
+)
 def test_weighted_shares_match_weights(weights, quantum, sizes):
     tenants = {f"t{i}": ("gold", float(w)) for i, w in enumerate(weights)}
     scheduler = Scheduler(make_config(quantum=quantum, tenants=tenants))
@@ -77,8 +83,11 @@ def test_weighted_shares_match_weights(weights, quantum, sizes):
 
 
 @settings(max_examples=30, deadline=None)
-@given(quantum=st.integers(1, 8), sizes=st.lists(st.integers(1, 300), min_size=5, max_size=20),
-       rounds=st.integers(20, 80))
+@given(
+    quantum=st.integers(1, 8),
+    sizes=st.lists(st.integers(1, 300), min_size=5, max_size=20),
+    rounds=st.integers(20, 80),
+)
 def test_request_mode_shares_requests_by_weight(quantum, sizes, rounds):
     """cost = "request": weights 1:2:4 get requests 1:2:4, whatever their sizes, within
     DRR's bound (one quantum of the tenant plus one request)."""
@@ -104,22 +113,34 @@ def test_request_mode_shares_requests_by_weight(quantum, sizes, rounds):
 
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("admit"), st.sampled_from("abcde"), st.integers(1, 50),
-                  st.integers(1, 50)),
+        st.tuples(
+            st.just("admit"), st.sampled_from("abcde"), st.integers(1, 50), st.integers(1, 50)
+        ),
         st.tuples(st.just("batch"), st.integers(0, 6), st.integers(0, 400)),
         st.tuples(st.just("complete"), st.integers(0, 100)),
         st.tuples(st.just("wait"), st.integers(0, 90)),
     ),
-    min_size=1, max_size=120)
+    min_size=1,
+    max_size=120,
+)
 
 
 @SETTINGS
 @given(ops=operations, reserve=st.sampled_from([0.0, 0.1, 0.25]))
 # c has just left, so the reserve is held; b, held back by it after its first request,
 # falls below its share once a starts.
-@example(ops=[("admit", "c", 1, 1), ("batch", 1, 2), ("complete", 0),
-              ("admit", "b", 1, 1), ("admit", "a", 1, 1), ("admit", "b", 1, 1),
-              ("batch", 3, 6)], reserve=0.1)
+@example(
+    ops=[
+        ("admit", "c", 1, 1),
+        ("batch", 1, 2),
+        ("complete", 0),
+        ("admit", "b", 1, 1),
+        ("admit", "a", 1, 1),
+        ("admit", "b", 1, 1),
+        ("batch", 3, 6),
+    ],
+    reserve=0.1,
+)
 def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
     tenants = {t: ("gold", 1.0 + i % 2) for i, t in enumerate("abcde")}
     scheduler = Scheduler(make_config(tenants=tenants, reserve=reserve))
@@ -130,8 +151,9 @@ def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
     for n, op in enumerate(ops):
         if op[0] == "admit":
             _, tenant, inp, out = op
-            assert scheduler.admit(req(tenant, n, input_tokens=inp, max_tokens=out,
-                                       arrival=now), now, store).admitted
+            assert scheduler.admit(
+                req(tenant, n, input_tokens=inp, max_tokens=out, arrival=now), now, store
+            ).admitted
         elif op[0] == "complete" and running:
             request = running.pop(op[1] % len(running))
             scheduler.complete(request.tenant, request.id, Usage(request.input_tokens, 1, 0.0), now)
@@ -147,13 +169,13 @@ def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
             flows = endpoint.flows.values()
             assert endpoint.present_flows == sum(1 for f in flows if len(f.queue) or f.running)
             assert endpoint.backlogged_flows == sum(1 for f in flows if len(f.queue))
-            reserved = (endpoint.reserve(total) if endpoint.reserve_can_matter(now)
-                        else NO_CAPACITY)
+            reserved = endpoint.reserve(total) if endpoint.reserve_can_matter(now) else NO_CAPACITY
             running += batch.requests
             room = free
             for request in batch.requests:
-                room = room.minus(Capacity(1, request.input_tokens + request.max_tokens,
-                                           request.model_units))
+                room = room.minus(
+                    Capacity(1, request.input_tokens + request.max_tokens, request.model_units)
+                )
             if len(batch.requests) == 1 and room.sequences < 0:
                 continue  # an oversized request sent alone
             assert room.sequences >= 0 and room.tokens >= 0
@@ -164,17 +186,28 @@ def test_capacity_never_idle_while_admissible_work_waits(ops, reserve):
                 need = Capacity(1, head.input_tokens + head.max_tokens, head.model_units)
                 usable = room if endpoint.below_fair_share(flow) else room.minus(reserved)
                 assert not usable.fits(need), (
-                    f"{flow.tenant}'s head {need} fits in the {usable} left idle")
+                    f"{flow.tenant}'s head {need} fits in the {usable} left idle"
+                )
 
 
 # (d) -------------------------------------------------------------------------------
 
+
 @SETTINGS
-@given(arrivals=st.lists(st.tuples(st.sampled_from(["g1", "g2", "s1", "b1"]),
-                                   st.integers(1, 100)), min_size=1, max_size=80))
+@given(
+    arrivals=st.lists(
+        st.tuples(st.sampled_from(["g1", "g2", "s1", "b1"]), st.integers(1, 100)),
+        min_size=1,
+        max_size=80,
+    )
+)
 def test_strict_tier_order(arrivals):
-    tenants = {"g1": ("gold", 1.0), "g2": ("gold", 3.0), "s1": ("silver", 9.0),
-               "b1": ("bronze", 1.0)}
+    tenants = {
+        "g1": ("gold", 1.0),
+        "g2": ("gold", 3.0),
+        "s1": ("silver", 9.0),
+        "b1": ("bronze", 1.0),
+    }
     rank = {"g1": 0, "g2": 0, "s1": 1, "b1": 2}
     scheduler = Scheduler(make_config(tenants=tenants))
     store = MemoryLimiterStore()
@@ -188,16 +221,24 @@ def test_strict_tier_order(arrivals):
 
 # (e) -------------------------------------------------------------------------------
 
+
 @SETTINGS
-@given(items=st.lists(st.tuples(st.integers(-2, 2),
-                                st.one_of(st.none(), st.integers(100, 105)),
-                                st.integers(0, 50)), min_size=1, max_size=60))
+@given(
+    items=st.lists(
+        st.tuples(
+            st.integers(-2, 2), st.one_of(st.none(), st.integers(100, 105)), st.integers(0, 50)
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
 def test_priority_then_deadline_then_arrival(items):
     scheduler = Scheduler(make_config(quantum=1e9))
     store = MemoryLimiterStore()
     for n, (priority, deadline, arrival) in enumerate(items):
-        scheduler.admit(req("a", n, arrival=float(arrival), priority=priority,
-                            deadline=deadline), 0.0, store)
+        scheduler.admit(
+            req("a", n, arrival=float(arrival), priority=priority, deadline=deadline), 0.0, store
+        )
     order = [int(pick_one(scheduler).id) for _ in items]
 
     def key(n):
@@ -209,12 +250,15 @@ def test_priority_then_deadline_then_arrival(items):
 
 # (f) -------------------------------------------------------------------------------
 
+
 @SETTINGS
-@given(per_minute=st.integers(1, 600), burst=st.integers(1, 50),
-       gaps=st.lists(st.floats(0.0, 2.0), min_size=1, max_size=300),
-       window=st.floats(0.5, 120.0))
-def test_gcra_never_admits_more_than_rate_times_window_plus_burst(per_minute, burst, gaps,
-                                                                  window):
+@given(
+    per_minute=st.integers(1, 600),
+    burst=st.integers(1, 50),
+    gaps=st.lists(st.floats(0.0, 2.0), min_size=1, max_size=300),
+    window=st.floats(0.5, 120.0),
+)
+def test_gcra_never_admits_more_than_rate_times_window_plus_burst(per_minute, burst, gaps, window):
     store = MemoryLimiterStore()
     check = RateCheck("k", float(per_minute), float(burst), 1.0)
     now, admitted = 0.0, []
@@ -229,10 +273,8 @@ def test_gcra_never_admits_more_than_rate_times_window_plus_burst(per_minute, bu
 
 
 @SETTINGS
-@given(per_minute=st.integers(1, 600), burst=st.integers(1, 50),
-       window=st.floats(1.0, 120.0))
-def test_gcra_admits_exactly_rate_times_window_plus_burst_under_pressure(per_minute, burst,
-                                                                        window):
+@given(per_minute=st.integers(1, 600), burst=st.integers(1, 50), window=st.floats(1.0, 120.0))
+def test_gcra_admits_exactly_rate_times_window_plus_burst_under_pressure(per_minute, burst, window):
     store = MemoryLimiterStore()
     check = RateCheck("k", float(per_minute), float(burst), 1.0)
     interval = 60.0 / per_minute
@@ -248,6 +290,7 @@ def test_gcra_admits_exactly_rate_times_window_plus_burst_under_pressure(per_min
 
 
 # (g) -------------------------------------------------------------------------------
+
 
 class SkewedEstimator(OutputEstimator):
     """Estimates off by a fixed factor per tenant, and never learns: the worst case."""
@@ -265,16 +308,19 @@ class SkewedEstimator(OutputEstimator):
 
 
 @SETTINGS
-@given(weights=st.lists(st.integers(1, 4), min_size=2, max_size=3),
-       factors=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=3, max_size=3),
-       outputs=st.lists(st.integers(5, 60), min_size=3, max_size=3),
-       lag=st.integers(0, 8))
+@given(
+    weights=st.lists(st.integers(1, 4), min_size=2, max_size=3),
+    factors=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=3, max_size=3),
+    outputs=st.lists(st.integers(5, 60), min_size=3, max_size=3),
+    lag=st.integers(0, 8),
+)
 def test_completion_corrections_keep_actual_shares_fair(weights, factors, outputs, lag):
     tenants = {f"t{i}": ("gold", float(w)) for i, w in enumerate(weights)}
     truth = {t: outputs[i] for i, t in enumerate(tenants)}
     estimator = SkewedEstimator(truth, {t: factors[i] for i, t in enumerate(tenants)})
-    scheduler = Scheduler(make_config(cost="model_units", quantum=50.0, tenants=tenants),
-                          estimator=estimator)
+    scheduler = Scheduler(
+        make_config(cost="model_units", quantum=50.0, tenants=tenants), estimator=estimator
+    )
     profile = scheduler.endpoints["ep"].profile
     for tenant in tenants:
         backlog(scheduler, tenant, [20] * 3000)
@@ -287,8 +333,7 @@ def test_completion_corrections_keep_actual_shares_fair(weights, factors, output
             done = in_flight.pop(0)
             usage = Usage(done.input_tokens, truth[done.tenant], 0.0)
             scheduler.complete(done.tenant, done.id, usage, 0.0)
-            actual[done.tenant] += profile.model_units(usage.input_tokens,
-                                                       usage.output_tokens)
+            actual[done.tenant] += profile.model_units(usage.input_tokens, usage.output_tokens)
     total = sum(actual.values())
     for tenant, (_, weight) in tenants.items():
         expected = weight / sum(weights)

@@ -47,6 +47,7 @@ def admit_all(scheduler, requests, now=0.0):
 
 # -- configuration ---------------------------------------------------------------
 
+
 def test_example_config_has_the_promised_shape():
     config = load_config()
     assert [t.name for t in config.tiers] == ["enterprise", "standard", "free"]
@@ -63,16 +64,29 @@ def test_example_config_has_the_promised_shape():
             assert registry.tenant(tenant).limits_for(endpoint).rpm >= 600
 
 
-@pytest.mark.parametrize("body, field, value", [
-    ('[endpoints.chat]\nquantum = "x"\n[[tiers]]\nname = "a"', "endpoints.chat.quantum", "'x'"),
-    ('[endpoints.chat]\n[[tiers]]\nname = "a"\nweight = -1', "tiers[0].weight", "-1"),
-    ('[endpoints.chat]\n[[tiers]]\nname = "a"\n[tenants.t]\ntier = "zz"', "tenants.t.tier",
-     "'zz'"),
-    ('[endpoints.chat]\ncost = "tokens"\n[[tiers]]\nname = "a"', "endpoints.chat.cost",
-     "'tokens'"),
-    ('[endpoints.chat]\n[[tiers]]\nname = "a"\n[tenants.t]\ntier = "a"\nlimits.chat = '
-     '{ rpm = "f" }', "tenants.t.limits.chat.rpm", "'f'"),
-])
+@pytest.mark.parametrize(
+    "body, field, value",
+    [
+        ('[endpoints.chat]\nquantum = "x"\n[[tiers]]\nname = "a"', "endpoints.chat.quantum", "'x'"),
+        ('[endpoints.chat]\n[[tiers]]\nname = "a"\nweight = -1', "tiers[0].weight", "-1"),
+        (
+            '[endpoints.chat]\n[[tiers]]\nname = "a"\n[tenants.t]\ntier = "zz"',
+            "tenants.t.tier",
+            "'zz'",
+        ),
+        (
+            '[endpoints.chat]\ncost = "tokens"\n[[tiers]]\nname = "a"',
+            "endpoints.chat.cost",
+            "'tokens'",
+        ),
+        (
+            '[endpoints.chat]\n[[tiers]]\nname = "a"\n[tenants.t]\ntier = "a"\nlimits.chat = '
+            '{ rpm = "f" }',
+            "tenants.t.limits.chat.rpm",
+            "'f'",
+        ),
+    ],
+)
 def test_config_errors_name_file_field_and_value(body, field, value):
     with pytest.raises(ConfigError) as info:
         parse_config(body, source="bad.toml")
@@ -94,31 +108,48 @@ def test_service_tables_default_when_absent():
 
 
 def test_broker_dispatcher_and_workers_tables_are_decoded():
-    config = parse_config(MINIMAL + "\n".join([
-        "[broker]", 'prefix = "acme"', "max_queued_per_subject = 50", 'storage = "memory"',
-        "[dispatcher]", "tenant_window = 8", "max_ack_pending = 16", "ack_wait_s = 12.5",
-        "grace_s = 0", "tenant_inboxes = true",
-        "[workers]", "heartbeat_interval_s = 0.2", "drain_timeout_s = 3",
-    ]))
-    assert config.broker == BrokerSettings(prefix="acme", max_queued_per_subject=50,
-                                           storage="memory")
+    config = parse_config(
+        MINIMAL
+        + "\n".join(
+            [
+                "[broker]",
+                'prefix = "acme"',
+                "max_queued_per_subject = 50",
+                'storage = "memory"',
+                "[dispatcher]",
+                "tenant_window = 8",
+                "max_ack_pending = 16",
+                "ack_wait_s = 12.5",
+                "grace_s = 0",
+                "tenant_inboxes = true",
+                "[workers]",
+                "heartbeat_interval_s = 0.2",
+                "drain_timeout_s = 3",
+            ]
+        )
+    )
+    assert config.broker == BrokerSettings(
+        prefix="acme", max_queued_per_subject=50, storage="memory"
+    )
     assert config.subjects.prefix == "acme"
-    assert config.subjects.requests_stream == BrokerSettings(prefix="acme").subjects \
-        .requests_stream
-    assert config.dispatcher == DispatcherOptions(tenant_window=8, max_ack_pending=16,
-                                                  ack_wait_s=12.5, grace_s=0.0,
-                                                  tenant_inboxes=True)
+    assert config.subjects.requests_stream == BrokerSettings(prefix="acme").subjects.requests_stream
+    assert config.dispatcher == DispatcherOptions(
+        tenant_window=8, max_ack_pending=16, ack_wait_s=12.5, grace_s=0.0, tenant_inboxes=True
+    )
     assert config.workers == WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=3.0)
 
 
-@pytest.mark.parametrize("table, field, value", [
-    ("[dispatcher]\ntenant_window = 0", "dispatcher.tenant_window", "0"),
-    ("[dispatcher]\nack_wait_s = -1", "dispatcher.ack_wait_s", "-1"),
-    ("[workers]\nheartbeat_interval_s = 0", "workers.heartbeat_interval_s", "0"),
-    ("[workers]\ndrain_timeout_s = -2", "workers.drain_timeout_s", "-2"),
-    ('[broker]\nprefix = "a.b"', "broker.prefix", "'a.b'"),
-    ('[broker]\nstorage = "disk"', "broker.storage", "'disk'"),
-])
+@pytest.mark.parametrize(
+    "table, field, value",
+    [
+        ("[dispatcher]\ntenant_window = 0", "dispatcher.tenant_window", "0"),
+        ("[dispatcher]\nack_wait_s = -1", "dispatcher.ack_wait_s", "-1"),
+        ("[workers]\nheartbeat_interval_s = 0", "workers.heartbeat_interval_s", "0"),
+        ("[workers]\ndrain_timeout_s = -2", "workers.drain_timeout_s", "-2"),
+        ('[broker]\nprefix = "a.b"', "broker.prefix", "'a.b'"),
+        ('[broker]\nstorage = "disk"', "broker.storage", "'disk'"),
+    ],
+)
 def test_service_table_errors_name_the_field(table, field, value):
     with pytest.raises(ConfigError) as info:
         parse_config(MINIMAL + table, source="bad.toml")
@@ -128,23 +159,29 @@ def test_service_table_errors_name_the_field(table, field, value):
     assert value in message
 
 
-@pytest.mark.parametrize("table, match", [
-    ("[dispatcher]\nfrobnicate = 1", "frobnicate"),
-    ("[workers]\nheartbeat = 1", "heartbeat"),
-    ("[broker]\nprefx = 'x'", "prefx"),
-    ("[dispatcher.fleet.drift]\nlo = 0.5", "lo"),
-    ("[dispatcher.input]\nmax_imgs = 3", "max_imgs"),
-])
+@pytest.mark.parametrize(
+    "table, match",
+    [
+        ("[dispatcher]\nfrobnicate = 1", "frobnicate"),
+        ("[workers]\nheartbeat = 1", "heartbeat"),
+        ("[broker]\nprefx = 'x'", "prefx"),
+        ("[dispatcher.fleet.drift]\nlo = 0.5", "lo"),
+        ("[dispatcher.input]\nmax_imgs = 3", "max_imgs"),
+    ],
+)
 def test_service_tables_refuse_unknown_fields(table, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(MINIMAL + table, source="bad.toml")
 
 
-@pytest.mark.parametrize("table, match", [
-    ("[dispatcher]\ntenant_window = 2000\nmax_ack_pending = 1000", "tenant_window"),
-    ("[broker]\nmax_age_s = 1\nduplicate_window_s = 5", "duplicate_window_s"),
-    ("[dispatcher.fleet.drift]\nlow = 1.5", "dispatcher.fleet.drift.*band"),
-])
+@pytest.mark.parametrize(
+    "table, match",
+    [
+        ("[dispatcher]\ntenant_window = 2000\nmax_ack_pending = 1000", "tenant_window"),
+        ("[broker]\nmax_age_s = 1\nduplicate_window_s = 5", "duplicate_window_s"),
+        ("[dispatcher.fleet.drift]\nlow = 1.5", "dispatcher.fleet.drift.*band"),
+    ],
+)
 def test_cross_field_checks_of_service_tables_are_config_errors(table, match):
     with pytest.raises(ConfigError, match=f"bad.toml: .*{match}"):
         parse_config(MINIMAL + table, source="bad.toml")
@@ -161,14 +198,18 @@ def test_config_file_errors_name_the_file(tmp_path):
 
 # -- admission -----------------------------------------------------------------------
 
+
 def test_admission_outcomes():
     scheduler = Scheduler(make_config(limits="rpm = 60, rpm_burst = 2, max_queued = 3"))
     store = MemoryLimiterStore()
     assert scheduler.admit(req("zz", 1), 0.0, store).outcome is Outcome.UNKNOWN_TENANT
-    assert scheduler.admit(req("a", 1, endpoint="nope"), 0.0, store).outcome \
+    assert (
+        scheduler.admit(req("a", 1, endpoint="nope"), 0.0, store).outcome
         is Outcome.UNKNOWN_ENDPOINT
-    assert scheduler.admit(req("a", 1, deadline=0.0), 1.0, store).outcome \
-        is Outcome.DEADLINE_EXCEEDED
+    )
+    assert (
+        scheduler.admit(req("a", 1, deadline=0.0), 1.0, store).outcome is Outcome.DEADLINE_EXCEEDED
+    )
     assert scheduler.admit(req("a", 1), 0.0, store).admitted
     assert scheduler.admit(req("a", 1), 0.0, store).outcome is Outcome.INVALID  # duplicate
     assert scheduler.admit(req("a", 2), 0.0, store).admitted
@@ -210,7 +251,9 @@ def test_usage_beyond_the_charge_is_charged_on_completion_even_past_the_quota():
 
 
 def test_a_tenant_quota_across_endpoints_holds_on_every_endpoint():
-    scheduler = Scheduler(parse_config("""
+    scheduler = Scheduler(
+        parse_config(
+            """
         [endpoints.ep]
         [endpoints.ep2]
         [[tiers]]
@@ -221,21 +264,31 @@ def test_a_tenant_quota_across_endpoints_holds_on_every_endpoint():
         monthly_quota_tokens = 100
         [tenants.b]
         tier = "gold"
-    """, source="test.toml"))
+    """,
+            source="test.toml",
+        )
+    )
     store = MemoryLimiterStore()
     assert scheduler.admit(req("a", 1, input_tokens=10, max_tokens=50), 0.0, store).admitted
-    assert scheduler.admit(req("a", 2, input_tokens=10, max_tokens=30, endpoint="ep2"),
-                           0.0, store).admitted
-    refused = scheduler.admit(req("a", 3, input_tokens=10, max_tokens=10, endpoint="ep2"),
-                              0.0, store)
+    assert scheduler.admit(
+        req("a", 2, input_tokens=10, max_tokens=30, endpoint="ep2"), 0.0, store
+    ).admitted
+    refused = scheduler.admit(
+        req("a", 3, input_tokens=10, max_tokens=10, endpoint="ep2"), 0.0, store
+    )
     assert refused.outcome is Outcome.QUOTA_EXCEEDED
     assert "100 tokens" in refused.message
     # b has its tier's 1,000 across endpoints.
     assert scheduler.admit(req("b", 1, input_tokens=400, max_tokens=400), 0.0, store).admitted
-    assert scheduler.admit(req("b", 2, input_tokens=100, max_tokens=100, endpoint="ep2"),
-                           0.0, store).admitted
-    assert scheduler.admit(req("b", 3, input_tokens=1, max_tokens=1, endpoint="ep2"),
-                           0.0, store).outcome is Outcome.QUOTA_EXCEEDED
+    assert scheduler.admit(
+        req("b", 2, input_tokens=100, max_tokens=100, endpoint="ep2"), 0.0, store
+    ).admitted
+    assert (
+        scheduler.admit(
+            req("b", 3, input_tokens=1, max_tokens=1, endpoint="ep2"), 0.0, store
+        ).outcome
+        is Outcome.QUOTA_EXCEEDED
+    )
 
 
 def test_month_boundaries_are_utc_calendar_months():
@@ -267,8 +320,9 @@ def test_throttle_rejects_when_the_backlog_misses_the_latency_target():
 
 
 def test_admission_counts_the_wait_and_the_backlog_outside_the_scheduler():
-    scheduler = Scheduler(make_config(cost="model_units", latency_target_s=10.0,
-                                      limits="max_queued = 5"))
+    scheduler = Scheduler(
+        make_config(cost="model_units", latency_target_s=10.0, limits="max_queued = 5")
+    )
     scheduler.set_capacity("ep", 100.0)
     store = MemoryLimiterStore()
     assert scheduler.admit(req("a", 1), 0.0, store).admitted
@@ -292,6 +346,7 @@ def test_admission_counts_the_wait_and_the_backlog_outside_the_scheduler():
 
 
 # -- queues, cancel, expiry, requeue ---------------------------------------------------
+
 
 def test_cancel_and_expire_remove_queued_requests():
     scheduler = Scheduler(make_config())
@@ -370,6 +425,7 @@ def test_a_cancelled_tenant_leaves_the_ring_without_breaking_rotation():
 
 # -- batch assembly ------------------------------------------------------------------
 
+
 def test_a_request_larger_than_a_whole_batch_goes_alone_when_the_worker_is_idle():
     scheduler = Scheduler(make_config(tokens=100, quantum=1000.0))
     total = Capacity(4, 100, 1e12)
@@ -385,8 +441,10 @@ def test_a_request_larger_than_a_whole_batch_goes_alone_when_the_worker_is_idle(
 def test_a_head_that_does_not_fit_is_set_aside_and_keeps_its_turn():
     scheduler = Scheduler(make_config(quantum=1000.0))
     total = Capacity(4, 100, 1e12)
-    admit_all(scheduler, [req("a", 1, input_tokens=60, max_tokens=10),
-                          req("b", 1, input_tokens=5, max_tokens=5)])
+    admit_all(
+        scheduler,
+        [req("a", 1, input_tokens=60, max_tokens=10), req("b", 1, input_tokens=5, max_tokens=5)],
+    )
     batch = scheduler.next_batch("ep", Capacity(4, 50, 1e12), 0.0, total)
     assert [r.tenant for r in batch.requests] == ["b"]
     batch = scheduler.next_batch("ep", total, 0.0, total)
@@ -396,8 +454,10 @@ def test_a_head_that_does_not_fit_is_set_aside_and_keeps_its_turn():
 def test_fifo_baseline_blocks_on_its_head():
     scheduler = Scheduler(make_config(), policy="fifo")
     total = Capacity(4, 100, 1e12)
-    admit_all(scheduler, [req("a", 1, arrival=0.0, input_tokens=60),
-                          req("b", 1, arrival=1.0, input_tokens=5)])
+    admit_all(
+        scheduler,
+        [req("a", 1, arrival=0.0, input_tokens=60), req("b", 1, arrival=1.0, input_tokens=5)],
+    )
     assert scheduler.next_batch("ep", Capacity(4, 50, 1e12), 0.0, total).requests == []
 
 
@@ -453,8 +513,10 @@ def _sparse_tenant_with_debt(picks_while_away: int) -> list[str]:
     tenants = {name: ("gold", 1.0) for name in "abc"}
     scheduler = Scheduler(make_config(cost="model_units", quantum=10.0, tenants=tenants))
     admit_all(scheduler, [req("b", "b1", input_tokens=5, max_tokens=20)])
-    admit_all(scheduler, [req(t, f"{t}{i}", input_tokens=5, max_tokens=1)
-                          for i in range(40) for t in "ac"])
+    admit_all(
+        scheduler,
+        [req(t, f"{t}{i}", input_tokens=5, max_tokens=1) for i in range(40) for t in "ac"],
+    )
     (first,) = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests
     assert first.tenant == "b"
     scheduler.progress([(("b", "b1"), 20)])  # beta 2: 40 MU of debt

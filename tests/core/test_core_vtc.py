@@ -28,8 +28,11 @@ def admit(scheduler: Scheduler, *requests) -> None:
 
 def picks(scheduler: Scheduler, count: int) -> list[str]:
     """The next `count` dispatches, one at a time: tenant and request id."""
-    return [f"{r.tenant}{r.id}" for _ in range(count)
-            for r in scheduler.next_batch("ep", ONE_SLOT, 0.0, TOTAL).requests]
+    return [
+        f"{r.tenant}{r.id}"
+        for _ in range(count)
+        for r in scheduler.next_batch("ep", ONE_SLOT, 0.0, TOTAL).requests
+    ]
 
 
 def counters(scheduler: Scheduler) -> dict[str, float]:
@@ -39,8 +42,11 @@ def counters(scheduler: Scheduler) -> dict[str, float]:
 
 def test_the_smallest_counter_goes_next_charged_prompt_then_output():
     scheduler = vtc(a=1.0, b=1.0)
-    admit(scheduler, *(req("a", i, input_tokens=100) for i in range(3)),
-          *(req("b", i, input_tokens=30) for i in range(3)))
+    admit(
+        scheduler,
+        *(req("a", i, input_tokens=100) for i in range(3)),
+        *(req("b", i, input_tokens=30) for i in range(3)),
+    )
     # a:0 b:0 -> a (first backlogged) -> a:100; b:0 -> b:30 -> b:60 -> b:90 -> a ...
     assert picks(scheduler, 5) == ["a0", "b0", "b1", "b2", "a1"]
     assert counters(scheduler) == {"a": 200.0, "b": 90.0}
@@ -51,8 +57,12 @@ def test_the_smallest_counter_goes_next_charged_prompt_then_output():
 
 def test_output_is_charged_as_it_is_generated_and_the_rest_on_completion():
     scheduler = vtc(a=1.0, b=1.0)
-    admit(scheduler, req("a", 0, input_tokens=10), req("a", 1, input_tokens=10),
-          req("b", 0, input_tokens=25))
+    admit(
+        scheduler,
+        req("a", 0, input_tokens=10),
+        req("a", 1, input_tokens=10),
+        req("b", 0, input_tokens=25),
+    )
     picks(scheduler, 1)  # a0: a 10
     scheduler.progress([(("a", "0"), 2)])  # two tokens so far: a 14
     scheduler.progress([(("a", "0"), 5), (("a", "0"), 4)])  # five (a stale 4 after): a 20
@@ -67,8 +77,11 @@ def test_output_is_charged_as_it_is_generated_and_the_rest_on_completion():
 
 def test_a_tenant_that_becomes_backlogged_is_lifted_to_the_smallest_counter():
     scheduler = vtc(a=1.0, b=1.0, c=1.0)
-    admit(scheduler, *(req("a", i, input_tokens=100) for i in range(4)),
-          *(req("b", i, input_tokens=100) for i in range(4)))
+    admit(
+        scheduler,
+        *(req("a", i, input_tokens=100) for i in range(4)),
+        *(req("b", i, input_tokens=100) for i in range(4)),
+    )
     picks(scheduler, 3)  # a0, b0, a1: a 200, b 100
     admit(scheduler, req("c", 0, input_tokens=100), req("c", 1, input_tokens=100))
     # c had no counter: it starts at b's 100, the smallest backlogged, not at 0, so its
@@ -90,8 +103,11 @@ def test_with_no_one_backlogged_a_newcomer_starts_at_the_last_counter_that_left(
 
 def test_weights_divide_the_charge():
     scheduler = vtc(a=2.0, b=1.0)
-    admit(scheduler, *(req("a", i, input_tokens=100) for i in range(6)),
-          *(req("b", i, input_tokens=100) for i in range(6)))
+    admit(
+        scheduler,
+        *(req("a", i, input_tokens=100) for i in range(6)),
+        *(req("b", i, input_tokens=100) for i in range(6)),
+    )
     order = picks(scheduler, 9)
     # a is charged 50 per request, b 100: a gets two for each of b's.
     assert sum(p.startswith("a") for p in order) == 6
@@ -100,8 +116,11 @@ def test_weights_divide_the_charge():
 
 def test_a_head_that_does_not_fit_is_skipped_not_waited_for():
     scheduler = vtc(a=1.0, b=1.0)
-    admit(scheduler, req("a", 0, input_tokens=60, max_tokens=10),
-          req("b", 0, input_tokens=5, max_tokens=5))
+    admit(
+        scheduler,
+        req("a", 0, input_tokens=60, max_tokens=10),
+        req("b", 0, input_tokens=5, max_tokens=5),
+    )
     batch = scheduler.next_batch("ep", Capacity(4, 50, 1e12), 0.0, Capacity(4, 100, 1e12))
     assert [r.tenant for r in batch.requests] == ["b"]  # work conserving, unlike FIFO
 

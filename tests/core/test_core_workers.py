@@ -8,16 +8,17 @@ from collections.abc import Collection
 import pytest
 
 from costmodel.units import NO_CAPACITY, Capacity
-from dispatcher.core.types import Request
 from dispatcher.core.pool import FORGET_AFTER_TIMEOUTS, Key, Lost, WorkerPool
+from dispatcher.core.types import Request
 from tests.core_support import req
 
 CAP = Capacity(4, 1000, 10.0)
 TIMEOUT_S = 5.0
 
 
-def request(rid: str, *, units: float = 1.0, input_tokens: int = 10,
-            max_tokens: int = 10, tenant: str = "a") -> Request:
+def request(
+    rid: str, *, units: float = 1.0, input_tokens: int = 10, max_tokens: int = 10, tenant: str = "a"
+) -> Request:
     r = req(tenant, rid, input_tokens=input_tokens, max_tokens=max_tokens)
     r.model_units = units  # the scheduler's estimate, set on admission
     return r
@@ -27,11 +28,18 @@ def key(r: Request) -> Key:
     return (r.tenant, r.id)
 
 
-def beat(pool: WorkerPool, worker_id: str, now: float, in_flight: Collection[Key] = (),
-         *, started_at: float = 1.0, healthy: bool = True, capacity: Capacity = CAP,
-         endpoint: str = "ep") -> Lost:
-    return pool.heartbeat(worker_id, endpoint, started_at, capacity, set(in_flight),
-                          healthy, now)
+def beat(
+    pool: WorkerPool,
+    worker_id: str,
+    now: float,
+    in_flight: Collection[Key] = (),
+    *,
+    started_at: float = 1.0,
+    healthy: bool = True,
+    capacity: Capacity = CAP,
+    endpoint: str = "ep",
+) -> Lost:
+    return pool.heartbeat(worker_id, endpoint, started_at, capacity, set(in_flight), healthy, now)
 
 
 def new_pool(*worker_ids: str) -> WorkerPool:
@@ -153,8 +161,9 @@ def test_the_final_drained_heartbeat_gives_back_everything() -> None:
 
 
 @pytest.mark.parametrize(("healthy", "capacity"), [(False, CAP), (True, NO_CAPACITY)])
-def test_a_heartbeat_short_of_the_drained_one_keeps_the_work(healthy: bool,
-                                                             capacity: Capacity) -> None:
+def test_a_heartbeat_short_of_the_drained_one_keeps_the_work(
+    healthy: bool, capacity: Capacity
+) -> None:
     pool = new_pool("w")
     pool.assign(pool.get("w"), request("1"), 0.9)
     assert not beat(pool, "w", 1.0, healthy=healthy, capacity=capacity)
@@ -199,8 +208,11 @@ def test_a_healthy_worker_that_keeps_beating_is_never_silent() -> None:
 
 
 def test_pool_settings_are_checked() -> None:
-    for settings in ({"timeout_s": 0.0}, {"timeout_s": 1.0, "heartbeat_lag_s": -1.0},
-                     {"timeout_s": 1.0, "missing_beats": 0}):
+    for settings in (
+        {"timeout_s": 0.0},
+        {"timeout_s": 1.0, "heartbeat_lag_s": -1.0},
+        {"timeout_s": 1.0, "missing_beats": 0},
+    ):
         with pytest.raises(ValueError):
             WorkerPool(**settings)
 

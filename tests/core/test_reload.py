@@ -62,20 +62,27 @@ def assert_counts_consistent(scheduler: Scheduler) -> None:
 
 def mixed():
     """a's requests: priorities, a deadline, arrivals."""
-    return [req("a", 1, arrival=0.0), req("a", 2, arrival=1.0, priority=5),
-            req("a", 3, arrival=2.0, deadline=50.0), req("a", 4, arrival=3.0, priority=5),
-            req("a", 5, arrival=4.0)]
+    return [
+        req("a", 1, arrival=0.0),
+        req("a", 2, arrival=1.0, priority=5),
+        req("a", 3, arrival=2.0, deadline=50.0),
+        req("a", 4, arrival=3.0, priority=5),
+        req("a", 5, arrival=4.0),
+    ]
 
 
 def test_a_tenant_moved_up_a_tier_keeps_its_order_and_runs_ahead_of_its_old_tier():
     tenants = {"a": ("bronze", 1.0), "b": ("bronze", 1.0), "c": ("silver", 1.0)}
     config = make_config(cost="request", quantum=1.0, tenants=tenants)
-    moved = make_config(cost="request", quantum=1.0,
-                        tenants={**tenants, "a": ("gold", 1.0)})
+    moved = make_config(cost="request", quantum=1.0, tenants={**tenants, "a": ("gold", 1.0)})
     reference, scheduler = Scheduler(config), Scheduler(config)
     for each in (reference, scheduler):
-        admit(each, [req("b", n, arrival=n) for n in range(5)]
-              + [req("c", n, arrival=n) for n in range(5)] + mixed())
+        admit(
+            each,
+            [req("b", n, arrival=n) for n in range(5)]
+            + [req("c", n, arrival=n) for n in range(5)]
+            + mixed(),
+        )
         assert dispatch_one(each, complete=False) == "c/0"  # runs across the reload
     # Before: a (bronze) comes after silver's c. After: first, in its own order.
     a_before = [n for n in drain(reference) if n.startswith("a/")]
@@ -95,8 +102,9 @@ def test_a_request_running_across_a_tier_move_is_accounted_in_its_new_tier():
     scheduler = Scheduler(config)
     admit(scheduler, [req("a", 1), req("a", 2)])
     assert dispatch_one(scheduler, complete=False) == "a/1"
-    scheduler.reconfigure(make_config(cost="request", quantum=1.0,
-                                      tenants={**tenants, "a": ("silver", 3.0)}), 1.0)
+    scheduler.reconfigure(
+        make_config(cost="request", quantum=1.0, tenants={**tenants, "a": ("silver", 3.0)}), 1.0
+    )
     endpoint = scheduler.endpoints["ep"]
     assert endpoint.present_weight_by_rank == [0.0, 3.0, 0.0]
     assert dispatch_one(scheduler, 1.0, complete=False) == "a/2"
@@ -119,8 +127,10 @@ def test_a_new_weight_changes_the_served_shares_from_the_next_rounds():
     scheduler = Scheduler(config)
     admit(scheduler, [req(t, n, arrival=n) for n in range(1000) for t in "ab"])
     assert served_shares(scheduler, 200, 0.0) == {"a": 100, "b": 100}
-    scheduler.reconfigure(make_config(cost="request", quantum=1.0,
-                                      tenants={"a": ("gold", 3.0), "b": ("gold", 1.0)}), 1.0)
+    scheduler.reconfigure(
+        make_config(cost="request", quantum=1.0, tenants={"a": ("gold", 3.0), "b": ("gold", 1.0)}),
+        1.0,
+    )
     after = served_shares(scheduler, 400, 1.0)
     assert after["a"] == pytest.approx(300, abs=3) and after["b"] == pytest.approx(100, abs=3)
     assert_counts_consistent(scheduler)
@@ -132,8 +142,11 @@ def test_new_limits_hold_from_the_next_admission():
     for n in range(3):
         assert scheduler.admit(req("a", n), 0.0, store).admitted
     limited = msgspec.structs.replace(
-        config, tenants={"a": msgspec.structs.replace(
-            config.tenants["a"], limits={"ep": Limits(max_queued=3)})})
+        config,
+        tenants={
+            "a": msgspec.structs.replace(config.tenants["a"], limits={"ep": Limits(max_queued=3)})
+        },
+    )
     scheduler.reconfigure(limited, 0.0)
     assert scheduler.admit(req("a", 9), 0.0, store).outcome is Outcome.QUEUE_FULL
 
@@ -141,14 +154,14 @@ def test_new_limits_hold_from_the_next_admission():
 def test_a_removed_tenants_queued_requests_come_back_in_order_its_running_one_ends():
     tenants = {"a": ("gold", 1.0), "b": ("silver", 1.0)}
     scheduler = Scheduler(make_config(tenants=tenants))
-    admit(scheduler, [req("a", n, arrival=n, priority=n % 2) for n in range(5)]
-          + [req("b", 1)])
+    admit(scheduler, [req("a", n, arrival=n, priority=n % 2) for n in range(5)] + [req("b", 1)])
     assert dispatch_one(scheduler, complete=False) == "a/1"
     removed = scheduler.reconfigure(make_config(tenants={"b": ("silver", 1.0)}), 1.0)
     assert [r.id for r in removed] == ["3", "0", "2", "4"]
     assert scheduler.flow("ep", "a") is None
-    assert scheduler.check(req("a", 9), 1.0) == Decision(Outcome.UNKNOWN_TENANT,
-                                                          "unknown tenant 'a'")
+    assert scheduler.check(req("a", 9), 1.0) == Decision(
+        Outcome.UNKNOWN_TENANT, "unknown tenant 'a'"
+    )
     assert_counts_consistent(scheduler)
     # Its running request ends normally; b is served.
     assert scheduler.complete("a", "1", USED, 2.0) is not None
@@ -191,8 +204,7 @@ def test_unlisted_tenants_turned_away_by_a_reload_are_removed():
     scheduler = Scheduler(parse_config(text))
     admit(scheduler, [req("someone", 1), req("a", 1)])
     new = parse_config(make_config_text(unlisted="reject"))
-    assert tenant_changes(scheduler.registry, type(scheduler.registry)(new)).changed \
-        == [UNLISTED]
+    assert tenant_changes(scheduler.registry, type(scheduler.registry)(new)).changed == [UNLISTED]
     assert [r.tenant for r in scheduler.reconfigure(new, 1.0)] == ["someone"]
     assert drain(scheduler, 1.0) == ["a/1"]
 
@@ -219,8 +231,12 @@ def test_tiers_added_and_reordered_keep_each_tiers_ring():
     admit(scheduler, [req("a", 1), req("a", 2), req("b", 1)])
     gold_ring = scheduler.endpoints["ep"].selector.rings[0]
     # silver above gold now, and a new top tier with a new tenant.
-    new = make_config(cost="request", quantum=1.0, tiers=("platinum", "silver", "gold"),
-                      tenants={**tenants, "p": ("platinum", 1.0)})
+    new = make_config(
+        cost="request",
+        quantum=1.0,
+        tiers=("platinum", "silver", "gold"),
+        tenants={**tenants, "p": ("platinum", 1.0)},
+    )
     assert scheduler.reconfigure(new, 1.0) == []
     assert scheduler.endpoints["ep"].selector.rings[2] is gold_ring
     admit(scheduler, [req("p", 1)], 1.0)
@@ -235,8 +251,9 @@ def test_a_reload_outside_tenants_and_tiers_is_refused_whole():
     admit(scheduler, [req("a", 1), req("b", 1)])
     registry = scheduler.registry
     changed = make_config(tenants={"a": ("bronze", 5.0)}, quantum=7.0)
-    changed = msgspec.structs.replace(changed, broker=msgspec.structs.replace(
-        changed.broker, prefix="other"))
+    changed = msgspec.structs.replace(
+        changed, broker=msgspec.structs.replace(changed.broker, prefix="other")
+    )
     with pytest.raises(ReloadError, match=r"section\(s\) endpoints, broker changed"):
         scheduler.reconfigure(changed, 1.0)
     assert scheduler.config is config and scheduler.registry is registry
@@ -260,15 +277,21 @@ def test_tenant_changes_name_added_removed_and_changed_tenants():
 # -- property: any sequence of reloads loses, repeats and reorders nothing ------------------
 
 TIERS = ("gold", "silver", "bronze")
-tenant_sets = st.dictionaries(st.sampled_from("abcd"),
-                              st.tuples(st.sampled_from(TIERS),
-                                        st.sampled_from((0.5, 1.0, 3.0))), min_size=1)
-steps = st.lists(st.one_of(
-    st.tuples(st.just("submit"), st.sampled_from("abcd"), st.integers(0, 3)),
-    st.tuples(st.just("dispatch"), st.booleans()),
-    st.tuples(st.just("complete"), st.integers(0, 10)),
-    st.tuples(st.just("lose"), st.integers(0, 10)),
-    st.tuples(st.just("reload"), tenant_sets)), max_size=60)
+tenant_sets = st.dictionaries(
+    st.sampled_from("abcd"),
+    st.tuples(st.sampled_from(TIERS), st.sampled_from((0.5, 1.0, 3.0))),
+    min_size=1,
+)
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.sampled_from("abcd"), st.integers(0, 3)),
+        st.tuples(st.just("dispatch"), st.booleans()),
+        st.tuples(st.just("complete"), st.integers(0, 10)),
+        st.tuples(st.just("lose"), st.integers(0, 10)),
+        st.tuples(st.just("reload"), tenant_sets),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -308,18 +331,21 @@ def test_reloads_lose_repeat_and_reorder_nothing(first, steps):
                     scheduler.removed.clear()
                 else:
                     queued_order[request.tenant].append(
-                        (-request.priority, request.arrival, request.id))
+                        (-request.priority, request.arrival, request.id)
+                    )
         elif step[0] == "reload":
             for request in scheduler.reconfigure(
-                    make_config(cost="request", quantum=1.0, tenants=step[1]), now):
+                make_config(cost="request", quantum=1.0, tenants=step[1]), now
+            ):
                 ended.append(request.id)
                 queued_order[request.tenant].remove(
-                    (-request.priority, request.arrival, request.id))
+                    (-request.priority, request.arrival, request.id)
+                )
         assert_counts_consistent(scheduler)
     for request in running:
         assert scheduler.complete(request.tenant, request.id, USED, now) is not None
         ended.append(request.id)
-    while (batch := scheduler.next_batch("ep", Capacity(4, 10**9, 1e12), now).requests):
+    while batch := scheduler.next_batch("ep", Capacity(4, 10**9, 1e12), now).requests:
         for request in batch:
             best = min(queued_order[request.tenant])
             assert best[2] == request.id

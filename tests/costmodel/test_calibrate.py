@@ -63,14 +63,32 @@ async def test_calibration_recovers_the_simulated_engines_parameters() -> None:
     assert result.profile == fit.to_profile("sim-7b", run.mu_per_s)
 
 
-def test_the_command_writes_a_loadable_profile(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_writes_a_loadable_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "profiles" / "sim.toml"
     # At time scale 0.5 the engine runs twice as fast; the profile must still be unscaled.
-    code = cli.main(["calibrate", "--engine", "sim", "--engine-config", str(ENGINE_TOML),
-                     "--inputs", "256,1024,4096", "--outputs", "4,8,16", "--time-scale", "0.5",
-                     "--capacity-mu-per-s", "12.5", "--name", "llama-7b-sim",
-                     "--out", str(out)])
+    code = cli.main(
+        [
+            "calibrate",
+            "--engine",
+            "sim",
+            "--engine-config",
+            str(ENGINE_TOML),
+            "--inputs",
+            "256,1024,4096",
+            "--outputs",
+            "4,8,16",
+            "--time-scale",
+            "0.5",
+            "--capacity-mu-per-s",
+            "12.5",
+            "--name",
+            "llama-7b-sim",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     profile = load_profile(out)
@@ -80,20 +98,23 @@ def test_the_command_writes_a_loadable_profile(tmp_path: Path,
     assert "R^2" in printed and f"wrote {out}" in printed
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--repeats", "0"], "repeats must be an integer >= 1"),
-    (["--inputs", "0,64"], "input_lengths must be integers >= 1"),
-    (["--time-scale", "0"], "time scale must be finite and > 0"),
-    (["--capacity-mu-per-s", "-1"], "capacity_mu_per_s must be finite and > 0"),
-    (["--capacity-shape", "64"], "--capacity-shape takes IN,OUT or IN,OUT,IMAGES"),
-    (["--model", "m"], "--model is for --engine vllm"),
-    (["--engine-config", "/nonexistent/engine.toml"], "cannot read"),
-    (["--engine", "vllm"], "needs --model DIR"),
-    (["--engine", "vllm", "--model", "m", "--time-scale", "0.5"], "--time-scale is for"),
-    (["--engine", "vllm", "--model", "m", "--images", "0,1"], "runs text requests only"),
-    # Found by the fit, after the engine ran: one grid point cannot separate coefficients.
-    (["--inputs", "64", "--outputs", "1"], "at least 3 samples"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--repeats", "0"], "repeats must be an integer >= 1"),
+        (["--inputs", "0,64"], "input_lengths must be integers >= 1"),
+        (["--time-scale", "0"], "time scale must be finite and > 0"),
+        (["--capacity-mu-per-s", "-1"], "capacity_mu_per_s must be finite and > 0"),
+        (["--capacity-shape", "64"], "--capacity-shape takes IN,OUT or IN,OUT,IMAGES"),
+        (["--model", "m"], "--model is for --engine vllm"),
+        (["--engine-config", "/nonexistent/engine.toml"], "cannot read"),
+        (["--engine", "vllm"], "needs --model DIR"),
+        (["--engine", "vllm", "--model", "m", "--time-scale", "0.5"], "--time-scale is for"),
+        (["--engine", "vllm", "--model", "m", "--images", "0,1"], "runs text requests only"),
+        # Found by the fit, after the engine ran: one grid point cannot separate coefficients.
+        (["--inputs", "64", "--outputs", "1"], "at least 3 samples"),
+    ],
+)
 def test_unusable_input_exits_2_without_writing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
@@ -148,11 +169,14 @@ def test_synthetic_prompts_have_exactly_the_asked_for_tokens(engine: Any) -> Non
     assert len(openings) == 20
 
 
-@pytest.mark.parametrize("engine, possible, impossible",
-                         [(EvenTokenizer(), 8, 7), (CappedTokenizer(), 5, 6)],
-                         ids=["skips-odd-counts", "stops-growing"])
-def test_a_count_the_tokenizer_cannot_hit_is_an_error(engine: Any, possible: int,
-                                                      impossible: int) -> None:
+@pytest.mark.parametrize(
+    "engine, possible, impossible",
+    [(EvenTokenizer(), 8, 7), (CappedTokenizer(), 5, 6)],
+    ids=["skips-odd-counts", "stops-growing"],
+)
+def test_a_count_the_tokenizer_cannot_hit_is_an_error(
+    engine: Any, possible: int, impossible: int
+) -> None:
     assert count(engine, synthetic_prompt(engine, possible)) == possible
     with pytest.raises(ValueError, match=f"exactly {impossible} input tokens"):
         synthetic_prompt(engine, impossible)
@@ -168,8 +192,10 @@ class StopsEarly(SimEngine):
 async def test_an_engine_that_cuts_outputs_short_fails_the_calibration() -> None:
     plan = Plan(inputs=(64, 128, 256), outputs=(2, 3, 4), capacity_mu_per_s=1.0)
     async with StopsEarly(PARAMS, time_scale=0) as engine:
-        with pytest.raises(CalibrationError, match="asked for 64 input and 2 output tokens, "
-                                                   "the engine ran 64 and 1"):
+        with pytest.raises(
+            CalibrationError,
+            match="asked for 64 input and 2 output tokens, the engine ran 64 and 1",
+        ):
             await calibrate(engine, plan, "x")
 
 
@@ -193,8 +219,21 @@ def test_the_command_calibrates_the_tiny_model_on_vllm(
     config = tmp_path / "engine.toml"
     config.write_text("max_num_seqs = 4\nmax_model_len = 2048\nkv_cache_bytes = 67108864\n")
     out = tmp_path / "tiny.toml"
-    code = cli.main(["calibrate", "--engine", "vllm", "--model", str(model),
-                     "--engine-config", str(config), "--outputs", "8,32,64", "--out", str(out)])
+    code = cli.main(
+        [
+            "calibrate",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--engine-config",
+            str(config),
+            "--outputs",
+            "8,32,64",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     profile = load_profile(out)
@@ -202,6 +241,9 @@ def test_the_command_calibrates_the_tiny_model_on_vllm(
     # Decoding a token costs a whole engine step; prefilling one is a share of a step.
     assert 0 < profile.alpha < profile.beta
     with capsys.disabled():
-        report = [line for line in printed.splitlines()
-                  if line.startswith(("alpha", "beta", "R^2", "capacity"))]
+        report = [
+            line
+            for line in printed.splitlines()
+            if line.startswith(("alpha", "beta", "R^2", "capacity"))
+        ]
         print("\nfairq calibrate on the tiny model:", *report, sep="\n  ")

@@ -85,8 +85,9 @@ def test_estimate_rejects_non_positive_max_tokens() -> None:
         OutputEstimator().estimate("k", 0)
 
 
-@pytest.mark.parametrize("kwargs", [{"smoothing": 0.0}, {"prior": 1.5}, {"prior": -0.1},
-                                    {"max_keys": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"smoothing": 0.0}, {"prior": 1.5}, {"prior": -0.1}, {"max_keys": 0}]
+)
 def test_estimator_rejects_bad_settings(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         OutputEstimator(**kwargs)  # type: ignore[arg-type]
@@ -105,8 +106,7 @@ def test_estimator_evicts_least_recently_used_key() -> None:
 
 
 @given(
-    observations=st.lists(st.tuples(st.integers(-10, 10_000), st.integers(-5, 5_000)),
-                          max_size=30),
+    observations=st.lists(st.tuples(st.integers(-10, 10_000), st.integers(-5, 5_000)), max_size=30),
     max_tokens=st.integers(1, 100_000),
     smoothing=st.floats(0.01, 1.0),
     prior=st.floats(0.0, 1.0),
@@ -126,8 +126,7 @@ def test_estimate_always_within_one_and_max_tokens(
 ALPHA, BETA, GAMMA = 1 / 8000, 0.025, 0.05
 
 
-def _samples(points: list[tuple[int, int, int]], noise: float = 0.0,
-             seed: int = 0) -> list[Sample]:
+def _samples(points: list[tuple[int, int, int]], noise: float = 0.0, seed: int = 0) -> list[Sample]:
     rng = np.random.default_rng(seed)
     samples = []
     for inp, out, img in points:
@@ -166,8 +165,10 @@ def test_fit_without_images_gives_zero_gamma() -> None:
 
 def test_fit_never_returns_negative_coefficients() -> None:
     # Timings that fall with output length: least squares would give beta < 0.
-    samples = [Sample(i, o, 0, max(0.01 * i - 0.001 * o, 0.0))
-               for i, o, _ in grid([100, 200, 400], [1, 10, 100])]
+    samples = [
+        Sample(i, o, 0, max(0.01 * i - 0.001 * o, 0.0))
+        for i, o, _ in grid([100, 200, 400], [1, 10, 100])
+    ]
     fit = fit_profile(samples)
     assert fit.beta == 0.0
     assert fit.alpha > 0.0
@@ -176,8 +177,9 @@ def test_fit_never_returns_negative_coefficients() -> None:
 
 @given(alpha=st.floats(0.0, 1e-2), beta=st.floats(0.0, 0.1), gamma=st.floats(0.0, 1.0))
 @settings(max_examples=50)
-def test_fit_recovers_any_non_negative_coefficients(alpha: float, beta: float,
-                                                    gamma: float) -> None:
+def test_fit_recovers_any_non_negative_coefficients(
+    alpha: float, beta: float, gamma: float
+) -> None:
     samples = [Sample(i, o, g, alpha * i + beta * o + gamma * g) for i, o, g in POINTS]
     fit = fit_profile(samples)
     scale = alpha * 4096 + beta * 256 + gamma * 4  # the largest sample's time
@@ -216,8 +218,9 @@ def test_sample_rejects_bad_values(field: str, value: float) -> None:
 
 def test_fit_to_profile() -> None:
     profile = Fit(alpha=0.001, beta=0.02, gamma=0.3, r2=0.99, n=10).to_profile("m", 25.0)
-    assert profile == ModelProfile(name="m", alpha=0.001, beta=0.02, gamma=0.3,
-                                   capacity_mu_per_s=25.0)
+    assert profile == ModelProfile(
+        name="m", alpha=0.001, beta=0.02, gamma=0.3, capacity_mu_per_s=25.0
+    )
 
 
 def test_grid_is_the_full_product_in_order() -> None:
@@ -226,16 +229,18 @@ def test_grid_is_the_full_product_in_order() -> None:
     assert all(type(v) is int for v in grid(np.array([4]), [5])[0])
 
 
-@pytest.mark.parametrize(("inputs", "outputs", "images", "match"), [
-    ([], [1], (0,), "input_lengths must not be empty"),
-    ([0], [1], (0,), "input_lengths"),
-    ([1], [0], (0,), "output_lengths"),
-    ([1], [1.5], (0,), "output_lengths"),
-    ([1], [1], (-1,), "images"),
-    ([True], [1], (0,), "input_lengths"),
-])
-def test_grid_rejects_bad_lengths(inputs: list, outputs: list, images: tuple,
-                                  match: str) -> None:
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "images", "match"),
+    [
+        ([], [1], (0,), "input_lengths must not be empty"),
+        ([0], [1], (0,), "input_lengths"),
+        ([1], [0], (0,), "output_lengths"),
+        ([1], [1.5], (0,), "output_lengths"),
+        ([1], [1], (-1,), "images"),
+        ([True], [1], (0,), "input_lengths"),
+    ],
+)
+def test_grid_rejects_bad_lengths(inputs: list, outputs: list, images: tuple, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         grid(inputs, outputs, images)
 
@@ -243,9 +248,15 @@ def test_grid_rejects_bad_lengths(inputs: list, outputs: list, images: tuple,
 # -- autoscaling -----------------------------------------------------------------------
 
 # 10 model units per second per replica, at most 80% of it; demand smoothed over 10 s.
-POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, target_utilisation=0.8,
-                       scale_down_after_s=60.0, cold_start_s=0.0, rate_window_s=10.0,
-                       drain_s=10.0)
+POLICY = ScalingPolicy(
+    min_replicas=1,
+    max_replicas=10,
+    target_utilisation=0.8,
+    scale_down_after_s=60.0,
+    cold_start_s=0.0,
+    rate_window_s=10.0,
+    drain_s=10.0,
+)
 
 
 def steady(scaler: Autoscaler, mu_per_s: float, start: float, end: float) -> None:
@@ -290,8 +301,17 @@ def test_scaling_up_is_immediate_and_down_waits_for_the_quiet_window() -> None:
 
 def test_a_cold_start_asks_for_more_to_work_off_what_piles_up_meanwhile() -> None:
     warm = Autoscaler(POLICY, 10.0)
-    cold = Autoscaler(ScalingPolicy(min_replicas=1, max_replicas=10, target_utilisation=0.8,
-                                    cold_start_s=30.0, rate_window_s=10.0, drain_s=10.0), 10.0)
+    cold = Autoscaler(
+        ScalingPolicy(
+            min_replicas=1,
+            max_replicas=10,
+            target_utilisation=0.8,
+            cold_start_s=30.0,
+            rate_window_s=10.0,
+            drain_s=10.0,
+        ),
+        10.0,
+    )
     for scaler in (warm, cold):
         steady(scaler, 24.0, 0, 11)
     assert warm.decide(10.5, serving=1, backlog_mu=0.0).desired == 3
@@ -305,8 +325,14 @@ def test_a_cold_start_asks_for_more_to_work_off_what_piles_up_meanwhile() -> Non
 
 
 def test_an_idle_endpoint_goes_to_zero_and_its_first_request_brings_one_back() -> None:
-    policy = ScalingPolicy(min_replicas=0, max_replicas=4, scale_down_after_s=60.0,
-                           cold_start_s=60.0, rate_window_s=10.0, drain_s=10.0)
+    policy = ScalingPolicy(
+        min_replicas=0,
+        max_replicas=4,
+        scale_down_after_s=60.0,
+        cold_start_s=60.0,
+        rate_window_s=10.0,
+        drain_s=10.0,
+    )
     scaler = Autoscaler(policy, 10.0)
     steady(scaler, 5.0, 0, 10)
     assert scaler.decide(9.5, serving=1, backlog_mu=0.0).desired == 1
@@ -325,17 +351,20 @@ def test_the_desired_count_stays_within_min_and_max() -> None:
     assert scaler.decide(1.0, serving=2, backlog_mu=1e9).desired == 3
 
 
-@pytest.mark.parametrize(("fields", "match"), [
-    ({"min_replicas": -1}, "min_replicas"),
-    ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
-    ({"min_replicas": 0, "max_replicas": 0}, "max_replicas"),
-    ({"target_utilisation": 0.0}, "target_utilisation"),
-    ({"target_utilisation": 1.5}, "target_utilisation"),
-    ({"cold_start_s": -1.0}, "cold_start_s"),
-    ({"scale_down_after_s": math.inf}, "scale_down_after_s"),
-    ({"rate_window_s": 0.0}, "rate_window_s"),
-    ({"drain_s": math.nan}, "drain_s"),
-])
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"min_replicas": -1}, "min_replicas"),
+        ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+        ({"min_replicas": 0, "max_replicas": 0}, "max_replicas"),
+        ({"target_utilisation": 0.0}, "target_utilisation"),
+        ({"target_utilisation": 1.5}, "target_utilisation"),
+        ({"cold_start_s": -1.0}, "cold_start_s"),
+        ({"scale_down_after_s": math.inf}, "scale_down_after_s"),
+        ({"rate_window_s": 0.0}, "rate_window_s"),
+        ({"drain_s": math.nan}, "drain_s"),
+    ],
+)
 def test_a_bad_policy_is_refused(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ScalingPolicy(**fields)
@@ -344,10 +373,13 @@ def test_a_bad_policy_is_refused(fields: dict, match: str) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(rates=st.lists(st.floats(0, 200), min_size=1, max_size=40),
-       backlogs=st.lists(st.floats(0, 5_000), min_size=1, max_size=40))
+@given(
+    rates=st.lists(st.floats(0, 200), min_size=1, max_size=40),
+    backlogs=st.lists(st.floats(0, 5_000), min_size=1, max_size=40),
+)
 def test_decisions_stay_in_bounds_and_the_rates_replicas_stay_through_the_quiet_window(
-        rates: list[float], backlogs: list[float]) -> None:
+    rates: list[float], backlogs: list[float]
+) -> None:
     scaler, steady = Autoscaler(POLICY, 10.0), Autoscaler(POLICY, 10.0)
     history: list[tuple[float, int]] = []  # decisions with no backlog
     for t, (rate, backlog) in enumerate(zip(rates, backlogs)):
@@ -369,8 +401,16 @@ def test_decisions_stay_in_bounds_and_the_rates_replicas_stay_through_the_quiet_
 DRIFT = DriftPolicy(window_s=60.0, min_full_s=20.0, warn_after_s=60.0)
 
 
-def feed(meter: DriftMeter, start: float, end: float, mu_per_s: float, *,
-         serving_mu_per_s: float = 10.0, full: bool = True, completed: float = 0.0) -> float:
+def feed(
+    meter: DriftMeter,
+    start: float,
+    end: float,
+    mu_per_s: float,
+    *,
+    serving_mu_per_s: float = 10.0,
+    full: bool = True,
+    completed: float = 0.0,
+) -> float:
     """Ticks every second from `start` to `end` with `mu_per_s` completed; the total."""
     for now in range(int(start), int(end) + 1):
         meter.observe(float(now), completed, serving_mu_per_s, full)
@@ -438,10 +478,17 @@ def test_drift_skips_a_look_with_a_non_finite_figure() -> None:
     assert meter.ratio == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"low": 0.0}, "band"), ({"low": 1.1}, "band"), ({"high": 0.9}, "band"),
-    ({"min_full_s": 0.0}, "min_full_s"), ({"min_full_s": 90.0}, "min_full_s"),
-    ({"warn_after_s": -1.0}, "warn_after_s")])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"low": 0.0}, "band"),
+        ({"low": 1.1}, "band"),
+        ({"high": 0.9}, "band"),
+        ({"min_full_s": 0.0}, "min_full_s"),
+        ({"min_full_s": 90.0}, "min_full_s"),
+        ({"warn_after_s": -1.0}, "warn_after_s"),
+    ],
+)
 def test_a_bad_drift_policy_is_refused(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DriftPolicy(**fields)
@@ -451,21 +498,30 @@ def test_a_bad_drift_policy_is_refused(fields: dict, match: str) -> None:
 
 
 def test_profile_round_trip(tmp_path) -> None:
-    profile = ModelProfile(name="llama", alpha=1 / 8000, beta=0.025, gamma=0.05,
-                           capacity_mu_per_s=30.0, cached_input_factor=0.1)
+    profile = ModelProfile(
+        name="llama",
+        alpha=1 / 8000,
+        beta=0.025,
+        gamma=0.05,
+        capacity_mu_per_s=30.0,
+        cached_input_factor=0.1,
+    )
     path = tmp_path / "llama.toml"
     dump_profile(profile, path)
     assert load_profile(path) == profile
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ('name = "x"\nalpha = -1.0\n', "alpha must be finite and >= 0"),
-    ('name = "x"\nbeta = nan\n', "beta must be finite"),
-    ('name = "x"\ncapacity_mu_per_s = 0.0\n', "capacity_mu_per_s must be > 0"),
-    ('name = "x"\ncached_input_factor = 2.0\n', "cached_input_factor must be <= 1"),
-    ('name = "x"\ndelta = 1.0\n', "delta"),
-    ('name = "x\n', "x.toml"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('name = "x"\nalpha = -1.0\n', "alpha must be finite and >= 0"),
+        ('name = "x"\nbeta = nan\n', "beta must be finite"),
+        ('name = "x"\ncapacity_mu_per_s = 0.0\n', "capacity_mu_per_s must be > 0"),
+        ('name = "x"\ncached_input_factor = 2.0\n', "cached_input_factor must be <= 1"),
+        ('name = "x"\ndelta = 1.0\n', "delta"),
+        ('name = "x\n', "x.toml"),
+    ],
+)
 def test_load_profile_rejects_bad_files(tmp_path, text: str, match: str) -> None:
     path = tmp_path / "x.toml"
     path.write_text(text)
@@ -488,9 +544,17 @@ def test_model_units_with_cached_input_discount() -> None:
     assert profile.model_units(100, 0, cached_input_tokens=-5) == 100
 
 
-@pytest.mark.parametrize("fields", [
-    {"model_units": math.nan}, {"model_units": math.inf}, {"other_units": math.nan},
-    {"other_units": -1.0}, {"input_tokens": -1}, {"cached_input_tokens": -5}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"model_units": math.nan},
+        {"model_units": math.inf},
+        {"other_units": math.nan},
+        {"other_units": -1.0},
+        {"input_tokens": -1},
+        {"cached_input_tokens": -5},
+    ],
+)
 def test_usage_refuses_counts_that_would_corrupt_running_sums(fields: dict) -> None:
     values = {"input_tokens": 10, "output_tokens": 5, "model_units": 1.0} | fields
     with pytest.raises(ValueError, match="finite and >= 0"):

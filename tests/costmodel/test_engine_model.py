@@ -21,8 +21,9 @@ from costmodel.engine_model import (
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PARAMS = EngineParams()
 # Prefill-only timing: a step's duration is the number of input tokens it prefilled.
-TOKENS_AS_SECONDS = EngineParams(prefill_tokens_per_s=1.0, decode_step_base_s=0.0,
-                                 decode_step_per_seq_s=0.0, image_s=0.0)
+TOKENS_AS_SECONDS = EngineParams(
+    prefill_tokens_per_s=1.0, decode_step_base_s=0.0, decode_step_per_seq_s=0.0, image_s=0.0
+)
 
 
 def run(engine: BatchingEngineModel, max_steps: int = 100_000) -> list[StepResult]:
@@ -34,8 +35,9 @@ def run(engine: BatchingEngineModel, max_steps: int = 100_000) -> list[StepResul
     return results
 
 
-def alone(input_tokens: int, output_tokens: int, images: int = 0,
-          params: EngineParams = PARAMS) -> tuple[float, float]:
+def alone(
+    input_tokens: int, output_tokens: int, images: int = 0, params: EngineParams = PARAMS
+) -> tuple[float, float]:
     """(time to first token, total time) of one request on an empty engine."""
     engine = BatchingEngineModel(params)
     engine.add("r", input_tokens, output_tokens, images)
@@ -63,14 +65,17 @@ def test_shipped_engine_toml_holds_the_defaults() -> None:
     assert load_engine_params(CONFIGS / "engine.toml") == EngineParams()
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("max_sequences = 0\n", "max_sequences must be >= 1"),
-    ("prefill_tokens_per_s = 0.0\n", "prefill_tokens_per_s must be finite and > 0"),
-    ("image_s = -1.0\n", "image_s must be finite and >= 0"),
-    ("decode_step_base_s = inf\n", "decode_step_base_s must be finite"),
-    ("max_seqs = 4\n", "max_seqs"),
-    ("max_sequences = 'many'\n", "max_sequences"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("max_sequences = 0\n", "max_sequences must be >= 1"),
+        ("prefill_tokens_per_s = 0.0\n", "prefill_tokens_per_s must be finite and > 0"),
+        ("image_s = -1.0\n", "image_s must be finite and >= 0"),
+        ("decode_step_base_s = inf\n", "decode_step_base_s must be finite"),
+        ("max_seqs = 4\n", "max_seqs"),
+        ("max_sequences = 'many'\n", "max_sequences"),
+    ],
+)
 def test_load_engine_params_rejects_bad_files(tmp_path, text: str, match: str) -> None:
     path = tmp_path / "engine.toml"
     path.write_text(text)
@@ -86,16 +91,18 @@ def test_load_engine_params_missing_file(tmp_path) -> None:
 # -- single request timing -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("input_tokens", "output_tokens", "images"), [
-    (1, 1, 0),
-    (512, 1, 0),
-    (100, 64, 0),
-    (4096, 10, 2),       # exactly one full prefill chunk
-    (10_000, 5, 3),      # three chunks
-    (20_000, 300, 0),
-])
-def test_single_request_timing_is_exact(input_tokens: int, output_tokens: int,
-                                        images: int) -> None:
+@pytest.mark.parametrize(
+    ("input_tokens", "output_tokens", "images"),
+    [
+        (1, 1, 0),
+        (512, 1, 0),
+        (100, 64, 0),
+        (4096, 10, 2),  # exactly one full prefill chunk
+        (10_000, 5, 3),  # three chunks
+        (20_000, 300, 0),
+    ],
+)
+def test_single_request_timing_is_exact(input_tokens: int, output_tokens: int, images: int) -> None:
     ttft, total = alone(input_tokens, output_tokens, images)
     step1 = PARAMS.decode_step_base_s + PARAMS.decode_step_per_seq_s
     prefill = input_tokens / PARAMS.prefill_tokens_per_s + images * PARAMS.image_s
@@ -103,14 +110,17 @@ def test_single_request_timing_is_exact(input_tokens: int, output_tokens: int,
     assert total == pytest.approx(prefill + output_tokens * step1, rel=1e-12)
 
 
-@given(input_tokens=st.integers(1, 50_000), output_tokens=st.integers(1, 500),
-       images=st.integers(0, 5), budget=st.integers(1, 8192))
+@given(
+    input_tokens=st.integers(1, 50_000),
+    output_tokens=st.integers(1, 500),
+    images=st.integers(0, 5),
+    budget=st.integers(1, 8192),
+)
 @settings(max_examples=40, deadline=None)
 def test_single_request_timing_does_not_depend_on_chunk_budget(
     input_tokens: int, output_tokens: int, images: int, budget: int
 ) -> None:
-    params = msgspec.structs.replace(PARAMS, max_batched_tokens=budget,
-                                     kv_cache_tokens=60_000)
+    params = msgspec.structs.replace(PARAMS, max_batched_tokens=budget, kv_cache_tokens=60_000)
     _, total = alone(input_tokens, output_tokens, images, params)
     expected = PARAMS.alpha * input_tokens + PARAMS.beta * output_tokens + PARAMS.gamma * images
     assert total == pytest.approx(expected, rel=1e-9)
@@ -190,7 +200,7 @@ def test_head_of_queue_is_not_overtaken() -> None:
     engine.add("big-running", 500, 100)
     engine.step()
     engine.add("big-waiting", 400, 100)  # 500 more: does not fit beside the first
-    engine.add("small", 10, 10)          # would fit, but must not jump the queue
+    engine.add("small", 10, 10)  # would fit, but must not jump the queue
     engine.step()
     assert engine.running == 1 and engine.waiting == 2
 
@@ -203,8 +213,7 @@ def test_request_larger_than_kv_cache_is_refused() -> None:
 
 
 def test_chunked_prefill_budget_is_respected() -> None:
-    engine = BatchingEngineModel(msgspec.structs.replace(TOKENS_AS_SECONDS,
-                                                         max_batched_tokens=100))
+    engine = BatchingEngineModel(msgspec.structs.replace(TOKENS_AS_SECONDS, max_batched_tokens=100))
     for i, n in enumerate((250, 30, 45, 120)):
         engine.add(i, n, 2)
     results = run(engine)
@@ -226,8 +235,7 @@ def test_images_are_charged_once_when_prefill_starts() -> None:
 
 
 def test_images_wait_for_their_prefill_chunk() -> None:
-    params = msgspec.structs.replace(TOKENS_AS_SECONDS, max_batched_tokens=1000,
-                                     image_s=1e6)
+    params = msgspec.structs.replace(TOKENS_AS_SECONDS, max_batched_tokens=1000, image_s=1e6)
     engine = BatchingEngineModel(params)
     engine.add("long", 2500, 1)
     engine.add("img", 100, 1, images=4)  # starts prefill only in the third step
@@ -304,18 +312,32 @@ def test_idle_engine_step_is_empty() -> None:
 
 workloads = st.lists(
     st.tuples(st.integers(1, 300), st.integers(1, 40), st.integers(-2, 2), st.booleans()),
-    min_size=1, max_size=40)
+    min_size=1,
+    max_size=40,
+)
 
 
-@given(workload=workloads, max_sequences=st.integers(1, 8), budget=st.integers(1, 256),
-       kv=st.integers(341, 2000), abort_every=st.integers(3, 50))
+@given(
+    workload=workloads,
+    max_sequences=st.integers(1, 8),
+    budget=st.integers(1, 256),
+    kv=st.integers(341, 2000),
+    abort_every=st.integers(3, 50),
+)
 @settings(max_examples=60, deadline=None)
 def test_every_sequence_emits_exactly_its_tokens(
-    workload: list[tuple[int, int, int, bool]], max_sequences: int, budget: int, kv: int,
+    workload: list[tuple[int, int, int, bool]],
+    max_sequences: int,
+    budget: int,
+    kv: int,
     abort_every: int,
 ) -> None:
-    params = msgspec.structs.replace(TOKENS_AS_SECONDS, max_sequences=max_sequences,
-                                     max_batched_tokens=budget, kv_cache_tokens=kv)
+    params = msgspec.structs.replace(
+        TOKENS_AS_SECONDS,
+        max_sequences=max_sequences,
+        max_batched_tokens=budget,
+        kv_cache_tokens=kv,
+    )
     engine = BatchingEngineModel(params)
     for i, (inp, out, priority, _) in enumerate(workload):
         engine.add(i, inp, out, priority=priority)

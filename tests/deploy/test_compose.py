@@ -48,9 +48,13 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "producers.openai_front": front_main.build_parser,
 }
 # Python service -> the module its command runs.
-PYTHON_SERVICES = {"dispatcher": "dispatcher", "dispatcher-standby": "dispatcher",
-                   "worker-1": "workers", "worker-2": "workers",
-                   "front": "producers.openai_front"}
+PYTHON_SERVICES = {
+    "dispatcher": "dispatcher",
+    "dispatcher-standby": "dispatcher",
+    "worker-1": "workers",
+    "worker-2": "workers",
+    "front": "producers.openai_front",
+}
 DISPATCHERS = [name for name, module in PYTHON_SERVICES.items() if module == "dispatcher"]
 WORKERS = [name for name, module in PYTHON_SERVICES.items() if module == "workers"]
 
@@ -99,7 +103,8 @@ def test_expected_services_exist(services: dict[str, dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("name", PYTHON_SERVICES)
 def test_python_services_build_the_repo_dockerfile(
-        services: dict[str, dict[str, Any]], name: str) -> None:
+    services: dict[str, dict[str, Any]], name: str
+) -> None:
     build = services[name]["build"]
     assert (COMPOSE_FILE.parent / build["context"]).resolve() == REPO
     assert (REPO / build.get("dockerfile", "Dockerfile")).is_file()
@@ -107,21 +112,22 @@ def test_python_services_build_the_repo_dockerfile(
 
 @pytest.mark.parametrize("name", PYTHON_SERVICES)
 def test_python_commands_parse_and_name_existing_configs(
-        services: dict[str, dict[str, Any]], name: str) -> None:
+    services: dict[str, dict[str, Any]], name: str
+) -> None:
     args = parse_python_command(services[name], PYTHON_SERVICES[name])
     assert args.config is not None, "the image has no repo-relative default; name the config"
     load_config(repo_path(args.config))
 
 
 def test_the_front_listens_on_all_addresses_on_its_published_port(
-        services: dict[str, dict[str, Any]]) -> None:
+    services: dict[str, dict[str, Any]],
+) -> None:
     front = services["front"]
     args = parse_python_command(front, "producers.openai_front")
     assert args.host == "0.0.0.0" and args.port in container_ports(front)
 
 
-def test_dispatcher_metrics_are_reachable_from_outside(
-        services: dict[str, dict[str, Any]]) -> None:
+def test_dispatcher_metrics_are_reachable_from_outside(services: dict[str, dict[str, Any]]) -> None:
     dispatcher = services["dispatcher"]
     args = parse_python_command(dispatcher, "dispatcher")
     assert args.metrics_port in container_ports(dispatcher)
@@ -130,7 +136,8 @@ def test_dispatcher_metrics_are_reachable_from_outside(
 
 
 def test_workers_serve_configured_endpoints_with_distinct_ids(
-        services: dict[str, dict[str, Any]]) -> None:
+    services: dict[str, dict[str, Any]],
+) -> None:
     ids = []
     for name in WORKERS:
         args = parse_python_command(services[name], "workers")
@@ -170,7 +177,8 @@ def test_depends_on_references_exist(services: dict[str, dict[str, Any]]) -> Non
 
 
 def test_redis_persists_append_only_on_a_volume(
-        services: dict[str, dict[str, Any]], volumes: dict[str, Any]) -> None:
+    services: dict[str, dict[str, Any]], volumes: dict[str, Any]
+) -> None:
     redis = services["redis"]
     argv = command_argv(redis)
     assert argv[argv.index("--appendonly") + 1] == "yes"
@@ -180,7 +188,8 @@ def test_redis_persists_append_only_on_a_volume(
 
 
 def test_nats_runs_jetstream_on_a_volume(
-        services: dict[str, dict[str, Any]], volumes: dict[str, Any]) -> None:
+    services: dict[str, dict[str, Any]], volumes: dict[str, Any]
+) -> None:
     nats = services["nats"]
     argv = command_argv(nats)
     assert "-js" in argv
@@ -203,7 +212,8 @@ def image_version(image: str) -> tuple[int, int, int]:
 
 
 def test_nats_image_is_at_least_the_minimum_the_code_declares(
-        services: dict[str, dict[str, Any]]) -> None:
+    services: dict[str, dict[str, Any]],
+) -> None:
     assert image_version(services["nats"]["image"]) >= MIN_NATS_SERVER
     # The check has teeth: 2.10 (no batch direct gets) is refused, the minimum's line is not.
     assert image_version("nats:2.10-alpine") < MIN_NATS_SERVER
@@ -243,7 +253,7 @@ def test_dockerfile_installs_the_project_at_app_root() -> None:
             copied = copied or (sources == ["."] and workdir / dest == APP_ROOT)
         elif keyword == "RUN" and "pip install" in rest:
             argv = shlex.split(rest)
-            installed = copied and workdir == APP_ROOT and "." in argv[argv.index("install"):]
+            installed = copied and workdir == APP_ROOT and "." in argv[argv.index("install") :]
         elif keyword == "USER":
             user = rest
     assert copied, f"no `COPY . {APP_ROOT}` (the compose paths assume the repo is there)"
@@ -266,34 +276,44 @@ def mounted(service: dict[str, Any], inside: str) -> Path:
 
 
 def test_prometheus_scrapes_the_dispatchers_metrics_port(
-        services: dict[str, dict[str, Any]]) -> None:
-    config = yaml.safe_load(mounted(services["prometheus"],
-                                    "/etc/prometheus/prometheus.yml").read_text())
+    services: dict[str, dict[str, Any]],
+) -> None:
+    config = yaml.safe_load(
+        mounted(services["prometheus"], "/etc/prometheus/prometheus.yml").read_text()
+    )
     (job,) = config["scrape_configs"]
-    targets = [f"{name}:{parse_python_command(services[name], 'dispatcher').metrics_port}"
-               for name in DISPATCHERS]
+    targets = [
+        f"{name}:{parse_python_command(services[name], 'dispatcher').metrics_port}"
+        for name in DISPATCHERS
+    ]
     assert job["static_configs"][0]["targets"] == targets  # the standby, once it serves
 
 
 def test_grafana_is_provisioned_with_the_prometheus_and_the_dashboard(
-        services: dict[str, dict[str, Any]]) -> None:
+    services: dict[str, dict[str, Any]],
+) -> None:
     grafana = services["grafana"]
     provisioning = mounted(grafana, "/etc/grafana/provisioning")
     dashboards = mounted(grafana, "/var/lib/grafana/dashboards")
-    (source,) = yaml.safe_load(
-        (provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())[
+        "datasources"
+    ]
     url = urlsplit(source["url"])
     assert url.hostname == "prometheus" and url.port in container_ports(services["prometheus"])
-    (provider,) = yaml.safe_load(
-        (provisioning / "dashboards" / "fairq.yaml").read_text())["providers"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "fairq.yaml").read_text())[
+        "providers"
+    ]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
     dashboard = json.loads((dashboards / "fairq.json").read_text())
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert PurePosixPath(home).name == "fairq.json"
     panels = [panel for panel in dashboard["panels"] if panel["type"] != "row"]
     assert panels and all(panel["datasource"]["uid"] == source["uid"] for panel in panels)
-    assert all(target["datasource"]["uid"] == source["uid"]
-               for panel in panels for target in panel["targets"])
+    assert all(
+        target["datasource"]["uid"] == source["uid"]
+        for panel in panels
+        for target in panel["targets"]
+    )
 
 
 # -- compose.auth.yaml: broker users ---------------------------------------------------------
@@ -320,16 +340,21 @@ def merged_with(override: Path) -> dict[str, Any]:
                 merged["depends_on"] = depends_on(merged) | depends_on(spec)
             else:
                 merged[key] = value
-    return {"services": services, "volumes": {**base.get("volumes", {}),
-                                              **(over.get("volumes") or {})}}
+    return {
+        "services": services,
+        "volumes": {**base.get("volumes", {}), **(over.get("volumes") or {})},
+    }
 
 
 def mount(volume: str | dict[str, Any]) -> dict[str, Any]:
     """A `volumes` entry in the long syntax's terms (source, target, read_only, subpath)."""
     if isinstance(volume, dict):
-        return {"source": volume["source"], "target": volume["target"],
-                "read_only": volume.get("read_only", False),
-                "subpath": volume.get("volume", {}).get("subpath")}
+        return {
+            "source": volume["source"],
+            "target": volume["target"],
+            "read_only": volume.get("read_only", False),
+            "subpath": volume.get("volume", {}).get("subpath"),
+        }
     source, target, *mode = volume.split(":")
     return {"source": source, "target": target, "read_only": mode == ["ro"], "subpath": None}
 
@@ -348,8 +373,7 @@ def test_auth_variant_renders_users_before_nats_starts_with_them() -> None:
     assert argv[:2] == ["fairq", "auth"]
     args = cli.build_parser("auth").parse_args(argv[1:])
     (out,) = auth_mounts(init, volumes)
-    assert out == {"source": "auth", "target": str(args.out), "read_only": False,
-                   "subpath": None}
+    assert out == {"source": "auth", "target": str(args.out), "read_only": False, "subpath": None}
     assert registered_tenants(load_config(repo_path(args.config)))
     nats = services["nats"]
     assert depends_on(nats)["fairq-auth"]["condition"] == "service_completed_successfully"
@@ -361,10 +385,16 @@ def test_auth_variant_renders_users_before_nats_starts_with_them() -> None:
     assert "-js" in nats_argv and "nats-data:/data" in nats["volumes"]
 
 
-@pytest.mark.parametrize("name, user", [
-    ("dispatcher", DISPATCHER_USER), ("dispatcher-standby", DISPATCHER_USER),
-    ("worker-1", WORKER_USER), ("worker-2", WORKER_USER),
-    ("front", FRONT_USER)])
+@pytest.mark.parametrize(
+    "name, user",
+    [
+        ("dispatcher", DISPATCHER_USER),
+        ("dispatcher-standby", DISPATCHER_USER),
+        ("worker-1", WORKER_USER),
+        ("worker-2", WORKER_USER),
+        ("front", FRONT_USER),
+    ],
+)
 def test_auth_variant_runs_each_service_as_its_own_user(name: str, user: str) -> None:
     compose = merged_with_auth()
     service = compose["services"][name]
@@ -372,19 +402,28 @@ def test_auth_variant_runs_each_service_as_its_own_user(name: str, user: str) ->
     load_config(repo_path(args.config))
     # Its own seed file and nothing else of the auth volume, read-only.
     (seed,) = auth_mounts(service, compose["volumes"])
-    assert seed == {"source": "auth", "target": str(args.nkey), "read_only": True,
-                    "subpath": f"{user}{SEED_SUFFIX}"}
+    assert seed == {
+        "source": "auth",
+        "target": str(args.nkey),
+        "read_only": True,
+        "subpath": f"{user}{SEED_SUFFIX}",
+    }
     if name in DISPATCHERS:
         assert args.tenant_inboxes is True
     # The merge keeps what the plain stack checks (dependencies, hosts).
-    assert depends_on(service) == depends_on(yaml.safe_load(
-        COMPOSE_FILE.read_text())["services"][name])
+    assert depends_on(service) == depends_on(
+        yaml.safe_load(COMPOSE_FILE.read_text())["services"][name]
+    )
 
 
 def test_only_the_auth_init_service_mounts_the_whole_auth_volume() -> None:
     compose = merged_with_auth()
-    whole = [name for name, service in compose["services"].items()
-             for m in auth_mounts(service, compose["volumes"]) if m["subpath"] is None]
+    whole = [
+        name
+        for name, service in compose["services"].items()
+        for m in auth_mounts(service, compose["volumes"])
+        if m["subpath"] is None
+    ]
     assert whole == ["fairq-auth"]
 
 
@@ -394,7 +433,8 @@ def test_secrets_stay_out_of_the_image() -> None:
 
 
 def test_every_fairq_service_reads_the_hosts_config_so_tenants_reload(
-        services: dict[str, dict[str, Any]]) -> None:
+    services: dict[str, dict[str, Any]],
+) -> None:
     """Tenants change by editing configs/ on the host and reloading the dispatcher; a
     config baked into the image could not change without a rebuild."""
     with_auth = merged_with_auth()["services"]
@@ -403,15 +443,17 @@ def test_every_fairq_service_reads_the_hosts_config_so_tenants_reload(
         assert mounted(with_auth[name], "/app/configs") == COMPOSE_FILE.parent / "configs"
     assert mounted(with_auth["fairq-auth"], "/app/configs") == COMPOSE_FILE.parent / "configs"
     for name in ("dispatcher", "fairq-auth"):
-        assert mount(next(v for v in with_auth[name]["volumes"]
-                          if mount(v)["target"] == "/app/configs"))["read_only"]
+        assert mount(
+            next(v for v in with_auth[name]["volumes"] if mount(v)["target"] == "/app/configs")
+        )["read_only"]
 
 
 # -- compose.cluster.yaml: a 3-node NATS cluster ---------------------------------------------
 
 
-def test_cluster_variant_runs_three_nodes_routed_to_each_other(nats_binary: Path,
-                                                               tmp_path: Path) -> None:
+def test_cluster_variant_runs_three_nodes_routed_to_each_other(
+    nats_binary: Path, tmp_path: Path
+) -> None:
     compose = merged_with(CLUSTER_FILE)
     services, volumes = compose["services"], compose["volumes"]
     names, stores = [], []
@@ -432,8 +474,12 @@ def test_cluster_variant_runs_three_nodes_routed_to_each_other(nats_binary: Path
     for node in NODES:
         assert f"nats-route://{node}:6222" in text
     # The real nats-server takes the file (hosts are resolved only when it runs).
-    checked = subprocess.run([str(nats_binary), "-c", str(CLUSTER_CONF), "--server_name", "n1",
-                              "-t"], capture_output=True, text=True, timeout=30)
+    checked = subprocess.run(
+        [str(nats_binary), "-c", str(CLUSTER_CONF), "--server_name", "n1", "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert checked.returncode == 0, checked.stderr
 
 

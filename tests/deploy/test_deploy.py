@@ -41,6 +41,8 @@ def test_the_hpa_scales_on_the_same_gauge() -> None:
     (metric,) = hpa["spec"]["metrics"]
     external = metric["external"]
     assert external["metric"]["name"] in exported_metric_names()
-    assert external["metric"]["selector"]["matchLabels"]["endpoint"] in load_config(
-        EXAMPLE_CONFIG).endpoints
+    assert (
+        external["metric"]["selector"]["matchLabels"]["endpoint"]
+        in load_config(EXAMPLE_CONFIG).endpoints
+    )
     assert external["target"] == {"type": "AverageValue", "averageValue": "1"}

@@ -29,8 +29,8 @@ from broker_config.subjects import Subjects, shard_of
 from broker_config.wire import STORED_RESULT, ErrorCode, ErrorEvent
 from costmodel.engine_model import load_engine_params
 from dispatcher.service import Dispatcher
-from workers.service import WorkerService
 from tests.local_stack import DELIVERY_CONFIG
+from workers.service import WorkerService
 from workers.sim_engine import SimEngine
 
 pytestmark = pytest.mark.integration
@@ -44,9 +44,24 @@ CONFIG = DELIVERY_CONFIG
 
 def start_dispatcher(nats_url: str, config: Path, ack_wait_s: float = 2.0) -> subprocess.Popen:
     process = subprocess.Popen(
-        [sys.executable, "-m", "dispatcher", "--nats", nats_url, "--config", str(config),
-         "--ack-wait", str(ack_wait_s), "--grace", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "dispatcher",
+            "--nats",
+            nats_url,
+            "--config",
+            str(config),
+            "--ack-wait",
+            str(ack_wait_s),
+            "--grace",
+            "1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_line(process, "fairq dispatcher: running")  # provisioned, holds the lease
     return process
 
@@ -81,18 +96,35 @@ async def test_kill_9_of_the_dispatcher_loses_nothing(nats_url, tmp_path):
 
         await nc.subscribe("_INBOX.crash.>", cb=on_event)
         params = load_engine_params(EXAMPLE_ENGINE)
-        async with SimEngine(params, time_scale=0.5, seed=1) as e1, \
-                SimEngine(params, time_scale=0.5, seed=2) as e2, \
-                WorkerService(nc, e1, endpoint="chat", worker_id="w1", subjects=subjects,
-                              results=results, settings=FAST_HEARTBEATS), \
-                WorkerService(nc, e2, endpoint="chat", worker_id="w2", subjects=subjects,
-                              results=results, settings=FAST_HEARTBEATS):
+        async with (
+            SimEngine(params, time_scale=0.5, seed=1) as e1,
+            SimEngine(params, time_scale=0.5, seed=2) as e2,
+            WorkerService(
+                nc,
+                e1,
+                endpoint="chat",
+                worker_id="w1",
+                subjects=subjects,
+                results=results,
+                settings=FAST_HEARTBEATS,
+            ),
+            WorkerService(
+                nc,
+                e2,
+                endpoint="chat",
+                worker_id="w2",
+                subjects=subjects,
+                results=results,
+                settings=FAST_HEARTBEATS,
+            ),
+        ):
             for i in range(REQUESTS):
                 tenant = ("acme", "globex", "initech")[i % 3]
-                await js.publish(f"fq.req.chat.{tenant}",
-                                 json.dumps({"prompt": f"request {i}", "max_tokens": 24}).encode(),
-                                 headers={"Nats-Msg-Id": f"c{i}",
-                                          "Fq-Reply": f"_INBOX.crash.{i}"})
+                await js.publish(
+                    f"fq.req.chat.{tenant}",
+                    json.dumps({"prompt": f"request {i}", "max_tokens": 24}).encode(),
+                    headers={"Nats-Msg-Id": f"c{i}", "Fq-Reply": f"_INBOX.crash.{i}"},
+                )
             deadline = time.monotonic() + 20
             while len(finals) < 50:  # some done, most still queued or running
                 assert time.monotonic() < deadline, "nothing finished before the kill"
@@ -151,8 +183,11 @@ async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path)
 
         await nc.subscribe("_INBOX.term.>", cb=on_event)
         for i in range(5):
-            await js.publish("fq.req.chat.acme", b'{"prompt":"wait","max_tokens":4}',
-                             headers={"Nats-Msg-Id": f"t{i}", "Fq-Reply": f"_INBOX.term.{i}"})
+            await js.publish(
+                "fq.req.chat.acme",
+                b'{"prompt":"wait","max_tokens":4}',
+                headers={"Nats-Msg-Id": f"t{i}", "Fq-Reply": f"_INBOX.term.{i}"},
+            )
         deadline = time.monotonic() + 10
         while await held_by_dispatcher(js, subjects, "acme") < 5:
             assert time.monotonic() < deadline, "the dispatcher never took the requests"
@@ -163,9 +198,18 @@ async def test_sigterm_drains_and_hands_queued_requests_back(nats_url, tmp_path)
         dispatcher = start_dispatcher(nats_url, config, ack_wait_s=60)
         results = await js.key_value(subjects.results_bucket)
         engine = SimEngine(load_engine_params(EXAMPLE_ENGINE), time_scale=0.1)
-        async with engine, WorkerService(nc, engine, endpoint="chat", worker_id="w1",
-                                         subjects=subjects, results=results,
-                                         settings=FAST_HEARTBEATS):
+        async with (
+            engine,
+            WorkerService(
+                nc,
+                engine,
+                endpoint="chat",
+                worker_id="w1",
+                subjects=subjects,
+                results=results,
+                settings=FAST_HEARTBEATS,
+            ),
+        ):
             deadline = time.monotonic() + 20  # far below the 60 s ack wait
             while len(finals) < 5:
                 assert time.monotonic() < deadline, f"only {sorted(finals)} came back"
@@ -198,8 +242,7 @@ async def stored(results, key: str, timeout: float = 5.0):
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["unstreamed", "streamed"])
-async def test_requests_of_a_worker_that_drained_away_are_taken_back_at_once(nats_url,
-                                                                             streamed):
+async def test_requests_of_a_worker_that_drained_away_are_taken_back_at_once(nats_url, streamed):
     """A worker whose drain abandoned requests says so in its last heartbeat (unhealthy,
     nothing in flight): they are taken back at once, not after worker_timeout_s. Those
     that streamed nothing yet are queued again; those that streamed end with `internal`."""
@@ -214,13 +257,24 @@ async def test_requests_of_a_worker_that_drained_away_are_taken_back_at_once(nat
             results = await nc.jetstream().key_value(subjects.results_bucket)
             engine = SimEngine(load_engine_params(EXAMPLE_ENGINE), time_scale=1.0)
             settings = WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=0.1)
-            async with engine, WorkerService(nc, engine, endpoint="chat", worker_id="w1",
-                                             subjects=subjects, results=results,
-                                             settings=settings):
+            async with (
+                engine,
+                WorkerService(
+                    nc,
+                    engine,
+                    endpoint="chat",
+                    worker_id="w1",
+                    subjects=subjects,
+                    results=results,
+                    settings=settings,
+                ),
+            ):
                 for rid in ids:
                     await nc.jetstream().publish(
-                        "fq.req.chat.acme", STREAMING if streamed else UNSTREAMED,
-                        headers={"Nats-Msg-Id": rid})
+                        "fq.req.chat.acme",
+                        STREAMING if streamed else UNSTREAMED,
+                        headers={"Nats-Msg-Id": rid},
+                    )
 
                 def started(rid: str) -> bool:
                     request = scheduler.running_request("acme", rid)
@@ -233,8 +287,7 @@ async def test_requests_of_a_worker_that_drained_away_are_taken_back_at_once(nat
                     await asyncio.sleep(0.05)
             left = time.monotonic()  # the worker drained away, abandoning all three
             expected = None if streamed else "queued"
-            while any((scheduler.state("acme", rid) or (None,))[0] != expected
-                      for rid in ids):
+            while any((scheduler.state("acme", rid) or (None,))[0] != expected for rid in ids):
                 assert time.monotonic() - left < 5.0, "not taken back within 5 s"
                 await asyncio.sleep(0.05)
             if streamed:

@@ -36,8 +36,15 @@ pytestmark = pytest.mark.integration
 # seconds; checked below). Time runs 2x faster than the engine model: what the two cores
 # add in wall time (a scheduling delay, a pause) weighs 2x in engine seconds, not the 5x
 # at which it made the ratio wander across the bound (docs/benchmarks.md).
-SETTINGS = Settings(noisy_requests=300, small_rate=1.0, duration_s=30.0, workers=1,
-                    time_scale=0.5, timeout_s=120.0, small_delay_s=1.0)
+SETTINGS = Settings(
+    noisy_requests=300,
+    small_rate=1.0,
+    duration_s=30.0,
+    workers=1,
+    time_scale=0.5,
+    timeout_s=120.0,
+    small_delay_s=1.0,
+)
 SEEDS = tuple(range(1, 11))
 BESIDE = Run("beside", "fairq", "well-behaved")
 FLOOD = Run("fairq", "fairq", "flood")
@@ -48,8 +55,7 @@ def small_ttfts(result: Replay, settings: Settings = SETTINGS) -> list[float]:
     """The small tenants' times to first token in engine-model seconds, sorted; every
     request of the run must have finished."""
     assert result.counts() == {"done": len(result.measured)}, result.counts()
-    records = [m.request_record(settings.time_scale) for m in result.measured
-               if m.tenant != NOISY]
+    records = [m.request_record(settings.time_scale) for m in result.measured if m.tenant != NOISY]
     return sorted(r.first_token - r.arrival for r in records)
 
 
@@ -58,12 +64,14 @@ def a_outlasts_the_small_tenants(result: Replay) -> bool:
     as busy in both kinds of run all along."""
     records = [m.request_record(SETTINGS.time_scale) for m in result.measured]
     return max(r.dispatched for r in records if r.tenant == NOISY) > max(
-        r.arrival for r in records if r.tenant != NOISY)
+        r.arrival for r in records if r.tenant != NOISY
+    )
 
 
 @pytest.mark.timeout(900)  # twenty runs of the stack, about 25 s each
 async def test_a_flood_costs_the_small_tenants_no_more_than_an_equally_busy_engine(
-        nats_binary: Path, tmp_path: Path) -> None:
+    nats_binary: Path, tmp_path: Path
+) -> None:
     ttfts: dict[str, list[float]] = {BESIDE.name: [], FLOOD.name: []}
     for seed in SEEDS:
         settings = replace(SETTINGS, seed=seed)
@@ -72,14 +80,17 @@ async def test_a_flood_costs_the_small_tenants_no_more_than_an_equally_busy_engi
             assert a_outlasts_the_small_tenants(result), (seed, run.name)
             ttfts[run.name] += small_ttfts(result)
     beside, flood = (percentile(sorted(ttfts[run.name]), 95) for run in (BESIDE, FLOOD))
-    print(f"small tenants' p95 TTFT over seeds {SEEDS}: next to the well-behaved A "
-          f"{beside:.3f} s, next to the flood {flood:.3f} s ({flood / beside:.2f}x)")
+    print(
+        f"small tenants' p95 TTFT over seeds {SEEDS}: next to the well-behaved A "
+        f"{beside:.3f} s, next to the flood {flood:.3f} s ({flood / beside:.2f}x)"
+    )
     assert flood <= 1.2 * beside
 
 
 @pytest.mark.timeout(300)
 async def test_the_naive_queue_is_far_from_the_equally_busy_reference(
-        nats_binary: Path, tmp_path: Path) -> None:
+    nats_binary: Path, tmp_path: Path
+) -> None:
     """Behind the naive shared queue the small tenants wait for A's whole backlog (1,000
     requests here, so that it lasts through their 30 s in the naive queue too)."""
     settings = replace(SETTINGS, noisy_requests=1_000)
@@ -88,6 +99,8 @@ async def test_the_naive_queue_is_far_from_the_equally_busy_reference(
         result = await scenario_noisy.run_one(run, settings, tmp_path)
         p95[run.name] = percentile(small_ttfts(result, settings), 95)
     beside, naive = p95[BESIDE.name], p95[NAIVE.name]
-    print(f"small tenants' p95 TTFT: next to the well-behaved A {beside:.3f} s, "
-          f"behind the naive queue's flood {naive:.3f} s ({naive / beside:.0f}x)")
+    print(
+        f"small tenants' p95 TTFT: next to the well-behaved A {beside:.3f} s, "
+        f"behind the naive queue's flood {naive:.3f} s ({naive / beside:.0f}x)"
+    )
     assert naive >= 50 * beside

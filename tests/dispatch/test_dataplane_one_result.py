@@ -65,8 +65,14 @@ REQUEST_ID = "twice-220"
 # cannot have reported a token.
 LONG_PREFILL_TOKENS = 32_000
 # Silence for 1 s takes a worker's requests back; no probes, so only silence decides.
-OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, grace_s=0.0, worker_timeout_s=1.0,
-                            probe_stall_s=3600.0, probe_idle_s=3600.0)
+OPTIONS = DispatcherOptions(
+    settle_s=0.2,
+    tick_s=0.05,
+    grace_s=0.0,
+    worker_timeout_s=1.0,
+    probe_stall_s=3600.0,
+    probe_idle_s=3600.0,
+)
 # Silence never decides: only the restarted worker's first heartbeat does.
 NEVER_SILENT = msgspec.structs.replace(OPTIONS, worker_timeout_s=3600.0)
 
@@ -75,11 +81,28 @@ NEVER_SILENT = msgspec.structs.replace(OPTIONS, worker_timeout_s=3600.0)
 async def worker_process(nats_url: str, worker_id: str) -> AsyncIterator[int]:
     """`python -m workers` (sim engine, time scale 1, 0.2 s heartbeats): its pid."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "workers", "--nats", nats_url, "--endpoint", "chat",
-        "--worker-id", worker_id, "--time-scale", "1", "--heartbeat-interval", "0.2",
-        "--config", str(EXAMPLE_CONFIG), "--engine-config", str(EXAMPLE_ENGINE), cwd=REPO,
-        env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL)
+        sys.executable,
+        "-m",
+        "workers",
+        "--nats",
+        nats_url,
+        "--endpoint",
+        "chat",
+        "--worker-id",
+        worker_id,
+        "--time-scale",
+        "1",
+        "--heartbeat-interval",
+        "0.2",
+        "--config",
+        str(EXAMPLE_CONFIG),
+        "--engine-config",
+        str(EXAMPLE_ENGINE),
+        cwd=REPO,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     try:
         yield process.pid
     finally:
@@ -114,12 +137,13 @@ class Observed:
 
     async def publish(self, request_id: str, **body: object) -> None:
         await self.client.jetstream().publish(
-            S.request("chat", "acme"), json.dumps({"prompt": "hello", **body}).encode(),
-            headers={"Nats-Msg-Id": request_id, "Fq-Reply": self.inbox})
+            S.request("chat", "acme"),
+            json.dumps({"prompt": "hello", **body}).encode(),
+            headers={"Nats-Msg-Id": request_id, "Fq-Reply": self.inbox},
+        )
 
     def finals(self, request_id: str) -> list:
-        return [e for e in self.events
-                if e.id == request_id and not isinstance(e, TokenEvent)]
+        return [e for e in self.events if e.id == request_id and not isinstance(e, TokenEvent)]
 
     def tokens(self, request_id: str) -> int:
         return sum(1 for e in self.events if e.id == request_id and isinstance(e, TokenEvent))
@@ -129,8 +153,9 @@ class Observed:
 
     async def stored(self, request_id: str):
         bucket = await self.client.jetstream().key_value(S.results_bucket)
-        return STORED_RESULT.decode((await bucket.get(S.result_key("acme", request_id))).value
-                                    ).event
+        return STORED_RESULT.decode(
+            (await bucket.get(S.result_key("acme", request_id))).value
+        ).event
 
 
 async def serving(pool, worker_id: str, started_after: float = 0.0) -> None:
@@ -141,16 +166,18 @@ async def serving(pool, worker_id: str, started_after: float = 0.0) -> None:
     await eventually(healthy, timeout=WAIT_S, what=f"{worker_id} serving")
 
 
-async def stop_on_receipt(client: nats.NATS, worker_id: str, pid: int, request_id: str,
-                          signum: int) -> asyncio.Event:
+async def stop_on_receipt(
+    client: nats.NATS, worker_id: str, pid: int, request_id: str, signum: int
+) -> asyncio.Event:
     """Send `signum` to the worker process the moment its batch with `request_id` is
     published (set once it is sent)."""
     sent = asyncio.Event()
 
     async def on_batch(msg) -> None:
         encoding = Encoding.from_content_type((msg.headers or {}).get(HDR_CONTENT_TYPE))
-        if not sent.is_set() and any(item.id == request_id
-                                     for item in BATCH.decode(msg.data, encoding).items):
+        if not sent.is_set() and any(
+            item.id == request_id for item in BATCH.decode(msg.data, encoding).items
+        ):
             os.kill(pid, signum)
             sent.set()
 
@@ -158,30 +185,44 @@ async def stop_on_receipt(client: nats.NATS, worker_id: str, pid: int, request_i
     return sent
 
 
-async def test_an_unstreamed_request_of_a_paused_worker_runs_again_and_keeps_one_result(
-        nats_url):
+async def test_an_unstreamed_request_of_a_paused_worker_runs_again_and_keeps_one_result(nats_url):
     key = ("acme", REQUEST_ID)
-    async with Observed(await nats.connect(nats_url)) as seen, \
-            LocalStack(load_config(), StackOptions(workers=0, dispatcher=OPTIONS),
-                       nats_url=nats_url) as stack, \
-            worker_process(nats_url, "chat-first") as first_pid:
+    async with (
+        Observed(await nats.connect(nats_url)) as seen,
+        LocalStack(
+            load_config(), StackOptions(workers=0, dispatcher=OPTIONS), nats_url=nats_url
+        ) as stack,
+        worker_process(nats_url, "chat-first") as first_pid,
+    ):
         pool, held = stack.dispatcher.pool, stack.dispatcher.held
         await serving(pool, "chat-first")
-        stopped = await stop_on_receipt(seen.client, "chat-first", first_pid, REQUEST_ID,
-                                        signal.SIGSTOP)
+        stopped = await stop_on_receipt(
+            seen.client, "chat-first", first_pid, REQUEST_ID, signal.SIGSTOP
+        )
         await seen.publish(REQUEST_ID, max_tokens=TOKENS, input_tokens=LONG_PREFILL_TOKENS)
         await asyncio.wait_for(stopped.wait(), WAIT_S)
         # The second worker: half the first one's speed, so the first finishes first.
         params = load_engine_params(EXAMPLE_ENGINE)
-        async with KeyValueWriter(stack.nc, S.results_bucket) as results, \
-                SimEngine(params, time_scale=2.0) as engine, \
-                WorkerService(stack.nc, engine, endpoint="chat", worker_id="chat-second",
-                              subjects=S, results=results,
-                              settings=WorkerOptions(heartbeat_interval_s=0.2)) as second:
+        async with (
+            KeyValueWriter(stack.nc, S.results_bucket) as results,
+            SimEngine(params, time_scale=2.0) as engine,
+            WorkerService(
+                stack.nc,
+                engine,
+                endpoint="chat",
+                worker_id="chat-second",
+                subjects=S,
+                results=results,
+                settings=WorkerOptions(heartbeat_interval_s=0.2),
+            ) as second,
+        ):
 
             async def running_again():
-                return held.get(key) is not None and held.get(key).worker == "chat-second" \
+                return (
+                    held.get(key) is not None
+                    and held.get(key).worker == "chat-second"
                     and second.in_flight
+                )
 
             await eventually(running_again, timeout=WAIT_S, what="the request running again")
             assert stack.counted(stack.metrics.redispatched) == 1
@@ -205,10 +246,13 @@ async def test_an_unstreamed_request_of_a_paused_worker_runs_again_and_keeps_one
 
 
 async def test_a_streamed_request_of_a_paused_worker_ends_with_a_retryable_error(nats_url):
-    async with Observed(await nats.connect(nats_url)) as seen, \
-            LocalStack(load_config(), StackOptions(workers=0, dispatcher=OPTIONS),
-                       nats_url=nats_url) as stack, \
-            worker_process(nats_url, "chat-first") as first_pid:
+    async with (
+        Observed(await nats.connect(nats_url)) as seen,
+        LocalStack(
+            load_config(), StackOptions(workers=0, dispatcher=OPTIONS), nats_url=nats_url
+        ) as stack,
+        worker_process(nats_url, "chat-first") as first_pid,
+    ):
         await serving(stack.dispatcher.pool, "chat-first")
         await seen.publish(REQUEST_ID, max_tokens=TOKENS)
         scheduler = stack.dispatcher.scheduler
@@ -216,8 +260,9 @@ async def test_a_streamed_request_of_a_paused_worker_ends_with_a_retryable_error
         async def streaming():
             request = scheduler.running_request("acme", REQUEST_ID)
             # Tokens seen by the client and reported by a heartbeat.
-            return seen.tokens(REQUEST_ID) >= 20 and request is not None \
-                and request.output_charged > 0
+            return (
+                seen.tokens(REQUEST_ID) >= 20 and request is not None and request.output_charged > 0
+            )
 
         await eventually(streaming, timeout=WAIT_S, what="the request streaming")
         os.kill(first_pid, signal.SIGSTOP)
@@ -246,11 +291,15 @@ async def test_a_streamed_request_of_a_paused_worker_ends_with_a_retryable_error
 
 
 async def test_a_restarted_worker_s_streamed_request_fails_and_its_unstreamed_one_runs_again(
-        nats_url):
+    nats_url,
+):
     waiting = "waiting-1"
-    async with Observed(await nats.connect(nats_url)) as seen, \
-            LocalStack(load_config(), StackOptions(workers=0, dispatcher=NEVER_SILENT),
-                       nats_url=nats_url) as stack:
+    async with (
+        Observed(await nats.connect(nats_url)) as seen,
+        LocalStack(
+            load_config(), StackOptions(workers=0, dispatcher=NEVER_SILENT), nats_url=nats_url
+        ) as stack,
+    ):
         pool, scheduler = stack.dispatcher.pool, stack.dispatcher.scheduler
         async with worker_process(nats_url, "chat-first") as first_pid:
             await serving(pool, "chat-first")
@@ -262,8 +311,9 @@ async def test_a_restarted_worker_s_streamed_request_fails_and_its_unstreamed_on
                 return request is not None and request.output_charged > 0
 
             await eventually(streaming, timeout=WAIT_S, what="the request streaming")
-            killed = await stop_on_receipt(seen.client, "chat-first", first_pid, waiting,
-                                           signal.SIGKILL)
+            killed = await stop_on_receipt(
+                seen.client, "chat-first", first_pid, waiting, signal.SIGKILL
+            )
             await seen.publish(waiting, max_tokens=4, input_tokens=LONG_PREFILL_TOKENS)
             await asyncio.wait_for(killed.wait(), WAIT_S)
         # The supervisor's part: the same worker id in a new process.

@@ -13,18 +13,28 @@ from nats.aio.msg import Msg
 from broker_config.config import BrokerSettings, ConfigError, DispatcherOptions, load_config
 from broker_config.direct_get import DirectGetError
 from broker_config.kv_writer import PutError
-from broker_config.wire import (Completion, Completions, DoneEvent, Encoding, ErrorCode,
-                                StoredResult, SubmitRequest, Submission, Timings, encode)
+from broker_config.wire import (
+    Completion,
+    Completions,
+    DoneEvent,
+    Encoding,
+    ErrorCode,
+    StoredResult,
+    Submission,
+    SubmitRequest,
+    Timings,
+    encode,
+)
 from costmodel.units import NO_CAPACITY, Capacity, Usage
 from dispatcher.__main__ import build_parser, with_flags
 from dispatcher.admission.admit import HAND_BACK_S, Admission
-from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.pool import Lost, Worker, WorkerPool
-from dispatcher.fleet.drift import advertised_mu_per_s, at_limits
+from dispatcher.core.scheduler import Scheduler
 from dispatcher.dispatch.held import Held, HeldRequests
-from dispatcher.observe.metrics import DispatcherMetrics
-from dispatcher.intake.park import HDR_PARKED_AT, HDR_PARKED_ID, restore, stored_at
 from dispatcher.dispatch.reports import WorkerReports
+from dispatcher.fleet.drift import advertised_mu_per_s, at_limits
+from dispatcher.intake.park import HDR_PARKED_AT, HDR_PARKED_ID, restore, stored_at
+from dispatcher.observe.metrics import DispatcherMetrics
 from tests.core_support import make_config, req
 
 SUBJECTS = BrokerSettings().subjects
@@ -41,8 +51,9 @@ ACK = "$JS.ACK.FQ_{stream}.fq~{consumer}.1.17.5.1795997433664286007.2"  # stored
 
 
 def delivered(subject: str, headers: dict[str, str], stream: str, consumer: str) -> Msg:
-    return Msg(None, subject=subject, reply=ACK.format(stream=stream, consumer=consumer),
-               headers=headers)
+    return Msg(
+        None, subject=subject, reply=ACK.format(stream=stream, consumer=consumer), headers=headers
+    )
 
 
 def test_only_a_parked_copy_keeps_the_original_store_time_and_id():
@@ -51,12 +62,14 @@ def test_only_a_parked_copy_keeps_the_original_store_time_and_id():
     direct = delivered("fq.q.3.chat.acme", forged, "REQUESTS", "shard~3")
     assert stored_at(direct, SUBJECTS) == pytest.approx(1795997433.664286)
     # A parked copy: stored at its move, first stored at Fq-Parked-At, its id restored.
-    parked = delivered("fq.park.chat.acme", {"Nats-Msg-Id": "park-17", HDR_PARKED_ID: "r1",
-                                             HDR_PARKED_AT: "1700000000000000000"},
-                       "PARKED", "parked~acme")
+    parked = delivered(
+        "fq.park.chat.acme",
+        {"Nats-Msg-Id": "park-17", HDR_PARKED_ID: "r1", HDR_PARKED_AT: "1700000000000000000"},
+        "PARKED",
+        "parked~acme",
+    )
     assert stored_at(parked, SUBJECTS) == 1700000000.0
-    assert restore(parked).headers == {"Nats-Msg-Id": "r1",
-                                       HDR_PARKED_AT: "1700000000000000000"}
+    assert restore(parked).headers == {"Nats-Msg-Id": "r1", HDR_PARKED_AT: "1700000000000000000"}
 
 
 class HandedBack:
@@ -83,29 +96,46 @@ class RefusingResults:
         raise self.error
 
 
-def reports_holding_r1(msg, results, *, streamed: bool, reply: str | None = None,
-                       scheduler=None, probes=None, holds_lease=lambda: True
-                       ) -> tuple[WorkerReports, HeldRequests, DispatcherMetrics]:
+def reports_holding_r1(
+    msg,
+    results,
+    *,
+    streamed: bool,
+    reply: str | None = None,
+    scheduler=None,
+    probes=None,
+    holds_lease=lambda: True,
+) -> tuple[WorkerReports, HeldRequests, DispatcherMetrics]:
     """Worker reports whose dispatcher holds request r1 of acme, adopted on chat-w1."""
     config = load_config()
     metrics = DispatcherMetrics(list(config.endpoints))
     held = HeldRequests()
-    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), reply,
-                            Encoding.JSON)
-    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1",
-                                        streamed=streamed)
-    admission = Admission(config, config.dispatcher, SUBJECTS, None, None, None, held,
-                          results, metrics, dict)
-    reports = WorkerReports(config, SUBJECTS, scheduler or SimpleNamespace(endpoints={}),
-                            WorkerPool(timeout_s=math.inf), held, admission, metrics,
-                            asyncio.Event(), probes, holds_lease)
+    submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), reply, Encoding.JSON)
+    held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1", streamed=streamed)
+    admission = Admission(
+        config, config.dispatcher, SUBJECTS, None, None, None, held, results, metrics, dict
+    )
+    reports = WorkerReports(
+        config,
+        SUBJECTS,
+        scheduler or SimpleNamespace(endpoints={}),
+        WorkerPool(timeout_s=math.inf),
+        held,
+        admission,
+        metrics,
+        asyncio.Event(),
+        probes,
+        holds_lease,
+    )
     return reports, held, metrics
 
 
-@pytest.mark.parametrize("error", [PutError("results: no responders"),
-                                   DirectGetError("batch direct get: timeout")])
+@pytest.mark.parametrize(
+    "error", [PutError("results: no responders"), DirectGetError("batch direct get: timeout")]
+)
 async def test_a_streamed_request_whose_end_cannot_be_stored_is_handed_back_not_dropped(
-        error: Exception):
+    error: Exception,
+):
     msg = HandedBack()
     reports, held, metrics = reports_holding_r1(msg, RefusingResults(error), streamed=True)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
@@ -123,8 +153,12 @@ async def test_work_lost_while_the_lease_is_not_valid_waits_for_it_to_be_valid_a
     nothing: those requests may be the next holder's. Valid again, it takes them back."""
     msg = HandedBack()
     lease_valid = False
-    reports, held, _ = reports_holding_r1(msg, RefusingResults(PutError("results: no responders")),
-                                          streamed=True, holds_lease=lambda: lease_valid)
+    reports, held, _ = reports_holding_r1(
+        msg,
+        RefusingResults(PutError("results: no responders")),
+        streamed=True,
+        holds_lease=lambda: lease_valid,
+    )
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
     reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
     await reports.take_back(1.0)
@@ -156,15 +190,23 @@ class StoredResults:
         self.published.append((reply, event))
 
 
-def quiet_reports(results: StoredResults, probes=None, holds_lease=lambda: True
-                  ) -> tuple[WorkerReports, HeldRequests, Acked]:
+def quiet_reports(
+    results: StoredResults, probes=None, holds_lease=lambda: True
+) -> tuple[WorkerReports, HeldRequests, Acked]:
     """Reports holding request r1 of acme, adopted on chat-w1, which streamed nothing."""
     msg = Acked()
-    scheduler = SimpleNamespace(endpoints={}, complete=lambda *_: None, cancel=lambda *_: None,
-                                requeue=lambda *_: None)  # r1 is adopted: not in the core
-    reports, held, _ = reports_holding_r1(msg, results, streamed=False, reply="_INBOX.r1",
-                                          scheduler=scheduler, probes=probes,
-                                          holds_lease=holds_lease)
+    scheduler = SimpleNamespace(
+        endpoints={}, complete=lambda *_: None, cancel=lambda *_: None, requeue=lambda *_: None
+    )  # r1 is adopted: not in the core
+    reports, held, _ = reports_holding_r1(
+        msg,
+        results,
+        streamed=False,
+        reply="_INBOX.r1",
+        scheduler=scheduler,
+        probes=probes,
+        holds_lease=holds_lease,
+    )
     return reports, held, msg
 
 
@@ -172,10 +214,16 @@ async def test_a_quiet_request_gone_from_its_worker_is_answered_from_its_stored_
     """A short request finished between two heartbeats and its completion was lost (a
     broker node died under its worker): its stored result answers it, nothing runs it
     again."""
-    event = DoneEvent(id="r1", seq=2, text="ok", usage=Usage(4, 8, 0.0),
-                      timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0))
-    results = StoredResults({("acme", "r1"): StoredResult(tenant="acme", endpoint="chat",
-                                                          event=event, stored_at=1.0)})
+    event = DoneEvent(
+        id="r1",
+        seq=2,
+        text="ok",
+        usage=Usage(4, 8, 0.0),
+        timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0),
+    )
+    results = StoredResults(
+        {("acme", "r1"): StoredResult(tenant="acme", endpoint="chat", event=event, stored_at=1.0)}
+    )
     reports, held, msg = quiet_reports(results)
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
     reports.evicted(worker, Lost(adopted=[("acme", "r1")]))
@@ -198,8 +246,13 @@ async def test_a_quiet_request_whose_result_cannot_be_looked_up_goes_back_throug
 async def test_a_lease_that_lapses_during_the_lookup_leaves_the_work_for_when_it_is_valid():
     """The lookup is the long wait of a take-back: a pause there may hand the lease on,
     and what the lookup found is then the next holder's to act on."""
-    event = DoneEvent(id="r1", seq=2, text="ok", usage=Usage(4, 8, 0.0),
-                      timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0))
+    event = DoneEvent(
+        id="r1",
+        seq=2,
+        text="ok",
+        usage=Usage(4, 8, 0.0),
+        timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0),
+    )
     lease = {"valid": True}
 
     class LapsingResults(StoredResults):
@@ -212,11 +265,13 @@ async def test_a_lease_that_lapses_during_the_lookup_leaves_the_work_for_when_it
                 self.lapsed, lease["valid"] = True, False
             return await super().lookup(keys)
 
-    results = LapsingResults({("acme", "r1"): StoredResult(tenant="acme", endpoint="chat",
-                                                           event=event, stored_at=1.0)})
+    results = LapsingResults(
+        {("acme", "r1"): StoredResult(tenant="acme", endpoint="chat", event=event, stored_at=1.0)}
+    )
     reports, held, msg = quiet_reports(results, holds_lease=lambda: lease["valid"])
-    reports.evicted(Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0),
-                    Lost(adopted=[("acme", "r1")]))
+    reports.evicted(
+        Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0), Lost(adopted=[("acme", "r1")])
+    )
     await reports.take_back(0.0)
     assert msg.settled == [] and results.published == []
     assert held.get(("acme", "r1")) is not None
@@ -229,10 +284,16 @@ async def test_an_eviction_in_a_completions_message_is_taken_back_outside_its_lo
     """A failed probe answer in a completions message evicts its worker; taking back a
     request answered from its stored result completes it under the completions lock,
     which the message's handler holds: it must not wait for itself."""
-    event = DoneEvent(id="r1", seq=2, text="ok", usage=Usage(4, 8, 0.0),
-                      timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0))
-    results = StoredResults({("acme", "r1"): StoredResult(tenant="acme", endpoint="chat",
-                                                          event=event, stored_at=1.0)})
+    event = DoneEvent(
+        id="r1",
+        seq=2,
+        text="ok",
+        usage=Usage(4, 8, 0.0),
+        timings=Timings(queued_s=0.1, ttft_s=0.2, total_s=1.0),
+    )
+    results = StoredResults(
+        {("acme", "r1"): StoredResult(tenant="acme", endpoint="chat", event=event, stored_at=1.0)}
+    )
     worker = Worker("chat-w1", "chat", 1.0, NO_CAPACITY, 0.0)
 
     class FailedProbe:
@@ -240,9 +301,17 @@ async def test_an_eviction_in_a_completions_message_is_taken_back_outside_its_lo
             return worker, Lost(adopted=[("acme", "r1")])
 
     reports, held, msg = quiet_reports(results, probes=FailedProbe())
-    probe = Completion(id="probe-1", tenant="acme", endpoint="chat", worker_id="chat-w1",
-                       usage=Usage(1, 1, 0.0), code=ErrorCode.INTERNAL, stored=False,
-                       finished_at=1.0, probe=True)
+    probe = Completion(
+        id="probe-1",
+        tenant="acme",
+        endpoint="chat",
+        worker_id="chat-w1",
+        usage=Usage(1, 1, 0.0),
+        code=ErrorCode.INTERNAL,
+        stored=False,
+        finished_at=1.0,
+        probe=True,
+    )
     message = SimpleNamespace(data=encode(Completions([probe])), headers=None)
     taking_back = asyncio.create_task(reports.take_back_loop(tick_s=0.05))
     try:
@@ -284,9 +353,12 @@ def test_an_endpoint_is_at_its_limits_only_without_room_outside_a_held_reserve()
 def test_a_worker_without_a_sensible_capacity_counts_at_its_profiles():
     profile = load_config().profiles["llama-7b-sim"]
     worker = Worker("w1", "chat", 0.0, Capacity(1, 1, 1.0), 0.0)
-    for said, counted in ((12.5, 12.5), (0.0, profile.capacity_mu_per_s),
-                          (math.nan, profile.capacity_mu_per_s),
-                          (math.inf, profile.capacity_mu_per_s)):
+    for said, counted in (
+        (12.5, 12.5),
+        (0.0, profile.capacity_mu_per_s),
+        (math.nan, profile.capacity_mu_per_s),
+        (math.inf, profile.capacity_mu_per_s),
+    ):
         worker.mu_per_s = said
         assert advertised_mu_per_s(worker, profile) == counted
 

@@ -13,19 +13,31 @@ import pytest
 from broker_config import wire
 from broker_config.config import load_config
 from costmodel.capacity import ScalingPolicy
-from tests.local_stack import LocalStack
 from tests.dispatch.test_dataplane_e2e import collect, stack_options, submit
+from tests.local_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
 
 async def test_an_endpoint_without_workers_is_asked_for_one_by_its_first_requests(
-        nats_url: str) -> None:
+    nats_url: str,
+) -> None:
     config = load_config()
     chat = config.endpoints["chat"]
-    config = msgspec.structs.replace(config, endpoints={**config.endpoints, "chat": (
-        msgspec.structs.replace(chat, autoscale=ScalingPolicy(
-            min_replicas=0, max_replicas=4, cold_start_s=60.0, rate_window_s=5.0)))})
+    config = msgspec.structs.replace(
+        config,
+        endpoints={
+            **config.endpoints,
+            "chat": (
+                msgspec.structs.replace(
+                    chat,
+                    autoscale=ScalingPolicy(
+                        min_replicas=0, max_replicas=4, cold_start_s=60.0, rate_window_s=5.0
+                    ),
+                )
+            ),
+        },
+    )
     async with LocalStack(config, stack_options(workers=0), nats_url=nats_url) as stack:
         events: asyncio.Queue[wire.ScaleEvent] = asyncio.Queue()
 

@@ -15,9 +15,14 @@ import pytest
 
 from broker_config.config import parse_config
 from costmodel.capacity import DriftPolicy
+from tests.dispatch.test_dataplane_e2e import (
+    FAST,
+    collect,
+    load_engine_config_one_slot,
+    stack_options,
+    submit,
+)
 from tests.local_stack import LocalStack
-from tests.dispatch.test_dataplane_e2e import FAST, collect, load_engine_config_one_slot, \
-    stack_options, submit
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +34,8 @@ PREDICTED = {"right": TRUE_CAPACITY, "over": 4 * TRUE_CAPACITY, "under": TRUE_CA
 
 
 def drift_config():
-    profiles = "".join(f"""
+    profiles = "".join(
+        f"""
 [profiles.{name}]
 name = "{name}"
 alpha = 0.000125
@@ -40,26 +46,36 @@ profile = "{name}"
 cost = "model_units"
 latency_target_s = 3600.0
 max_tokens_cap = 64
-""" for name, capacity in PREDICTED.items())
-    return parse_config(profiles + """
+"""
+        for name, capacity in PREDICTED.items()
+    )
+    return parse_config(
+        profiles
+        + """
 [[tiers]]
 name = "standard"
 [tenants.acme]
 tier = "standard"
-""")
+"""
+    )
 
 
 async def test_a_wrong_profile_reads_out_of_band_and_is_warned_about(nats_url, caplog):
     caplog.set_level(logging.WARNING, logger="dispatcher.fleet.drift")
     options = stack_options(
-        endpoints=tuple(PREDICTED), time_scale=TIME_SCALE, engine=load_engine_config_one_slot(),
+        endpoints=tuple(PREDICTED),
+        time_scale=TIME_SCALE,
+        engine=load_engine_config_one_slot(),
         dispatcher=msgspec.structs.replace(
-            FAST, drift=DriftPolicy(window_s=6.0, min_full_s=3.0, warn_after_s=1.0)))
+            FAST, drift=DriftPolicy(window_s=6.0, min_full_s=3.0, warn_after_s=1.0)
+        ),
+    )
     async with LocalStack(drift_config(), options, nats_url=nats_url) as stack:
         # 1.6 model units each: 30 keep a replica busy for about 10 s.
         body = {"prompt": "hi", "max_tokens": 64}
-        subs = [(await submit(stack.nc, name, "acme", body))[1]
-                for _ in range(30) for name in PREDICTED]
+        subs = [
+            (await submit(stack.nc, name, "acme", body))[1] for _ in range(30) for name in PREDICTED
+        ]
         gauge = stack.metrics.drift
         readings: dict[str, float] = {}
         deadline = time.monotonic() + 30.0
@@ -79,5 +95,7 @@ async def test_a_wrong_profile_reads_out_of_band_and_is_warned_about(nats_url, c
 
 
 def warned(caplog, *endpoints: str) -> bool:
-    return all(any(f"endpoint {name}:" in record.getMessage() for record in caplog.records)
-               for name in endpoints)
+    return all(
+        any(f"endpoint {name}:" in record.getMessage() for record in caplog.records)
+        for name in endpoints
+    )

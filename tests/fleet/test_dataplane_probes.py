@@ -20,8 +20,15 @@ S = Subjects()
 WAIT_S = 20.0
 # Probe quickly: a worker holding work that completes nothing for 0.5 s is probed; two
 # probes unanswered for 0.5 s each evict it. No idle probes during a test.
-PROBING = DispatcherOptions(settle_s=0.2, tick_s=0.05, grace_s=0.0, probe_stall_s=0.5,
-                            probe_timeout_s=0.5, probe_failures=2, probe_idle_s=3600.0)
+PROBING = DispatcherOptions(
+    settle_s=0.2,
+    tick_s=0.05,
+    grace_s=0.0,
+    probe_stall_s=0.5,
+    probe_timeout_s=0.5,
+    probe_failures=2,
+    probe_idle_s=3600.0,
+)
 WORKERS = WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=0.5)
 
 
@@ -33,14 +40,17 @@ async def client(nats_url):
 
 
 def stack_options(workers: int) -> StackOptions:
-    return StackOptions(workers=workers, endpoints=("chat",), dispatcher=PROBING,
-                        workers_settings=WORKERS)
+    return StackOptions(
+        workers=workers, endpoints=("chat",), dispatcher=PROBING, workers_settings=WORKERS
+    )
 
 
 async def publish(js, rid: str, reply: str, max_tokens: int) -> None:
-    await js.publish(S.request("chat", "acme"),
-                     json.dumps({"prompt": "hello", "max_tokens": max_tokens}).encode(),
-                     headers={"Nats-Msg-Id": rid, "Fq-Reply": reply})
+    await js.publish(
+        S.request("chat", "acme"),
+        json.dumps({"prompt": "hello", "max_tokens": max_tokens}).encode(),
+        headers={"Nats-Msg-Id": rid, "Fq-Reply": reply},
+    )
 
 
 def finals(events: list[dict]) -> dict[str, list[dict]]:
@@ -95,7 +105,8 @@ async def test_a_hung_engine_is_found_by_probes_and_its_work_runs_elsewhere(nats
 
 
 async def test_a_request_that_streamed_before_its_worker_hung_ends_with_a_retryable_error(
-        nats_url, client):
+    nats_url, client
+):
     inbox = client.new_inbox()
     events = await collect(client, inbox)
     async with LocalStack(load_config(), stack_options(1), nats_url=nats_url) as stack:
@@ -106,8 +117,11 @@ async def test_a_request_that_streamed_before_its_worker_hung_ends_with_a_retrya
         async def streaming():
             request = scheduler.running_request("acme", "long")
             # A token seen by the client and reported by a heartbeat.
-            return request is not None and request.output_charged > 0 and any(
-                e["type"] == "token" for e in events)
+            return (
+                request is not None
+                and request.output_charged > 0
+                and any(e["type"] == "token" for e in events)
+            )
 
         await eventually(streaming, timeout=WAIT_S, what="the request streaming")
         stack.engines[0].faults.hang = True

@@ -11,8 +11,8 @@ import pytest
 
 from broker_config import wire
 from broker_config.config import load_config
-from tests.local_stack import LocalStack
 from tests.dispatch.test_dataplane_e2e import collect, stack_options, submit
+from tests.local_stack import LocalStack
 
 pytestmark = pytest.mark.integration
 
@@ -26,8 +26,9 @@ class BatchLog:
         self.worker_of: dict[str, str] = {}
 
     async def on_batch(self, msg) -> None:
-        batch = wire.BATCH.decode(msg.data, wire.Encoding.from_content_type(
-            (msg.headers or {}).get("Content-Type")))
+        batch = wire.BATCH.decode(
+            msg.data, wire.Encoding.from_content_type((msg.headers or {}).get("Content-Type"))
+        )
         for item in batch.items:
             self.worker_of[item.id] = batch.worker_id
 
@@ -38,8 +39,13 @@ async def turn(stack: LocalStack, log: BatchLog, n: int) -> dict[str, str]:
     owners = {}
     for session in SESSIONS:
         rid = f"{session}-turn{n}"
-        _, sub = await submit(stack.nc, "chat", "acme", {
-            "prompt": f"turn {n}", "max_tokens": 2, "session": session}, rid=rid)
+        _, sub = await submit(
+            stack.nc,
+            "chat",
+            "acme",
+            {"prompt": f"turn {n}", "max_tokens": 2, "session": session},
+            rid=rid,
+        )
         events = await collect(sub, timeout=20.0)
         assert events[-1]["type"] == "done", events[-1]
         owners[session] = log.worker_of[rid]
@@ -47,9 +53,11 @@ async def turn(stack: LocalStack, log: BatchLog, n: int) -> dict[str, str]:
 
 
 async def test_sessions_stay_on_their_worker_and_a_leaving_worker_moves_only_its_own(
-        nats_url: str) -> None:
-    async with LocalStack(load_config(), stack_options(workers=3, time_scale=0.005),
-                          nats_url=nats_url) as stack:
+    nats_url: str,
+) -> None:
+    async with LocalStack(
+        load_config(), stack_options(workers=3, time_scale=0.005), nats_url=nats_url
+    ) as stack:
         log = BatchLog()
         await stack.nc.subscribe(stack.config.subjects.batches("chat"), cb=log.on_batch)
         first = await turn(stack, log, 1)

@@ -20,14 +20,18 @@ import pytest
 from broker_config.cluster import EmbeddedNatsCluster
 from broker_config.config import EXAMPLE_ENGINE, BrokerSettings, WorkerOptions
 from broker_config.connection import server_urls
-from broker_config.lease_key import EpochWatch, ensure_leases_bucket
 from broker_config.jetstream import kv_stream
-from broker_config.streams import (apply_key_value, apply_stream, requests_stream_config,
-                                   results_bucket_config)
+from broker_config.lease_key import EpochWatch, ensure_leases_bucket
+from broker_config.streams import (
+    apply_key_value,
+    apply_stream,
+    requests_stream_config,
+    results_bucket_config,
+)
 from broker_config.subjects import Subjects
 from costmodel.engine_model import load_engine_params
-from workers.service import WorkerService
 from tests.local_stack import DELIVERY_CONFIG, CountingEngine
+from workers.service import WorkerService
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,9 +45,24 @@ CONFIG = "[broker]\nreplicas = 3\n" + DELIVERY_CONFIG
 
 def start_dispatcher(url: str, config: Path) -> tuple[subprocess.Popen, list[str]]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "dispatcher", "--nats", url, "--config", str(config),
-         "--grace", "5", "--ack-wait", str(ACK_WAIT_S)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "dispatcher",
+            "--nats",
+            url,
+            "--config",
+            str(config),
+            "--grace",
+            "5",
+            "--ack-wait",
+            str(ACK_WAIT_S),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
     return process, lines
@@ -57,10 +76,9 @@ async def publish(js, rid: str, tenant: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            await js.publish(f"fq.req.chat.{tenant}", body, timeout=2,
-                             headers={"Nats-Msg-Id": rid})
+            await js.publish(f"fq.req.chat.{tenant}", body, timeout=2, headers={"Nats-Msg-Id": rid})
             return
-        except (nats.errors.Error, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.Error):
             assert time.monotonic() < deadline, f"{rid} was never acknowledged"
             await asyncio.sleep(0.2)
 
@@ -71,8 +89,9 @@ async def test_killing_the_stream_leaders_node_under_load_costs_no_request(tmp_p
     config.write_text(CONFIG)
     async with EmbeddedNatsCluster(3) as cluster:
         dispatcher, output = start_dispatcher(cluster.url, config)
-        nc = await nats.connect(server_urls(cluster.url), max_reconnect_attempts=-1,
-                                reconnect_time_wait=0.2)
+        nc = await nats.connect(
+            server_urls(cluster.url), max_reconnect_attempts=-1, reconnect_time_wait=0.2
+        )
         finished: Counter = Counter()
         try:
             deadline = time.monotonic() + 30
@@ -82,15 +101,31 @@ async def test_killing_the_stream_leaders_node_under_load_costs_no_request(tmp_p
             js = nc.jetstream()
             results = await js.key_value(SUBJECTS.results_bucket)
             params = load_engine_params(EXAMPLE_ENGINE)
-            async with EpochWatch(js, SUBJECTS) as fence, \
-                    CountingEngine(params, time_scale=0.5, seed=1, finished=finished) as e1, \
-                    CountingEngine(params, time_scale=0.5, seed=2, finished=finished) as e2, \
-                    WorkerService(nc, e1, endpoint="chat", worker_id="w1", subjects=SUBJECTS,
-                                  results=results, fence=fence,
-                                  settings=WorkerOptions(heartbeat_interval_s=0.2)), \
-                    WorkerService(nc, e2, endpoint="chat", worker_id="w2", subjects=SUBJECTS,
-                                  results=results, fence=fence,
-                                  settings=WorkerOptions(heartbeat_interval_s=0.2)):
+            async with (
+                EpochWatch(js, SUBJECTS) as fence,
+                CountingEngine(params, time_scale=0.5, seed=1, finished=finished) as e1,
+                CountingEngine(params, time_scale=0.5, seed=2, finished=finished) as e2,
+                WorkerService(
+                    nc,
+                    e1,
+                    endpoint="chat",
+                    worker_id="w1",
+                    subjects=SUBJECTS,
+                    results=results,
+                    fence=fence,
+                    settings=WorkerOptions(heartbeat_interval_s=0.2),
+                ),
+                WorkerService(
+                    nc,
+                    e2,
+                    endpoint="chat",
+                    worker_id="w2",
+                    subjects=SUBJECTS,
+                    results=results,
+                    fence=fence,
+                    settings=WorkerOptions(heartbeat_interval_s=0.2),
+                ),
+            ):
                 ids = []
                 for i in range(600):
                     rid = f"c{i}"
@@ -107,10 +142,12 @@ async def test_killing_the_stream_leaders_node_under_load_costs_no_request(tmp_p
                 missing = set(ids)
                 while missing:
                     assert time.monotonic() < deadline, (
-                        f"{len(missing)} have no result\n" + "".join(output[-60:]))
+                        f"{len(missing)} have no result\n" + "".join(output[-60:])
+                    )
                     for rid in list(missing):
-                        key = SUBJECTS.result_key(("acme", "globex", "initech")[int(rid[1:]) % 3],
-                                                  rid)
+                        key = SUBJECTS.result_key(
+                            ("acme", "globex", "initech")[int(rid[1:]) % 3], rid
+                        )
                         try:
                             entry = await results.get(key)
                         except nats.js.errors.NotFoundError:
@@ -128,8 +165,10 @@ async def test_killing_the_stream_leaders_node_under_load_costs_no_request(tmp_p
             while left := (await js.stream_info(SUBJECTS.requests_stream)).state.messages:
                 assert time.monotonic() < deadline, f"{left} requests left in the stream"
                 await asyncio.sleep(0.2)
-            print(f"every result stored {results_at - killed_at:.1f} s after the kill, "
-                  f"the stream empty {time.monotonic() - killed_at:.1f} s after it")
+            print(
+                f"every result stored {results_at - killed_at:.1f} s after the kill, "
+                f"the stream empty {time.monotonic() - killed_at:.1f} s after it"
+            )
         finally:
             dispatcher.terminate()
             try:

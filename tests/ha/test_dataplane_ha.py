@@ -31,8 +31,7 @@ import pytest
 from broker_config.config import EXAMPLE_ENGINE, WorkerOptions
 from broker_config.lease_key import LEASE_KEY, EpochWatch, LeaseRecord
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from broker_config.wire import (BATCH, Batch, BatchItem, Encoding, Sampling, SubmitRequest,
-                                encode)
+from broker_config.wire import BATCH, Batch, BatchItem, Encoding, Sampling, SubmitRequest, encode
 from costmodel.engine_model import load_engine_params
 from tests.local_stack import DELIVERY_CONFIG, CountingEngine
 from workers.engine import EngineRequest
@@ -54,9 +53,24 @@ class DispatcherProcess:
         self.name = name
         self.nats_url = nats_url
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher", "--nats", nats_url, "--config", str(config),
-             "--ack-wait", "60", "--grace", "5"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "dispatcher",
+                "--nats",
+                nats_url,
+                "--config",
+                str(config),
+                "--ack-wait",
+                "60",
+                "--grace",
+                "5",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -137,7 +151,8 @@ class Observed:
         deadline = time.monotonic() + timeout
         while not ids <= set(self.finals):
             assert time.monotonic() < deadline, (
-                f"{len(ids - set(self.finals))} of {len(ids)} unfinished")
+                f"{len(ids - set(self.finals))} of {len(ids)} unfinished"
+            )
             await asyncio.sleep(0.05)
 
 
@@ -190,12 +205,26 @@ class Workers:
         js = self.nc.jetstream()
         results = await js.key_value(SUBJECTS.results_bucket)
         fence = await stack.enter_async_context(EpochWatch(js, SUBJECTS))
-        engine = await stack.enter_async_context(CountingEngine(
-            load_engine_params(EXAMPLE_ENGINE), time_scale=0.5, seed=len(self.stacks),
-            finished=self.finished))
-        self.services[worker_id] = await stack.enter_async_context(WorkerService(
-            self.nc, engine, endpoint="chat", worker_id=worker_id, subjects=SUBJECTS,
-            results=results, settings=FAST_HEARTBEATS, fence=fence))
+        engine = await stack.enter_async_context(
+            CountingEngine(
+                load_engine_params(EXAMPLE_ENGINE),
+                time_scale=0.5,
+                seed=len(self.stacks),
+                finished=self.finished,
+            )
+        )
+        self.services[worker_id] = await stack.enter_async_context(
+            WorkerService(
+                self.nc,
+                engine,
+                endpoint="chat",
+                worker_id=worker_id,
+                subjects=SUBJECTS,
+                results=results,
+                settings=FAST_HEARTBEATS,
+                fence=fence,
+            )
+        )
         self.stacks[worker_id] = stack
 
     async def stop(self, worker_id: str) -> None:
@@ -214,9 +243,14 @@ class Parts:
     config: Path
     started: list[DispatcherProcess]
 
-    async def publish(self, prefix: str, count: int, max_tokens: int = 24,
-                      tenants: tuple[str, ...] = ("acme", "globex", "initech"),
-                      into: set[str] | None = None) -> set[str]:
+    async def publish(
+        self,
+        prefix: str,
+        count: int,
+        max_tokens: int = 24,
+        tenants: tuple[str, ...] = ("acme", "globex", "initech"),
+        into: set[str] | None = None,
+    ) -> set[str]:
         """Publish `count` requests; each id is in `into` (or the result) before its
         publish, so a publish cut off by a cancel still counts."""
         ids = into if into is not None else set()
@@ -224,8 +258,11 @@ class Parts:
             rid = f"{prefix}{i}"
             ids.add(rid)
             body = json.dumps({"prompt": f"request {rid}", "max_tokens": max_tokens})
-            await self.js.publish(f"fq.req.chat.{tenants[i % len(tenants)]}", body.encode(),
-                                  headers={"Nats-Msg-Id": rid, "Fq-Reply": f"_INBOX.ha.{rid}"})
+            await self.js.publish(
+                f"fq.req.chat.{tenants[i % len(tenants)]}",
+                body.encode(),
+                headers={"Nats-Msg-Id": rid, "Fq-Reply": f"_INBOX.ha.{rid}"},
+            )
         return ids
 
     async def until_finished(self, count: int, timeout: float = 30.0) -> None:
@@ -271,10 +308,12 @@ async def test_a_standby_takes_over_from_a_dispatcher_killed_with_9(nats_url, tm
         assert taken_over and taken_over[0] - killed_at < 5.0
         unfinished = len(ids - set(parts.observed.finals))
         await parts.observed.all_done(ids | late, timeout=killed_at + 10.0 - time.monotonic())
-        print(f"after the kill: first batch {taken_over[0] - killed_at:.2f} s, the new "
-              f"request's first token {parts.observed.first_token['late0'] - killed_at:.2f} "
-              f"s, {unfinished} unfinished then, all done "
-              f"{time.monotonic() - killed_at:.2f} s")
+        print(
+            f"after the kill: first batch {taken_over[0] - killed_at:.2f} s, the new "
+            f"request's first token {parts.observed.first_token['late0'] - killed_at:.2f} "
+            f"s, {unfinished} unfinished then, all done "
+            f"{time.monotonic() - killed_at:.2f} s"
+        )
         await asyncio.sleep(2)  # anything run twice would answer within this
         parts.observed.check_exactly_once(ids | late, parts.workers.finished)
         assert pid_of(await parts.holder()) == parts.second.process.pid
@@ -284,13 +323,16 @@ async def long_output_seeds(tokens: int, count: int) -> list[int]:
     """Seeds for which LONG_PROMPT gives at least `tokens` output tokens on either test
     worker's engine (engine seeds 0 and 1): a seeded output is drawn from the prompt."""
     found = []
-    async with SimEngine(time_scale=0, seed=0) as first, \
-            SimEngine(time_scale=0, seed=1) as second:
+    async with SimEngine(time_scale=0, seed=0) as first, SimEngine(time_scale=0, seed=1) as second:
         for seed in range(400):
             lengths = []
             for engine in (first, second):
-                request = EngineRequest(f"probe-{seed}", LONG_MAX_TOKENS, prompt=LONG_PROMPT,
-                                        sampling=Sampling(seed=seed))
+                request = EngineRequest(
+                    f"probe-{seed}",
+                    LONG_MAX_TOKENS,
+                    prompt=LONG_PROMPT,
+                    sampling=Sampling(seed=seed),
+                )
                 *_, final = [delta async for delta in engine.generate(request)]
                 lengths.append(final.output_tokens)
             if min(lengths) >= tokens:
@@ -314,10 +356,16 @@ async def test_a_dispatcher_paused_past_its_lease_is_fenced_off(nats_url, tmp_pa
         for seed in await long_output_seeds(1200, 4):
             rid = f"long{seed}"
             ids.add(rid)
-            body = {"prompt": LONG_PROMPT, "max_tokens": LONG_MAX_TOKENS,
-                    "sampling": {"seed": seed}}
-            await parts.js.publish("fq.req.chat.acme", json.dumps(body).encode(),
-                                   headers={"Nats-Msg-Id": rid, "Fq-Reply": f"_INBOX.ha.{rid}"})
+            body = {
+                "prompt": LONG_PROMPT,
+                "max_tokens": LONG_MAX_TOKENS,
+                "sampling": {"seed": seed},
+            }
+            await parts.js.publish(
+                "fq.req.chat.acme",
+                json.dumps(body).encode(),
+                headers={"Nats-Msg-Id": rid, "Fq-Reply": f"_INBOX.ha.{rid}"},
+            )
         ids |= await parts.publish("p", 300)
         await parts.until_finished(30)
         longs = {rid for rid in ids if rid.startswith("long")}
@@ -331,13 +379,28 @@ async def test_a_dispatcher_paused_past_its_lease_is_fenced_off(nats_url, tmp_pa
         # A batch the paused process had in its socket's buffer, delivered as it wakes:
         # the workers refuse it, having seen the new epoch.
         await until(lambda: parts.workers.services["w1"]._fence.epoch > old_epoch)
-        stale = Batch(worker_id="w1", endpoint="chat", sent_at=time.time(), epoch=old_epoch,
-                      items=[BatchItem(id="stale", tenant="acme", endpoint="chat",
-                                       request=SubmitRequest(prompt="x", max_tokens=4),
-                                       max_tokens=4, enqueued_at=time.time(),
-                                       dispatched_at=time.time())])
-        await parts.nc.publish(SUBJECTS.work("chat", "w1"), encode(stale, Encoding.MSGPACK),
-                               headers={HDR_CONTENT_TYPE: Encoding.MSGPACK.content_type})
+        stale = Batch(
+            worker_id="w1",
+            endpoint="chat",
+            sent_at=time.time(),
+            epoch=old_epoch,
+            items=[
+                BatchItem(
+                    id="stale",
+                    tenant="acme",
+                    endpoint="chat",
+                    request=SubmitRequest(prompt="x", max_tokens=4),
+                    max_tokens=4,
+                    enqueued_at=time.time(),
+                    dispatched_at=time.time(),
+                )
+            ],
+        )
+        await parts.nc.publish(
+            SUBJECTS.work("chat", "w1"),
+            encode(stale, Encoding.MSGPACK),
+            headers={HDR_CONTENT_TYPE: Encoding.MSGPACK.content_type},
+        )
         # Paused past the dispatcher's worker timeout (5 s): on waking, it has heard no
         # worker for longer than that.
         await asyncio.sleep(max(0.0, paused_at + 6.5 - time.monotonic()))
@@ -357,8 +420,7 @@ async def test_a_dispatcher_paused_past_its_lease_is_fenced_off(nats_url, tmp_pa
 
 
 @pytest.mark.timeout(180)
-async def test_sigterm_hands_the_lease_over_within_a_second_and_loses_nothing(nats_url,
-                                                                              tmp_path):
+async def test_sigterm_hands_the_lease_over_within_a_second_and_loses_nothing(nats_url, tmp_path):
     async with system(nats_url, tmp_path) as parts:
         ids = await parts.publish("t", 300)
         await parts.until_finished(30)

@@ -9,8 +9,8 @@ import msgspec
 import nats
 import pytest
 
-from broker_config.config import BrokerSettings
 from broker_config import lease_key as lease_module
+from broker_config.config import BrokerSettings
 from broker_config.lease_key import (
     LEASE_KEY,
     EpochWatch,
@@ -29,8 +29,7 @@ TTL_S = 1.0
 @pytest.fixture
 async def kv(nats_url):
     nc = await nats.connect(nats_url)
-    bucket = await apply_key_value(nc.jetstream(),
-                                   leases_bucket_config(BrokerSettings(), TTL_S))
+    bucket = await apply_key_value(nc.jetstream(), leases_bucket_config(BrokerSettings(), TTL_S))
     yield bucket
     await nc.drain()
 
@@ -112,8 +111,7 @@ async def test_a_renewal_whose_answer_was_lost_keeps_the_lease(kv):
     await lease.acquire(kv)
     await lease._stop_renewals()
     # Stored by the server, its answer never seen: the revision held here is stale.
-    await kv.put(LEASE_KEY, msgspec.json.encode(LeaseRecord(holder="first",
-                                                             epoch=lease.epoch)))
+    await kv.put(LEASE_KEY, msgspec.json.encode(LeaseRecord(holder="first", epoch=lease.epoch)))
     lease._renewals = asyncio.create_task(lease._renew_loop())
     await asyncio.sleep(3 * TTL_S)
     assert lease.valid() and not lease.lost.is_set()
@@ -152,7 +150,8 @@ async def test_without_a_leases_bucket_every_epoch_is_admitted_until_one_is_seen
 
 
 async def test_a_worker_started_before_the_bucket_exists_is_fenced_once_it_does(
-        nats_url, monkeypatch):
+    nats_url, monkeypatch
+):
     monkeypatch.setattr(lease_module, "BUCKET_POLL_S", 0.1)
     nc = await nats.connect(nats_url)
     settings = BrokerSettings(prefix="late")

@@ -34,8 +34,8 @@ from broker_config.streams import (
 )
 from broker_config.subjects import HDR_MSG_ID, shard_of
 from costmodel.engine_model import load_engine_params
-from dispatcher.intake.shards import Intake
 from dispatcher.intake.park import Moved, Park, restore, stored_at
+from dispatcher.intake.shards import Intake
 from dispatcher.service import Dispatcher
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import api, eventually
@@ -57,18 +57,29 @@ async def client(nats_url):
 
 async def publish_backlog(js, tenant: str, count: int, *, reply: str | None = None) -> None:
     for first in range(0, count, 500):
-        await asyncio.gather(*(
-            js.publish(SUBJECTS.request("chat", tenant), BODY,
-                       headers={"Nats-Msg-Id": f"{tenant}-{i}",
-                                **({"Fq-Reply": reply} if reply else {})})
-            for i in range(first, min(count, first + 500))))
+        await asyncio.gather(
+            *(
+                js.publish(
+                    SUBJECTS.request("chat", tenant),
+                    BODY,
+                    headers={
+                        "Nats-Msg-Id": f"{tenant}-{i}",
+                        **({"Fq-Reply": reply} if reply else {}),
+                    },
+                )
+                for i in range(first, min(count, first + 500))
+            )
+        )
 
 
 def same_shard_as(tenant: str, prefix: str = "other") -> str:
     """A tenant name stored in the same shard as `tenant`."""
     shards = BrokerSettings().intake_shards
-    return next(f"{prefix}{i}" for i in range(1000)
-                if shard_of(f"{prefix}{i}", shards) == shard_of(tenant, shards))
+    return next(
+        f"{prefix}{i}"
+        for i in range(1000)
+        if shard_of(f"{prefix}{i}", shards) == shard_of(tenant, shards)
+    )
 
 
 async def ack_pending(js, consumer: str, stream: str = SUBJECTS.requests_stream) -> int:
@@ -99,6 +110,7 @@ async def test_a_deep_backlog_does_not_delay_a_tenant_of_the_same_shard(client):
     await js.publish(SUBJECTS.request("chat", newcomer), BODY, headers={"Nats-Msg-Id": "n1"})
     started = time.monotonic()
     async with Dispatcher(client, msgspec.structs.replace(load_config(), dispatcher=HOLD)):
+
         async def newcomer_queued():
             reply = await api(client, SUBJECTS.status(newcomer), {"id": "n1"})
             return reply["state"] == "queued"
@@ -111,15 +123,20 @@ async def test_a_deep_backlog_does_not_delay_a_tenant_of_the_same_shard(client):
         parked = SUBJECTS.parked_consumer("acme")
 
         async def acme_held_within_bound():
-            held = (await ack_pending(js, shard) - 1
-                    + await ack_pending(js, parked, SUBJECTS.parked_stream))
+            held = (
+                await ack_pending(js, shard)
+                - 1
+                + await ack_pending(js, parked, SUBJECTS.parked_stream)
+            )
             return 0 < held <= 2 * HOLD.tenant_window
 
         # Memory stays bounded once the moves that reached the newcomer are done.
         await eventually(acme_held_within_bound, what="acme holding at most twice its window")
+
         async def in_streams() -> int:
-            return ((await js.stream_info(SUBJECTS.requests_stream)).state.messages
-                    + (await js.stream_info(SUBJECTS.parked_stream)).state.messages)
+            return (await js.stream_info(SUBJECTS.requests_stream)).state.messages + (
+                await js.stream_info(SUBJECTS.parked_stream)
+            ).state.messages
 
         # Nothing lost, nothing copied twice, once the moves in flight are done (a move
         # is stored in the parked stream before its original is acked: for a moment both
@@ -153,20 +170,27 @@ async def test_moved_requests_keep_their_order_and_survive_a_restart(client):
             held.setdefault(SUBJECTS.tenant_of(msg.subject), []).append(msg)
 
     def intake():
-        return Intake(client, SUBJECTS, handler=handler,
-                      queued=lambda tenant: len(held.get(tenant, [])), in_hand=Counter,
-                      window=8, list_s=0.05, expires_s=0.5)
+        return Intake(
+            client,
+            SUBJECTS,
+            handler=handler,
+            queued=lambda tenant: len(held.get(tenant, [])),
+            in_hand=Counter,
+            window=8,
+            list_s=0.05,
+            expires_s=0.5,
+        )
 
     newcomer = same_shard_as("acme")
     for i in range(300):  # one after the other: the stream's order is the ids' order
-        await js.publish(SUBJECTS.request("chat", "acme"), BODY,
-                         headers={"Nats-Msg-Id": f"acme-{i}"})
+        await js.publish(
+            SUBJECTS.request("chat", "acme"), BODY, headers={"Nats-Msg-Id": f"acme-{i}"}
+        )
     await js.publish(SUBJECTS.request("chat", newcomer), BODY, headers={"Nats-Msg-Id": "n1"})
     async with intake():
         await eventually(lambda: asyncio.sleep(0, newcomer in held), what="the newcomer")
         assert len(held["acme"]) <= 16
-        await eventually(lambda: js.stream_info(SUBJECTS.parked_stream),
-                         what="parked stream")
+        await eventually(lambda: js.stream_info(SUBJECTS.parked_stream), what="parked stream")
     for msg in held.pop("acme"):  # as a dispatcher that stopped would: handed back
         await msg.nak()
     assert (await js.stream_info(SUBJECTS.parked_stream)).state.messages > 0
@@ -201,12 +225,16 @@ async def test_a_thousand_tenants_need_no_consumer_each(client):
             handled.add(msg.headers["Nats-Msg-Id"])
             await msg.ack()
 
-    async with Intake(client, SUBJECTS, handler=handler, queued=lambda tenant: 0,
-                      in_hand=Counter):
+    async with Intake(client, SUBJECTS, handler=handler, queued=lambda tenant: 0, in_hand=Counter):
         for first in range(0, 1000, 250):
-            await asyncio.gather(*(js.publish(SUBJECTS.request("chat", f"t{i}"), BODY,
-                                              headers={"Nats-Msg-Id": f"r{i}"})
-                                   for i in range(first, first + 250)))
+            await asyncio.gather(
+                *(
+                    js.publish(
+                        SUBJECTS.request("chat", f"t{i}"), BODY, headers={"Nats-Msg-Id": f"r{i}"}
+                    )
+                    for i in range(first, first + 250)
+                )
+            )
         await eventually(lambda: asyncio.sleep(0, len(handled) == 1000), what="all handled")
         consumers = await js.consumers_info(SUBJECTS.requests_stream)
         assert len(consumers) == BrokerSettings().intake_shards
@@ -215,10 +243,14 @@ async def test_a_thousand_tenants_need_no_consumer_each(client):
 
 async def test_a_lone_tenant_runs_more_than_its_window(nats_url, client):
     engine = msgspec.structs.replace(load_engine_params(EXAMPLE_ENGINE), max_sequences=32)
-    options = StackOptions(workers=1, endpoints=("chat",), time_scale=5.0, engine=engine,
-                           workers_settings=FAST_HEARTBEATS,
-                           dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05,
-                                                        tenant_window=4))
+    options = StackOptions(
+        workers=1,
+        endpoints=("chat",),
+        time_scale=5.0,
+        engine=engine,
+        workers_settings=FAST_HEARTBEATS,
+        dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05, tenant_window=4),
+    )
     async with LocalStack(load_config(), options, nats_url=nats_url):
         await publish_backlog(client.jetstream(), "acme", 40)
 
@@ -236,8 +268,9 @@ async def test_an_invalid_tenant_name_in_the_subject_is_answered(nats_url, clien
         sub = await client.subscribe(inbox)
         # A valid subject token, but not a valid tenant name (the contract allows
         # [A-Za-z0-9_-]): its shard's consumer reads it, so it is answered, not stranded.
-        await client.jetstream().publish("fq.req.chat.bad$name", BODY,
-                                         headers={"Nats-Msg-Id": "x1", "Fq-Reply": inbox})
+        await client.jetstream().publish(
+            "fq.req.chat.bad$name", BODY, headers={"Nats-Msg-Id": "x1", "Fq-Reply": inbox}
+        )
         event = json.loads((await sub.next_msg(timeout=10)).data)
         assert (event["type"], event["code"]) == ("error", "invalid_request")
 
@@ -260,17 +293,24 @@ name = "all"
 policy = "admit"
 tier = "all"
 """)
-    options = StackOptions(workers=1, endpoints=("chat",), time_scale=0.02,
-                           workers_settings=FAST_HEARTBEATS,
-                           dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05))
+    options = StackOptions(
+        workers=1,
+        endpoints=("chat",),
+        time_scale=0.02,
+        workers_settings=FAST_HEARTBEATS,
+        dispatcher=DispatcherOptions(settle_s=0.2, tick_s=0.05),
+    )
     async with LocalStack(config, options, nats_url=nats_url):
         js = client.jetstream()
         inbox = client.new_inbox()
         sub = await client.subscribe(f"{inbox}.*")
 
         async def run_one(rid: str) -> dict:
-            await js.publish(SUBJECTS.request("chat", "walker"), BODY,
-                             headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{inbox}.{rid}"})
+            await js.publish(
+                SUBJECTS.request("chat", "walker"),
+                BODY,
+                headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{inbox}.{rid}"},
+            )
             while True:
                 event = json.loads((await sub.next_msg(timeout=15)).data)
                 if event["type"] in ("done", "error"):
@@ -285,8 +325,7 @@ tier = "all"
 async def test_an_upgrade_strands_nothing_stored_before_the_shards(client) -> None:
     js = client.jetstream()
     # The last release: no subject transform, a consumer per tenant holding a request.
-    before = dataclasses.replace(requests_stream_config(BrokerSettings()),
-                                 subject_transform=None)
+    before = dataclasses.replace(requests_stream_config(BrokerSettings()), subject_transform=None)
     await js.add_stream(before)
     await js.publish(SUBJECTS.request("chat", "acme"), BODY, headers={HDR_MSG_ID: "a1"})
     old = ConsumerSpec("fq~tenant~acme", "fq.req.*.acme")
@@ -340,11 +379,14 @@ async def test_a_move_keeps_the_request_as_sent_and_a_refused_one_stays_held(cli
         assert await park.move([third]) == [Moved.REFUSED]
     info = await js.consumer_info(SUBJECTS.requests_stream, "test")
     assert info.num_ack_pending == 1  # still held (not acked, not nak'd)
-    parked = await js.pull_subscribe(SUBJECTS.parked_tenant_filter("acme"), "test",
-                                     stream=SUBJECTS.parked_stream)
+    parked = await js.pull_subscribe(
+        SUBJECTS.parked_tenant_filter("acme"), "test", stream=SUBJECTS.parked_stream
+    )
     copies = [restore(msg) for msg in await parked.fetch(2, timeout=5)]
-    submissions = [wire.parse_submission(msg.subject, msg.data, msg.headers, SUBJECTS)
-                   for msg in copies]
+    submissions = [
+        wire.parse_submission(msg.subject, msg.data, msg.headers, SUBJECTS) for msg in copies
+    ]
     assert [s.id for s in submissions] == ["a1", "a2"]
     assert [stored_at(msg, SUBJECTS) for msg in copies] == [
-        jetstream.delivery_of(msg.reply)[0] for msg in (first, second)]
+        jetstream.delivery_of(msg.reply)[0] for msg in (first, second)
+    ]

@@ -25,10 +25,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bench.consumers import tenant_consumer
 from broker_config.auth import build_users, render_auth_config
 from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
-from bench.consumers import tenant_consumer
 from broker_config.streams import ensure_consumer, provision
 from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, HDR_REPLY, Subjects, shard_of
 from broker_config.wire import (
@@ -121,27 +121,38 @@ async def no_interest(nc: NATS, subject: str, fq: Client) -> bool:
     return False
 
 
-async def publish_events(nc: NATS, subject: str, events: list[Event],
-                         encoding: Encoding = Encoding.JSON) -> None:
+async def publish_events(
+    nc: NATS, subject: str, events: list[Event], encoding: Encoding = Encoding.JSON
+) -> None:
     for event in events:
-        await nc.publish(subject, encode(event, encoding),
-                         headers={HDR_CONTENT_TYPE: encoding.content_type})
+        await nc.publish(
+            subject, encode(event, encoding), headers={HDR_CONTENT_TYPE: encoding.content_type}
+        )
     await nc.flush()
 
 
 def done_event(request_id: str, text: str = "Hello world", seq: int = 2) -> DoneEvent:
-    return DoneEvent(id=request_id, seq=seq, text=text, usage=Usage(5, 2, 0.06),
-                     timings=Timings(queued_s=0.2, ttft_s=0.3, total_s=0.4),
-                     metadata={"job": "7"})
+    return DoneEvent(
+        id=request_id,
+        seq=seq,
+        text=text,
+        usage=Usage(5, 2, 0.06),
+        timings=Timings(queued_s=0.2, ttft_s=0.3, total_s=0.4),
+        metadata={"job": "7"},
+    )
 
 
 def answer(request_id: str) -> list[Event]:
-    return [TokenEvent(request_id, 0, "Hello"), TokenEvent(request_id, 1, " world"),
-            done_event(request_id)]
+    return [
+        TokenEvent(request_id, 0, "Hello"),
+        TokenEvent(request_id, 1, " world"),
+        done_event(request_id),
+    ]
 
 
-async def play_worker(nc: NATS, js: JetStreamContext, tenant: str,
-                      events: Callable[[str], list[Event]]) -> dict[str, str]:
+async def play_worker(
+    nc: NATS, js: JetStreamContext, tenant: str, events: Callable[[str], list[Event]]
+) -> dict[str, str]:
     """Take the next stored request, answer it in its encoding, ack it; return its headers."""
     consumer = tenant_consumer(S, tenant)
     await ensure_consumer(js, S.requests_stream, consumer)
@@ -156,8 +167,10 @@ async def play_worker(nc: NATS, js: JetStreamContext, tenant: str,
 
 async def respond(nc: NATS, subject: str, reply: Callable[[bytes], bytes]):
     """A fake dispatcher API: answers every request on `subject` with `reply(body)`."""
+
     async def handler(msg: Msg) -> None:
         await msg.respond(reply(msg.data))
+
     subscription = await nc.subscribe(subject, cb=handler)
     await nc.flush()  # the server knows the responder before the test calls it
     return subscription
@@ -167,11 +180,20 @@ async def respond(nc: NATS, subject: str, reply: Callable[[bytes], bytes]):
 
 
 async def test_submit_returns_after_puback_with_the_exact_contract_message(
-        client: Client, js: JetStreamContext) -> None:
+    client: Client, js: JetStreamContext
+) -> None:
     deadline = time.time() + 60
-    submitted = await client.submit("chat", "acme", prompt="Hello", max_tokens=8, priority=2,
-                                    deadline=deadline, session="s1", metadata={"job": "7"},
-                                    id="r-1")
+    submitted = await client.submit(
+        "chat",
+        "acme",
+        prompt="Hello",
+        max_tokens=8,
+        priority=2,
+        deadline=deadline,
+        session="s1",
+        metadata={"job": "7"},
+        id="r-1",
+    )
     assert (submitted.id, submitted.stream_seq, submitted.duplicate) == ("r-1", 1, False)
     assert submitted.reply_subject is not None and submitted.reply_subject.startswith("_INBOX.")
     assert client.listening == 1
@@ -179,10 +201,20 @@ async def test_submit_returns_after_puback_with_the_exact_contract_message(
     subject, headers, body = await stored(js, submitted.stream_seq)
     # Published to fq.req.chat.acme, stored in acme's shard (the stream's transform).
     assert subject == f"fq.q.{shard_of('acme', BrokerSettings().intake_shards)}.chat.acme"
-    assert headers == {HDR_MSG_ID: "r-1", HDR_REPLY: submitted.reply_subject,
-                       HDR_CONTENT_TYPE: "application/json"}
-    assert json.loads(body) == {"id": "r-1", "prompt": "Hello", "max_tokens": 8, "priority": 2,
-                                "deadline": deadline, "session": "s1", "metadata": {"job": "7"}}
+    assert headers == {
+        HDR_MSG_ID: "r-1",
+        HDR_REPLY: submitted.reply_subject,
+        HDR_CONTENT_TYPE: "application/json",
+    }
+    assert json.loads(body) == {
+        "id": "r-1",
+        "prompt": "Hello",
+        "max_tokens": 8,
+        "priority": 2,
+        "deadline": deadline,
+        "session": "s1",
+        "metadata": {"job": "7"},
+    }
     # What the dispatcher will make of it.
     submission = parse_submission(subject, body, headers, S)
     assert (submission.endpoint, submission.tenant, submission.id) == ("chat", "acme", "r-1")
@@ -191,20 +223,28 @@ async def test_submit_returns_after_puback_with_the_exact_contract_message(
 
 
 async def test_submit_msgpack_with_messages_and_a_generated_id(
-        client: Client, js: JetStreamContext) -> None:
-    submitted = await client.submit("chat", "acme", messages=[{"role": "user", "content": "Hi"}],
-                                    encoding=Encoding.MSGPACK)
+    client: Client, js: JetStreamContext
+) -> None:
+    submitted = await client.submit(
+        "chat", "acme", messages=[{"role": "user", "content": "Hi"}], encoding=Encoding.MSGPACK
+    )
     assert len(submitted.id) == 32 and submitted.encoding is Encoding.MSGPACK
     subject, headers, body = await stored(js, submitted.stream_seq)
-    assert headers == {HDR_MSG_ID: submitted.id, HDR_REPLY: submitted.reply_subject,
-                       HDR_CONTENT_TYPE: "application/msgpack"}
-    assert msgspec.msgpack.decode(body) == {"id": submitted.id,
-                                            "messages": [{"role": "user", "content": "Hi"}]}
+    assert headers == {
+        HDR_MSG_ID: submitted.id,
+        HDR_REPLY: submitted.reply_subject,
+        HDR_CONTENT_TYPE: "application/msgpack",
+    }
+    assert msgspec.msgpack.decode(body) == {
+        "id": submitted.id,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
     assert parse_submission(subject, body, headers, S).encoding is Encoding.MSGPACK
 
 
 async def test_submit_without_reply_subject_sends_no_fq_reply(
-        client: Client, js: JetStreamContext) -> None:
+    client: Client, js: JetStreamContext
+) -> None:
     submitted = await client.submit("chat", "acme", prompt="x", id="async-1", reply=False)
     assert submitted.reply_subject is None and client.listening == 0
     _, headers, _ = await stored(js, submitted.stream_seq)
@@ -213,10 +253,10 @@ async def test_submit_without_reply_subject_sends_no_fq_reply(
         await anext(client.stream(submitted))
 
 
-async def test_submit_to_an_explicit_reply_subject(client: Client, js: JetStreamContext,
-                                                   nc: NATS) -> None:
-    submitted = await client.submit("chat", "acme", prompt="x", reply="results.acme.r-9",
-                                    id="r-9")
+async def test_submit_to_an_explicit_reply_subject(
+    client: Client, js: JetStreamContext, nc: NATS
+) -> None:
+    submitted = await client.submit("chat", "acme", prompt="x", reply="results.acme.r-9", id="r-9")
     _, headers, _ = await stored(js, submitted.stream_seq)
     assert headers[HDR_REPLY] == "results.acme.r-9"
     await publish_events(nc, "results.acme.r-9", answer("r-9"))
@@ -226,8 +266,9 @@ async def test_submit_to_an_explicit_reply_subject(client: Client, js: JetStream
         await client.submit("chat", "acme", prompt="x", reply="fq.req.chat.globex")
 
 
-async def test_duplicate_id_is_flagged_and_stored_once(client: Client,
-                                                       js: JetStreamContext) -> None:
+async def test_duplicate_id_is_flagged_and_stored_once(
+    client: Client, js: JetStreamContext
+) -> None:
     first = await client.submit("chat", "acme", prompt="x", id="dup-1")
     again = await client.submit("chat", "acme", prompt="x", id="dup-1")
     assert not first.duplicate and again.duplicate
@@ -238,7 +279,8 @@ async def test_duplicate_id_is_flagged_and_stored_once(client: Client,
 
 
 async def test_full_backlog_raises_backlog_full_and_spares_other_tenants(
-        client: Client, js: JetStreamContext, nc: NATS) -> None:
+    client: Client, js: JetStreamContext, nc: NATS
+) -> None:
     for i in range(CAP):
         await client.submit("chat", "acme", prompt="x", id=f"acme-{i}")
     listening = client.listening
@@ -259,27 +301,36 @@ async def test_full_backlog_raises_backlog_full_and_spares_other_tenants(
 
 async def test_publish_without_provisioned_stream_fails_clearly(nats_url: str) -> None:
     async with Client.connect(nats_url, allow_reconnect=False) as fq:
-        with pytest.raises(PublishFailed, match="no JetStream stream stores fq.req.chat.acme.*"
-                                                "FQ_REQUESTS"):
+        with pytest.raises(
+            PublishFailed, match="no JetStream stream stores fq.req.chat.acme.*FQ_REQUESTS"
+        ):
             await fq.submit("chat", "acme", prompt="x")
         assert fq.listening == 0
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]},
-     "exactly one of `prompt` and `messages`.*both"),
-    ({}, "exactly one of `prompt` and `messages`.*neither"),
-    ({"prompt": "x", "max_tokens": 0}, r"Expected `int` >= 1 - at `\$.max_tokens`"),
-    ({"prompt": "x", "max_tokens": True},
-     r"Expected `int \| null`, got `bool` - at `\$.max_tokens`"),
-    ({"prompt": "x", "id": "has space"}, "invalid request id 'has space'"),
-    ({"prompt": "x", "deadline": math.nan}, "`deadline` must be a finite"),
-    ({"messages": [{"role": "user", "text": "y"}]}, "unknown field `text`"),
-    ({"prompt": "x", "metadata": {"n": 1}}, r"Expected `str`, got `int` - at `\$.metadata"),
-    ({"prompt": "x", "images": [object()]}, "cannot encode the request: .*object"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"prompt": "x", "messages": [{"role": "user", "content": "y"}]},
+            "exactly one of `prompt` and `messages`.*both",
+        ),
+        ({}, "exactly one of `prompt` and `messages`.*neither"),
+        ({"prompt": "x", "max_tokens": 0}, r"Expected `int` >= 1 - at `\$.max_tokens`"),
+        (
+            {"prompt": "x", "max_tokens": True},
+            r"Expected `int \| null`, got `bool` - at `\$.max_tokens`",
+        ),
+        ({"prompt": "x", "id": "has space"}, "invalid request id 'has space'"),
+        ({"prompt": "x", "deadline": math.nan}, "`deadline` must be a finite"),
+        ({"messages": [{"role": "user", "text": "y"}]}, "unknown field `text`"),
+        ({"prompt": "x", "metadata": {"n": 1}}, r"Expected `str`, got `int` - at `\$.metadata"),
+        ({"prompt": "x", "images": [object()]}, "cannot encode the request: .*object"),
+    ],
+)
 async def test_local_validation_rejects_before_sending(
-        client: Client, js: JetStreamContext, kwargs: dict, message: str) -> None:
+    client: Client, js: JetStreamContext, kwargs: dict, message: str
+) -> None:
     with pytest.raises(InvalidRequest, match=message) as caught:
         await client.submit("chat", "acme", **kwargs)
     assert caught.value.code is ErrorCode.INVALID_REQUEST
@@ -288,11 +339,15 @@ async def test_local_validation_rejects_before_sending(
 
 
 async def test_a_request_over_the_brokers_largest_message_is_an_invalid_request(
-        client: Client, js: JetStreamContext) -> None:
+    client: Client, js: JetStreamContext
+) -> None:
     limit = client.connection.max_payload
-    with pytest.raises(InvalidRequest, match=rf"bytes with its headers, over the broker's "
-                                             rf"largest message \({limit} bytes, its "
-                                             rf"max_payload\)"):
+    with pytest.raises(
+        InvalidRequest,
+        match=rf"bytes with its headers, over the broker's "
+        rf"largest message \({limit} bytes, its "
+        rf"max_payload\)",
+    ):
         await client.submit("chat", "acme", prompt="x" * limit)
     # The body alone fits; with its headers (the server counts them) it does not.
     body_fits = limit - len(b'{"prompt":""}') - 10
@@ -302,13 +357,17 @@ async def test_a_request_over_the_brokers_largest_message_is_an_invalid_request(
     assert await stream_count(js) == 0
 
 
-@pytest.mark.parametrize(("endpoint", "tenant", "message"), [
-    ("chat", "ac me", "invalid tenant 'ac me'"),
-    ("chat.v2", "acme", "invalid endpoint 'chat.v2'"),
-    ("chat", "", "invalid tenant ''"),
-])
-async def test_bad_subject_tokens_are_rejected(client: Client, js: JetStreamContext,
-                                               endpoint: str, tenant: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("endpoint", "tenant", "message"),
+    [
+        ("chat", "ac me", "invalid tenant 'ac me'"),
+        ("chat.v2", "acme", "invalid endpoint 'chat.v2'"),
+        ("chat", "", "invalid tenant ''"),
+    ],
+)
+async def test_bad_subject_tokens_are_rejected(
+    client: Client, js: JetStreamContext, endpoint: str, tenant: str, message: str
+) -> None:
     with pytest.raises(InvalidRequest, match=message):
         await client.submit(endpoint, tenant, prompt="x")
     assert await stream_count(js) == 0
@@ -317,13 +376,15 @@ async def test_bad_subject_tokens_are_rejected(client: Client, js: JetStreamCont
 # -- events ----------------------------------------------------------------------------------
 
 
-async def test_stream_yields_events_until_the_first_final_one(
-        client: Client, nc: NATS) -> None:
+async def test_stream_yields_events_until_the_first_final_one(client: Client, nc: NATS) -> None:
     submitted = await client.submit("chat", "acme", prompt="Hello", id="r-1")
     assert submitted.reply_subject is not None
     stray = TokenEvent("someone-else", 0, "not ours")
-    await publish_events(nc, submitted.reply_subject,
-                         [stray, *answer("r-1"), done_event("r-1"), TokenEvent("r-1", 3, "late")])
+    await publish_events(
+        nc,
+        submitted.reply_subject,
+        [stray, *answer("r-1"), done_event("r-1"), TokenEvent("r-1", 3, "late")],
+    )
     events = [e async for e in client.stream(submitted, timeout_s=WAIT_S)]
     assert events == answer("r-1")
     assert client.listening == 0
@@ -331,12 +392,14 @@ async def test_stream_yields_events_until_the_first_final_one(
 
 
 async def test_stream_decodes_by_the_event_content_type(client: Client, nc: NATS) -> None:
-    submitted = await client.submit("chat", "acme", prompt="Hello", id="r-2",
-                                    encoding=Encoding.MSGPACK)
+    submitted = await client.submit(
+        "chat", "acme", prompt="Hello", id="r-2", encoding=Encoding.MSGPACK
+    )
     assert submitted.reply_subject is not None
     error = ErrorEvent("r-2", ErrorCode.RATE_LIMITED, "slow down", retry_after_s=1.5)
-    await publish_events(nc, submitted.reply_subject, [TokenEvent("r-2", 0, "Hé"), error],
-                         Encoding.MSGPACK)
+    await publish_events(
+        nc, submitted.reply_subject, [TokenEvent("r-2", 0, "Hé"), error], Encoding.MSGPACK
+    )
     events = [e async for e in client.stream(submitted, timeout_s=WAIT_S)]
     assert events == [TokenEvent("r-2", 0, "Hé"), error]
 
@@ -364,8 +427,7 @@ async def test_malformed_event_is_an_error_not_a_silent_drop(client: Client, nc:
         await anext(client.stream(submitted, timeout_s=WAIT_S))
 
 
-async def test_run_returns_the_done_event(client: Client, nc: NATS,
-                                          js: JetStreamContext) -> None:
+async def test_run_returns_the_done_event(client: Client, nc: NATS, js: JetStreamContext) -> None:
     worker = asyncio.create_task(play_worker(nc, js, "acme", answer))
     done = await client.run("chat", "acme", prompt="Hello", id="run-1", timeout_s=WAIT_S)
     assert done == done_event("run-1")
@@ -373,8 +435,9 @@ async def test_run_returns_the_done_event(client: Client, nc: NATS,
     assert client.listening == 0
 
 
-async def test_run_raises_request_failed_on_an_error_event(client: Client, nc: NATS,
-                                                           js: JetStreamContext) -> None:
+async def test_run_raises_request_failed_on_an_error_event(
+    client: Client, nc: NATS, js: JetStreamContext
+) -> None:
     error = ErrorEvent("run-2", ErrorCode.QUOTA_EXCEEDED, "monthly quota used up")
     worker = asyncio.create_task(play_worker(nc, js, "acme", lambda _: [error]))
     with pytest.raises(RequestFailed, match="run-2 failed: quota_exceeded: monthly") as caught:
@@ -384,8 +447,7 @@ async def test_run_raises_request_failed_on_an_error_event(client: Client, nc: N
     assert client.listening == 0
 
 
-async def test_stream_of_a_duplicate_collects_the_stored_result(client: Client,
-                                                                nc: NATS) -> None:
+async def test_stream_of_a_duplicate_collects_the_stored_result(client: Client, nc: NATS) -> None:
     await client.submit("chat", "acme", prompt="x", id="dup-2", reply=False)
     again = await client.submit("chat", "acme", prompt="x", id="dup-2")
     assert again.duplicate
@@ -416,8 +478,11 @@ async def test_apis_without_a_dispatcher_raise_no_dispatcher_quickly(client: Cli
 
 
 async def test_api_replies_are_decoded(client: Client, nc: NATS) -> None:
-    await respond(nc, S.status("acme"), lambda body: encode(
-        StatusReply(json.loads(body)["id"], "queued", position=3)))
+    await respond(
+        nc,
+        S.status("acme"),
+        lambda body: encode(StatusReply(json.loads(body)["id"], "queued", position=3)),
+    )
     await respond(nc, S.cancel("acme"), lambda body: b'{"id":"r-1","cancelled":true}')
     depth = DepthReply([DepthEntry("chat", "gold", "acme", 12, 4, 0.8)])
     await respond(nc, S.depth, lambda body: encode(depth) if json.loads(body) == {} else b"")
@@ -481,17 +546,22 @@ async def test_wrapped_connection_is_left_open(nc: NATS, js: JetStreamContext) -
     assert await no_interest(nc, submitted.reply_subject, fq)  # close() dropped it
 
 
-async def test_tenant_user_submits_and_streams_through_its_own_inbox(
-        nats_binary: Path) -> None:
+async def test_tenant_user_submits_and_streams_through_its_own_inbox(nats_binary: Path) -> None:
     config = render_auth_config(build_users(S, {"acme": "acme-pw"}, {"svc": "svc-pw"}))
     async with EmbeddedNatsServer(binary=nats_binary, config=config) as server:
-        service = await nats.connect(server.url, user="svc", password="svc-pw",
-                                     max_reconnect_attempts=0)
+        service = await nats.connect(
+            server.url, user="svc", password="svc-pw", max_reconnect_attempts=0
+        )
         try:
             await provision(service.jetstream(timeout=5), SETTINGS)
-            async with Client.connect(server.url, user="acme", password="acme-pw",
-                                      tenant_inboxes="acme", allow_reconnect=False,
-                                      api_timeout_s=2.0) as fq:
+            async with Client.connect(
+                server.url,
+                user="acme",
+                password="acme-pw",
+                tenant_inboxes="acme",
+                allow_reconnect=False,
+                api_timeout_s=2.0,
+            ) as fq:
                 submitted = await fq.submit("chat", "acme", prompt="Hello", id="t-1")
                 assert submitted.stream_seq == 1
                 assert submitted.reply_subject is not None
@@ -515,8 +585,12 @@ async def test_tenant_user_submits_and_streams_through_its_own_inbox(
 
 def test_depth_trend_and_table() -> None:
     first = DepthReply([DepthEntry("chat", "gold", "acme", 10, 2, 1.25, 100, 4)])
-    second = DepthReply([DepthEntry("chat", "gold", "acme", 4, 4, 0.5, 130, 10),
-                         DepthEntry("chat", "free", "zed", 6, 0, 3.0, 6, 0)])
+    second = DepthReply(
+        [
+            DepthEntry("chat", "gold", "acme", 4, 4, 0.5, 130, 10),
+            DepthEntry("chat", "free", "zed", 6, 0, 3.0, 6, 0),
+        ]
+    )
     trend = DepthTrend()
     assert trend.update(first, 100.0) == {}
     changes = trend.update(second, 102.0)
@@ -526,8 +600,17 @@ def test_depth_trend_and_table() -> None:
 
     table = render_depth(second, changes, "TITLE").splitlines()
     assert table[0] == "TITLE  queues=2 queued=10 running=4"
-    assert table[2].split() == ["ENDPOINT", "TIER", "TENANT", "QUEUED", "RUNNING", "OLDEST",
-                                "WAIT", "ADMITTED/S", "REJECTED/S"]
+    assert table[2].split() == [
+        "ENDPOINT",
+        "TIER",
+        "TENANT",
+        "QUEUED",
+        "RUNNING",
+        "OLDEST",
+        "WAIT",
+        "ADMITTED/S",
+        "REJECTED/S",
+    ]
     assert table[3].split() == ["chat", "free", "zed", "6", "0", "3.0s", "3.0", "0.0"]
     assert table[4].split() == ["chat", "gold", "acme", "4", "4", "0.5s", "15.0", "3.0"]
     assert render_depth(DepthReply([]), {}, "T").splitlines()[-1] == "(no traffic yet)"
@@ -544,56 +627,115 @@ def test_top_never_shows_credentials() -> None:
 
 async def fairq(*args: str) -> tuple[int, str, str]:
     """Run `fairq ARGS` as a child process; (exit code, stdout, stderr)."""
-    env = {k: v for k, v in os.environ.items()
-           if k != "NATS_URL" and not k.startswith("FAIRQ_NATS_")}
+    env = {
+        k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("FAIRQ_NATS_")
+    }
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.cli", *args, cwd=REPO, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "producers.cli",
+        *args,
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), timeout=30)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
 
 async def test_cli_submit_no_wait_prints_the_id(nats_url: str, js: JetStreamContext) -> None:
-    code, out, err = await fairq("submit", "--nats", nats_url, "--endpoint", "chat",
-                                 "--tenant", "acme", "--prompt", "Hello", "--max-tokens", "4",
-                                 "--id", "cli-1", "--no-wait")
+    code, out, err = await fairq(
+        "submit",
+        "--nats",
+        nats_url,
+        "--endpoint",
+        "chat",
+        "--tenant",
+        "acme",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "4",
+        "--id",
+        "cli-1",
+        "--no-wait",
+    )
     assert (code, out, err) == (0, "cli-1\n", "")
     _, headers, body = await stored(js, 1)
     assert HDR_REPLY not in headers
     assert json.loads(body) == {"id": "cli-1", "prompt": "Hello", "max_tokens": 4}
 
 
-async def test_cli_submit_streams_the_answer(nats_url: str, nc: NATS,
-                                             js: JetStreamContext) -> None:
+async def test_cli_submit_streams_the_answer(nats_url: str, nc: NATS, js: JetStreamContext) -> None:
     worker = asyncio.create_task(play_worker(nc, js, "acme", answer))
-    code, out, err = await fairq("submit", "--nats", nats_url, "--endpoint", "chat",
-                                 "--tenant", "acme", "--messages",
-                                 '[{"role":"user","content":"Hi"}]', "--msgpack",
-                                 "--priority", "3", "--deadline-in", "60", "--id", "cli-2")
+    code, out, err = await fairq(
+        "submit",
+        "--nats",
+        nats_url,
+        "--endpoint",
+        "chat",
+        "--tenant",
+        "acme",
+        "--messages",
+        '[{"role":"user","content":"Hi"}]',
+        "--msgpack",
+        "--priority",
+        "3",
+        "--deadline-in",
+        "60",
+        "--id",
+        "cli-2",
+    )
     headers = await worker
     assert headers[HDR_CONTENT_TYPE] == "application/msgpack"
     assert (code, out) == (0, "Hello world\n")
-    assert err.startswith("done id=cli-2 input_tokens=5 output_tokens=2 model_units=0.06 "
-                          "queued=0.200s ttft=0.300s total=0.400s")
+    assert err.startswith(
+        "done id=cli-2 input_tokens=5 output_tokens=2 model_units=0.06 "
+        "queued=0.200s ttft=0.300s total=0.400s"
+    )
 
 
-async def test_cli_submit_error_event_exits_nonzero(nats_url: str, nc: NATS,
-                                                    js: JetStreamContext) -> None:
+async def test_cli_submit_error_event_exits_nonzero(
+    nats_url: str, nc: NATS, js: JetStreamContext
+) -> None:
     def events(request_id: str) -> list[Event]:
         return [ErrorEvent(request_id, ErrorCode.RATE_LIMITED, "slow down", retry_after_s=2)]
 
     worker = asyncio.create_task(play_worker(nc, js, "acme", events))
-    code, out, err = await fairq("submit", "--nats", nats_url, "--endpoint", "chat",
-                                 "--tenant", "acme", "--prompt", "Hi", "--id", "cli-3")
+    code, out, err = await fairq(
+        "submit",
+        "--nats",
+        nats_url,
+        "--endpoint",
+        "chat",
+        "--tenant",
+        "acme",
+        "--prompt",
+        "Hi",
+        "--id",
+        "cli-3",
+    )
     await worker
     assert (code, out) == (1, "")
     assert err == "fairq submit: request cli-3 failed: rate_limited: slow down (retry after 2s)\n"
 
 
 async def test_cli_invalid_request_is_one_line(nats_url: str, js: JetStreamContext) -> None:
-    code, out, err = await fairq("submit", "--nats", nats_url, "--endpoint", "chat",
-                                 "--tenant", "acme", "--prompt", "Hi", "--max-tokens", "0")
+    code, out, err = await fairq(
+        "submit",
+        "--nats",
+        nats_url,
+        "--endpoint",
+        "chat",
+        "--tenant",
+        "acme",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "0",
+    )
     assert (code, out) == (2, "")
     assert err == "fairq submit: invalid body: Expected `int` >= 1 - at `$.max_tokens`\n"
 
@@ -615,8 +757,11 @@ async def test_cli_top_once_prints_the_table(nats_url: str, nc: NATS) -> None:
 
 
 async def test_cli_status_and_cancel_print_json(nats_url: str, nc: NATS) -> None:
-    await respond(nc, S.status("acme"), lambda body: encode(
-        StatusReply("r-1", "done", result=done_event("r-1"))))
+    await respond(
+        nc,
+        S.status("acme"),
+        lambda body: encode(StatusReply("r-1", "done", result=done_event("r-1"))),
+    )
     await respond(nc, S.cancel("acme"), lambda body: b'{"id":"r-1","cancelled":false}')
     code, out, err = await fairq("status", "--nats", nats_url, "--tenant", "acme", "r-1")
     assert (code, err) == (0, "")

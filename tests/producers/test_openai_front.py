@@ -62,8 +62,12 @@ limits.chat = {{ monthly_quota_tokens = 5 }}
 idle_timeout_s = {IDLE_S}
 max_body_bytes = {MAX_BODY}
 keys = [
-{"".join(f'  {{ tenant = "{t}", sha256 = "{hashlib.sha256(k.encode()).hexdigest()}" }},{chr(10)}'
-         for t, k in KEYS.items())}]
+{
+    "".join(
+        f'  {{ tenant = "{t}", sha256 = "{hashlib.sha256(k.encode()).hexdigest()}" }},{chr(10)}'
+        for t, k in KEYS.items()
+    )
+}]
 """
 
 
@@ -76,12 +80,14 @@ class Up:
         self.nats_url = values["NATS_URL"]
 
     def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=key or self.key, max_retries=0,
-                             timeout=30.0)
+        return openai.OpenAI(
+            base_url=self.base_url, api_key=key or self.key, max_retries=0, timeout=30.0
+        )
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.key, max_retries=0,
-                                  timeout=30.0)
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.key, max_retries=0, timeout=30.0
+        )
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +103,36 @@ def fairq_up(directory: Path, time_scale: float) -> Iterator[Up]:
     config = directory / "fairq.toml"
     config.write_text(EXAMPLE_CONFIG.read_text() + EXTRA_CONFIG)
     process = subprocess.Popen(
-        [sys.executable, "-m", "producers.cli", "up", "--port", "0", "--config", str(config),
-         "--workers", "chat=1,embed=1,lonely=0", "--time-scale", str(time_scale),
-         "--metrics-port", "0", "--front-port", "0", "--log-dir", str(directory / "logs")],
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "producers.cli",
+            "up",
+            "--port",
+            "0",
+            "--config",
+            str(config),
+            "--workers",
+            "chat=1,embed=1,lonely=0",
+            "--time-scale",
+            str(time_scale),
+            "--metrics-port",
+            "0",
+            "--front-port",
+            "0",
+            "--log-dir",
+            str(directory / "logs"),
+        ],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout or ()],
-                     daemon=True).start()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in process.stdout or ()], daemon=True
+    ).start()
     values: dict[str, str] = {}
     deadline = time.monotonic() + START_S
     seen: list[str] = []
@@ -128,8 +156,12 @@ def fairq_up(directory: Path, time_scale: float) -> Iterator[Up]:
 
 
 def chat(**fields: object) -> dict[str, object]:
-    return {"model": "chat", "messages": [{"role": "user", "content": "Hello there"}],
-            "max_tokens": 24, **fields}
+    return {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 24,
+        **fields,
+    }
 
 
 def test_models_and_a_chat_completion(up: Up) -> None:
@@ -151,7 +183,8 @@ async def test_an_async_stream_has_the_text_a_finish_reason_usage_and_done(up: U
     client = up.async_client()
     whole = (await client.chat.completions.create(**chat(seed=11))).choices[0]
     stream = await client.chat.completions.create(
-        **chat(seed=11), stream=True, stream_options={"include_usage": True})
+        **chat(seed=11), stream=True, stream_options={"include_usage": True}
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -169,13 +202,18 @@ def test_completions_honour_a_stop_string_and_stream(up: Up) -> None:
     words = first.choices[0].text.split(" ")
     assert first.object == "text_completion" and len(words) > 4, first
     stop = " " + words[3]
-    second = client.completions.create(model="chat", prompt="Once", max_tokens=32, seed=3,
-                                       stop=[stop])
+    second = client.completions.create(
+        model="chat", prompt="Once", max_tokens=32, seed=3, stop=[stop]
+    )
     text = second.choices[0].text
     assert second.choices[0].finish_reason == "stop"
     assert stop not in text and first.choices[0].text.startswith(text + stop)
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-        model="chat", prompt="Once", max_tokens=32, seed=3, stop=[stop], stream=True))
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model="chat", prompt="Once", max_tokens=32, seed=3, stop=[stop], stream=True
+        )
+    )
     assert streamed == text
 
 
@@ -199,9 +237,10 @@ def test_embeddings_are_vectors_equal_for_equal_inputs(up: Up) -> None:
     assert abs(sum(v * v for v in vectors[0]) - 1.0) < 1e-6
     assert answer.usage.prompt_tokens > 0
     request = urllib.request.Request(
-        f"{up.base_url}/embeddings", headers={"Authorization": f"Bearer {up.key}"},
-        data=json.dumps({"model": "embed", "input": "alpha", "encoding_format": "base64"}
-                        ).encode())
+        f"{up.base_url}/embeddings",
+        headers={"Authorization": f"Bearer {up.key}"},
+        data=json.dumps({"model": "embed", "input": "alpha", "encoding_format": "base64"}).encode(),
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         packed = base64.b64decode(json.load(response)["data"][0]["embedding"])
     assert struct.unpack(f"<{len(packed) // 4}f", packed) == pytest.approx(vectors[0], rel=1e-6)
@@ -217,11 +256,15 @@ def test_every_error_has_the_status_an_openai_client_expects(up: Up) -> None:
     client = up.client()
     bad = error_of(lambda: client.chat.completions.create(**chat(temperature=5)))
     assert bad.status_code == 400 and "temperature" in bad.message
-    tools = error_of(lambda: client.chat.completions.create(
-        **chat(tools=[{"type": "function", "function": {"name": "f"}}])))
+    tools = error_of(
+        lambda: client.chat.completions.create(
+            **chat(tools=[{"type": "function", "function": {"name": "f"}}])
+        )
+    )
     assert tools.status_code == 400 and isinstance(tools, openai.BadRequestError)
-    assert isinstance(error_of(lambda: up.client("fq-nobody").models.list()),
-                      openai.AuthenticationError)
+    assert isinstance(
+        error_of(lambda: up.client("fq-nobody").models.list()), openai.AuthenticationError
+    )
     missing = error_of(lambda: client.chat.completions.create(**chat(model="gpt-9")))
     assert isinstance(missing, openai.NotFoundError) and missing.code == "model_not_found"
 
@@ -233,8 +276,11 @@ def test_every_error_has_the_status_an_openai_client_expects(up: Up) -> None:
     broke = error_of(lambda: up.client(KEYS["broke"]).chat.completions.create(**chat()))
     assert broke.status_code == 429 and broke.code == "quota_exceeded"
 
-    late = error_of(lambda: client.chat.completions.create(
-        **chat(extra_body={"fairq": {"deadline": time.time() - 5}})))
+    late = error_of(
+        lambda: client.chat.completions.create(
+            **chat(extra_body={"fairq": {"deadline": time.time() - 5}})
+        )
+    )
     assert late.status_code == 504 and late.code == "deadline_exceeded"
     time.sleep(GRACE_S)  # since the dispatcher's start: long past already, but be sure
     nobody = error_of(lambda: client.chat.completions.create(**chat(model="lonely")))
@@ -251,8 +297,11 @@ def test_every_error_has_the_status_an_openai_client_expects(up: Up) -> None:
 
 
 def test_http_limits_answer_413_and_close_idle_connections(up: Up) -> None:
-    big = error_of(lambda: up.client().chat.completions.create(
-        model="chat", messages=[{"role": "user", "content": "x" * MAX_BODY}]))
+    big = error_of(
+        lambda: up.client().chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "x" * MAX_BODY}]
+        )
+    )
     assert big.status_code == 413
     host, port = up.base_url.removeprefix("http://").split("/")[0].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as idle:
@@ -267,8 +316,10 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(up: Up) -> No
     unseeded draw from the id can be a few tokens, done before the client leaves."""
     client = up.async_client()
     stream = await client.chat.completions.create(
-        **chat(max_tokens=1024, seed=await long_output_seed(1000)), stream=True,
-        extra_body={"fairq": {"metadata": {"test": "leave"}}})
+        **chat(max_tokens=1024, seed=await long_output_seed(1000)),
+        stream=True,
+        extra_body={"fairq": {"metadata": {"test": "leave"}}},
+    )
     first = await anext(aiter(stream))
     request_id = first.id.removeprefix("chatcmpl-")
     await stream.close()
@@ -283,15 +334,29 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(up: Up) -> No
 
 def test_the_front_runs_alone_and_prints_where_it_serves(up: Up, tmp_path: Path) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "producers.openai_front", "--nats", up.nats_url, "--port", "0",
-         "--dev-key-for", "globex"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "producers.openai_front",
+            "--nats",
+            up.nats_url,
+            "--port",
+            "0",
+            "--dev-key-for",
+            "globex",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert process.stdout is not None
         base = process.stdout.readline().strip().removeprefix("OPENAI_BASE_URL=")
         key = process.stdout.readline().strip().removeprefix("OPENAI_API_KEY=")
-        answer = openai.OpenAI(base_url=base, api_key=key, max_retries=0).chat.completions \
-            .create(**chat())
+        answer = openai.OpenAI(base_url=base, api_key=key, max_retries=0).chat.completions.create(
+            **chat()
+        )
         assert answer.choices[0].message.content
         assert json.loads(answer.model_dump_json())["model"] == "chat"
     finally:
@@ -306,16 +371,18 @@ async def long_output_seed(tokens: int) -> int:
     message = ChatMessage(**chat()["messages"][0])  # type: ignore[index]
     async with SimEngine(time_scale=0) as engine:
         for seed in range(100):
-            request = EngineRequest(f"probe-{seed}", 1024, messages=[message],
-                                    sampling=Sampling(seed=seed))
+            request = EngineRequest(
+                f"probe-{seed}", 1024, messages=[message], sampling=Sampling(seed=seed)
+            )
             *_, final = [delta async for delta in engine.generate(request)]
             if final.output_tokens >= tokens:
                 return seed
     raise AssertionError(f"no seed below 100 gives {tokens} tokens")
 
 
-async def test_a_lost_worker_is_a_500_or_an_error_in_the_stream(tmp_path: Path,
-                                                                 nats_binary: Path) -> None:
+async def test_a_lost_worker_is_a_500_or_an_error_in_the_stream(
+    tmp_path: Path, nats_binary: Path
+) -> None:
     """The chat worker is killed while two long requests stream on it (engine time at
     scale 1: 1,024 tokens take 25 s): once the dispatcher knows both had streamed output,
     they end with `internal`, which the front answers with 500 before any output and as

@@ -43,45 +43,68 @@ def test_a_front_user_may_act_only_for_the_tenants_it_serves() -> None:
 
 
 async def test_the_front_serves_with_its_own_credentials_on_a_broker_with_users(
-        nats_binary: Path) -> None:
+    nats_binary: Path,
+) -> None:
     config, acme_key = with_dev_key(load_config(), "acme")
     config, globex_key = with_dev_key(config, "globex")  # a key the broker will not honour
     config = msgspec.structs.replace(
-        config, dispatcher=msgspec.structs.replace(config.dispatcher, tenant_inboxes=True,
-                                                   settle_s=0.2))
+        config,
+        dispatcher=msgspec.structs.replace(config.dispatcher, tenant_inboxes=True, settle_s=0.2),
+    )
     users = render_auth_config(build_users(SUBJECTS, TENANTS, SERVICES, FRONTS))
-    async with (EmbeddedNatsServer(binary=nats_binary, config=users) as server,
-                contextlib.AsyncExitStack() as stack):
-        nc = await nats.connect(server.url, user="fq-service", password="service-secret",
-                                max_reconnect_attempts=0)
+    async with (
+        EmbeddedNatsServer(binary=nats_binary, config=users) as server,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        nc = await nats.connect(
+            server.url, user="fq-service", password="service-secret", max_reconnect_attempts=0
+        )
         stack.push_async_callback(nc.close)
         dispatcher = await stack.enter_async_context(Dispatcher(nc, config))
         results = await nc.jetstream().key_value(dispatcher.subjects.results_bucket)
         engine = await stack.enter_async_context(SimEngine(time_scale=0.0))
-        await stack.enter_async_context(WorkerService(
-            nc, engine, endpoint="chat", worker_id="w1", subjects=dispatcher.subjects,
-            results=results))
-        client = await stack.enter_async_context(await Client.connect(
-            server.url, user="front", password="front-secret",
-            inbox_prefix=front_inbox_prefix("front"), publish_timeout_s=1.0))
+        await stack.enter_async_context(
+            WorkerService(
+                nc,
+                engine,
+                endpoint="chat",
+                worker_id="w1",
+                subjects=dispatcher.subjects,
+                results=results,
+            )
+        )
+        client = await stack.enter_async_context(
+            await Client.connect(
+                server.url,
+                user="front",
+                password="front-secret",
+                inbox_prefix=front_inbox_prefix("front"),
+                publish_timeout_s=1.0,
+            )
+        )
         front = await stack.enter_async_context(
-            FrontServer(Front(client, config, KeyRing(config.front.keys)), config.front, 0))
+            FrontServer(Front(client, config, KeyRing(config.front.keys)), config.front, 0)
+        )
 
-        acme = openai.AsyncOpenAI(base_url=front.base_url, api_key=acme_key, max_retries=0,
-                                  timeout=30.0)
+        acme = openai.AsyncOpenAI(
+            base_url=front.base_url, api_key=acme_key, max_retries=0, timeout=30.0
+        )
         answer = await acme.chat.completions.create(
-            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
         assert answer.choices[0].message.content
         stream = await acme.chat.completions.create(
-            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-            stream=True)
+            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
         assert "".join([c.choices[0].delta.content or "" async for c in stream])
         await acme.close()
 
-        globex = openai.AsyncOpenAI(base_url=front.base_url, api_key=globex_key,
-                                    max_retries=0, timeout=30.0)
+        globex = openai.AsyncOpenAI(
+            base_url=front.base_url, api_key=globex_key, max_retries=0, timeout=30.0
+        )
         with pytest.raises(openai.APIStatusError) as refused:
             await globex.chat.completions.create(
-                model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+                model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+            )
         assert refused.value.status_code == 503 and "globex" in refused.value.message
         await globex.close()

@@ -22,17 +22,27 @@ from dispatcher.core.types import Outcome, Request
 from producers.openai_front import openai_wire as ow
 from producers.openai_front.keys import KeyRing, key_hash, new_key, with_dev_key
 
-STATUS = {"invalid_request": 400, "unknown_tenant": 401, "unknown_endpoint": 404,
-          "rate_limited": 429, "quota_exceeded": 429, "overloaded": 429,
-          "deadline_exceeded": 504, "cancelled": 499, "internal": 500, "unavailable": 503}
+STATUS = {
+    "invalid_request": 400,
+    "unknown_tenant": 401,
+    "unknown_endpoint": 404,
+    "rate_limited": 429,
+    "quota_exceeded": 429,
+    "overloaded": 429,
+    "deadline_exceeded": 504,
+    "cancelled": 499,
+    "internal": 500,
+    "unavailable": 503,
+}
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))
 def test_every_contract_error_has_an_http_status_and_openai_body(code: ErrorCode) -> None:
     error = ow.error_for(code, "why", retry_after_s=2.5)
     assert error.status == STATUS[code]
-    assert error.body() == {"error": {"message": "why", "type": error.type, "param": None,
-                                      "code": str(code)}}
+    assert error.body() == {
+        "error": {"message": "why", "type": error.type, "param": None, "code": str(code)}
+    }
 
 
 def chat(**fields: object) -> ow.ChatRequest:
@@ -41,14 +51,28 @@ def chat(**fields: object) -> ow.ChatRequest:
 
 
 def test_a_chat_request_becomes_a_submit_with_sampling_and_extensions() -> None:
-    fields = ow.chat_submit(chat(temperature=0.2, stop="END", seed=1, max_completion_tokens=9,
-                                 max_tokens=5, logprobs=True, top_logprobs=2, top_k=4,
-                                 user="u", response_format={"type": "text"},
-                                 fairq={"priority": 3, "session": "s"}))
-    assert fields == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
-                      "sampling": {"temperature": 0.2, "stop": ["END"], "seed": 1,
-                                   "top_k": 4, "logprobs": 2},
-                      "priority": 3, "session": "s"}
+    fields = ow.chat_submit(
+        chat(
+            temperature=0.2,
+            stop="END",
+            seed=1,
+            max_completion_tokens=9,
+            max_tokens=5,
+            logprobs=True,
+            top_logprobs=2,
+            top_k=4,
+            user="u",
+            response_format={"type": "text"},
+            fairq={"priority": 3, "session": "s"},
+        )
+    )
+    assert fields == {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 9,
+        "sampling": {"temperature": 0.2, "stop": ["END"], "seed": 1, "top_k": 4, "logprobs": 2},
+        "priority": 3,
+        "session": "s",
+    }
     assert ow.chat_submit(chat())["sampling"] is None
 
 
@@ -64,9 +88,14 @@ def test_image_parts_must_be_data_urls() -> None:
     assert caught.value.status == 400 and caught.value.param == "messages[0].content"
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 2}, "n"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"top_logprobs": 2}, "top_logprobs")])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
 def test_what_the_front_cannot_honour_is_refused_by_name(fields: dict, param: str) -> None:
     with pytest.raises(ow.FrontError) as caught:
         ow.chat_submit(chat(**fields))
@@ -84,27 +113,48 @@ def test_bad_json_and_wrong_types_are_400s_naming_the_field() -> None:
 def test_completions_take_one_prompt_and_default_to_16_tokens() -> None:
     def completion(**fields: object) -> dict:
         body = {"model": "chat", **fields}
-        return ow.completion_submit(ow.decode_body(msgspec.json.encode(body),
-                                                   ow.CompletionRequest))
+        return ow.completion_submit(ow.decode_body(msgspec.json.encode(body), ow.CompletionRequest))
+
     assert completion(prompt=["once"], logprobs=0) == {
-        "prompt": "once", "max_tokens": 16, "sampling": {"logprobs": 0}}
+        "prompt": "once",
+        "max_tokens": 16,
+        "sampling": {"logprobs": 0},
+    }
     for bad in ({"prompt": ["a", "b"]}, {"prompt": [1, 2]}, {"prompt": "a", "echo": True}):
         with pytest.raises(ow.FrontError):
             completion(**bad)
 
 
 def test_logprobs_in_both_of_openais_shapes() -> None:
-    entries = [TokenLogprob("He", -0.1, [TopLogprob("He", -0.1), TopLogprob("A", -2.0)]),
-               TokenLogprob("y", -0.5, [TopLogprob("y", -0.5)])]
-    assert ow.chat_logprobs(entries) == {"content": [
-        {"token": "He", "logprob": -0.1, "bytes": [72, 101], "top_logprobs": [
-            {"token": "He", "logprob": -0.1, "bytes": [72, 101]},
-            {"token": "A", "logprob": -2.0, "bytes": [65]}]},
-        {"token": "y", "logprob": -0.5, "bytes": [121],
-         "top_logprobs": [{"token": "y", "logprob": -0.5, "bytes": [121]}]}]}
+    entries = [
+        TokenLogprob("He", -0.1, [TopLogprob("He", -0.1), TopLogprob("A", -2.0)]),
+        TokenLogprob("y", -0.5, [TopLogprob("y", -0.5)]),
+    ]
+    assert ow.chat_logprobs(entries) == {
+        "content": [
+            {
+                "token": "He",
+                "logprob": -0.1,
+                "bytes": [72, 101],
+                "top_logprobs": [
+                    {"token": "He", "logprob": -0.1, "bytes": [72, 101]},
+                    {"token": "A", "logprob": -2.0, "bytes": [65]},
+                ],
+            },
+            {
+                "token": "y",
+                "logprob": -0.5,
+                "bytes": [121],
+                "top_logprobs": [{"token": "y", "logprob": -0.5, "bytes": [121]}],
+            },
+        ]
+    }
     assert ow.completion_logprobs(entries, offset=3) == {
-        "tokens": ["He", "y"], "token_logprobs": [-0.1, -0.5],
-        "top_logprobs": [{"He": -0.1, "A": -2.0}, {"y": -0.5}], "text_offset": [3, 5]}
+        "tokens": ["He", "y"],
+        "token_logprobs": [-0.1, -0.5],
+        "top_logprobs": [{"He": -0.1, "A": -2.0}, {"y": -0.5}],
+        "text_offset": [3, 5],
+    }
     assert ow.chat_logprobs(None) is None and ow.completion_logprobs(None) is None
 
 
@@ -119,12 +169,12 @@ def test_keys_are_stored_hashed_and_name_their_tenant() -> None:
 
 
 def test_front_keys_in_the_config_are_checked() -> None:
-    base = ('[endpoints.chat]\n[[tiers]]\nname = "t"\n[tenants.acme]\ntier = "t"\n'
-            '[front]\nkeys = [')
+    base = '[endpoints.chat]\n[[tiers]]\nname = "t"\n[tenants.acme]\ntier = "t"\n[front]\nkeys = ['
     digest = key_hash("k")
     with pytest.raises(ConfigError, match="front.keys`: every key must be distinct"):
-        parse_config(base + f'{{tenant="acme", sha256="{digest}"}}, '
-                            f'{{tenant="acme", sha256="{digest}"}}]')
+        parse_config(
+            base + f'{{tenant="acme", sha256="{digest}"}}, {{tenant="acme", sha256="{digest}"}}]'
+        )
     with pytest.raises(ConfigError, match=r"front.keys\[0\].tenant`: not a tenant"):
         parse_config(base + f'{{tenant="nobody", sha256="{digest}"}}]')
     with pytest.raises(ConfigError, match="sha256"):
@@ -134,13 +184,25 @@ def test_front_keys_in_the_config_are_checked() -> None:
 
 def scheduler_with_grace(grace: float | None) -> Scheduler:
     config = load_config()
-    return Scheduler(msgspec.structs.replace(config, dispatcher=msgspec.structs.replace(
-        config.dispatcher, no_worker_grace_s=grace)))
+    return Scheduler(
+        msgspec.structs.replace(
+            config, dispatcher=msgspec.structs.replace(config.dispatcher, no_worker_grace_s=grace)
+        )
+    )
 
 
 def check(scheduler: Scheduler, now: float) -> object:
-    return scheduler.check(Request(id=f"r{now}", tenant="acme", endpoint="chat",
-                                   input_tokens=10, max_tokens=10, arrival=now), now)
+    return scheduler.check(
+        Request(
+            id=f"r{now}",
+            tenant="acme",
+            endpoint="chat",
+            input_tokens=10,
+            max_tokens=10,
+            arrival=now,
+        ),
+        now,
+    )
 
 
 def test_an_endpoint_nobody_serves_turns_requests_away_after_the_grace() -> None:
@@ -164,31 +226,37 @@ def test_without_a_grace_requests_wait_for_a_worker_however_long() -> None:
 
 
 def test_a_stream_passes_tokens_on_in_order_once_even_when_a_request_runs_again() -> None:
-    chunks = ow.StreamChunks(ow.ResponseIds("chatcmpl", "r", "chat"), chat=True,
-                             include_usage=True)
+    chunks = ow.StreamChunks(ow.ResponseIds("chatcmpl", "r", "chat"), chat=True, include_usage=True)
     (start,) = chunks.start()
     assert start["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    events = [TokenEvent("r", 0, "a"), TokenEvent("r", 1, "b"), TokenEvent("r", 0, "a"),
-              TokenEvent("r", 2, "c"), TokenEvent("r", 1, "b")]
+    events = [
+        TokenEvent("r", 0, "a"),
+        TokenEvent("r", 1, "b"),
+        TokenEvent("r", 0, "a"),
+        TokenEvent("r", 2, "c"),
+        TokenEvent("r", 1, "b"),
+    ]
     sent = [chunk for event in events for chunk in chunks.of(event)]
     assert [c["choices"][0]["delta"]["content"] for c in sent] == ["a", "b", "c"]
     assert all(c["usage"] is None for c in sent)
-    done = DoneEvent("r", 3, "abc", Usage(2, 3, 0.0), Timings(0.0, 0.1, 0.2),
-                     finish_reason="length")
+    done = DoneEvent(
+        "r", 3, "abc", Usage(2, 3, 0.0), Timings(0.0, 0.1, 0.2), finish_reason="length"
+    )
     finish, usage = chunks.of(done)
     assert finish["choices"][0]["finish_reason"] == "length"
     assert usage["choices"] == [] and usage["usage"] == {
-        "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+    }
 
 
 def test_a_stream_that_missed_a_token_sends_the_rest_or_says_it_cannot() -> None:
     def stream() -> ow.StreamChunks:
-        return ow.StreamChunks(ow.ResponseIds("cmpl", "r", "chat"), chat=False,
-                               include_usage=False)
+        return ow.StreamChunks(ow.ResponseIds("cmpl", "r", "chat"), chat=False, include_usage=False)
 
     assert stream().start() == []  # legacy completions send no role chunk
-    done = DoneEvent("r", 3, "abc", Usage(1, 3, 0.0), Timings(0.0, 0.1, 0.2),
-                     finish_reason="stop")
+    done = DoneEvent("r", 3, "abc", Usage(1, 3, 0.0), Timings(0.0, 0.1, 0.2), finish_reason="stop")
     tail = stream()
     assert [c["choices"][0]["text"] for c in tail.of(TokenEvent("r", 0, "a"))] == ["a"]
     rest, finish = tail.of(done)  # "b" and "c" were missed at the end

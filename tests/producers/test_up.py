@@ -57,8 +57,9 @@ def test_backoff_doubles_to_its_cap_and_starts_over_after_a_stable_run() -> None
     assert backoff.next_delay(30.0, ran_s=10.0) == 0.5  # ran stably: a fresh crash
 
 
-@pytest.mark.parametrize("fields", [{"first_s": 0}, {"first_s": 2, "max_s": 1},
-                                    {"factor": 0.5}, {"stable_s": -1}])
+@pytest.mark.parametrize(
+    "fields", [{"first_s": 0}, {"first_s": 2, "max_s": 1}, {"factor": 0.5}, {"stable_s": -1}]
+)
 def test_backoff_refuses_settings_that_could_busy_loop(fields: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Backoff(**fields)
@@ -73,15 +74,19 @@ def python_child(name: str, code: str, log_dir: Path, **options: object) -> Chil
 
 # Says "ready" once its SIGTERM handler is in place; exits 0 on SIGTERM, as a service
 # that drains does.
-SERVE = ("import signal, sys, time\n"
-         "signal.signal(signal.SIGTERM, lambda *_: (print('drained', flush=True), sys.exit(0)))\n"
-         "print('ready', flush=True)\n"
-         "time.sleep(60)")
+SERVE = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: (print('drained', flush=True), sys.exit(0)))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)"
+)
 # Says "ready", then ignores SIGTERM.
-STUBBORN = ("import signal, time\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "print('ready', flush=True)\n"
-            "time.sleep(60)")
+STUBBORN = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)"
+)
 
 
 async def until_ready(child: Child) -> None:
@@ -89,14 +94,18 @@ async def until_ready(child: Child) -> None:
     await until(lambda: child.log_tail().count("ready") == child.starts, f"{child.name} ready")
 
 
-async def test_supervisor_restarts_with_backoff_and_stops_adds_and_replaces(
-        tmp_path: Path) -> None:
+async def test_supervisor_restarts_with_backoff_and_stops_adds_and_replaces(tmp_path: Path) -> None:
     events: list[str] = []
     async with Supervisor(on_event=events.append) as supervisor:
         began = time.monotonic()
-        crasher = await supervisor.add(python_child(
-            "crasher", "raise SystemExit(3)", tmp_path,
-            restart=Backoff(first_s=0.05, max_s=0.2, stable_s=10.0)))
+        crasher = await supervisor.add(
+            python_child(
+                "crasher",
+                "raise SystemExit(3)",
+                tmp_path,
+                restart=Backoff(first_s=0.05, max_s=0.2, stable_s=10.0),
+            )
+        )
         once = await supervisor.add(python_child("once", "pass", tmp_path))
         server = await supervisor.add(python_child("server", SERVE, tmp_path, restart=Backoff()))
         await until(lambda: crasher.crashes >= 4, "four crashes")
@@ -137,8 +146,9 @@ async def test_supervisor_restarts_with_backoff_and_stops_adds_and_replaces(
 async def test_a_child_that_ignores_sigterm_is_killed_after_its_timeout(tmp_path: Path) -> None:
     events: list[str] = []
     async with Supervisor(on_event=events.append) as supervisor:
-        child = await supervisor.add(python_child("stubborn", STUBBORN, tmp_path,
-                                                  stop_timeout_s=0.5))
+        child = await supervisor.add(
+            python_child("stubborn", STUBBORN, tmp_path, stop_timeout_s=0.5)
+        )
         await until_ready(child)
         assert await supervisor.stop("stubborn") == -signal.SIGKILL
     assert events == ["stubborn did not stop within 0.5s of SIGTERM: killed"]
@@ -162,15 +172,13 @@ class Output:
 
     async def expect(self, prefix: str, timeout_s: float) -> str:
         """The next line starting with `prefix`; fails with the output so far."""
-        return await self._expect(lambda line: line.startswith(prefix), repr(prefix),
-                                  timeout_s)
+        return await self._expect(lambda line: line.startswith(prefix), repr(prefix), timeout_s)
 
     async def expect_containing(self, text: str, timeout_s: float) -> str:
         """The next line with `text` in it (a log line); fails with the output so far."""
         return await self._expect(lambda line: text in line, f"with {text!r}", timeout_s)
 
-    async def _expect(self, wanted: Callable[[str], bool], what: str,
-                      timeout_s: float) -> str:
+    async def _expect(self, wanted: Callable[[str], bool], what: str, timeout_s: float) -> str:
         try:
             async with asyncio.timeout(timeout_s):
                 while (line := await self._queue.get()) is not None:
@@ -186,15 +194,27 @@ class Output:
 async def start_up(*flags: str) -> tuple[asyncio.subprocess.Process, Output, asyncio.Task]:
     """`fairq up` on free ports with `flags`; its output read as it comes."""
     up = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "producers.cli", "up", "--port", "0", "--metrics-port", "0",
-        *flags, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "producers.cli",
+        "up",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        *flags,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     output = Output(up.stdout)
     return up, output, asyncio.create_task(output.pump())
 
 
-async def stop_cleanly(up: asyncio.subprocess.Process, output: Output, *,
-                       draining: bool = False) -> None:
+async def stop_cleanly(
+    up: asyncio.subprocess.Process, output: Output, *, draining: bool = False
+) -> None:
     """Ctrl-C: `fairq up` says it stopped (after draining, if asked) and exits 0."""
     up.send_signal(signal.SIGINT)
     if draining:
@@ -213,8 +233,11 @@ async def submit(nc: nats.NATS, request_id: str, publish_tries: int = 1) -> list
         for tries_left in range(publish_tries - 1, -1, -1):
             try:
                 await nc.jetstream().publish(
-                    "fq.req.chat.acme", json.dumps({"prompt": "hi", "max_tokens": 4}).encode(),
-                    headers={"Nats-Msg-Id": request_id, "Fq-Reply": reply}, timeout=2)
+                    "fq.req.chat.acme",
+                    json.dumps({"prompt": "hi", "max_tokens": 4}).encode(),
+                    headers={"Nats-Msg-Id": request_id, "Fq-Reply": reply},
+                    timeout=2,
+                )
                 break
             except (nats.errors.Error, TimeoutError):
                 if not tries_left:
@@ -257,8 +280,9 @@ def http_status(url: str) -> int:
         return exc.code
 
 
-async def leave_nothing_running(up: asyncio.subprocess.Process,
-                                started: dict[int, list[str]], reader: asyncio.Task) -> None:
+async def leave_nothing_running(
+    up: asyncio.subprocess.Process, started: dict[int, list[str]], reader: asyncio.Task
+) -> None:
     """After a `fairq up` test: a run that failed midway is stopped as Ctrl-C would, then
     harder; no process it started is left behind."""
     if up.returncode is None:
@@ -275,9 +299,11 @@ async def leave_nothing_running(up: asyncio.subprocess.Process,
 
 
 async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
-        nats_binary: Path, tmp_path: Path) -> None:
-    up, output, reader = await start_up("--workers", "1", "--time-scale", "0.05",
-                                        "--log-dir", str(tmp_path))
+    nats_binary: Path, tmp_path: Path
+) -> None:
+    up, output, reader = await start_up(
+        "--workers", "1", "--time-scale", "0.05", "--log-dir", str(tmp_path)
+    )
     started: dict[int, list[str]] = {}  # what it ran, to check (or clean) after it exits
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
@@ -307,8 +333,9 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
             line = await output.expect("fairq: chat-w1 restarted (pid ", RESTART_S)
             new_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
             assert new_pid != old_pid and worker_pid(up.pid, "chat-w1") == new_pid
-            assert any(f"chat-w1 (pid {old_pid}) was killed by SIGKILL" in seen
-                       for seen in output.lines), output.lines
+            assert any(
+                f"chat-w1 (pid {old_pid}) was killed by SIGKILL" in seen for seen in output.lines
+            ), output.lines
             started |= children_of(up.pid)
             # The new process serves the same worker id.
             beat = await heartbeat_after(heartbeats, before["started_at"])
@@ -320,8 +347,9 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
             # A stopped process never exits: silent, it is held unhealthy, killed and
             # restarted (its first REPLACE_GRACE_S of life spared).
             os.kill(new_pid, signal.SIGSTOP)
-            await output.expect(f"fairq: chat-w1 (pid {new_pid}) killed: the dispatcher "
-                                "holds it silent", REPLACE_S)
+            await output.expect(
+                f"fairq: chat-w1 (pid {new_pid}) killed: the dispatcher holds it silent", REPLACE_S
+            )
             line = await output.expect("fairq: chat-w1 restarted (pid ", RESTART_S)
             third_pid = int(line.rsplit(" ", 1)[1].rstrip(")"))
             assert third_pid not in (old_pid, new_pid)
@@ -354,18 +382,27 @@ SCALE_S = 30.0  # a decision within a tick, a worker interpreter, its first hear
 
 
 async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after(
-        nats_binary: Path, tmp_path: Path) -> None:
+    nats_binary: Path, tmp_path: Path
+) -> None:
     """A burst on chat: workers go up, then, after the quiet window, back down to one;
     every request of the burst ends with exactly one final event, `done`."""
     config = tmp_path / "autoscaled.toml"
     config.write_text((ROOT / "configs" / "example.toml").read_text() + AUTOSCALED)
-    up, output, reader = await start_up("--autoscale", "--config", str(config),
-                                        "--time-scale", "0.2", "--log-dir", str(tmp_path / "logs"))
+    up, output, reader = await start_up(
+        "--autoscale",
+        "--config",
+        str(config),
+        "--time-scale",
+        "0.2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    )
     started: dict[int, list[str]] = {}
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
         assert (await output.expect("fairq is up:", START_S)) == (
-            "fairq is up: 2 simulated workers on chat, embed; Ctrl-C stops")
+            "fairq is up: 2 simulated workers on chat, embed; Ctrl-C stops"
+        )
         nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
         try:
             finals: dict[str, list[dict]] = {}
@@ -380,9 +417,11 @@ async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after
             js = nc.jetstream()
             ids = [f"burst-{i}" for i in range(300)]
             for rid in ids:
-                await js.publish("fq.req.chat.acme",
-                                 json.dumps({"prompt": "hi", "max_tokens": 200}).encode(),
-                                 headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{inbox}.{rid}"})
+                await js.publish(
+                    "fq.req.chat.acme",
+                    json.dumps({"prompt": "hi", "max_tokens": 200}).encode(),
+                    headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{inbox}.{rid}"},
+                )
             await output.expect("fairq: scaled chat up: started chat-w2", SCALE_S)
             started |= children_of(up.pid)
             deadline = time.monotonic() + 120
@@ -392,8 +431,9 @@ async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after
             await output.expect("fairq: scaled chat down: draining chat-w", SCALE_S)
             await asyncio.sleep(1.0)  # a repeated final event would have come by now
             assert sorted(finals) == sorted(ids)
-            assert all(len(events) == 1 and events[0]["type"] == "done"
-                       for events in finals.values()), finals
+            assert all(
+                len(events) == 1 and events[0]["type"] == "done" for events in finals.values()
+            ), finals
         finally:
             await nc.close()
         await stop_cleanly(up, output)
@@ -405,18 +445,24 @@ async def test_fairq_up_autoscale_adds_workers_for_a_burst_and_drains_them_after
 
 
 # Says "ready"; on SIGTERM takes a second to drain, then exits 0.
-SLOW_DRAIN = ("import signal, sys, time\n"
-              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))\n"
-              "print('ready', flush=True)\n"
-              "time.sleep(60)")
+SLOW_DRAIN = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)"
+)
 
 
 async def test_scaling_never_reuses_the_id_of_a_worker_still_draining(tmp_path: Path) -> None:
     said: list[str] = []
     async with Supervisor(on_event=said.append) as supervisor:
-        follower = ScaleFollower(None, load_config(), supervisor,  # type: ignore[arg-type]
-                                 lambda ep, n: python_child(f"{ep}-w{n}", SLOW_DRAIN, tmp_path),
-                                 said.append)
+        follower = ScaleFollower(
+            None,
+            load_config(),
+            supervisor,  # type: ignore[arg-type]
+            lambda ep, n: python_child(f"{ep}-w{n}", SLOW_DRAIN, tmp_path),
+            said.append,
+        )
         await follower.apply("chat", 2)
         assert sorted(supervisor.children) == ["chat-w1", "chat-w2"]
         await follower.apply("chat", 1)  # chat-w2 drains, for about a second
@@ -429,12 +475,21 @@ async def test_scaling_never_reuses_the_id_of_a_worker_still_draining(tmp_path: 
 
 
 async def test_fairq_up_auth_runs_every_part_as_its_own_broker_user(
-        nats_binary: Path, tmp_path: Path) -> None:
+    nats_binary: Path, tmp_path: Path
+) -> None:
     """`--auth`: nats-server refuses anonymous clients, the workers and the front serve
     with their own users, and a tenant connects with the seed file under AUTH_DIR."""
-    up, output, reader = await start_up("--auth", "--workers", "chat=1,embed=0",
-                                        "--time-scale", "0.05", "--front-port", "0",
-                                        "--log-dir", str(tmp_path))
+    up, output, reader = await start_up(
+        "--auth",
+        "--workers",
+        "chat=1,embed=0",
+        "--time-scale",
+        "0.05",
+        "--front-port",
+        "0",
+        "--log-dir",
+        str(tmp_path),
+    )
     started: dict[int, list[str]] = {}
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
@@ -446,18 +501,20 @@ async def test_fairq_up_auth_runs_every_part_as_its_own_broker_user(
         started = children_of(up.pid)
         with pytest.raises(ConnectionFailed, match="(?i)authorization violation"):
             await Client.connect(url, allow_reconnect=False)
-        async with Client.connect(url, nkey=auth_dir / "acme.nk",
-                                  tenant_inboxes="acme") as acme:
-            done = await acme.run("chat", "acme", prompt="hi", max_tokens=4,
-                                  timeout_s=REQUEST_S)
+        async with Client.connect(url, nkey=auth_dir / "acme.nk", tenant_inboxes="acme") as acme:
+            done = await acme.run("chat", "acme", prompt="hi", max_tokens=4, timeout_s=REQUEST_S)
             assert isinstance(done, DoneEvent)
             with pytest.raises(nats.errors.TimeoutError):
                 await acme.connection.jetstream(timeout=1).publish("fq.req.chat.globex", b"{}")
         # The front, as fq-front, submits for acme into acme's inbox.
-        body = json.dumps({"model": "chat", "max_tokens": 4,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        request = urllib.request.Request(f"{base_url}/chat/completions", data=body, headers={
-            "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": "chat", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        ).encode()
+        request = urllib.request.Request(
+            f"{base_url}/chat/completions",
+            data=body,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
         answer = await asyncio.to_thread(urllib.request.urlopen, request, timeout=REQUEST_S)
         assert json.loads(answer.read())["choices"][0]["message"]["content"]
         await stop_cleanly(up, output)
@@ -466,15 +523,26 @@ async def test_fairq_up_auth_runs_every_part_as_its_own_broker_user(
 
 
 async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
-        nats_binary: Path, tmp_path: Path) -> None:
+    nats_binary: Path, tmp_path: Path
+) -> None:
     """A tenant added to the config file of a running `fairq up --auth`: SIGHUP renders
     its broker user, reloads nats-server and the dispatcher, and it is served without a
     restart; `fairq reload`, as the operator user, then applies a change of its tier."""
     config = tmp_path / "fairq.toml"
     config.write_text((ROOT / "configs" / "example.toml").read_text())
-    up, output, reader = await start_up("--auth", "--config", str(config), "--workers",
-                                        "chat=1,embed=0", "--time-scale", "0.05",
-                                        "--front-port", "0", "--log-dir", str(tmp_path / "run"))
+    up, output, reader = await start_up(
+        "--auth",
+        "--config",
+        str(config),
+        "--workers",
+        "chat=1,embed=0",
+        "--time-scale",
+        "0.05",
+        "--front-port",
+        "0",
+        "--log-dir",
+        str(tmp_path / "run"),
+    )
     started: dict[int, list[str]] = {}
     try:
         url = (await output.expect("NATS_URL=", START_S)).removeprefix("NATS_URL=")
@@ -488,54 +556,78 @@ async def test_fairq_up_auth_takes_a_tenant_added_to_the_file_on_sighup(
         up.send_signal(signal.SIGHUP)
         await output.expect("fairq: new broker user newco", REQUEST_S)
         assert "tenants added newco," in await output.expect("fairq: reloaded", REQUEST_S)
-        async with Client.connect(url, nkey=auth_dir / "newco.nk",
-                                  tenant_inboxes="newco") as newco:
-            done = await newco.run("chat", "newco", prompt="hi", max_tokens=4,
-                                   timeout_s=REQUEST_S)
+        async with Client.connect(url, nkey=auth_dir / "newco.nk", tenant_inboxes="newco") as newco:
+            done = await newco.run("chat", "newco", prompt="hi", max_tokens=4, timeout_s=REQUEST_S)
             assert isinstance(done, DoneEvent)
 
-        config.write_text(config.read_text().replace(
-            '[tenants.newco]\ntier = "free"', '[tenants.newco]\ntier = "enterprise"'))
+        config.write_text(
+            config.read_text().replace(
+                '[tenants.newco]\ntier = "free"', '[tenants.newco]\ntier = "enterprise"'
+            )
+        )
         reload = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "producers.cli", "reload", "--nats", url, "--nkey",
-            str(auth_dir / "fq-operator.nk"), "--expect", "1", cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "producers.cli",
+            "reload",
+            "--nats",
+            url,
+            "--nkey",
+            str(auth_dir / "fq-operator.nk"),
+            "--expect",
+            "1",
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         out, err = await asyncio.wait_for(reload.communicate(), REQUEST_S)
         assert reload.returncode == 0, err.decode()
         assert "changed newco" in out.decode(), out.decode()
 
         # Removing newco together with a change a reload cannot make: refused whole, and
         # newco keeps its broker user and its service.
-        config.write_text(config.read_text().replace('[tenants.newco]\ntier = "enterprise"',
-                                                     "").replace("max_tokens_cap = ",
-                                                                 "max_tokens_cap = 1", 1))
+        config.write_text(
+            config.read_text()
+            .replace('[tenants.newco]\ntier = "enterprise"', "")
+            .replace("max_tokens_cap = ", "max_tokens_cap = 1", 1)
+        )
         up.send_signal(signal.SIGHUP)
         assert "endpoints" in await output.expect("fairq: reload refused", REQUEST_S)
         assert (auth_dir / "newco.nk").exists()
-        async with Client.connect(url, nkey=auth_dir / "newco.nk",
-                                  tenant_inboxes="newco") as newco:
-            assert isinstance(await newco.run("chat", "newco", prompt="hi", max_tokens=4,
-                                              timeout_s=REQUEST_S), DoneEvent)
+        async with Client.connect(url, nkey=auth_dir / "newco.nk", tenant_inboxes="newco") as newco:
+            assert isinstance(
+                await newco.run("chat", "newco", prompt="hi", max_tokens=4, timeout_s=REQUEST_S),
+                DoneEvent,
+            )
         await stop_cleanly(up, output)
     finally:
         await leave_nothing_running(up, started, reader)
 
 
 async def test_fairq_up_cluster_serves_through_the_kill_of_the_stream_leaders_node(
-        nats_binary: Path, tmp_path: Path) -> None:
+    nats_binary: Path, tmp_path: Path
+) -> None:
     """`--cluster`: three nodes, NATS_URL lists them; kill -9 of the node that leads the
     requests stream (perhaps the one fairq up's own connection uses): requests published
     after it are served, and fairq up keeps running and stops cleanly."""
-    up, output, reader = await start_up("--cluster", "--workers", "chat=1,embed=0",
-                                        "--time-scale", "0.05", "--log-dir", str(tmp_path))
+    up, output, reader = await start_up(
+        "--cluster",
+        "--workers",
+        "chat=1,embed=0",
+        "--time-scale",
+        "0.05",
+        "--log-dir",
+        str(tmp_path),
+    )
     started: dict[int, list[str]] = {}
     try:
         url = (await output.expect("NATS_URL=", START_S * 2)).removeprefix("NATS_URL=")
         assert len(server_urls(url)) == 3, url
         await output.expect("fairq is up", START_S)
         started = children_of(up.pid)
-        nc = await nats.connect(server_urls(url), max_reconnect_attempts=-1,
-                                reconnect_time_wait=0.2)
+        nc = await nats.connect(
+            server_urls(url), max_reconnect_attempts=-1, reconnect_time_wait=0.2
+        )
         try:
             assert_completed(await submit(nc, "before"), "before")
             info = await nc.jetstream().stream_info(SUBJECTS.requests_stream)
@@ -555,13 +647,15 @@ async def test_fairq_up_cluster_serves_through_the_kill_of_the_stream_leaders_no
 
 
 async def test_fairq_up_paused_past_its_lease_stands_by_and_serves_again(
-        nats_binary: Path, tmp_path: Path) -> None:
+    nats_binary: Path, tmp_path: Path
+) -> None:
     """docs/operations.md's local takeover: `fairq up` paused (SIGSTOP) past its lease, a
     standby `python -m dispatcher` serves; woken, fairq up's dispatcher stands by rather
     than stopping fairq up, takes the lease back when the standby stops, serves, and
     fairq up still stops cleanly."""
-    up, output, reader = await start_up("--workers", "chat=1,embed=0", "--time-scale", "0.05",
-                                        "--log-dir", str(tmp_path))
+    up, output, reader = await start_up(
+        "--workers", "chat=1,embed=0", "--time-scale", "0.05", "--log-dir", str(tmp_path)
+    )
     started: dict[int, list[str]] = {}
     standby = None
     try:
@@ -569,9 +663,16 @@ async def test_fairq_up_paused_past_its_lease_stands_by_and_serves_again(
         await output.expect("fairq is up", START_S)
         started = children_of(up.pid)
         standby = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dispatcher", "--nats", url, cwd=ROOT,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT)
+            sys.executable,
+            "-m",
+            "dispatcher",
+            "--nats",
+            url,
+            cwd=ROOT,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         said = Output(standby.stdout)
         standby_reader = asyncio.create_task(said.pump())
         await said.expect_containing("standing by", START_S)
@@ -600,14 +701,23 @@ async def test_fairq_up_paused_past_its_lease_stands_by_and_serves_again(
         await leave_nothing_running(up, started, reader)
 
 
-@pytest.mark.parametrize("flags, reason", [
-    (["--cluster", "--auth"], "--cluster and --auth cannot be combined"),
-    (["--cluster", "--port", "4222"], "leave out --port")])
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        (["--cluster", "--auth"], "--cluster and --auth cannot be combined"),
+        (["--cluster", "--port", "4222"], "leave out --port"),
+    ],
+)
 def test_fairq_up_cluster_refuses_what_it_cannot_do_and_says_why(
-        flags: list[str], reason: str, tmp_path: Path) -> None:
-    refused = subprocess.run([sys.executable, "-m", "producers.cli", "up", *flags,
-                              "--log-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60)
+    flags: list[str], reason: str, tmp_path: Path
+) -> None:
+    refused = subprocess.run(
+        [sys.executable, "-m", "producers.cli", "up", *flags, "--log-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2, refused.stderr
     assert reason in refused.stderr
     assert not (tmp_path / "nats").exists()  # nothing started

@@ -28,18 +28,28 @@ def test_only_the_leading_cached_blocks_count_and_the_least_recent_go_first() ->
 
 
 def test_a_turn_finds_what_its_sessions_earlier_turn_and_its_system_prompt_left() -> None:
-    first = TraceRecord("t", 0.0, input_tokens=100, output_tokens=60, session="s",
-                        prefix_id="sys", prefix_tokens=64)
-    second = TraceRecord("t", 5.0, input_tokens=200, output_tokens=10, session="s",
-                         prefix_id="sys", prefix_tokens=64, history_tokens=96)
+    first = TraceRecord(
+        "t", 0.0, input_tokens=100, output_tokens=60, session="s", prefix_id="sys", prefix_tokens=64
+    )
+    second = TraceRecord(
+        "t",
+        5.0,
+        input_tokens=200,
+        output_tokens=10,
+        session="s",
+        prefix_id="sys",
+        prefix_tokens=64,
+        history_tokens=96,
+    )
     cache = PrefixCache(1000)
     cacheable, computed = first.context_blocks(BLOCK_TOKENS)
     assert cache.match(cacheable) == 0 and len(cacheable) == 4  # the system prompt only
     cache.insert(computed)  # 64 system tokens, then 36 + 60 of the conversation: 6 blocks
     cacheable, _ = second.context_blocks(BLOCK_TOKENS)
     assert cache.match(cacheable) == 4 + 6
-    other = TraceRecord("t", 5.0, 200, 10, session="other", prefix_id="sys",
-                        prefix_tokens=64, history_tokens=96)
+    other = TraceRecord(
+        "t", 5.0, 200, 10, session="other", prefix_id="sys", prefix_tokens=64, history_tokens=96
+    )
     assert cache.match(other.context_blocks(BLOCK_TOKENS)[0]) == 4
 
 
@@ -51,8 +61,9 @@ def test_a_records_cached_parts_cannot_exceed_its_prompt() -> None:
 
 
 def test_cached_tokens_are_not_prefilled_but_the_last_input_token_always_is() -> None:
-    params = EngineParams(prefill_tokens_per_s=1000.0, decode_step_base_s=0.0,
-                          decode_step_per_seq_s=0.01)
+    params = EngineParams(
+        prefill_tokens_per_s=1000.0, decode_step_base_s=0.0, decode_step_per_seq_s=0.01
+    )
     cold, warm, full = (BatchingEngineModel(params) for _ in range(3))
     cold.add("r", 1000, 1)
     warm.add("r", 1000, 1, cached_tokens=800)
@@ -68,8 +79,14 @@ def test_affinity_keeps_conversations_where_their_context_is_cached() -> None:
     """The benchmark's workload at its smoke size (4 replicas, busy but not overloaded).
     The load bound moves some turns (a home above 1.25x its share), so most, not all,
     of a conversation's turns run on one replica."""
-    workload = ChatWorkload(sessions=200, turns=8, duration_s=200.0, system_tokens=500,
-                            message_tokens=(100, 400), answer_tokens=(100, 400))
+    workload = ChatWorkload(
+        sessions=200,
+        turns=8,
+        duration_s=200.0,
+        system_tokens=500,
+        message_tokens=(100, 400),
+        answer_tokens=(100, 400),
+    )
     trace = chat_turns(workload, seed=1)
     config = scheduling_only(load_config(EXAMPLE_CONFIG))
     on_home, cached = {}, {}

@@ -70,16 +70,17 @@ def test_fifo_baseline_makes_the_small_tenant_wait_behind_the_flood(noisy_runs) 
     assert fifo >= 20 * alone, (fifo, alone)
 
 
-def test_flood_costs_the_small_tenant_no_more_than_an_equally_busy_engine(
-        reference_runs) -> None:
+def test_flood_costs_the_small_tenant_no_more_than_an_equally_busy_engine(reference_runs) -> None:
     """Issue 10's bound: B's p95 TTFT next to the flood <= 1.2x its p95 next to a
     well-behaved A that keeps the engine as busy. (Against B alone the ratio is
     1.8-2.7x: a full continuous batch makes every step longer, which belongs to sharing
     the engine, not to the flood's backlog; see docs/benchmarks.md.)"""
     for seed, runs in reference_runs.items():
         beside, flood = p95_ttft(runs["beside"], "B"), p95_ttft(runs["flood"], "B")
-        print(f"seed {seed}: B p95 TTFT beside a well-behaved A {beside:.3f} s, "
-              f"beside the flood {flood:.3f} s ({flood / beside:.2f}x)")
+        print(
+            f"seed {seed}: B p95 TTFT beside a well-behaved A {beside:.3f} s, "
+            f"beside the flood {flood:.3f} s ({flood / beside:.2f}x)"
+        )
         assert flood <= 1.2 * beside, (seed, flood, beside)
 
 
@@ -90,7 +91,8 @@ def test_fifo_is_far_from_the_equally_busy_reference(reference_runs) -> None:
 
 
 def test_the_well_behaved_neighbour_keeps_the_engine_as_busy_without_a_backlog(
-        reference_runs) -> None:
+    reference_runs,
+) -> None:
     """The reference is only fair if A really fills the engine: same throughput as the
     flood, every one of A's requests dispatched the instant it arrives."""
     for runs in reference_runs.values():
@@ -107,9 +109,12 @@ def test_a_closed_loop_client_fills_the_slots_outside_the_reserve_and_never_queu
     the moment a slot frees and dispatched at the next step boundary."""
     engine = EngineParams(max_sequences=4)
     a_records = [TraceRecord("A", 0.0, 10, 20, max_tokens=20) for _ in range(60)]
-    result = simulate([TraceRecord("B", 0.0, 10, 400, max_tokens=400)],
-                      noisy_config(0.25), engine,
-                      closed_loop=[ClosedLoop(a_records, start_s=1.0)])
+    result = simulate(
+        [TraceRecord("B", 0.0, 10, 400, max_tokens=400)],
+        noisy_config(0.25),
+        engine,
+        closed_loop=[ClosedLoop(a_records, start_s=1.0)],
+    )
     b_ends = next(r.finished for r in result.records if r.tenant == "B")
     a_runs = [r for r in result.records if r.tenant == "A"]
     assert len(a_runs) == 60 and all(r.outcome == "admitted" for r in a_runs)
@@ -130,8 +135,7 @@ def test_a_closed_loop_client_sends_on_past_rejected_requests() -> None:
     """A request that can never fit the KV cache is rejected `invalid` and takes no slot:
     the client goes on with the next one at once, and every record is accounted for."""
     engine = EngineParams(max_sequences=4, kv_cache_tokens=1_000)
-    records = [TraceRecord("A", 0.0, 10 if n % 2 else 2_000, 20, max_tokens=20)
-               for n in range(6)]
+    records = [TraceRecord("A", 0.0, 10 if n % 2 else 2_000, 20, max_tokens=20) for n in range(6)]
     result = simulate([], noisy_config(0.25), engine, closed_loop=[ClosedLoop(records)])
     outcomes = [r.outcome for r in result.records]
     assert outcomes == ["invalid", "admitted"] * 3
@@ -140,11 +144,18 @@ def test_a_closed_loop_client_sends_on_past_rejected_requests() -> None:
 
 def test_a_closed_loop_client_is_checked() -> None:
     with pytest.raises(ValueError, match="one endpoint"):
-        ClosedLoop([TraceRecord("A", 0.0, 1, 1, endpoint="chat"),
-                    TraceRecord("A", 0.0, 1, 1, endpoint="embed")])
+        ClosedLoop(
+            [
+                TraceRecord("A", 0.0, 1, 1, endpoint="chat"),
+                TraceRecord("A", 0.0, 1, 1, endpoint="embed"),
+            ]
+        )
     with pytest.raises(ValueError, match="unknown endpoint"):
-        simulate([], noisy_config(), closed_loop=[
-            ClosedLoop([TraceRecord("A", 0.0, 1, 1, endpoint="nowhere")])])
+        simulate(
+            [],
+            noisy_config(),
+            closed_loop=[ClosedLoop([TraceRecord("A", 0.0, 1, 1, endpoint="nowhere")])],
+        )
 
 
 def test_newcomer_reserve_costs_under_3_percent_when_one_tenant_floods_alone() -> None:
@@ -163,11 +174,23 @@ def test_result_has_the_documented_shape(noisy_runs) -> None:
     document = json.loads(json.dumps(noisy_runs["flood"].to_dict()))
     assert set(document) == {"records", "summary"}
     record = document["records"][0]
-    assert {"tenant", "arrival", "dispatched", "first_token", "finished", "input_tokens",
-            "output_tokens", "outcome"} <= set(record)
+    assert {
+        "tenant",
+        "arrival",
+        "dispatched",
+        "first_token",
+        "finished",
+        "input_tokens",
+        "output_tokens",
+        "outcome",
+    } <= set(record)
     summary = document["summary"]
-    for key in ("throughput_tokens_per_s", "service_diff_max", "service_diff_avg",
-                "jain_index_mean"):
+    for key in (
+        "throughput_tokens_per_s",
+        "service_diff_max",
+        "service_diff_avg",
+        "jain_index_mean",
+    ):
         assert isinstance(summary[key], float), key
     assert set(summary["tenants"]) == {"A", "B", "C", "D", "E"}
     for row in summary["tenants"].values():
@@ -197,34 +220,55 @@ def test_served_records_are_consistent(noisy_runs) -> None:
         assert 1 <= record.output_tokens <= trace_cap
 
 
-def record(tenant: str, arrival: float, first: float | None, finished: float | None,
-           input_tokens: int = 100, output_tokens: int = 50) -> RequestRecord:
+def record(
+    tenant: str,
+    arrival: float,
+    first: float | None,
+    finished: float | None,
+    input_tokens: int = 100,
+    output_tokens: int = 50,
+) -> RequestRecord:
     served = first is not None
-    return RequestRecord(f"{tenant}{arrival}", tenant, arrival, first if served else None,
-                         first, finished, input_tokens, output_tokens, "admitted")
+    return RequestRecord(
+        f"{tenant}{arrival}",
+        tenant,
+        arrival,
+        first if served else None,
+        first,
+        finished,
+        input_tokens,
+        output_tokens,
+        "admitted",
+    )
 
 
 def test_service_difference_counts_what_a_starved_tenant_asked_for() -> None:
     options = MetricOptions(window_s=10.0, warmup_s=0.0)
     # A is served evenly over [0, 10]; B asks for 200 units at t=1 and is served only
     # after the window. One window [0, 10): s_A = 20/s, s_B = 0, d_A = 20/s, d_B = 20/s.
-    records = [record("A", 0.0, 0.0, 10.0), record("B", 1.0, 12.0, 13.0),
-               record("A", 10.0, 10.0, 11.0)]
+    records = [
+        record("A", 0.0, 0.0, 10.0),
+        record("B", 1.0, 12.0, 13.0),
+        record("A", 10.0, 10.0, 11.0),
+    ]
     summary = summarize(records, options)
     assert summary["windows"] == [[0.0, 10.0]]
     assert summary["service_diff"] == [pytest.approx(20.0)]  # min(20 - 0, |20 - 0|)
     # Served as soon as asked: no difference.
-    fair = [record("A", 0.0, 0.0, 10.0), record("B", 0.0, 0.0, 10.0),
-            record("A", 10.0, 10.0, 11.0)]
+    fair = [record("A", 0.0, 0.0, 10.0), record("B", 0.0, 0.0, 10.0), record("A", 10.0, 10.0, 11.0)]
     assert summarize(fair, options)["service_diff"] == [pytest.approx(0.0)]
 
 
 def test_service_difference_is_counted_per_unit_of_weight() -> None:
     options = MetricOptions(window_s=10.0, warmup_s=0.0)
     # Both backlogged over [0, 10): A (weight 1) gets 200 units, B (weight 2) 400.
-    records = [record("A", 0.0, 0.0, 10.0, 200, 0), record("B", 0.0, 0.0, 10.0, 400, 0),
-               record("A", 0.0, 20.0, 21.0, 1000, 0), record("B", 0.0, 20.0, 21.0, 1000, 0),
-               record("A", 10.0, 10.0, 11.0)]
+    records = [
+        record("A", 0.0, 0.0, 10.0, 200, 0),
+        record("B", 0.0, 0.0, 10.0, 400, 0),
+        record("A", 0.0, 20.0, 21.0, 1000, 0),
+        record("B", 0.0, 20.0, 21.0, 1000, 0),
+        record("A", 10.0, 10.0, 11.0),
+    ]
     # s_A = 20/s, s_B = 40/s; demand far above both.
     assert summarize(records, options)["service_diff"] == [pytest.approx(20.0)]
     weighted = summarize(records, options, {"A": 1.0, "B": 2.0})
@@ -237,18 +281,25 @@ def test_service_difference_is_counted_per_unit_of_weight() -> None:
 def test_jain_index_normalises_by_max_min_fair_share() -> None:
     assert jain_index([1.0, 1.0, 1.0]) == 1.0
     assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
-    assert max_min_shares({"small": 10.0, "big": 1000.0}, 100.0) == \
-        {"small": 10.0, "big": 90.0}
-    assert max_min_shares({"a": 100.0, "b": 100.0}, 90.0, {"a": 2.0}) == \
-        {"a": pytest.approx(60.0), "b": pytest.approx(30.0)}
+    assert max_min_shares({"small": 10.0, "big": 1000.0}, 100.0) == {"small": 10.0, "big": 90.0}
+    assert max_min_shares({"a": 100.0, "b": 100.0}, 90.0, {"a": 2.0}) == {
+        "a": pytest.approx(60.0),
+        "b": pytest.approx(30.0),
+    }
     options = MetricOptions(window_s=10.0, warmup_s=0.0)
     # A small tenant that got all it asked for and a big one that got the rest: fair.
-    fair = [record("S", 0.0, 0.0, 10.0), record("A", 0.0, 0.0, 10.0, 1000, 1000),
-            record("A", 10.0, 10.0, 20.0)]
+    fair = [
+        record("S", 0.0, 0.0, 10.0),
+        record("A", 0.0, 0.0, 10.0, 1000, 1000),
+        record("A", 10.0, 10.0, 20.0),
+    ]
     assert summarize(fair, options)["jain_index"] == [pytest.approx(1.0)]
     # The same demands, but S waits until after the window: unfair.
-    unfair = [record("S", 0.0, 11.0, 12.0), record("A", 0.0, 0.0, 10.0, 1000, 1000),
-              record("A", 10.0, 10.0, 20.0)]
+    unfair = [
+        record("S", 0.0, 11.0, 12.0),
+        record("A", 0.0, 0.0, 10.0, 1000, 1000),
+        record("A", 10.0, 10.0, 20.0),
+    ]
     assert summarize(unfair, options)["jain_index"][0] == pytest.approx(0.5)
 
 
@@ -303,8 +354,13 @@ tier = "t"
     ]
     records = simulate(trace, config).records
     assert [r.outcome for r in records] == [
-        "admitted", "rate_limited", "unknown_tenant", "invalid", "unknown_endpoint",
-        "admitted"]
+        "admitted",
+        "rate_limited",
+        "unknown_tenant",
+        "invalid",
+        "unknown_endpoint",
+        "admitted",
+    ]
     assert records[0].served and records[5].served and records[5].output_tokens == 64
     assert not any(r.served or r.dispatched is not None for r in records[1:5])
 
@@ -329,38 +385,67 @@ def test_more_replicas_finish_a_backlog_sooner() -> None:
 
 
 def test_trace_round_trips_through_csv(tmp_path: Path) -> None:
-    records = [TraceRecord("a", 0.5, 10, 20),
-               TraceRecord("b", 1.25, 30, 40, priority=2, deadline_s=9.0, session="s1",
-                           max_tokens=64, endpoint="chat")]
+    records = [
+        TraceRecord("a", 0.5, 10, 20),
+        TraceRecord(
+            "b",
+            1.25,
+            30,
+            40,
+            priority=2,
+            deadline_s=9.0,
+            session="s1",
+            max_tokens=64,
+            endpoint="chat",
+        ),
+    ]
     path = tmp_path / "t.csv"
     write_trace(records, path)
-    assert path.read_text().splitlines()[0] == \
-        "tenant,arrival_s,input_tokens,output_tokens,priority,deadline_s,session," \
+    assert (
+        path.read_text().splitlines()[0]
+        == "tenant,arrival_s,input_tokens,output_tokens,priority,deadline_s,session,"
         "max_tokens,endpoint"
+    )
     assert read_trace(path) == records
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("", "line 1: empty file"),
-    ("tenant,arrival_s,input_tokens\n", "line 1: missing required column 'output_tokens'"),
-    ("tenant,arrival_s,input_tokens,output_tokens,colour\n", "line 1: unknown column 'colour'"),
-    ("tenant,arrival_s,input_tokens,output_tokens,tenant\n", "column 'tenant' appears twice"),
-    ("tenant,arrival_s,input_tokens,output_tokens\na,0,10,5\na,1,ten,5\n",
-     "line 3: column 'input_tokens': expected an integer, got 'ten'"),
-    ("tenant,arrival_s,input_tokens,output_tokens\na,-1,10,5\n",
-     "line 2: column 'arrival_s': must be finite and >= 0"),
-    ("tenant,arrival_s,input_tokens,output_tokens\na,nan,10,5\n",
-     "line 2: column 'arrival_s': expected a number, got 'nan'"),
-    ("tenant,arrival_s,input_tokens,output_tokens\na,0,10,0\n",
-     "line 2: column 'output_tokens': must be >= 1"),
-    ("tenant,arrival_s,input_tokens,output_tokens\n,0,10,5\n",
-     "line 2: column 'tenant' is empty"),
-    ("tenant,arrival_s,input_tokens,output_tokens\na,0,10\n", "line 2: 3 cells, expected 4"),
-    ("tenant,arrival_s,input_tokens,output_tokens,max_tokens\na,0,10,5,-3\n",
-     "line 2: column 'max_tokens': must be >= 1"),
-])
-def test_bad_trace_errors_name_file_line_and_column(tmp_path: Path, text: str,
-                                                    message: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "line 1: empty file"),
+        ("tenant,arrival_s,input_tokens\n", "line 1: missing required column 'output_tokens'"),
+        ("tenant,arrival_s,input_tokens,output_tokens,colour\n", "line 1: unknown column 'colour'"),
+        ("tenant,arrival_s,input_tokens,output_tokens,tenant\n", "column 'tenant' appears twice"),
+        (
+            "tenant,arrival_s,input_tokens,output_tokens\na,0,10,5\na,1,ten,5\n",
+            "line 3: column 'input_tokens': expected an integer, got 'ten'",
+        ),
+        (
+            "tenant,arrival_s,input_tokens,output_tokens\na,-1,10,5\n",
+            "line 2: column 'arrival_s': must be finite and >= 0",
+        ),
+        (
+            "tenant,arrival_s,input_tokens,output_tokens\na,nan,10,5\n",
+            "line 2: column 'arrival_s': expected a number, got 'nan'",
+        ),
+        (
+            "tenant,arrival_s,input_tokens,output_tokens\na,0,10,0\n",
+            "line 2: column 'output_tokens': must be >= 1",
+        ),
+        (
+            "tenant,arrival_s,input_tokens,output_tokens\n,0,10,5\n",
+            "line 2: column 'tenant' is empty",
+        ),
+        ("tenant,arrival_s,input_tokens,output_tokens\na,0,10\n", "line 2: 3 cells, expected 4"),
+        (
+            "tenant,arrival_s,input_tokens,output_tokens,max_tokens\na,0,10,5,-3\n",
+            "line 2: column 'max_tokens': must be >= 1",
+        ),
+    ],
+)
+def test_bad_trace_errors_name_file_line_and_column(
+    tmp_path: Path, text: str, message: str
+) -> None:
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(TraceError) as error:
@@ -378,16 +463,32 @@ def test_missing_trace_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_azure_assignment_is_seeded_zipf_plus_an_extra_noisy_flood(tmp_path: Path) -> None:
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    rows += [f"2023-11-16 18:{m:02d}:{s:02d}.5000000,{100 + s},{10 + m}"
-             for m in range(10) for s in range(0, 60, 3)]  # 200 rows, one every 3 s
+    rows += [
+        f"2023-11-16 18:{m:02d}:{s:02d}.5000000,{100 + s},{10 + m}"
+        for m in range(10)
+        for s in range(0, 60, 3)
+    ]  # 200 rows, one every 3 s
     rows.append("2023-11-16 18:10:00.0000000,0,5")  # no input: dropped
     path = tmp_path / "azure.csv"
     path.write_text("\n".join(rows) + "\n")
-    records = assign_azure_trace(path, seed=3, tenants=5, zipf_s=1.1, noisy_share=0.5,
-                                 noisy_start_s=60.0, noisy_window_s=30.0)
-    assert records == assign_azure_trace(path, seed=3, tenants=5, zipf_s=1.1,
-                                         noisy_share=0.5, noisy_start_s=60.0,
-                                         noisy_window_s=30.0)
+    records = assign_azure_trace(
+        path,
+        seed=3,
+        tenants=5,
+        zipf_s=1.1,
+        noisy_share=0.5,
+        noisy_start_s=60.0,
+        noisy_window_s=30.0,
+    )
+    assert records == assign_azure_trace(
+        path,
+        seed=3,
+        tenants=5,
+        zipf_s=1.1,
+        noisy_share=0.5,
+        noisy_start_s=60.0,
+        noisy_window_s=30.0,
+    )
     real = [r for r in records if r.tenant != "noisy"]
     noisy = [r for r in records if r.tenant == "noisy"]
     assert len(real) == 200 and len(noisy) == 100
@@ -403,8 +504,23 @@ def test_azure_assignment_is_seeded_zipf_plus_an_extra_noisy_flood(tmp_path: Pat
 
 def test_fairq_sim_writes_json_and_png(tmp_path: Path, capsys) -> None:
     out, plot = tmp_path / "r.json", tmp_path / "r.png"
-    code = main(["sim", "--trace", str(SAMPLE_TRACE), "--policy", "fairq", "--out", str(out),
-                 "--plot", str(plot), "--replicas", "1", "--seed", "4"])
+    code = main(
+        [
+            "sim",
+            "--trace",
+            str(SAMPLE_TRACE),
+            "--policy",
+            "fairq",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+            "--replicas",
+            "1",
+            "--seed",
+            "4",
+        ]
+    )
     assert code == 0
     document = json.loads(out.read_text())
     assert len(document["records"]) == len(sample_trace())
@@ -419,8 +535,21 @@ def test_fairq_sim_runs_a_generated_scenario(tmp_path: Path) -> None:
     # On the example config the free tier's limits and the throttle reject most of A's
     # flood; --scheduling-only admits it all, so the run is about dispatch order.
     for flag, a_admitted in (([], False), (["--scheduling-only"], True)):
-        assert main(["sim", "--scenario", "noisy-neighbour", "--policy", "fifo",
-                     "--out", str(out), *flag]) == 0
+        assert (
+            main(
+                [
+                    "sim",
+                    "--scenario",
+                    "noisy-neighbour",
+                    "--policy",
+                    "fifo",
+                    "--out",
+                    str(out),
+                    *flag,
+                ]
+            )
+            == 0
+        )
         summary = json.loads(out.read_text())["summary"]
         assert summary["simulation"]["source"] == "scenario:noisy-neighbour"
         a_row = summary["tenants"]["A"]
@@ -440,8 +569,21 @@ def test_fairq_sim_runs_the_vtc_baseline(tmp_path: Path) -> None:
     ttft_p95 = {}
     for policy in ("vtc", "fifo"):
         out = tmp_path / f"{policy}.json"
-        assert main(["sim", "--scenario", "noisy-neighbour", "--policy", policy,
-                     "--scheduling-only", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "sim",
+                    "--scenario",
+                    "noisy-neighbour",
+                    "--policy",
+                    policy,
+                    "--scheduling-only",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         tenants = json.loads(out.read_text())["summary"]["tenants"]
         assert all(row["outcomes"] == {"admitted": row["count"]} for row in tenants.values())
         ttft_p95[policy] = {name: row["ttft_s"]["p95"] for name, row in tenants.items()}
@@ -453,8 +595,7 @@ def test_fairq_sim_runs_the_vtc_baseline(tmp_path: Path) -> None:
 
 def test_the_fairness_matrix_compares_the_three_policies(tmp_path: Path) -> None:
     out = tmp_path / "matrix.json"
-    assert fairness_matrix.main(["--quick", "--out", str(out), "--plot-dir",
-                                 str(tmp_path)]) == 0
+    assert fairness_matrix.main(["--quick", "--out", str(out), "--plot-dir", str(tmp_path)]) == 0
     assert (tmp_path / fairness_matrix.PLOT).stat().st_size > 10_000
     shapes = json.loads(out.read_text())["shapes"]
     assert set(shapes) == {"prefill-heavy", "weights"}
@@ -470,8 +611,10 @@ def test_the_fairness_matrix_compares_the_three_policies(tmp_path: Path) -> None
 
 def test_the_ablation_reruns_fairq_with_each_suspect_removed(tmp_path: Path) -> None:
     out = tmp_path / "ablation.json"
-    assert fairness_ablation.main(["--shapes", "prefill-heavy", "--seeds", "1",
-                                   "--out", str(out)]) == 0
+    assert (
+        fairness_ablation.main(["--shapes", "prefill-heavy", "--seeds", "1", "--out", str(out)])
+        == 0
+    )
     cells = json.loads(out.read_text())["shapes"]["prefill-heavy"]["1"]
     assert set(cells) == {*fairness_ablation.VARIANTS, "VTC", "FIFO"}
     # Every variant is a different run, still far fairer than FIFO in model units.
@@ -499,7 +642,13 @@ def test_fairq_is_at_least_as_fair_as_vtc_in_the_units_it_charges(tmp_path: Path
         assert fairq["idle_while_waiting"] <= 0.01 + 0.03, (shape, fairq)
         if shape in ("heavy-tailed", "azure-conversation"):
             assert fairq["light_tenants_p95_ttft_s"] <= vtc["light_tenants_p95_ttft_s"], (
-                shape, fairq, vtc)
+                shape,
+                fairq,
+                vtc,
+            )
         if shape != "azure-conversation":
             assert fairq["throughput_tokens_per_s"] >= 0.995 * fifo["throughput_tokens_per_s"], (
-                shape, fairq, fifo)
+                shape,
+                fairq,
+                fifo,
+            )

@@ -19,14 +19,23 @@ ENDPOINT = next(iter(CONFIG.endpoints))
 
 def requests(start: float, end: float, per_s: float, tenant: str = "t") -> list[TraceRecord]:
     count = int((end - start) * per_s)
-    return [TraceRecord(tenant, start + i / per_s, 500, 200, max_tokens=200)
-            for i in range(count)]
+    return [TraceRecord(tenant, start + i / per_s, 500, 200, max_tokens=200) for i in range(count)]
 
 
 def scaling(**fields) -> ScalingPolicy:
-    return ScalingPolicy(**(dict(min_replicas=1, max_replicas=8, cold_start_s=20.0,
-                                 scale_down_after_s=60.0, rate_window_s=10.0, drain_s=20.0)
-                            | fields))
+    return ScalingPolicy(
+        **(
+            dict(
+                min_replicas=1,
+                max_replicas=8,
+                cold_start_s=20.0,
+                scale_down_after_s=60.0,
+                rate_window_s=10.0,
+                drain_s=20.0,
+            )
+            | fields
+        )
+    )
 
 
 def decisions(summary: dict) -> list[tuple[float, int]]:
@@ -34,7 +43,7 @@ def decisions(summary: dict) -> list[tuple[float, int]]:
 
 
 def test_a_burst_scales_the_fleet_up_and_the_quiet_after_it_back_down() -> None:
-    trace = (requests(0, 120, 1) + requests(120, 240, 12) + requests(240, 600, 1))
+    trace = requests(0, 120, 1) + requests(120, 240, 12) + requests(240, 600, 1)
     result = simulate(trace, CONFIG, replicas=1, autoscale=scaling())
     assert all(r.finished is not None for r in result.records)
     changes = decisions(result.summary)
@@ -44,14 +53,17 @@ def test_a_burst_scales_the_fleet_up_and_the_quiet_after_it_back_down() -> None:
     down = next(t for t, n in changes if t > up and n == 1)
     assert 120 <= up <= 135 and down >= 240 + 60, changes
     static = simulate(trace, CONFIG, replicas=max(counts))
-    assert result.summary["simulation"]["gpu_seconds"] < \
-        0.7 * static.summary["simulation"]["gpu_seconds"]
+    assert (
+        result.summary["simulation"]["gpu_seconds"]
+        < 0.7 * static.summary["simulation"]["gpu_seconds"]
+    )
 
 
 def test_an_endpoint_scaled_to_zero_serves_its_next_request_after_a_cold_start() -> None:
     trace = requests(0, 10, 1) + requests(300, 301, 1)
-    simulation = Simulation(trace, CONFIG, replicas=1,
-                            autoscale=scaling(min_replicas=0, cold_start_s=30.0))
+    simulation = Simulation(
+        trace, CONFIG, replicas=1, autoscale=scaling(min_replicas=0, cold_start_s=30.0)
+    )
     records = simulation.run()
     assert all(r.finished is not None for r in records)
     late = records[-1]
@@ -75,11 +87,17 @@ def test_demand_turned_away_during_a_cold_start_still_brings_a_worker_back() -> 
     admission rejects what arrives as `overloaded`, honestly; that offered load is
     what starts a replica, and what arrives once it serves is admitted."""
     spec = CONFIG.endpoints[ENDPOINT]
-    strict = msgspec.structs.replace(CONFIG, endpoints={
-        **CONFIG.endpoints, ENDPOINT: msgspec.structs.replace(spec, latency_target_s=30.0)})
+    strict = msgspec.structs.replace(
+        CONFIG,
+        endpoints={
+            **CONFIG.endpoints,
+            ENDPOINT: msgspec.structs.replace(spec, latency_target_s=30.0),
+        },
+    )
     trace = requests(0, 10, 1) + requests(400, 520, 1)
-    simulation = Simulation(trace, strict, replicas=1,
-                            autoscale=scaling(min_replicas=0, cold_start_s=60.0))
+    simulation = Simulation(
+        trace, strict, replicas=1, autoscale=scaling(min_replicas=0, cold_start_s=60.0)
+    )
     records = simulation.run()
     late = [r for r in records if r.arrival >= 400]
     assert any(r.outcome == "overloaded" for r in late)

@@ -27,12 +27,12 @@ from broker_config.config import (
 )
 from broker_config.subjects import message_bytes
 from broker_config.wire import ChatMessage, Encoding, Submission, SubmitRequest
-from dispatcher.dispatch.convert import to_request
 from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.scheduler import Scheduler
+from dispatcher.dispatch.convert import to_request
 from tests.core_support import ONE_SLOT
-from tests.local_stack import LocalStack
 from tests.dispatch.test_dataplane_e2e import collect, stack_options, submit
+from tests.local_stack import LocalStack
 from workers.engine import EngineRequest
 from workers.images import ImagePool, PreparedImage, Turns, prepare_images
 
@@ -52,12 +52,11 @@ def photo(size: tuple[int, int]) -> Image.Image:
 
 def pixel(prepared: PreparedImage, x: int, y: int) -> tuple[int, int, int]:
     offset = 3 * (y * prepared.width + x)
-    return tuple(prepared.rgb[offset:offset + 3])
+    return tuple(prepared.rgb[offset : offset + 3])
 
 
 def test_a_large_photo_is_scaled_to_the_longer_edge_keeping_its_shape() -> None:
-    (prepared,) = prepare_images([encoded(photo((4032, 3024)), "JPEG", quality=90)],
-                                 **LIMITS)
+    (prepared,) = prepare_images([encoded(photo((4032, 3024)), "JPEG", quality=90)], **LIMITS)
     assert (prepared.width, prepared.height) == (1024, 768)
     assert len(prepared.rgb) == 1024 * 768 * 3
 
@@ -74,15 +73,21 @@ def test_palette_cmyk_and_16_bit_images_come_out_rgb_and_scaled() -> None:
     wide = Image.fromarray(np.asarray(grey, dtype=np.uint16) * 257)  # 16 bits, full range
     assert wide.mode.startswith("I;16")
     reference, palette, cmyk, grey_8, grey_16 = prepare_images(
-        [encoded(source, "PNG"), encoded(source.convert("P"), "PNG"),
-         encoded(source.convert("CMYK"), "JPEG"), encoded(grey, "PNG"), encoded(wide, "PNG")],
-        **LIMITS)
+        [
+            encoded(source, "PNG"),
+            encoded(source.convert("P"), "PNG"),
+            encoded(source.convert("CMYK"), "JPEG"),
+            encoded(grey, "PNG"),
+            encoded(wide, "PNG"),
+        ],
+        **LIMITS,
+    )
     for prepared, like in ((palette, reference), (cmyk, reference), (grey_16, grey_8)):
-        assert (prepared.width, prepared.height, len(prepared.rgb)) == (1024, 512,
-                                                                         1024 * 512 * 3)
+        assert (prepared.width, prepared.height, len(prepared.rgb)) == (1024, 512, 1024 * 512 * 3)
         for x, y in ((0, 0), (300, 100), (512, 256), (1000, 500)):
-            assert all(abs(a - b) <= 24 for a, b in zip(pixel(prepared, x, y),
-                                                        pixel(like, x, y))), (x, y)
+            assert all(
+                abs(a - b) <= 24 for a, b in zip(pixel(prepared, x, y), pixel(like, x, y))
+            ), (x, y)
     # Scaled smoothly, not by dropping pixels: a one-pixel checkerboard halved is grey,
     # where NEAREST would keep black or white.
     rows = (bytes([0, 255]) * 1024 + bytes([255, 0]) * 1024) * 512
@@ -106,13 +111,17 @@ def test_transparency_is_laid_on_white() -> None:
     assert pixel(prepared, 1, 1) == (255, 0, 0)
 
 
-@pytest.mark.parametrize(("image", "message"), [
-    ("not base64!", "image 1 is not valid base64"),
-    (base64.b64encode(b"plain text, no image").decode(), "image 1 could not be decoded"),
-    (encoded(photo((8, 8)), "BMP"), "image 1 could not be decoded"),
-    # A real JPEG header, its data cut off: the dispatcher's header check passes it.
-    (encoded(photo((512, 512)), "JPEG")[:2000], "image 1 could not be decoded"),
-], ids=["base64", "no-image", "bmp", "truncated"])
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        ("not base64!", "image 1 is not valid base64"),
+        (base64.b64encode(b"plain text, no image").decode(), "image 1 could not be decoded"),
+        (encoded(photo((8, 8)), "BMP"), "image 1 could not be decoded"),
+        # A real JPEG header, its data cut off: the dispatcher's header check passes it.
+        (encoded(photo((512, 512)), "JPEG")[:2000], "image 1 could not be decoded"),
+    ],
+    ids=["base64", "no-image", "bmp", "truncated"],
+)
 def test_a_bad_image_is_a_value_error_naming_it(image: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         prepare_images([encoded(photo((4, 4)), "PNG"), image], **LIMITS)
@@ -131,8 +140,9 @@ def test_the_pixel_limit_holds_before_decoding() -> None:
     # 20,000 x 20,000 of one colour: a few hundred KB that would decode to 1.2 GB.
     bomb = encoded(Image.new("L", (20000, 20000)), "PNG")
     assert len(bomb) < 1 << 20
-    with pytest.raises(ValueError, match="max_image_pixels is 33554432, image 0 has "
-                                         "20000x20000 = 400000000 pixels"):
+    with pytest.raises(
+        ValueError, match="max_image_pixels is 33554432, image 0 has 20000x20000 = 400000000 pixels"
+    ):
         prepare_images([bomb], **LIMITS)
 
 
@@ -165,8 +175,7 @@ async def test_requests_whose_process_died_are_prepared_again_alone() -> None:
     slow = noise_png((3000, 3000))
     async with ImagePool(ImageOptions(processes=2)) as pool:
         await pool.prepare([encoded(photo((8, 8)), "PNG")], "acme")  # the pool is up
-        tasks = [asyncio.create_task(pool.prepare([slow], tenant))
-                 for tenant in ("acme", "globex")]
+        tasks = [asyncio.create_task(pool.prepare([slow], tenant)) for tenant in ("acme", "globex")]
         await asyncio.sleep(0.1)
         assert not any(task.done() for task in tasks)
         # As a decoder that crashes would: the pool breaks under both requests (the
@@ -194,8 +203,10 @@ async def test_leaving_stops_a_process_busy_with_an_image_at_once() -> None:
 
 async def test_a_request_stopped_while_it_waited_is_not_prepared() -> None:
     async with ImagePool() as pool:
-        assert await pool.prepare([encoded(photo((8, 8)), "PNG")], "acme",
-                                  wanted=lambda: False) is None
+        assert (
+            await pool.prepare([encoded(photo((8, 8)), "PNG")], "acme", wanted=lambda: False)
+            is None
+        )
         assert not pool.started
 
 
@@ -226,10 +237,15 @@ def test_the_dispatcher_charges_each_image_its_model_units() -> None:
     gamma = config.profiles[config.endpoints["chat"].profile].gamma
     charged = []
     for images in (0, 3):
-        body = SubmitRequest(prompt="look", input_tokens=10, max_tokens=5,
-                             images=[encoded(photo((8, 8)), "PNG")] * images)
-        request = to_request(Submission("chat", "acme", "r", body, None, Encoding.JSON),
-                             0.0, 1024, None)
+        body = SubmitRequest(
+            prompt="look",
+            input_tokens=10,
+            max_tokens=5,
+            images=[encoded(photo((8, 8)), "PNG")] * images,
+        )
+        request = to_request(
+            Submission("chat", "acme", "r", body, None, Encoding.JSON), 0.0, 1024, None
+        )
         scheduler = Scheduler(config)
         scheduler.admit(request, 0.0, MemoryLimiterStore())
         (sent,) = scheduler.next_batch("chat", ONE_SLOT, 0.0).requests
@@ -240,15 +256,16 @@ def test_the_dispatcher_charges_each_image_its_model_units() -> None:
 
 @pytest.mark.integration
 async def test_a_worker_prepares_images_refuses_a_bad_one_alone_and_charges_them(
-        nats_url, client) -> None:
-    options = stack_options(workers_settings=WorkerOptions(
-        heartbeat_interval_s=0.2, images=ImageOptions(max_edge=256)))
+    nats_url, client
+) -> None:
+    options = stack_options(
+        workers_settings=WorkerOptions(heartbeat_interval_s=0.2, images=ImageOptions(max_edge=256))
+    )
     good = [encoded(photo((1600, 1200)), "JPEG"), encoded(Image.new("RGBA", (64, 64)), "PNG")]
     truncated = encoded(photo((512, 512)), "JPEG")[:2000]
     async with LocalStack(load_config(), options, nats_url=nats_url) as stack:
         (worker,), (engine,) = stack.workers, stack.engines
-        _, text = await submit(client, "chat", "acme", {"prompt": "text only",
-                                                        "max_tokens": 4})
+        _, text = await submit(client, "chat", "acme", {"prompt": "text only", "max_tokens": 4})
         assert (await collect(text))[-1]["type"] == "done"
         assert not worker.image_pool.started  # text never touches the pool
         seen: list[list[PreparedImage]] = []
@@ -260,21 +277,25 @@ async def test_a_worker_prepares_images_refuses_a_bad_one_alone_and_charges_them
             return generate(request)
 
         engine.generate = recording
-        _, with_images = await submit(client, "chat", "acme", {
-            "prompt": "describe", "max_tokens": 4, "input_tokens": 100, "images": good})
-        _, bad = await submit(client, "chat", "globex",
-                              {"prompt": "describe", "images": [truncated]})
-        _, beside = await submit(client, "chat", "globex", {"prompt": "and this",
-                                                           "max_tokens": 4})
-        done, error, other = [(await collect(sub, 30))[-1]
-                              for sub in (with_images, bad, beside)]
+        _, with_images = await submit(
+            client,
+            "chat",
+            "acme",
+            {"prompt": "describe", "max_tokens": 4, "input_tokens": 100, "images": good},
+        )
+        _, bad = await submit(
+            client, "chat", "globex", {"prompt": "describe", "images": [truncated]}
+        )
+        _, beside = await submit(client, "chat", "globex", {"prompt": "and this", "max_tokens": 4})
+        done, error, other = [(await collect(sub, 30))[-1] for sub in (with_images, bad, beside)]
     assert done["type"] == "done", done
     assert [[(p.width, p.height) for p in images] for images in seen] == [[(256, 192), (64, 64)]]
     profile = stack.config.profiles[stack.config.endpoints["chat"].profile]
     usage = done["usage"]
     assert usage["other_units"] == 2
     assert usage["model_units"] == pytest.approx(
-        profile.model_units(usage["input_tokens"], usage["output_tokens"], 2))
+        profile.model_units(usage["input_tokens"], usage["output_tokens"], 2)
+    )
     assert error["type"] == "error" and error["code"] == "invalid_request", error
     assert "image 0 could not be decoded" in error["message"]
     assert other["type"] == "done", other
@@ -288,29 +309,39 @@ async def client(nats_url):
 
 
 def test_image_options_come_from_the_workers_table() -> None:
-    config = parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n'
-                          "[workers.images]\nprocesses = 2\nmax_edge = 512\n")
+    config = parse_config(
+        '[endpoints.chat]\n[[tiers]]\nname = "a"\n[workers.images]\nprocesses = 2\nmax_edge = 512\n'
+    )
     assert config.workers.images == ImageOptions(processes=2, max_edge=512)
     with pytest.raises(ConfigError, match="workers.images.max_edge"):
-        parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n'
-                     "[workers.images]\nmax_edge = 0\n")
+        parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n[workers.images]\nmax_edge = 0\n')
 
 
 @pytest.mark.integration
 async def test_large_image_requests_reach_the_worker_in_batches_within_the_brokers_limit(
-        nats_url, client) -> None:
+    nats_url, client
+) -> None:
     # Noise does not compress: each PNG is about 600 KB as base64, so no two fit together
     # in a message of nats-server's default 1 MiB.
     noisy = encoded(Image.frombytes("RGB", (400, 375), os.urandom(400 * 375 * 3)), "PNG")
     assert 500_000 < len(noisy) < 700_000
     async with LocalStack(load_config(), stack_options(), nats_url=nats_url) as stack:
         batches = await client.subscribe(stack.config.subjects.work("chat", "chat-w1"))
-        subs = [(await submit(client, "chat", "acme", {"prompt": "x", "images": [noisy],
-                                                      "max_tokens": 2}))[1]
-                for _ in range(3)]
+        subs = [
+            (
+                await submit(
+                    client, "chat", "acme", {"prompt": "x", "images": [noisy], "max_tokens": 2}
+                )
+            )[1]
+            for _ in range(3)
+        ]
         # Within the body limit, but no room is left for the dispatcher's own fields.
-        _, too_large = await submit(client, "chat", "acme", {
-            "prompt": "x" * (client.max_payload - len(noisy) - 300), "images": [noisy]})
+        _, too_large = await submit(
+            client,
+            "chat",
+            "acme",
+            {"prompt": "x" * (client.max_payload - len(noisy) - 300), "images": [noisy]},
+        )
         finals = [(await collect(sub, 30))[-1] for sub in (*subs, too_large)]
         sent = []
         while batches.pending_msgs:
@@ -327,21 +358,32 @@ def test_vllm_gets_the_images_as_pil_parts_of_the_last_user_message() -> None:
     from workers.vllm_engine import _chat, _text_prompt  # vllm itself is not imported
 
     image = PreparedImage(2, 1, bytes([255, 0, 0, 0, 0, 255]))
-    request = EngineRequest(id="r", max_tokens=4, images=[image], messages=[
-        ChatMessage("system", "be brief"), ChatMessage("user", "first"),
-        ChatMessage("assistant", "ok"), ChatMessage("user", "what is this?")])
+    request = EngineRequest(
+        id="r",
+        max_tokens=4,
+        images=[image],
+        messages=[
+            ChatMessage("system", "be brief"),
+            ChatMessage("user", "first"),
+            ChatMessage("assistant", "ok"),
+            ChatMessage("user", "what is this?"),
+        ],
+    )
     system, first, answer, last = _chat(request)
-    assert (system["content"], first["content"], answer["content"]) == ("be brief", "first",
-                                                                        "ok")
+    assert (system["content"], first["content"], answer["content"]) == ("be brief", "first", "ok")
     part, text = last["content"]
     assert text == {"type": "text", "text": "what is this?"}
     assert part["type"] == "image_pil"
     assert part["image_pil"].size == (2, 1)
     assert part["image_pil"].getpixel((1, 0)) == (0, 0, 255)
-    prompt = _text_prompt(EngineRequest(id="p", max_tokens=4, prompt="<image> what?",
-                                        images=[image, image]))
+    prompt = _text_prompt(
+        EngineRequest(id="p", max_tokens=4, prompt="<image> what?", images=[image, image])
+    )
     assert prompt["prompt"] == "<image> what?"
     assert [i.size for i in prompt["multi_modal_data"]["image"]] == [(2, 1), (2, 1)]
     with pytest.raises(ValueError, match="no user message to put them in"):
-        _chat(EngineRequest(id="s", max_tokens=4, images=[image],
-                            messages=[ChatMessage("system", "only this")]))
+        _chat(
+            EngineRequest(
+                id="s", max_tokens=4, images=[image], messages=[ChatMessage("system", "only this")]
+            )
+        )

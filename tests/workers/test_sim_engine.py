@@ -25,14 +25,19 @@ SCALE = 0.1
 LONG = 10_000
 
 
-def request(rid: str, max_tokens: int = 64, target: int | None = None,
-            prompt: str = "hello world", **kwargs: object) -> EngineRequest:
-    return EngineRequest(rid, max_tokens, prompt=prompt, target_output_tokens=target,
-                         **kwargs)  # type: ignore[arg-type]
+def request(
+    rid: str,
+    max_tokens: int = 64,
+    target: int | None = None,
+    prompt: str = "hello world",
+    **kwargs: object,
+) -> EngineRequest:
+    return EngineRequest(rid, max_tokens, prompt=prompt, target_output_tokens=target, **kwargs)  # type: ignore[arg-type]
 
 
-async def collect(engine: SimEngine, req: EngineRequest,
-                  into: list[Delta] | None = None) -> list[Delta]:
+async def collect(
+    engine: SimEngine, req: EngineRequest, into: list[Delta] | None = None
+) -> list[Delta]:
     """Every delta of a request; `into` shows them to the test while they arrive."""
     deltas = [] if into is None else into
     async for delta in engine.generate(req):
@@ -51,13 +56,16 @@ def check_stream(deltas: list[Delta], output_tokens: int, finish_reason: str) ->
     *tokens, final = deltas
     assert final.finished and final.finish_reason == finish_reason
     assert final.output_tokens == output_tokens == len(tokens)
-    assert all(not d.finished and d.token_count == 1 and d.text.startswith(" ")
-               and len(d.text) > 1 for d in tokens)
+    assert all(
+        not d.finished and d.token_count == 1 and d.text.startswith(" ") and len(d.text) > 1
+        for d in tokens
+    )
     return final
 
 
-def predicted(input_tokens: int, output_tokens: int, images: int = 0,
-              params: EngineParams = PARAMS) -> tuple[float, float]:
+def predicted(
+    input_tokens: int, output_tokens: int, images: int = 0, params: EngineParams = PARAMS
+) -> tuple[float, float]:
     """(time to first token, total) of a request alone, by the timing model itself."""
     model = BatchingEngineModel(params)
     model.add("r", input_tokens, output_tokens, images)
@@ -92,8 +100,7 @@ async def test_implements_the_engine_protocol_and_reports_capacity() -> None:
     sim = SimEngine(params)
     assert isinstance(sim, Engine)
     # No measured model-unit limit: model units never bind.
-    assert sim.capacity == Capacity(sequences=8, tokens=5000,
-                                    model_units=UNLIMITED_MODEL_UNITS)
+    assert sim.capacity == Capacity(sequences=8, tokens=5000, model_units=UNLIMITED_MODEL_UNITS)
     assert not sim.healthy
     async with sim as running:
         assert running is sim and sim.healthy
@@ -126,30 +133,38 @@ def test_count_tokens_is_character_based_and_includes_chat_roles() -> None:
     assert sim.count_tokens(request("a", prompt="abcd" * 10)) == 10
     assert sim.count_tokens(request("a", prompt="abcd" * 10 + "e")) == 11
     content = "x" * 40
-    chat = EngineRequest("c", 8, messages=[ChatMessage("system", content),
-                                           ChatMessage("user", content)])
+    chat = EngineRequest(
+        "c", 8, messages=[ChatMessage("system", content), ChatMessage("user", content)]
+    )
     assert sim.count_tokens(chat) > 2 * len(content) // CHARS_PER_TOKEN
     assert sim.count_tokens(chat) == sim.count_tokens(chat)
 
 
-@pytest.mark.parametrize(("req", "match"), [
-    (EngineRequest("r", 8), "neither a prompt nor messages"),
-    (EngineRequest("r", 8, prompt="p", messages=[ChatMessage("user", "m")]), "both"),
-    (EngineRequest("r", 8, messages=[]), "empty message list"),
-])
-async def test_malformed_requests_raise_value_error(engine: SimEngine, req: EngineRequest,
-                                                    match: str) -> None:
+@pytest.mark.parametrize(
+    ("req", "match"),
+    [
+        (EngineRequest("r", 8), "neither a prompt nor messages"),
+        (EngineRequest("r", 8, prompt="p", messages=[ChatMessage("user", "m")]), "both"),
+        (EngineRequest("r", 8, messages=[]), "empty message list"),
+    ],
+)
+async def test_malformed_requests_raise_value_error(
+    engine: SimEngine, req: EngineRequest, match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         engine.count_tokens(req)
     with pytest.raises(ValueError, match=match):
         await collect(engine, req)
 
 
-@pytest.mark.parametrize(("req", "match"), [
-    (request("r", max_tokens=0), "'r': max_tokens must be >= 1"),
-    (request("r", target=0), "'r': output_tokens must be >= 1"),
-    (request("r", max_tokens=100, input_tokens=950), "'r'.*never fit the KV cache"),
-])
+@pytest.mark.parametrize(
+    ("req", "match"),
+    [
+        (request("r", max_tokens=0), "'r': max_tokens must be >= 1"),
+        (request("r", target=0), "'r': output_tokens must be >= 1"),
+        (request("r", max_tokens=100, input_tokens=950), "'r'.*never fit the KV cache"),
+    ],
+)
 async def test_impossible_requests_raise_value_error(req: EngineRequest, match: str) -> None:
     params = msgspec.structs.replace(PARAMS, kv_cache_tokens=1000)
     async with SimEngine(params, time_scale=SCALE) as sim:
@@ -203,12 +218,12 @@ async def test_output_length_and_text_are_deterministic_per_seed_and_id() -> Non
         """(text, output tokens) per request; timings are real and vary."""
         async with SimEngine(time_scale=0, seed=seed) as sim:
             results = await asyncio.gather(
-                *(collect(sim, request(f"r{i}", max_tokens=20)) for i in range(40)))
+                *(collect(sim, request(f"r{i}", max_tokens=20)) for i in range(40))
+            )
         for deltas in results:
             n = deltas[-1].output_tokens
             check_stream(deltas, n, "length" if n == 20 else "stop")
-        return [("".join(d.text for d in deltas), deltas[-1].output_tokens)
-                for deltas in results]
+        return [("".join(d.text for d in deltas), deltas[-1].output_tokens) for deltas in results]
 
     first, again, other = await run(1), await run(1), await run(2)
     assert first == again
@@ -231,8 +246,7 @@ async def test_timing_follows_the_model_scaled_by_time_scale_and_slow_factor(
     scale = SCALE * slow_factor
     ttft, total = (t * scale for t in predicted(1600, 20, images=1))
     started = time.monotonic()
-    deltas = await collect(engine, request("t", target=20, input_tokens=1600,
-                                           images=[b"img"]))
+    deltas = await collect(engine, request("t", target=20, input_tokens=1600, images=[b"img"]))
     elapsed = time.monotonic() - started
     final = check_stream(deltas, 20, "stop")
     # Never faster than the model; slower only by scheduling noise on a shared machine.
@@ -245,7 +259,8 @@ async def test_time_scale_zero_runs_without_compute_time() -> None:
     async with SimEngine(time_scale=0) as sim:
         started = time.monotonic()
         results = await asyncio.gather(
-            *(collect(sim, request(f"r{i}", max_tokens=32)) for i in range(200)))
+            *(collect(sim, request(f"r{i}", max_tokens=32)) for i in range(200))
+        )
         elapsed = time.monotonic() - started
         # At scale 1 this workload takes several seconds of simulated GPU time.
         assert elapsed < 2.0
@@ -261,7 +276,8 @@ async def test_concurrent_requests_are_batched(engine: SimEngine) -> None:
 
     started = time.monotonic()
     results = await asyncio.gather(
-        *(collect(engine, request(f"r{i}", target=20)) for i in range(16)))
+        *(collect(engine, request(f"r{i}", target=20)) for i in range(16))
+    )
     together = time.monotonic() - started
     for deltas in results:
         check_stream(deltas, 20, "stop")
@@ -293,8 +309,9 @@ async def test_a_higher_priority_waiting_request_is_admitted_first(one_slot: Sim
 async def test_abort_of_a_running_request(engine: SimEngine) -> None:
     deltas: list[Delta] = []
     async with asyncio.TaskGroup() as tg:
-        task = tg.create_task(collect(engine, request("run", target=LONG, max_tokens=LONG),
-                                      into=deltas))
+        task = tg.create_task(
+            collect(engine, request("run", target=LONG, max_tokens=LONG), into=deltas)
+        )
         await until(lambda: len(deltas) >= 3)
         await engine.abort("run")
     final = check_stream(task.result(), len(deltas) - 1, "abort")
@@ -308,8 +325,9 @@ async def test_abort_of_a_running_request(engine: SimEngine) -> None:
 async def test_abort_of_a_waiting_request(one_slot: SimEngine) -> None:
     running: list[Delta] = []
     async with asyncio.TaskGroup() as tg:
-        first = tg.create_task(collect(one_slot, request("first", target=LONG, max_tokens=LONG),
-                                       into=running))
+        first = tg.create_task(
+            collect(one_slot, request("first", target=LONG, max_tokens=LONG), into=running)
+        )
         await until(lambda: bool(running))
         second = tg.create_task(collect(one_slot, request("second", target=5)))
         await until(lambda: one_slot.waiting == 1)
@@ -335,8 +353,9 @@ async def test_abort_of_an_unknown_or_finished_request_is_a_no_op(engine: SimEng
 
 async def test_consumer_cancellation_frees_capacity(engine: SimEngine) -> None:
     deltas: list[Delta] = []
-    task = asyncio.create_task(collect(engine, request("c", target=LONG, max_tokens=LONG),
-                                       into=deltas))
+    task = asyncio.create_task(
+        collect(engine, request("c", target=LONG, max_tokens=LONG), into=deltas)
+    )
     await until(lambda: len(deltas) >= 2)
     assert engine.free_sequences == PARAMS.max_sequences - 1
     task.cancel()
@@ -361,8 +380,9 @@ async def test_closing_the_generator_frees_capacity(engine: SimEngine) -> None:
 
 async def test_crash_fails_current_and_new_requests_until_cleared(engine: SimEngine) -> None:
     deltas: list[Delta] = []
-    task = asyncio.create_task(collect(engine, request("cur", target=LONG, max_tokens=LONG),
-                                       into=deltas))
+    task = asyncio.create_task(
+        collect(engine, request("cur", target=LONG, max_tokens=LONG), into=deltas)
+    )
     await until(lambda: len(deltas) >= 2)
     engine.faults.crash = True
     assert not engine.healthy
@@ -400,7 +420,7 @@ async def test_hang_stalls_requests_while_healthy_and_recovers(engine: SimEngine
 
 
 async def test_a_failing_step_loop_fails_requests_and_surfaces_on_exit(
-    monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sim = SimEngine(time_scale=SCALE)
 
@@ -425,9 +445,12 @@ async def test_clean_shutdown_with_requests_in_flight() -> None:
     seen: list[list[Delta]] = [[] for _ in range(6)]
     async with asyncio.TaskGroup() as tg:
         async with SimEngine(params, time_scale=SCALE) as sim:
-            tasks = [tg.create_task(collect(sim, request(f"r{i}", target=LONG,
-                                                         max_tokens=LONG), into=seen[i]))
-                     for i in range(6)]
+            tasks = [
+                tg.create_task(
+                    collect(sim, request(f"r{i}", target=LONG, max_tokens=LONG), into=seen[i])
+                )
+                for i in range(6)
+            ]
             await until(lambda: all(seen[i] for i in range(4)) and sim.waiting == 2)
     # Running and waiting requests all end with an abort delta, none hangs.
     for task in tasks:

@@ -77,34 +77,61 @@ tier = "standard"
 # would wait behind a long request: these tests are not about probes (no probe is sent).
 # vLLM's threads starve this 2-core machine's event loops and nats-server now and then
 # (API calls and heartbeats 5-10 s late, old code too): generous timeouts for both.
-OPTIONS = DispatcherOptions(settle_s=0.2, tick_s=0.05, worker_timeout_s=30.0, grace_s=5.0,
-                            probe_stall_s=3600.0, probe_idle_s=3600.0)
+OPTIONS = DispatcherOptions(
+    settle_s=0.2,
+    tick_s=0.05,
+    worker_timeout_s=30.0,
+    grace_s=5.0,
+    probe_stall_s=3600.0,
+    probe_idle_s=3600.0,
+)
 API_S = 30.0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:  # noqa: F811
-    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=1, max_model_len=8192,
-                              kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
+    config = VLLMEngineConfig(
+        model=str(model_dir),
+        max_num_seqs=1,
+        max_model_len=8192,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        ignore_eos=True,
+    )
     async with VLLMEngine(config) as running:
         yield running
 
 
 @contextlib.asynccontextmanager
-async def serving(nats_url: str, engine: Engine, options: DispatcherOptions = OPTIONS,
-                  metrics: DispatcherMetrics | None = None) -> AsyncIterator[Dispatcher]:
+async def serving(
+    nats_url: str,
+    engine: Engine,
+    options: DispatcherOptions = OPTIONS,
+    metrics: DispatcherMetrics | None = None,
+) -> AsyncIterator[Dispatcher]:
     """A dispatcher and one worker on `engine`, on this test's nats-server."""
     async with contextlib.AsyncExitStack() as stack:
         nc = await nats.connect(nats_url, name="fairq-vllm-dataplane")
         stack.push_async_callback(nc.drain)
-        running = await stack.enter_async_context(Dispatcher(
-            nc, msgspec.structs.replace(parse_config(CONFIG), dispatcher=options),
-            metrics=metrics))
+        running = await stack.enter_async_context(
+            Dispatcher(
+                nc,
+                msgspec.structs.replace(parse_config(CONFIG), dispatcher=options),
+                metrics=metrics,
+            )
+        )
         results = await nc.jetstream().key_value(running.subjects.results_bucket)
-        await stack.enter_async_context(WorkerService(
-            nc, engine, endpoint="chat", worker_id="vllm-1", subjects=running.subjects,
-            results=results, profile=running.scheduler.endpoints["chat"].profile,
-            settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0)))
+        await stack.enter_async_context(
+            WorkerService(
+                nc,
+                engine,
+                endpoint="chat",
+                worker_id="vllm-1",
+                subjects=running.subjects,
+                results=results,
+                profile=running.scheduler.endpoints["chat"].profile,
+                settings=WorkerOptions(heartbeat_interval_s=0.2, drain_timeout_s=10.0),
+            )
+        )
         yield running
 
 
@@ -126,40 +153,59 @@ def input_tokens(engine: VLLMEngine, prompt: str) -> int:
 
 
 async def test_concurrent_requests_of_two_tenants_stream_with_the_engines_usage(
-    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
+    dispatcher: Dispatcher,
+    client: NATS,
+    engine: VLLMEngine,
     vllm_outputs: dict[str, list[Any]],  # noqa: F811
 ) -> None:
     """Token events carry text, not counts, and a byte-level token that ends inside a
     character streams no text: so each token event is matched to the vLLM output it
     came from, and usage to vLLM's own counts."""
-    bodies = {(tenant, f"{tenant}-{i}"): {"prompt": f"def f{i}(x):\n    return x * {i}",
-                                          "max_tokens": 8 + 2 * i}
-              for i in range(4) for tenant in ("acme", "globex")}
-    submitted = await asyncio.gather(*(submit(client, "chat", tenant, body, rid=rid)
-                                       for (tenant, rid), body in bodies.items()))
+    bodies = {
+        (tenant, f"{tenant}-{i}"): {
+            "prompt": f"def f{i}(x):\n    return x * {i}",
+            "max_tokens": 8 + 2 * i,
+        }
+        for i in range(4)
+        for tenant in ("acme", "globex")
+    }
+    submitted = await asyncio.gather(
+        *(submit(client, "chat", tenant, body, rid=rid) for (tenant, rid), body in bodies.items())
+    )
     streams = await asyncio.gather(*(collect(sub, timeout=WAIT_S) for _, sub in submitted))
     profile = dispatcher.scheduler.endpoints["chat"].profile
     for ((tenant, rid), body), events in zip(bodies.items(), streams, strict=True):
         *tokens, done = events
         assert done["type"] == "done", done
-        assert [(t["type"], t["id"], t["seq"]) for t in tokens] == \
-            [("token", rid, seq) for seq in range(len(tokens))]
+        assert [(t["type"], t["id"], t["seq"]) for t in tokens] == [
+            ("token", rid, seq) for seq in range(len(tokens))
+        ]
         assert done["id"] == rid and done["seq"] == len(tokens)
         outputs = vllm_outputs[Subjects.result_key(tenant, rid)]
-        assert [t["text"] for t in tokens] == \
-            [o.outputs[0].text for o in outputs if o.outputs[0].text]
+        assert [t["text"] for t in tokens] == [
+            o.outputs[0].text for o in outputs if o.outputs[0].text
+        ]
         assert done["text"] == "".join(t["text"] for t in tokens)
         usage = done["usage"]
-        assert usage["output_tokens"] == sum(len(o.outputs[0].token_ids) for o in outputs) \
+        assert (
+            usage["output_tokens"]
+            == sum(len(o.outputs[0].token_ids) for o in outputs)
             == body["max_tokens"]
-        assert usage["input_tokens"] == input_tokens(engine, body["prompt"]) \
+        )
+        assert (
+            usage["input_tokens"]
+            == input_tokens(engine, body["prompt"])
             == len(outputs[-1].prompt_token_ids)
+        )
         assert usage["model_units"] == pytest.approx(
-            profile.model_units(usage["input_tokens"], usage["output_tokens"]))
+            profile.model_units(usage["input_tokens"], usage["output_tokens"])
+        )
 
 
 async def test_cancel_aborts_a_running_request_inside_vllm(
-    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
+    dispatcher: Dispatcher,
+    client: NATS,
+    engine: VLLMEngine,
     vllm_outputs: dict[str, list[Any]],  # noqa: F811
 ) -> None:
     rid, sub = await submit(client, "chat", "acme", {"prompt": "while True:", "max_tokens": LONG})
@@ -171,8 +217,9 @@ async def test_cancel_aborts_a_running_request_inside_vllm(
     assert reply == {"id": rid, "cancelled": True}
     final = (await collect(sub, timeout=WAIT_S))[-1]
     assert final["type"] == "error" and final["code"] == "cancelled", final
-    generated = sum(len(o.outputs[0].token_ids)
-                    for o in vllm_outputs[Subjects.result_key("acme", rid)])
+    generated = sum(
+        len(o.outputs[0].token_ids) for o in vllm_outputs[Subjects.result_key("acme", rid)]
+    )
     assert 3 <= generated < 1_000, "the request ran on instead of being aborted"
     assert engine.llm.get_num_unfinished_requests() == 0
     # The client hears of the end before the dispatcher has the worker's completion.
@@ -202,14 +249,15 @@ class StartOrder:
     async def publish(self, tenant: str, rid: str, max_tokens: int, priority: int = 0) -> None:
         body = {"prompt": "class A:", "max_tokens": max_tokens, "priority": priority}
         await self.client.jetstream().publish(
-            f"fq.req.chat.{tenant}", json.dumps(body).encode(),
-            headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{self.inbox}.{rid}"})
+            f"fq.req.chat.{tenant}",
+            json.dumps(body).encode(),
+            headers={"Nats-Msg-Id": rid, "Fq-Reply": f"{self.inbox}.{rid}"},
+        )
 
     async def read_until(self, condition: Callable[[], bool]) -> None:
         deadline = time.monotonic() + WAIT_S
         while not condition():
-            msg = await self._replies.next_msg(
-                timeout=max(0.01, deadline - time.monotonic()))
+            msg = await self._replies.next_msg(timeout=max(0.01, deadline - time.monotonic()))
             event = json.loads(msg.data)
             if event["type"] == "token" and event["id"] not in self.started:
                 self.started.append(event["id"])
@@ -218,7 +266,9 @@ class StartOrder:
 
 
 async def test_queued_requests_start_in_priority_order(
-    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
+    dispatcher: Dispatcher,
+    client: NATS,
+    engine: VLLMEngine,
 ) -> None:
     """With the only sequence slot taken, requests wait in the dispatcher's queue, whose
     per-tenant order (the client's priority, then arrival) decides which starts next: the
@@ -233,8 +283,9 @@ async def test_queued_requests_start_in_priority_order(
         # "mid" still arrives before "mid-later".
         for rid, priority in priorities.items():
             await order.publish("acme", rid, 4, priority)
-        await asyncio.gather(*(wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S)
-                               for rid in priorities))
+        await asyncio.gather(
+            *(wait_for_state(client, "acme", rid, "queued", timeout=WAIT_S) for rid in priorities)
+        )
         assert engine.llm.get_num_unfinished_requests() == 1, "the queue formed inside vLLM"
         cancelled = await api(client, "fq.api.cancel.acme", {"id": "blocker"}, API_S)
         assert cancelled["cancelled"] is True
@@ -242,7 +293,8 @@ async def test_queued_requests_start_in_priority_order(
         await order.read_until(lambda: order.finals.keys() >= {"blocker", *priorities})
     assert order.started == ["blocker", "high", "mid", "mid-later", "low"]
     assert order.finals["blocker"]["code"] == "cancelled", (
-        "the blocker ended before the queue formed")
+        "the blocker ended before the queue formed"
+    )
     assert all(order.finals[rid]["type"] == "done" for rid in priorities)
 
 
@@ -277,7 +329,9 @@ async def oversubscribed(nats_url: str, engine: VLLMEngine) -> AsyncIterator[Ove
 
 
 async def test_a_tenants_own_priority_never_jumps_another_tenant_inside_vllm(
-    oversubscribed: Oversubscribed, client: NATS, engine: VLLMEngine,
+    oversubscribed: Oversubscribed,
+    client: NATS,
+    engine: VLLMEngine,
 ) -> None:
     """acme asks for priority 1e9 on every request; globex, a newcomer below its fair share,
     is expedited by the dispatcher. With all of them waiting inside vLLM's priority
@@ -306,12 +360,21 @@ async def test_a_tenants_own_priority_never_jumps_another_tenant_inside_vllm(
 
 
 async def test_a_request_with_images_on_a_text_model_is_refused_with_a_clear_error(
-    dispatcher: Dispatcher, client: NATS, engine: VLLMEngine,
+    dispatcher: Dispatcher,
+    client: NATS,
+    engine: VLLMEngine,
 ) -> None:
     assert not engine.accepts_images  # the tiny test model takes text only
-    _, sub = await submit(client, "chat", "acme",
-                          {"messages": [{"role": "user", "content": "what is this?"}],
-                           "images": [image_b64()], "max_tokens": 4})
+    _, sub = await submit(
+        client,
+        "chat",
+        "acme",
+        {
+            "messages": [{"role": "user", "content": "what is this?"}],
+            "images": [image_b64()],
+            "max_tokens": 4,
+        },
+    )
     (error,) = await collect(sub, timeout=WAIT_S)
     assert error["type"] == "error" and error["code"] == "invalid_request", error
     assert "this endpoint's model takes text only" in error["message"]

@@ -193,7 +193,7 @@ async def test_engine_not_running_refuses_work() -> None:
     idle = VLLMEngine(VLLMEngineConfig(model="never-started"))
     assert not idle.healthy
     with pytest.raises(EngineError, match="not running"):
-        idle.capacity
+        idle.capacity  # noqa: B018 - the property raises
     with pytest.raises(EngineError, match="not running"):
         idle.count_tokens(EngineRequest(id="r", max_tokens=1, prompt="hi"))
 
@@ -225,10 +225,14 @@ async def test_a_repeated_prompt_prefix_is_reported_as_cached_input(engine: VLLM
     """vLLM's prefix cache (on by default here): a second request sharing a long prefix
     with the first reports the shared whole blocks as cached; the first reports none."""
     shared = "".join(f"def helper_{i}(x):\n    return x + {i}\n" for i in range(40))
-    first = (await collect(engine, EngineRequest(
-        id="prefix-1", max_tokens=4, prompt=shared + "# first")))[-1]
-    second = (await collect(engine, EngineRequest(
-        id="prefix-2", max_tokens=4, prompt=shared + "# second question")))[-1]
+    first = (
+        await collect(engine, EngineRequest(id="prefix-1", max_tokens=4, prompt=shared + "# first"))
+    )[-1]
+    second = (
+        await collect(
+            engine, EngineRequest(id="prefix-2", max_tokens=4, prompt=shared + "# second question")
+        )
+    )[-1]
     assert first.input_tokens > 200 and first.cached_input_tokens == 0
     # Whole 16-token blocks of the shared prefix, never the whole prompt.
     assert first.input_tokens // 2 < second.cached_input_tokens < second.input_tokens
@@ -284,8 +288,9 @@ async def test_a_text_model_takes_no_images(engine: VLLMEngine) -> None:
     """The worker refuses such requests before preparing their images
     (tests/workers/test_vllm_dataplane.py); the engine itself says so too, as vLLM words it."""
     assert not engine.accepts_images
-    request = EngineRequest(id="img", max_tokens=4, prompt="a",
-                            images=[PreparedImage(1, 1, bytes(3))])
+    request = EngineRequest(
+        id="img", max_tokens=4, prompt="a", images=[PreparedImage(1, 1, bytes(3))]
+    )
     with pytest.raises(ValueError, match="request 'img'"):
         await collect(engine, request)
 
@@ -435,18 +440,29 @@ async def test_a_busy_worker_answers_a_probe_in_the_slot_it_keeps_free(model_dir
     from broker_config.wire import BatchItem, SubmitRequest
     from workers.probe import advertised, answer_probe
 
-    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=2, max_model_len=8192,
-                              kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
+    config = VLLMEngineConfig(
+        model=str(model_dir),
+        max_num_seqs=2,
+        max_model_len=8192,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        ignore_eos=True,
+    )
     async with VLLMEngine(config) as busy:
         assert advertised(busy.capacity).sequences == 1
         running = Streaming(busy, EngineRequest(id="long", max_tokens=LONG, prompt="x"), [])
         await running.wait_tokens(1)
         timeout_s = DispatcherOptions().probe_timeout_s
         sent = time.time()
-        probe = BatchItem(id="p-1", tenant="fairq-probe", endpoint="chat",
-                          request=SubmitRequest(id="p-1", prompt="ping", max_tokens=1,
-                                                deadline=sent + timeout_s),
-                          max_tokens=1, enqueued_at=sent, dispatched_at=sent, probe=True)
+        probe = BatchItem(
+            id="p-1",
+            tenant="fairq-probe",
+            endpoint="chat",
+            request=SubmitRequest(id="p-1", prompt="ping", max_tokens=1, deadline=sent + timeout_s),
+            max_tokens=1,
+            enqueued_at=sent,
+            dispatched_at=sent,
+            probe=True,
+        )
         answer = await answer_probe(busy, probe, "vllm-1")
         took_s = time.time() - sent
         assert answer is not None and answer.probe and answer.code is None, answer
@@ -459,10 +475,12 @@ async def test_a_busy_worker_answers_a_probe_in_the_slot_it_keeps_free(model_dir
 
 # -- sampling, logprobs, embeddings -----------------------------------------------------------
 
+
 def sampled(rid: str, max_tokens: int = 16, **sampling: Any) -> EngineRequest:
     # A prompt shorter than one KV block: no run finds it in the prefix cache.
-    return EngineRequest(id=rid, max_tokens=max_tokens, prompt="def main():",
-                         sampling=Sampling(**sampling))
+    return EngineRequest(
+        id=rid, max_tokens=max_tokens, prompt="def main():", sampling=Sampling(**sampling)
+    )
 
 
 async def text_of(engine: VLLMEngine, request: EngineRequest) -> tuple[str, Delta]:
@@ -499,10 +517,11 @@ async def test_a_stop_string_ends_the_output_right_before_it(engine: VLLMEngine)
     text, final = await text_of(engine, sampled("unstopped", 24, temperature=1.0, seed=11))
     assert final.finish_reason == "length"
     middle = len(text) // 2
-    stop = text[middle:middle + 3]
-    stopped, final = await text_of(engine, sampled("stopped", 24, temperature=1.0, seed=11,
-                                                   stop=[stop]))
-    assert stopped == text[:text.index(stop)]
+    stop = text[middle : middle + 3]
+    stopped, final = await text_of(
+        engine, sampled("stopped", 24, temperature=1.0, seed=11, stop=[stop])
+    )
+    assert stopped == text[: text.index(stop)]
     assert stop not in stopped
     assert final.finish_reason == "stop"
     assert final.output_tokens < 24
@@ -528,10 +547,13 @@ async def test_logprobs_come_with_every_token_when_asked(engine: VLLMEngine) -> 
     assert [len(e.top) for d in only_own for e in d.logprobs or ()] == [0, 0]
 
 
-@pytest.mark.parametrize("sampling, match", [
-    (Sampling(top_p=0.0), "top_p"),  # rejected when vLLM's parameters are made
-    (Sampling(logprobs=21), "logprobs"),  # rejected when vLLM registers the request
-])
+@pytest.mark.parametrize(
+    "sampling, match",
+    [
+        (Sampling(top_p=0.0), "top_p"),  # rejected when vLLM's parameters are made
+        (Sampling(logprobs=21), "logprobs"),  # rejected when vLLM registers the request
+    ],
+)
 async def test_sampling_values_vllm_rejects_are_value_errors(
     engine: VLLMEngine, sampling: Sampling, match: str
 ) -> None:
@@ -539,15 +561,15 @@ async def test_sampling_values_vllm_rejects_are_value_errors(
     it caps top_k at the vocabulary); built past the schema, they must still be a bad
     request, not an engine failure."""
     with pytest.raises(ValueError, match=match):
-        await collect(engine, EngineRequest(id="bad", max_tokens=2, prompt="a",
-                                            sampling=sampling))
+        await collect(engine, EngineRequest(id="bad", max_tokens=2, prompt="a", sampling=sampling))
     assert engine.healthy and engine.llm.get_num_unfinished_requests() == 0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def embedder(model_dir: Path) -> AsyncIterator[VLLMEngine]:
-    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=1, max_model_len=8192,
-                              kv_cache_bytes=KV_CACHE_BYTES)
+    config = VLLMEngineConfig(
+        model=str(model_dir), max_num_seqs=1, max_model_len=8192, kv_cache_bytes=KV_CACHE_BYTES
+    )
     async with VLLMEngine(config, embed=True) as running:
         yield running
 
@@ -571,12 +593,14 @@ async def test_an_embedding_engine_returns_the_inputs_vector(
         assert final.embedding is not None and len(final.embedding) == HIDDEN_SIZE
         finals[rid] = final.embedding
     assert finals["e1"] == finals["e2"] != finals["e3"]
-    chat = EngineRequest(id="e-chat", max_tokens=1, messages=[ChatMessage("user", "hi")],
-                         embed=True)
+    chat = EngineRequest(
+        id="e-chat", max_tokens=1, messages=[ChatMessage("user", "hi")], embed=True
+    )
     [final] = await collect(embedder, chat)
     # The messages alone, without the assistant's turn a generation would open.
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=False
+    )
     assert final.input_tokens == embedder.count_tokens(chat)
     assert final.input_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"])
     assert final.embedding is not None and len(final.embedding) == HIDDEN_SIZE

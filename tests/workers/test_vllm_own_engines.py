@@ -29,19 +29,30 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 
 async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted(
-    nats_url: str, client: NATS, model_dir: Path,  # noqa: F811
+    nats_url: str,
+    client: NATS,  # noqa: F811
+    model_dir: Path,  # noqa: F811
 ) -> None:
     """Its own engine of four sequences (three advertised, one kept for probes), kept
     full through the dispatcher by long requests, and probed as often as the dispatcher
     can (stall 0.05 s: a probe whenever one heartbeat reports no new token and the last
     probe was answered). The dispatcher's default probe timeout and failure count apply:
     every probe is answered in time, and the worker is never evicted."""
-    config = VLLMEngineConfig(model=str(model_dir), max_num_seqs=4, max_model_len=8192,
-                              kv_cache_bytes=KV_CACHE_BYTES, ignore_eos=True)
+    config = VLLMEngineConfig(
+        model=str(model_dir),
+        max_num_seqs=4,
+        max_model_len=8192,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        ignore_eos=True,
+    )
     defaults = DispatcherOptions()
     options = msgspec.structs.replace(
-        OPTIONS, probe_stall_s=0.05, probe_idle_s=0.05,
-        probe_timeout_s=defaults.probe_timeout_s, probe_failures=defaults.probe_failures)
+        OPTIONS,
+        probe_stall_s=0.05,
+        probe_idle_s=0.05,
+        probe_timeout_s=defaults.probe_timeout_s,
+        probe_failures=defaults.probe_failures,
+    )
     metrics = DispatcherMetrics(["chat"])
     running: list[int] = []  # requests on the worker, sampled every 50 ms
 
@@ -52,15 +63,28 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
                 running.append(len(worker.assigned))
             await asyncio.sleep(0.05)
 
-    async with VLLMEngine(config) as engine, \
-            serving(nats_url, engine, options, metrics) as dispatcher:
-        submitted = await asyncio.gather(*(
-            submit(client, "chat", tenant, {"prompt": f"def g{i}():", "max_tokens": 1000},
-                   rid=f"{tenant}-{i}") for i in range(3) for tenant in ("acme", "globex")))
+    async with (
+        VLLMEngine(config) as engine,
+        serving(nats_url, engine, options, metrics) as dispatcher,
+    ):
+        submitted = await asyncio.gather(
+            *(
+                submit(
+                    client,
+                    "chat",
+                    tenant,
+                    {"prompt": f"def g{i}():", "max_tokens": 1000},
+                    rid=f"{tenant}-{i}",
+                )
+                for i in range(3)
+                for tenant in ("acme", "globex")
+            )
+        )
         sampler = asyncio.create_task(sample(dispatcher))
         try:
-            streams = await asyncio.gather(*(collect(sub, timeout=4 * WAIT_S)
-                                             for _, sub in submitted))
+            streams = await asyncio.gather(
+                *(collect(sub, timeout=4 * WAIT_S) for _, sub in submitted)
+            )
         finally:
             sampler.cancel()
         if sampler.done() and not sampler.cancelled():
@@ -72,7 +96,8 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
         return metrics.child(metric, "chat")._value.get()
 
     assert all(events[-1]["type"] == "done" for events in streams), [
-        events[-1] for events in streams if events[-1]["type"] != "done"]
+        events[-1] for events in streams if events[-1]["type"] != "done"
+    ]
     # Full (three of three) for most of the run: six requests, three at a time.
     assert len(running) >= 20 and running.count(3) >= len(running) / 3, running
     assert count(metrics.probes) >= 10, count(metrics.probes)
@@ -80,7 +105,9 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
 
 
 async def test_session_affinity_finds_more_of_the_prompts_cached_than_least_loaded(
-        nats_url: str, model_dir: Path) -> None:  # noqa: F811
+    nats_url: str,
+    model_dir: Path,  # noqa: F811
+) -> None:
     """`bench.affinity_vllm` at a small size: two vLLM engines with prefix caching, six
     conversations of three turns, routed by session and then to the least loaded
     worker. Turns of a conversation that stay on one engine find their history in its

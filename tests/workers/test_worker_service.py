@@ -73,11 +73,13 @@ LONG = 10_000  # max_tokens of a request that is interrupted long before it ends
 PROFILE = ModelProfile(name="test", alpha=0.001, beta=0.01, gamma=0.5, capacity_mu_per_s=3.5)
 PARAMS = EngineParams()
 WAIT_S = 10.0
-ENGINE_CAPACITY = Capacity(sequences=PARAMS.max_sequences, tokens=PARAMS.kv_cache_tokens,
-                           model_units=UNLIMITED_MODEL_UNITS)
+ENGINE_CAPACITY = Capacity(
+    sequences=PARAMS.max_sequences, tokens=PARAMS.kv_cache_tokens, model_units=UNLIMITED_MODEL_UNITS
+)
 # What heartbeats advertise: one sequence (and a prompt's KV cache) is kept for probes.
-CAPACITY = Capacity(PARAMS.max_sequences - 1, PARAMS.kv_cache_tokens - PROBE_ROOM.tokens,
-                    UNLIMITED_MODEL_UNITS)
+CAPACITY = Capacity(
+    PARAMS.max_sequences - 1, PARAMS.kv_cache_tokens - PROBE_ROOM.tokens, UNLIMITED_MODEL_UNITS
+)
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
@@ -101,8 +103,7 @@ class Recorder:
         self.msgs.append(msg)
         self._arrived.set()
 
-    async def until(self, found: Callable[[list[Msg]], T | None],
-                    timeout: float = WAIT_S) -> T:
+    async def until(self, found: Callable[[list[Msg]], T | None], timeout: float = WAIT_S) -> T:
         """The first truthy `found(msgs)`, re-checked as messages arrive."""
         async with asyncio.timeout(timeout):
             while not (result := found(self.msgs)):
@@ -125,13 +126,20 @@ def final_of(rec: Recorder, request_id: str) -> DoneEvent | ErrorEvent | None:
 
 
 def completions(rec: Recorder) -> list[Completion]:
-    return [done for m in rec.msgs if m.subject == S.completion(ENDPOINT, WORKER)
-            for done in COMPLETIONS.decode(m.data, encoding_of(m)).items]
+    return [
+        done
+        for m in rec.msgs
+        if m.subject == S.completion(ENDPOINT, WORKER)
+        for done in COMPLETIONS.decode(m.data, encoding_of(m)).items
+    ]
 
 
 def heartbeats(rec: Recorder) -> list[Heartbeat]:
-    return [HEARTBEAT.decode(m.data, encoding_of(m)) for m in rec.msgs
-            if m.subject == S.heartbeat(ENDPOINT, WORKER)]
+    return [
+        HEARTBEAT.decode(m.data, encoding_of(m))
+        for m in rec.msgs
+        if m.subject == S.heartbeat(ENDPOINT, WORKER)
+    ]
 
 
 def completion_of(rec: Recorder, request_id: str) -> Completion | None:
@@ -142,34 +150,57 @@ def completion_of(rec: Recorder, request_id: str) -> Completion | None:
 ITEM_FIELDS = {"tenant", "reply", "enqueued_at", "dispatched_at", "probe", "expedited"}
 
 
-def item(request_id: str, *, max_tokens: int = 8, encoding: Encoding = Encoding.JSON,
-         **fields: Any) -> BatchItem:
+def item(
+    request_id: str, *, max_tokens: int = 8, encoding: Encoding = Encoding.JSON, **fields: Any
+) -> BatchItem:
     """A batch item; `fields` go to the item or, for the body's fields (prompt, messages,
     deadline, images, metadata, priority...), to its submitted request."""
     now = time.time()
-    defaults: dict[str, Any] = {"tenant": TENANT, "prompt": "hello world",
-                                "enqueued_at": now - 0.5, "dispatched_at": now - 0.2,
-                                "reply": f"_INBOX.t.{request_id}"}
+    defaults: dict[str, Any] = {
+        "tenant": TENANT,
+        "prompt": "hello world",
+        "enqueued_at": now - 0.5,
+        "dispatched_at": now - 0.2,
+        "reply": f"_INBOX.t.{request_id}",
+    }
     values = defaults | fields
     own = {k: v for k, v in values.items() if k in ITEM_FIELDS}
     body = {k: v for k, v in values.items() if k not in ITEM_FIELDS}
     request = SubmitRequest(id=request_id, max_tokens=max_tokens, **body)
-    return BatchItem(id=request_id, endpoint=ENDPOINT, request=request, max_tokens=max_tokens,
-                     encoding=encoding, **own)
+    return BatchItem(
+        id=request_id,
+        endpoint=ENDPOINT,
+        request=request,
+        max_tokens=max_tokens,
+        encoding=encoding,
+        **own,
+    )
 
 
-async def send_abort(nc: Client, *ids: str, tenant: str = TENANT, endpoint: str = ENDPOINT,
-                     encoding: Encoding = Encoding.JSON) -> None:
+async def send_abort(
+    nc: Client,
+    *ids: str,
+    tenant: str = TENANT,
+    endpoint: str = ENDPOINT,
+    encoding: Encoding = Encoding.JSON,
+) -> None:
     message = Abort(endpoint=endpoint, tenant=tenant, ids=list(ids))
-    await nc.publish(S.abort(ENDPOINT), encode(message, encoding),
-                     headers={HDR_CONTENT_TYPE: encoding.content_type})
+    await nc.publish(
+        S.abort(ENDPOINT),
+        encode(message, encoding),
+        headers={HDR_CONTENT_TYPE: encoding.content_type},
+    )
 
 
-async def send_batch(nc: Client, items: list[BatchItem],
-                     encoding: Encoding = Encoding.JSON) -> None:
+async def send_batch(
+    nc: Client, items: list[BatchItem], encoding: Encoding = Encoding.JSON
+) -> None:
     batch = Batch(worker_id=WORKER, endpoint=ENDPOINT, items=items, sent_at=time.time())
-    await nc.publish(S.work(ENDPOINT, WORKER), encode(batch, encoding),
-                     headers={HDR_CONTENT_TYPE: encoding.content_type})
+    await nc.publish(
+        S.work(ENDPOINT, WORKER),
+        encode(batch, encoding),
+        headers={HDR_CONTENT_TYPE: encoding.content_type},
+    )
     await nc.flush()
 
 
@@ -206,15 +237,25 @@ async def internal(nc: Client) -> Recorder:
 
 
 @asynccontextmanager
-async def running_worker(nc: Client, results: KeyValue | Any, *, faults: Faults | None = None,
-                         **options: Any) -> AsyncIterator[tuple[WorkerService, SimEngine]]:
+async def running_worker(
+    nc: Client, results: KeyValue | Any, *, faults: Faults | None = None, **options: Any
+) -> AsyncIterator[tuple[WorkerService, SimEngine]]:
     """`options`: `profile`, and the WorkerOptions fields (heartbeat_interval_s...)."""
     profile = options.pop("profile", PROFILE)
-    settings = WorkerOptions(**({"heartbeat_interval_s": 10.0, "drain_timeout_s": 5.0}
-                                | options))
-    async with (SimEngine(PARAMS, time_scale=SCALE, seed=1, faults=faults) as engine,
-                WorkerService(nc, engine, endpoint=ENDPOINT, worker_id=WORKER, subjects=S,
-                              results=results, profile=profile, settings=settings) as service):
+    settings = WorkerOptions(**({"heartbeat_interval_s": 10.0, "drain_timeout_s": 5.0} | options))
+    async with (
+        SimEngine(PARAMS, time_scale=SCALE, seed=1, faults=faults) as engine,
+        WorkerService(
+            nc,
+            engine,
+            endpoint=ENDPOINT,
+            worker_id=WORKER,
+            subjects=S,
+            results=results,
+            profile=profile,
+            settings=settings,
+        ) as service,
+    ):
         yield service, engine
 
 
@@ -227,8 +268,8 @@ def tokens_of(rec: Recorder, request_id: str) -> list[TokenEvent]:
 
 @pytest.mark.parametrize("batch_encoding", [Encoding.JSON, Encoding.MSGPACK])
 async def test_batch_streams_ordered_tokens_then_a_done_event_per_item(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder,
-        batch_encoding: Encoding) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder, batch_encoding: Encoding
+) -> None:
     chat = [ChatMessage(role="user", content="tell me a story")]
     items = [
         item("r-json", prompt="hello world", metadata={"job": "7"}),
@@ -254,7 +295,8 @@ async def test_batch_streams_ordered_tokens_then_a_done_event_per_item(
         assert done.usage.input_tokens == expected_input[sent.id]
         assert done.usage.output_tokens == len(tokens)
         assert done.usage.model_units == pytest.approx(
-            PROFILE.model_units(expected_input[sent.id], len(tokens)))
+            PROFILE.model_units(expected_input[sent.id], len(tokens))
+        )
         assert done.timings.queued_s == pytest.approx(sent.dispatched_at - sent.enqueued_at)
         assert done.timings.ttft_s is not None
         assert 0.5 <= done.timings.ttft_s <= done.timings.total_s < 0.5 + WAIT_S
@@ -263,12 +305,16 @@ async def test_batch_streams_ordered_tokens_then_a_done_event_per_item(
         completion = completion_of(internal, sent.id)
         assert completion is not None
         assert (completion.tenant, completion.endpoint, completion.worker_id) == (
-            TENANT, ENDPOINT, WORKER)
+            TENANT,
+            ENDPOINT,
+            WORKER,
+        )
         assert completion.stored and completion.code is None and completion.usage == done.usage
 
 
 async def test_done_event_has_exactly_the_contract_fields(
-        nc: Client, results: KeyValue, inbox: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder
+) -> None:
     async with running_worker(nc, results):
         await send_batch(nc, [item("r-1"), item("r-2", encoding=Encoding.MSGPACK)])
         await inbox.until(lambda _: final_of(inbox, "r-1") and final_of(inbox, "r-2"))
@@ -276,16 +322,28 @@ async def test_done_event_has_exactly_the_contract_fields(
     for request_id in ("r-1", "r-2"):
         first, *_, msg = [m for m in inbox.msgs if m.subject == f"_INBOX.t.{request_id}"]
         raw = decoders[encoding_of(msg)](msg.data)
-        assert set(raw) == {"type", "id", "seq", "text", "usage", "timings", "metadata",
-                            "finish_reason", "embedding"}
+        assert set(raw) == {
+            "type",
+            "id",
+            "seq",
+            "text",
+            "usage",
+            "timings",
+            "metadata",
+            "finish_reason",
+            "embedding",
+        }
         assert raw["type"] == "done" and raw["id"] == request_id
         assert raw["finish_reason"] in ("stop", "length")
         assert raw["embedding"] is None
         assert set(raw["usage"]) == {"input_tokens", "output_tokens", "model_units"}
         assert set(raw["timings"]) == {"queued_s", "ttft_s", "total_s"}
         assert decoders[encoding_of(first)](first.data) == {
-            "type": "token", "id": request_id, "seq": 0,
-            "text": tokens_of(inbox, request_id)[0].text}
+            "type": "token",
+            "id": request_id,
+            "seq": 0,
+            "text": tokens_of(inbox, request_id)[0].text,
+        }
 
 
 class GatedResults:
@@ -303,7 +361,8 @@ class GatedResults:
 
 
 async def test_final_event_is_stored_before_it_is_published_and_completed(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     """Nobody hears of a finished request before its result is in the bucket."""
     gated = GatedResults(results)
     async with running_worker(nc, results=gated):
@@ -326,7 +385,8 @@ async def test_final_event_is_stored_before_it_is_published_and_completed(
 
 
 async def test_request_without_reply_subject_is_still_stored_and_completed(
-        nc: Client, results: KeyValue, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, internal: Recorder
+) -> None:
     async with running_worker(nc, results):
         await send_batch(nc, [item("r-quiet", reply=None)])
         completion = await internal.until(lambda _: completion_of(internal, "r-quiet"))
@@ -347,25 +407,41 @@ class PrioritySpy(SimEngine):
 
 
 async def test_engine_priority_comes_from_expedited_never_from_the_body(
-        nc: Client, results: KeyValue, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, internal: Recorder
+) -> None:
     """The body's `priority` orders requests only inside their tenant's queue; the
     dispatcher's `expedited` alone decides the engine priority."""
-    items = [item("r-plain", priority=9), item("r-fast", expedited=True, priority=-5),
-             item("r-default")]
-    async with (PrioritySpy(PARAMS, time_scale=SCALE, seed=1) as engine,
-                WorkerService(nc, engine, endpoint=ENDPOINT, worker_id=WORKER, subjects=S,
-                              results=results, profile=PROFILE)):
+    items = [
+        item("r-plain", priority=9),
+        item("r-fast", expedited=True, priority=-5),
+        item("r-default"),
+    ]
+    async with (
+        PrioritySpy(PARAMS, time_scale=SCALE, seed=1) as engine,
+        WorkerService(
+            nc,
+            engine,
+            endpoint=ENDPOINT,
+            worker_id=WORKER,
+            subjects=S,
+            results=results,
+            profile=PROFILE,
+        ),
+    ):
         await send_batch(nc, items)
         await internal.until(lambda _: len(completions(internal)) == 3)
     assert EXPEDITED > 0  # engine priority: higher is served first
-    assert engine.priorities == {S.result_key(TENANT, "r-plain"): 0,
-                                 S.result_key(TENANT, "r-fast"): EXPEDITED,
-                                 S.result_key(TENANT, "r-default"): 0}
+    assert engine.priorities == {
+        S.result_key(TENANT, "r-plain"): 0,
+        S.result_key(TENANT, "r-fast"): EXPEDITED,
+        S.result_key(TENANT, "r-default"): 0,
+    }
     assert all(c.code is None for c in completions(internal))
 
 
 async def test_a_probe_runs_ahead_in_the_engine_and_answers_with_a_completion_only(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     engine_priorities: dict[str, int] = {}
     async with running_worker(nc, results, heartbeat_interval_s=0.05) as (_, engine):
         generate = engine.generate
@@ -375,12 +451,17 @@ async def test_a_probe_runs_ahead_in_the_engine_and_answers_with_a_completion_on
             return generate(request)
 
         engine.generate = spying  # type: ignore[method-assign]
-        await send_batch(nc, [item("r-long", max_tokens=LONG),
-                              item("p-1", probe=True, max_tokens=1,
-                                   deadline=time.time() + WAIT_S)])
+        await send_batch(
+            nc,
+            [
+                item("r-long", max_tokens=LONG),
+                item("p-1", probe=True, max_tokens=1, deadline=time.time() + WAIT_S),
+            ],
+        )
         answer = await internal.until(lambda _: completion_of(internal, "p-1"))
-        beat = await internal.until(lambda _: next(
-            (h for h in heartbeats(internal) if h.in_flight), None))
+        beat = await internal.until(
+            lambda _: next((h for h in heartbeats(internal) if h.in_flight), None)
+        )
         await send_abort(nc, "r-long")
     assert answer.probe and answer.code is None and not answer.stored
     assert answer.usage.output_tokens == 1
@@ -392,23 +473,25 @@ async def test_a_probe_runs_ahead_in_the_engine_and_answers_with_a_completion_on
 
 
 async def test_a_probe_the_engine_cannot_answer_by_its_deadline_gets_no_answer(
-        nc: Client, results: KeyValue, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, internal: Recorder
+) -> None:
     faults = Faults(hang=True)
     async with running_worker(nc, results, faults=faults) as (_, engine):
-        await send_batch(nc, [item("p-hung", probe=True, max_tokens=1,
-                                   deadline=time.time() + 0.3)])
+        await send_batch(nc, [item("p-hung", probe=True, max_tokens=1, deadline=time.time() + 0.3)])
         await asyncio.sleep(1.0)
         assert completion_of(internal, "p-hung") is None
         faults.hang = False
-        await send_batch(nc, [item("p-ok", probe=True, max_tokens=1,
-                                   deadline=time.time() + WAIT_S)])
+        await send_batch(
+            nc, [item("p-ok", probe=True, max_tokens=1, deadline=time.time() + WAIT_S)]
+        )
         answer = await internal.until(lambda _: completion_of(internal, "p-ok"))
     assert answer.probe and answer.code is None
     assert completion_of(internal, "p-hung") is None
 
 
 async def test_first_heartbeat_is_sent_on_start(
-        nc: Client, results: KeyValue, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, internal: Recorder
+) -> None:
     async with running_worker(nc, results, heartbeat_interval_s=60.0) as (service, _):
         # Well before the first interval has passed.
         first = await internal.until(lambda _: heartbeats(internal), timeout=5.0)
@@ -420,24 +503,32 @@ async def test_first_heartbeat_is_sent_on_start(
 
 
 async def test_heartbeats_report_capacity_load_and_in_flight_ids(
-        nc: Client, results: KeyValue, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, internal: Recorder
+) -> None:
     async with running_worker(nc, results, heartbeat_interval_s=0.05) as (service, _):
         await send_batch(nc, [item("r-long", max_tokens=LONG)])
         busy = await internal.until(
-            lambda _: next((h for h in heartbeats(internal) if h.in_flight), None))
+            lambda _: next((h for h in heartbeats(internal) if h.in_flight), None)
+        )
         generating = await internal.until(
-            lambda _: next((h for h in heartbeats(internal)
-                            if h.output_tokens and h.output_tokens[0] > 0), None))
+            lambda _: next(
+                (h for h in heartbeats(internal) if h.output_tokens and h.output_tokens[0] > 0),
+                None,
+            )
+        )
         await send_abort(nc, "r-long")
         await internal.until(lambda _: completion_of(internal, "r-long"))
         idle = await internal.until(
-            lambda _: next((h for h in heartbeats(internal)
-                            if h.seq > busy.seq and not h.in_flight), None))
+            lambda _: next(
+                (h for h in heartbeats(internal) if h.seq > busy.seq and not h.in_flight), None
+            )
+        )
     input_tokens = 3  # "hello world" at 4 characters per token
     assert busy.capacity == CAPACITY and busy.healthy
     assert busy.in_flight == [S.result_key(TENANT, "r-long")]
-    assert busy.used == Capacity(sequences=1, tokens=input_tokens + LONG,
-                                 model_units=PROFILE.model_units(input_tokens, LONG))
+    assert busy.used == Capacity(
+        sequences=1, tokens=input_tokens + LONG, model_units=PROFILE.model_units(input_tokens, LONG)
+    )
     assert idle.used == Capacity(sequences=0, tokens=0, model_units=0.0)
     # Each in-flight request's output so far, in the same order.
     assert generating.in_flight == busy.in_flight and generating.output_tokens[0] < LONG
@@ -449,7 +540,8 @@ async def test_heartbeats_report_capacity_load_and_in_flight_ids(
 
 
 async def test_abort_message_ends_a_running_request_as_cancelled(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with running_worker(nc, results) as (_, engine):
         await send_batch(nc, [item("r-abort", max_tokens=LONG), item("r-other")])
         await inbox.until(lambda _: len(tokens_of(inbox, "r-abort")) >= 3)
@@ -476,7 +568,8 @@ async def test_abort_message_ends_a_running_request_as_cancelled(
 
 
 async def test_deadline_passing_mid_run_ends_with_deadline_exceeded(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with running_worker(nc, results):
         await send_batch(nc, [item("r-late", max_tokens=LONG, deadline=time.time() + 0.3)])
         error = await inbox.until(lambda _: final_of(inbox, "r-late"))
@@ -488,7 +581,8 @@ async def test_deadline_passing_mid_run_ends_with_deadline_exceeded(
 
 
 async def test_deadline_already_passed_never_reaches_the_engine(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with running_worker(nc, results):
         await send_batch(nc, [item("r-expired", deadline=time.time() - 1)])
         completion = await internal.until(lambda _: completion_of(internal, "r-expired"))
@@ -499,7 +593,8 @@ async def test_deadline_already_passed_never_reaches_the_engine(
 
 
 async def test_engine_crash_ends_running_requests_with_internal(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     faults = Faults()
     async with running_worker(nc, results, faults=faults, heartbeat_interval_s=0.05):
         await send_batch(nc, [item("r-crash", max_tokens=LONG)])
@@ -508,8 +603,11 @@ async def test_engine_crash_ends_running_requests_with_internal(
         error = await inbox.until(lambda _: final_of(inbox, "r-crash"))
         completion = await internal.until(lambda _: completion_of(internal, "r-crash"))
         # The engine reports itself unhealthy once it crashed.
-        await internal.until(lambda _: next(
-            (h for h in heartbeats(internal) if not h.healthy and not h.in_flight), None))
+        await internal.until(
+            lambda _: next(
+                (h for h in heartbeats(internal) if not h.healthy and not h.in_flight), None
+            )
+        )
         faults.crash = False
     assert isinstance(error, ErrorEvent) and error.code is ErrorCode.INTERNAL
     assert "crash" in error.message
@@ -517,7 +615,8 @@ async def test_engine_crash_ends_running_requests_with_internal(
 
 
 async def test_invalid_image_ends_with_invalid_request(
-        nc: Client, results: KeyValue, inbox: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder
+) -> None:
     async with running_worker(nc, results):
         await send_batch(nc, [item("r-img", images=["not base64!"])])
         error = await inbox.until(lambda _: final_of(inbox, "r-img"))
@@ -526,11 +625,16 @@ async def test_invalid_image_ends_with_invalid_request(
 
 
 async def test_malformed_batches_are_skipped_and_later_batches_still_run(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder,
-        caplog: pytest.LogCaptureFixture) -> None:
+    nc: Client,
+    results: KeyValue,
+    inbox: Recorder,
+    internal: Recorder,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     work = S.work(ENDPOINT, WORKER)
-    wrong_worker = Batch(worker_id="w2", endpoint=ENDPOINT, items=[item("r-misrouted")],
-                         sent_at=time.time())
+    wrong_worker = Batch(
+        worker_id="w2", endpoint=ENDPOINT, items=[item("r-misrouted")], sent_at=time.time()
+    )
     async with running_worker(nc, results):
         await nc.publish(work, b"not json at all")
         await nc.publish(work, b"\xc1", headers={HDR_CONTENT_TYPE: "application/msgpack"})
@@ -546,7 +650,8 @@ async def test_malformed_batches_are_skipped_and_later_batches_still_run(
 
 
 async def test_duplicate_item_for_a_running_id_is_not_run_twice(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with running_worker(nc, results) as (service, _):
         await send_batch(nc, [item("r-dup", max_tokens=LONG)])
         await inbox.until(lambda _: tokens_of(inbox, "r-dup"))
@@ -556,18 +661,31 @@ async def test_duplicate_item_for_a_running_id_is_not_run_twice(
         await send_abort(nc, "r-dup")
         await internal.until(lambda _: completion_of(internal, "r-dup"))
     assert [c.id for c in completions(internal)].count("r-dup") == 1
-    assert [t.seq for t in tokens_of(inbox, "r-dup")] == list(
-        range(len(tokens_of(inbox, "r-dup"))))
+    assert [t.seq for t in tokens_of(inbox, "r-dup")] == list(range(len(tokens_of(inbox, "r-dup"))))
 
 
 async def test_same_id_from_two_tenants_runs_as_two_requests(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with running_worker(nc, results):
-        await send_batch(nc, [item("r-same", max_tokens=LONG),
-                              item("r-same", tenant="globex", reply="_INBOX.t.globex")])
-        done = await inbox.until(lambda _: next(
-            (m for m in inbox.msgs if m.subject == "_INBOX.t.globex"
-             and isinstance(EVENT.decode(m.data), DoneEvent)), None))
+        await send_batch(
+            nc,
+            [
+                item("r-same", max_tokens=LONG),
+                item("r-same", tenant="globex", reply="_INBOX.t.globex"),
+            ],
+        )
+        done = await inbox.until(
+            lambda _: next(
+                (
+                    m
+                    for m in inbox.msgs
+                    if m.subject == "_INBOX.t.globex"
+                    and isinstance(EVENT.decode(m.data), DoneEvent)
+                ),
+                None,
+            )
+        )
         await send_abort(nc, "r-same")
         await internal.until(lambda _: len(completions(internal)) == 2)
     by_tenant = {c.tenant: c.code for c in completions(internal)}
@@ -575,8 +693,9 @@ async def test_same_id_from_two_tenants_runs_as_two_requests(
     acme_final = EVENT.decode([m for m in inbox.msgs if m.subject == "_INBOX.t.r-same"][-1].data)
     assert isinstance(acme_final, ErrorEvent)
     assert await stored_event(results, "r-same") == acme_final
-    globex = STORED_RESULT.decode((await results.get(S.result_key("globex", "r-same"))).value
-                                  or b"")
+    globex = STORED_RESULT.decode(
+        (await results.get(S.result_key("globex", "r-same"))).value or b""
+    )
     assert globex.event == EVENT.decode(done.data)
 
 
@@ -599,8 +718,12 @@ class FlakyResults:
 
 
 async def test_store_failures_are_retried(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    nc: Client,
+    results: KeyValue,
+    inbox: Recorder,
+    internal: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(results_module, "STORE_BACKOFF_S", 0.001)
     flaky = FlakyResults(results, failures=2)
     async with running_worker(nc, flaky):
@@ -612,12 +735,15 @@ async def test_store_failures_are_retried(
 
 
 async def test_a_result_stored_by_another_run_stands_and_is_what_the_client_gets(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     """A request that ran again after its first worker was thought lost: whichever run
     stores first is its one result; the other run's reply carries that same result."""
     first = ErrorEvent(id="r-twice", code=ErrorCode.INTERNAL, message="the first run's")
-    await results.create(S.result_key(TENANT, "r-twice"), encode(
-        StoredResult(tenant=TENANT, endpoint=ENDPOINT, event=first, stored_at=time.time())))
+    await results.create(
+        S.result_key(TENANT, "r-twice"),
+        encode(StoredResult(tenant=TENANT, endpoint=ENDPOINT, event=first, stored_at=time.time())),
+    )
     async with running_worker(nc, results):
         await send_batch(nc, [item("r-twice")])
         completion = await internal.until(lambda _: completion_of(internal, "r-twice"))
@@ -627,8 +753,12 @@ async def test_a_result_stored_by_another_run_stands_and_is_what_the_client_gets
 
 
 async def test_unstorable_result_is_not_published_and_reported_unstored(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    nc: Client,
+    results: KeyValue,
+    inbox: Recorder,
+    internal: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(results_module, "STORE_BACKOFF_S", 0.001)
     flaky = FlakyResults(results, failures=results_module.STORE_ATTEMPTS)
     async with running_worker(nc, flaky):
@@ -646,7 +776,8 @@ async def test_unstorable_result_is_not_published_and_reported_unstored(
 
 
 async def test_drain_finishes_in_flight_requests_then_reports_unhealthy(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     ids = ["r-a", "r-b"]
     async with running_worker(nc, results, drain_timeout_s=WAIT_S) as (service, engine):
         await send_batch(nc, [item(i, max_tokens=400) for i in ids])
@@ -659,13 +790,16 @@ async def test_drain_finishes_in_flight_requests_then_reports_unhealthy(
         assert isinstance(final_of(inbox, request_id), DoneEvent)
         assert await stored_event(results, request_id) == final_of(inbox, request_id)
     hb_subject, done_subject = S.heartbeat(ENDPOINT, WORKER), S.completion(ENDPOINT, WORKER)
-    order = [("hb", HEARTBEAT.decode(m.data)) if m.subject == hb_subject
-             else ("done", COMPLETIONS.decode(m.data))
-             for m in internal.msgs if m.subject in (hb_subject, done_subject)]
+    order = [
+        ("hb", HEARTBEAT.decode(m.data))
+        if m.subject == hb_subject
+        else ("done", COMPLETIONS.decode(m.data))
+        for m in internal.msgs
+        if m.subject in (hb_subject, done_subject)
+    ]
     kinds = [kind for kind, _ in order]
     assert kinds[:2] == ["hb", "hb"] and kinds[-1] == "hb"
-    completed = [done.id for kind, message in order if kind == "done"
-                 for done in message.items]  # type: ignore[union-attr]
+    completed = [done.id for kind, message in order if kind == "done" for done in message.items]  # type: ignore[union-attr]
     assert sorted(completed) == ids
     draining: Heartbeat = order[1][1]  # type: ignore[assignment]
     assert draining.healthy and draining.capacity == draining.used
@@ -676,7 +810,8 @@ async def test_drain_finishes_in_flight_requests_then_reports_unhealthy(
 
 
 async def test_drain_timeout_abandons_unfinished_requests_without_a_final_event(
-        nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder) -> None:
+    nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with running_worker(nc, results, drain_timeout_s=0.2) as (_, engine):
         await send_batch(nc, [item("r-stuck", max_tokens=LONG)])
         await inbox.until(lambda _: tokens_of(inbox, "r-stuck"))
@@ -693,37 +828,79 @@ async def test_drain_timeout_abandons_unfinished_requests_without_a_final_event(
 async def test_service_rejects_bad_settings(nc: Client, results: KeyValue) -> None:
     engine = SimEngine(PARAMS)
     with pytest.raises(ValueError, match="worker id"):
-        WorkerService(nc, engine, endpoint=ENDPOINT, worker_id="w 1", subjects=S,
-                      results=results)
+        WorkerService(nc, engine, endpoint=ENDPOINT, worker_id="w 1", subjects=S, results=results)
     # The settings are validated where they are read: from the config or converted.
     with pytest.raises(msgspec.ValidationError, match="heartbeat_interval_s"):
         msgspec.convert({"heartbeat_interval_s": 0}, WorkerOptions)
     with pytest.raises(ConfigError, match="`workers.heartbeat_interval_s`"):
-        parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n'
-                     "[workers]\nheartbeat_interval_s = 0")
+        parse_config('[endpoints.chat]\n[[tiers]]\nname = "a"\n[workers]\nheartbeat_interval_s = 0')
 
 
 # -- python -m workers ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--endpoint", "chat two", "--worker-id", "w1"], "invalid endpoint"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--model", "/m"], "--model is for --engine vllm"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--time-scale", "-1"], "time_scale"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--engine", "vllm"], "needs --model"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--engine", "vllm", "--model", "/m",
-      "--time-scale", "0.1"], "--time-scale is for --engine sim"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--engine-config", "/nonexistent.toml"],
-     "cannot read"),
-    (["--endpoint", "nope", "--worker-id", "w1", "--config", str(REPO / "configs/example.toml")],
-     "no endpoint 'nope'"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--drain-timeout", "-1"], "--drain-timeout"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--slow-fault", "0"], "--slow-fault must be"),
-    (["--endpoint", "chat", "--worker-id", "w1", "--engine", "vllm", "--model", "/m",
-      "--slow-fault", "5"], "--slow-fault is for --engine sim"),
-])
-def test_main_rejects_bad_arguments(argv: list[str], message: str,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--endpoint", "chat two", "--worker-id", "w1"], "invalid endpoint"),
+        (
+            ["--endpoint", "chat", "--worker-id", "w1", "--model", "/m"],
+            "--model is for --engine vllm",
+        ),
+        (["--endpoint", "chat", "--worker-id", "w1", "--time-scale", "-1"], "time_scale"),
+        (["--endpoint", "chat", "--worker-id", "w1", "--engine", "vllm"], "needs --model"),
+        (
+            [
+                "--endpoint",
+                "chat",
+                "--worker-id",
+                "w1",
+                "--engine",
+                "vllm",
+                "--model",
+                "/m",
+                "--time-scale",
+                "0.1",
+            ],
+            "--time-scale is for --engine sim",
+        ),
+        (
+            ["--endpoint", "chat", "--worker-id", "w1", "--engine-config", "/nonexistent.toml"],
+            "cannot read",
+        ),
+        (
+            [
+                "--endpoint",
+                "nope",
+                "--worker-id",
+                "w1",
+                "--config",
+                str(REPO / "configs/example.toml"),
+            ],
+            "no endpoint 'nope'",
+        ),
+        (["--endpoint", "chat", "--worker-id", "w1", "--drain-timeout", "-1"], "--drain-timeout"),
+        (["--endpoint", "chat", "--worker-id", "w1", "--slow-fault", "0"], "--slow-fault must be"),
+        (
+            [
+                "--endpoint",
+                "chat",
+                "--worker-id",
+                "w1",
+                "--engine",
+                "vllm",
+                "--model",
+                "/m",
+                "--slow-fault",
+                "5",
+            ],
+            "--slow-fault is for --engine sim",
+        ),
+    ],
+)
+def test_main_rejects_bad_arguments(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         worker_main.main(argv)
     assert exit_info.value.code == 2
@@ -732,38 +909,71 @@ def test_main_rejects_bad_arguments(argv: list[str], message: str,
 
 def test_main_takes_the_profile_and_prefix_from_the_fairq_config() -> None:
     args = worker_main.build_parser().parse_args(
-        ["--endpoint", "chat", "--worker-id", "w1", "--config",
-         str(REPO / "configs/example.toml"), "--engine-config", str(REPO / "configs/engine.toml")])
+        [
+            "--endpoint",
+            "chat",
+            "--worker-id",
+            "w1",
+            "--config",
+            str(REPO / "configs/example.toml"),
+            "--engine-config",
+            str(REPO / "configs/engine.toml"),
+        ]
+    )
     options = worker_main.parse_options(args)
     assert options.profile is not None and options.profile.name == "llama-7b-sim"
     assert options.subjects == Subjects("fq")
     assert isinstance(options.engine, SimEngine) and options.engine.params == EngineParams()
 
 
-def test_main_reports_a_missing_results_bucket(nats_url: str,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_reports_a_missing_results_bucket(
+    nats_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = worker_main.main(["--nats", nats_url, "--endpoint", "chat", "--worker-id", "w1"])
     assert code == 1
     assert "results bucket FQ_RESULTS not found" in capsys.readouterr().err
 
 
-def test_main_reports_an_engine_that_cannot_start(nats_url: str,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_reports_an_engine_that_cannot_start(
+    nats_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     async def provision_broker() -> None:
         client = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
         await provision(client.jetstream(timeout=5), BrokerSettings(storage="memory"))
         await client.close()
 
     asyncio.run(provision_broker())
-    code = worker_main.main(["--nats", nats_url, "--endpoint", "chat", "--worker-id", "w1",
-                             "--engine", "vllm", "--model", "/nonexistent-model-dir"])
+    code = worker_main.main(
+        [
+            "--nats",
+            nats_url,
+            "--endpoint",
+            "chat",
+            "--worker-id",
+            "w1",
+            "--engine",
+            "vllm",
+            "--model",
+            "/nonexistent-model-dir",
+        ]
+    )
     assert code == 1
     assert "the engine failed to start" in capsys.readouterr().err
 
 
 def test_main_reports_an_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
-    code = worker_main.main(["--nats", "nats://127.0.0.1:1", "--connect-wait", "0.5",
-                             "--endpoint", "chat", "--worker-id", "w1"])
+    code = worker_main.main(
+        [
+            "--nats",
+            "nats://127.0.0.1:1",
+            "--connect-wait",
+            "0.5",
+            "--endpoint",
+            "chat",
+            "--worker-id",
+            "w1",
+        ]
+    )
     assert code == 1
     assert "cannot connect to NATS at nats://127.0.0.1:1" in capsys.readouterr().err
 
@@ -773,11 +983,28 @@ async def worker_process(nats_url: str) -> AsyncIterator[asyncio.subprocess.Proc
     """`python -m workers` on the sim engine, serving /healthz on a free port; killed on
     leaving if it still runs."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "workers", "--nats", nats_url, "--endpoint", ENDPOINT,
-        "--worker-id", WORKER, "--time-scale", str(SCALE), "--heartbeat-interval", "0.1",
-        "--config", str(REPO / "configs/example.toml"), "--health-port", "0", cwd=REPO,
-        env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "workers",
+        "--nats",
+        nats_url,
+        "--endpoint",
+        ENDPOINT,
+        "--worker-id",
+        WORKER,
+        "--time-scale",
+        str(SCALE),
+        "--heartbeat-interval",
+        "0.1",
+        "--config",
+        str(REPO / "configs/example.toml"),
+        "--health-port",
+        "0",
+        cwd=REPO,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         yield process
     finally:
@@ -800,16 +1027,16 @@ async def http_status(url: str) -> int:
                 return response.status
         except urllib.error.HTTPError as exc:
             return exc.code
+
     return await asyncio.to_thread(get)
 
 
 async def test_an_evicted_worker_process_abandons_its_work_fails_liveness_and_exits(
-        nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
-        internal: Recorder) -> None:
+    nats_url: str, nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with worker_process(nats_url) as process:
         health = await health_url(process)
-        beat = await internal.until(lambda _: next(iter(heartbeats(internal)), None),
-                                    timeout=30)
+        beat = await internal.until(lambda _: next(iter(heartbeats(internal)), None), timeout=30)
         await send_batch(nc, [item("r-evicted", max_tokens=LONG)])
         await inbox.until(lambda _: tokens_of(inbox, "r-evicted"))
         # Another run's eviction changes nothing.
@@ -832,8 +1059,8 @@ async def test_an_evicted_worker_process_abandons_its_work_fails_liveness_and_ex
 
 
 async def test_sigusr1_hangs_a_simulated_worker_process_and_sigusr2_slows_it(
-        nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
-        internal: Recorder) -> None:
+    nats_url: str, nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     """The chaos suite's faults: a hang stops output while heartbeats go on; lifting it
     lets the request finish; the slow fault makes steps ten times longer."""
     # Ids whose drawn output lengths (engine seed 0) are 59 and 55 tokens of at most 60.
@@ -872,8 +1099,8 @@ async def test_sigusr1_hangs_a_simulated_worker_process_and_sigusr2_slows_it(
 
 
 async def test_worker_process_serves_and_drains_on_sigterm(
-        nats_url: str, nc: Client, results: KeyValue, inbox: Recorder,
-        internal: Recorder) -> None:
+    nats_url: str, nc: Client, results: KeyValue, inbox: Recorder, internal: Recorder
+) -> None:
     async with worker_process(nats_url) as process:
         health = await health_url(process)
         await internal.until(lambda _: heartbeats(internal), timeout=30)

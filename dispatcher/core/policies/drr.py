@@ -21,11 +21,25 @@ from dispatcher.core.types import Request
 class TenantFlow:
     """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
 
-    __slots__ = ("policy", "weight", "tier_rank", "queue", "quantum", "deficit", "granted",
-                 "in_ring", "lane", "running", "served_cost", "left_at_round", "idle_since")
+    __slots__ = (
+        "policy",
+        "weight",
+        "tier_rank",
+        "queue",
+        "quantum",
+        "deficit",
+        "granted",
+        "in_ring",
+        "lane",
+        "running",
+        "served_cost",
+        "left_at_round",
+        "idle_since",
+    )
 
-    def __init__(self, policy: TenantPolicy, endpoint_quantum: float,
-                 order: OrderKey = priority_order) -> None:
+    def __init__(
+        self, policy: TenantPolicy, endpoint_quantum: float, order: OrderKey = priority_order
+    ) -> None:
         self.policy = policy
         # Copied out of the policy: read on every pick.
         self.weight = policy.weight
@@ -46,8 +60,10 @@ class TenantFlow:
         return self.policy.name
 
     def __repr__(self) -> str:
-        return (f"TenantFlow({self.tenant!r}, queued={len(self.queue)}, "
-                f"deficit={self.deficit:.3f}, running={self.running})")
+        return (
+            f"TenantFlow({self.tenant!r}, queued={len(self.queue)}, "
+            f"deficit={self.deficit:.3f}, running={self.running})"
+        )
 
 
 class DrrRing:

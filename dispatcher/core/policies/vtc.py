@@ -102,16 +102,16 @@ class VtcSelector:
         # The floor never falls, so a counter at or below it will be lifted to the floor
         # on return, as a new flow's would: forgetting it changes nothing.
         floor = self._floor()
-        gone = [flow for flow in idle
-                if flow in forgive or self.counters.get(flow, 0.0) <= floor]
+        gone = [flow for flow in idle if flow in forgive or self.counters.get(flow, 0.0) <= floor]
         for flow in gone:
             self.counters.pop(flow, None)
         return gone
 
     def _floor(self) -> float:
         """What a flow that becomes backlogged is lifted to."""
-        return (min(self.counters[f] for f in self._backlogged) if self._backlogged
-                else self._last_left)
+        return (
+            min(self.counters[f] for f in self._backlogged) if self._backlogged else self._last_left
+        )
 
     def _add(self, flow: TenantFlow, tokens: float) -> None:
         self.counters[flow] = self.counters.get(flow, 0.0) + tokens / flow.weight
