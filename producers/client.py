@@ -9,234 +9,64 @@
 Everything follows the public wire contract (docs/protocol.md): a submit is a JetStream
 publish whose PubAck means "stored, will finish with exactly one final event"; events
 arrive on the request's `Fq-Reply` subject, which the client subscribes to before it
-publishes, so no event can be missed. Every failure is a `FairqError` with a clear message.
+publishes, so no event can be missed. Every failure is a `FairqError` (producers.errors)
+with a clear message.
+
+`Client` ties together the SDK's parts: producers.connection opens the connection,
+producers.submission prepares and checks a submit, producers.replies holds the reply
+subscriptions and reads their events, producers.api_calls calls the dispatcher's API.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
-import math
 import uuid
-from collections.abc import (
-    AsyncGenerator,
-    Awaitable,
-    Callable,
-    Generator,
-    Mapping,
-    Sequence,
-)
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
-import msgspec
-import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
-from broker_config.connection import ConnectionOptionsError, credentials, server_urls
 from broker_config.streams import is_backlog_full
-from broker_config.subjects import (
-    HDR_CONTENT_TYPE,
-    HDR_MSG_ID,
-    HDR_REPLY,
-    SubjectError,
-    Subjects,
-    check_request_id,
-    message_bytes,
-)
+from broker_config.subjects import SubjectError, Subjects, message_bytes
 from broker_config.wire import (
     CANCEL_REPLY,
     DEPTH_REPLY,
-    EVENT,
     STATUS_REPLY,
     CancelReply,
     CancelRequest,
     ChatMessage,
-    Codec,
     DepthReply,
     DepthRequest,
     DoneEvent,
     Encoding,
-    ErrorCode,
     ErrorEvent,
     Event,
-    FinalEvent,
     Sampling,
     StatusReply,
     StatusRequest,
     TokenEvent,
-    WireError,
-    decode_api_reply,
-    decode_request,
-    encode,
-    header,
 )
+from producers.api_calls import api_subject, call_api, checked_id
+from producers.connection import nats_options, open_connection, tenant_inbox
+from producers.errors import (
+    BacklogFull,
+    ConnectionFailed,
+    FairqError,
+    FairqTimeout,
+    InvalidRequest,
+    PublishFailed,
+    RequestFailed,
+    describe,
+)
+from producers.replies import ReplySubscriptions, collect_final, next_event, not_listening
+from producers.submission import Prepared, Submitted, prepare_submit
 
-__all__ = [
-    "ApiError",
-    "BacklogFull",
-    "Client",
-    "Connecting",
-    "ConnectionFailed",
-    "FairqError",
-    "FairqTimeout",
-    "InvalidRequest",
-    "NoDispatcher",
-    "ProtocolError",
-    "PublishFailed",
-    "RequestFailed",
-    "Submitted",
-]
-
-_log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-# Polling the status API for a duplicate submit's result: start fast, back off to this.
-_POLL_FIRST_S = 0.1
-_POLL_MAX_S = 2.0
-
-
-# -- errors --------------------------------------------------------------------------------
-
-
-class FairqError(Exception):
-    """Base of every error the SDK raises. `code` is the contract's error code, if any."""
-
-    code: ErrorCode | None = None
-
-
-class InvalidRequest(FairqError, ValueError):
-    """The request breaks the wire contract; caught locally, nothing was sent."""
-
-    code = ErrorCode.INVALID_REQUEST
-
-
-class ConnectionFailed(FairqError):
-    """No connection to NATS, or the connection was lost or closed."""
-
-
-class PublishFailed(FairqError):
-    """The broker did not store the request."""
-
-
-class BacklogFull(PublishFailed):
-    """This tenant's backlog on this endpoint is full; other tenants are unaffected."""
-
-    code = ErrorCode.OVERLOADED
-
-    def __init__(self, endpoint: str, tenant: str) -> None:
-        super().__init__(
-            f"tenant {tenant!r} has too many unfinished requests on endpoint "
-            f"{endpoint!r} (the broker's per-tenant queue cap): retry later"
-        )
-        self.endpoint = endpoint
-        self.tenant = tenant
-
-
-class FairqTimeout(FairqError, asyncio.TimeoutError):
-    """Nothing arrived in time: a PubAck, an API answer, or a request's next event."""
-
-
-class NoDispatcher(FairqError):
-    """Nobody answers the API subjects: no dispatcher is running."""
-
-
-class ApiError(FairqError):
-    """The dispatcher refused an API call, or answered something that is not a reply."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class ProtocolError(FairqError):
-    """An event on a reply subject that does not follow the wire contract."""
-
-
-class RequestFailed(FairqError):
-    """The request ended with an error event (`event`)."""
-
-    def __init__(self, event: ErrorEvent) -> None:
-        hint = f" (retry after {event.retry_after_s:g}s)" if event.retry_after_s is not None else ""
-        super().__init__(f"request {event.id} failed: {event.code}: {event.message}{hint}")
-        self.event = event
-        self.code = event.code
-
-
-# -- submitted requests --------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    """A request the broker stored (or had already stored: `duplicate`).
-
-    `reply_subject` is where its events go (None: submitted without one). For a duplicate,
-    the events went to the first submit's reply subject, so `Client.stream` collects the
-    final event through the status API instead.
-    """
-
-    id: str
-    reply_subject: str | None
-    stream_seq: int
-    duplicate: bool
-    endpoint: str
-    tenant: str
-    encoding: Encoding
-    _subscription: Subscription | None = field(default=None, repr=False, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    subject: str
-    body: bytes
-    headers: dict[str, str]
-    id: str
-
-
-def _prepare_submit(
-    subjects: Subjects,
-    endpoint: str,
-    tenant: str,
-    fields: Mapping[str, Any],
-    request_id: str,
-    reply: str | None,
-    encoding: Encoding,
-) -> _Prepared:
-    """Subject, body and headers of a submit, checked exactly as fairq will check them."""
-    try:
-        subject = subjects.request(endpoint, tenant)
-        check_request_id(request_id)
-    except SubjectError as exc:
-        raise InvalidRequest(str(exc)) from exc
-    deadline = fields.get("deadline")
-    # JSON has no NaN/inf: the encoder would turn them into null, silently dropping it.
-    if isinstance(deadline, float) and not math.isfinite(deadline):
-        raise InvalidRequest(f"`deadline` must be a finite unix time in seconds, got {deadline}")
-    headers = {HDR_MSG_ID: request_id, HDR_CONTENT_TYPE: encoding.content_type}
-    if reply is not None:
-        headers[HDR_REPLY] = reply
-    body = {"id": request_id, **{k: v for k, v in fields.items() if v is not None}}
-    try:
-        draft = encode(body, encoding)
-    except (TypeError, ValueError) as exc:  # msgspec.EncodeError is a ValueError
-        raise InvalidRequest(f"cannot encode the request: {exc}") from exc
-    try:
-        request = decode_request(draft, headers)
-    except WireError as exc:
-        raise InvalidRequest(exc.message) from exc
-    # The canonical body: validated, defaults omitted.
-    return _Prepared(subject, encode(request, encoding), headers, request_id)
-
-
-# -- the client ----------------------------------------------------------------------------
+__all__ = ["Client", "Connecting"]
 
 
 class Client:
@@ -261,7 +91,7 @@ class Client:
         api_timeout_s: float = 5.0,
     ) -> None:
         if tenant_inboxes is not None:
-            _tenant_inbox(tenant_inboxes)
+            tenant_inbox(tenant_inboxes)
         self._nc = nc
         self._subjects = Subjects(prefix)
         self._tenant = tenant_inboxes
@@ -270,7 +100,7 @@ class Client:
         self._js = nc.jetstream(timeout=publish_timeout_s)
         self._owns_connection = False
         # Reply subscriptions not yet consumed by stream(); removed on close().
-        self._listening: set[Subscription] = set()
+        self._replies = ReplySubscriptions(nc)
 
     @property
     def nc(self) -> NATS:
@@ -305,35 +135,21 @@ class Client:
         a tenant client's is its tenant's.
         """
         Subjects(prefix)  # a bad prefix fails here, before a connection is opened
-        inbox = _tenant_inbox(tenant_inboxes) if tenant_inboxes is not None else inbox_prefix
-        try:
-            secrets = credentials(user=user, password=password, creds=creds, nkey=nkey)
-        except ConnectionOptionsError as exc:
-            raise ConnectionFailed(f"cannot connect to NATS at {url}: {exc}") from None
+        inbox = tenant_inbox(tenant_inboxes) if tenant_inboxes is not None else inbox_prefix
+        options = nats_options(
+            url,
+            user=user,
+            password=password,
+            creds=creds,
+            nkey=nkey,
+            inbox_prefix=inbox,
+            connect_timeout_s=connect_timeout_s,
+            allow_reconnect=allow_reconnect,
+        )
 
         async def open_client() -> Client:
-            errors = _ErrorLog()
-            options: dict[str, Any] = {"inbox_prefix": inbox} if inbox else {}
-            if not allow_reconnect:
-                # nats-py tries a server at least twice before giving up; make it quick.
-                options |= {"max_reconnect_attempts": 1, "reconnect_time_wait": 0}
-            try:
-                nc = await nats.connect(
-                    server_urls(url),
-                    **secrets,
-                    connect_timeout=connect_timeout_s,
-                    allow_reconnect=allow_reconnect,
-                    error_cb=errors.record,
-                    **options,
-                )
-            except (TimeoutError, OSError, nats.errors.Error) as exc:
-                # "no servers available" hides why: the last attempt's error says it.
-                cause = errors.last if isinstance(exc, nats.errors.NoServersError) else None
-                raise ConnectionFailed(
-                    f"cannot connect to NATS at {url}: {_describe(cause or exc)}"
-                ) from exc
             client = Client(
-                nc,
+                await open_connection(url, options),
                 prefix=prefix,
                 tenant_inboxes=tenant_inboxes,
                 publish_timeout_s=publish_timeout_s,
@@ -355,12 +171,11 @@ class Client:
     @property
     def listening(self) -> int:
         """Requests whose events this client holds a subscription for (not yet streamed)."""
-        return len(self._listening)
+        return len(self._replies)
 
     async def close(self) -> None:
         """Drop every reply subscription; close the connection if this client opened it."""
-        for subscription in list(self._listening):
-            await self._release(subscription)
+        await self._replies.release_all()
         if self._owns_connection and not self._nc.is_closed:
             await self._nc.close()
 
@@ -419,21 +234,23 @@ class Client:
             "metadata": metadata,
             "sampling": sampling,
         }
-        prepared = _prepare_submit(
+        prepared = prepare_submit(
             self._subjects, endpoint, tenant, fields, request_id, reply_subject, encoding
         )
         # Subscribe first: a fast worker may answer before the PubAck is back.
-        subscription = await self._listen(reply_subject) if reply_subject is not None else None
+        subscription = None
+        if reply_subject is not None:
+            subscription = await self._replies.listen(reply_subject)
         try:
             ack = await self._publish(prepared, endpoint, tenant)
         except BaseException:
             if subscription is not None:
-                await self._release(subscription)
+                await self._replies.release(subscription)
             raise
         duplicate = bool(ack.duplicate)
         if duplicate and subscription is not None:
             # The stored request answers the first submit's reply subject, not this one.
-            await self._release(subscription)
+            await self._replies.release(subscription)
             subscription = None
         return Submitted(
             request_id, reply_subject, ack.seq, duplicate, endpoint, tenant, encoding, subscription
@@ -457,7 +274,7 @@ class Client:
         except SubjectError as exc:
             raise InvalidRequest(str(exc)) from exc
 
-    async def _publish(self, prepared: _Prepared, endpoint: str, tenant: str) -> PubAck:
+    async def _publish(self, prepared: Prepared, endpoint: str, tenant: str) -> PubAck:
         size = message_bytes(prepared.body, prepared.headers)
         if size > self._nc.max_payload:
             # The server would drop the connection, not answer: refused here instead.
@@ -490,7 +307,7 @@ class Client:
             ) from exc
         except nats.errors.Error as exc:
             raise ConnectionFailed(
-                f"cannot publish request {prepared.id}: {_describe(exc)}"
+                f"cannot publish request {prepared.id}: {describe(exc)}"
             ) from exc
 
     # -- events ---------------------------------------------------------------------------
@@ -507,66 +324,21 @@ class Client:
         A duplicate submit yields only the final event, collected with the status API.
         """
         if submitted.duplicate:
-            yield await self._collect(submitted, timeout_s)
+            yield await collect_final(self.status, submitted, timeout_s)
             return
         subscription = submitted._subscription
-        if subscription is None or subscription not in self._listening:
-            raise FairqError(self._why_not_listening(submitted))
+        if subscription is None or subscription not in self._replies:
+            raise not_listening(submitted)
         try:
             while True:
-                event = await self._next_event(subscription, submitted, timeout_s)
+                event = await next_event(subscription, submitted.id, timeout_s)
                 if event.id != submitted.id:
                     continue
                 yield event
                 if not isinstance(event, TokenEvent):
                     return
         finally:
-            await self._release(subscription)
-
-    @staticmethod
-    def _why_not_listening(submitted: Submitted) -> str:
-        if submitted.reply_subject is None:
-            return (
-                f"request {submitted.id} was submitted without a reply subject: "
-                "collect its result with status()"
-            )
-        return (
-            f"the events of request {submitted.id} were already streamed or the client "
-            "was closed: collect its result with status()"
-        )
-
-    async def _next_event(
-        self, subscription: Subscription, submitted: Submitted, timeout_s: float | None
-    ) -> Event:
-        try:
-            msg = await subscription.next_msg(timeout=timeout_s)
-        except nats.errors.TimeoutError as exc:
-            raise FairqTimeout(
-                f"no event for request {submitted.id} within {timeout_s:g}s"
-            ) from exc
-        except nats.errors.Error as exc:
-            raise ConnectionFailed(
-                f"lost the events of request {submitted.id} "
-                f"({_describe(exc)}): collect its result with status()"
-            ) from exc
-        return _decode_event(msg)
-
-    async def _collect(self, submitted: Submitted, timeout_s: float | None) -> FinalEvent:
-        """Poll the status API until the request's final event is stored."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-        delay = _POLL_FIRST_S
-        while True:
-            reply = await self.status(submitted.tenant, submitted.id)
-            if reply.result is not None:
-                return reply.result
-            if deadline is not None and loop.time() + delay > deadline:
-                raise FairqTimeout(
-                    f"request {submitted.id} (a duplicate submit) did not finish "
-                    f"within {timeout_s:g}s; last state {reply.state!r}"
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+            await self._replies.release(subscription)
 
     async def run(
         self, endpoint: str, tenant: str, *, timeout_s: float | None = None, **submit_kwargs: Any
@@ -587,42 +359,27 @@ class Client:
     async def stop_listening(self, submitted: Submitted) -> None:
         """Drop the subscription to a request's events when `stream` will not be read to
         the end (a stream never started keeps it until the client closes otherwise)."""
-        subscription = submitted._subscription
-        if subscription is not None and subscription in self._listening:
-            await self._release(subscription)
-
-    async def _listen(self, subject: str) -> Subscription:
-        try:
-            subscription = await self._nc.subscribe(subject)
-        except nats.errors.Error as exc:
-            raise ConnectionFailed(f"cannot subscribe to {subject}: {_describe(exc)}") from exc
-        self._listening.add(subscription)
-        return subscription
-
-    async def _release(self, subscription: Subscription) -> None:
-        if subscription not in self._listening:
-            return
-        self._listening.discard(subscription)
-        # A closed or draining connection has dropped its subscriptions already.
-        if not (self._nc.is_closed or self._nc.is_draining):
-            await subscription.unsubscribe()
+        if submitted._subscription is not None:
+            await self._replies.release(submitted._subscription)
 
     # -- request/reply APIs ---------------------------------------------------------------
 
     async def status(self, tenant: str, id: str) -> StatusReply:
         """State of a request; `result` is its final event once finished."""
         self._check_tenant(tenant)
-        request_id = _checked_id(id)
-        return await self._api(
-            self._subject(self._subjects.status, tenant), StatusRequest(request_id), STATUS_REPLY
+        request_id = checked_id(id)
+        subject = api_subject(self._subjects.status, tenant)
+        return await call_api(
+            self._nc, subject, StatusRequest(request_id), STATUS_REPLY, self._api_timeout_s
         )
 
     async def cancel(self, tenant: str, id: str) -> CancelReply:
         """Cancel a request; `cancelled` is False when it is unknown or already finished."""
         self._check_tenant(tenant)
-        request_id = _checked_id(id)
-        return await self._api(
-            self._subject(self._subjects.cancel, tenant), CancelRequest(request_id), CANCEL_REPLY
+        request_id = checked_id(id)
+        subject = api_subject(self._subjects.cancel, tenant)
+        return await call_api(
+            self._nc, subject, CancelRequest(request_id), CANCEL_REPLY, self._api_timeout_s
         )
 
     async def depth(self) -> DepthReply:
@@ -632,31 +389,9 @@ class Client:
                 f"{self._subjects.depth} shows every tenant and is for service "
                 f"users only; this client is tenant {self._tenant!r}'s"
             )
-        return await self._api(self._subjects.depth, DepthRequest(), DEPTH_REPLY)
-
-    @staticmethod
-    def _subject(build: Callable[[str], str], tenant: str) -> str:
-        try:
-            return build(tenant)
-        except SubjectError as exc:
-            raise InvalidRequest(str(exc)) from exc
-
-    async def _api(self, subject: str, payload: msgspec.Struct, codec: Codec[T]) -> T:
-        try:
-            msg = await self._nc.request(subject, encode(payload), timeout=self._api_timeout_s)
-        except nats.errors.NoRespondersError as exc:
-            raise NoDispatcher(f"no dispatcher is running (nobody answers {subject})") from exc
-        except nats.errors.TimeoutError as exc:
-            raise FairqTimeout(
-                f"no answer on {subject} within {self._api_timeout_s:g}s: the "
-                "dispatcher is overloaded or unreachable"
-            ) from exc
-        except nats.errors.Error as exc:
-            raise ConnectionFailed(f"cannot call {subject}: {_describe(exc)}") from exc
-        try:
-            return decode_api_reply(msg.data, codec)
-        except WireError as exc:
-            raise ApiError(exc.code, f"{subject}: {exc.message}") from exc
+        return await call_api(
+            self._nc, self._subjects.depth, DepthRequest(), DEPTH_REPLY, self._api_timeout_s
+        )
 
 
 class Connecting:
@@ -681,50 +416,3 @@ class Connecting:
     ) -> None:
         if self._client is not None:
             await self._client.close()
-
-
-def _tenant_inbox(tenant: str) -> str:
-    try:
-        return Subjects.inbox_prefix(tenant)
-    except SubjectError as exc:
-        raise InvalidRequest(str(exc)) from exc
-
-
-def _checked_id(request_id: str) -> str:
-    try:
-        return check_request_id(request_id)
-    except SubjectError as exc:
-        raise InvalidRequest(str(exc)) from exc
-
-
-def _decode_event(msg: Msg) -> Event:
-    try:
-        encoding = Encoding.from_content_type(header(msg.headers, HDR_CONTENT_TYPE))
-        return EVENT.decode(msg.data, encoding)
-    except WireError as exc:
-        raise ProtocolError(f"event on {msg.subject}: {exc.message}") from exc
-    except msgspec.DecodeError as exc:  # ValidationError included
-        raise ProtocolError(f"malformed event on {msg.subject}: {exc}") from exc
-
-
-def _describe(exc: BaseException) -> str:
-    """A one-line description; some nats-py errors have an empty str()."""
-    return str(exc) or type(exc).__name__
-
-
-class _ErrorLog:
-    """nats-py's error callback: logs each error and remembers the last one.
-
-    Connection-level failures are raised to the caller or followed by a reconnect, so they
-    are only debug noise; anything else (permission violations, slow consumers) is not.
-    """
-
-    _ROUTINE = (OSError, TimeoutError, nats.errors.NoServersError, nats.errors.StaleConnectionError)
-
-    def __init__(self) -> None:
-        self.last: Exception | None = None
-
-    async def record(self, exc: Exception) -> None:
-        self.last = exc
-        level = logging.DEBUG if isinstance(exc, self._ROUTINE) else logging.WARNING
-        _log.log(level, "nats: %s", _describe(exc))

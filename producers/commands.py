@@ -36,16 +36,9 @@ from broker_config.wire import (
     TokenEvent,
 )
 from producers.admin import reload_dispatchers, tenant_changes
-from producers.client import (
-    ApiError,
-    Client,
-    Connecting,
-    FairqError,
-    FairqTimeout,
-    NoDispatcher,
-    RequestFailed,
-    Submitted,
-)
+from producers.client import Client, Connecting
+from producers.errors import ApiError, FairqError, FairqTimeout, NoDispatcher, RequestFailed
+from producers.submission import Submitted
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 EXIT_FAILED = 1

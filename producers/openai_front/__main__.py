@@ -38,7 +38,8 @@ from broker_config.connection import (
     has_credentials,
 )
 from broker_config.subjects import SubjectError
-from producers.client import Client, ConnectionFailed
+from producers.client import Client
+from producers.errors import ConnectionFailed
 from producers.openai_front.app import Front
 from producers.openai_front.keys import KeyRing, with_dev_key
 from producers.openai_front.server import FrontServer

@@ -28,16 +28,11 @@ from starlette.types import Receive, Scope, Send
 from broker_config.config import Config, EndpointKind
 from broker_config.subjects import Subjects
 from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
-from producers.client import (
-    BacklogFull,
-    Client,
-    FairqError,
-    FairqTimeout,
-    InvalidRequest,
-    Submitted,
-)
+from producers.client import Client
+from producers.errors import BacklogFull, FairqError, FairqTimeout, InvalidRequest
 from producers.openai_front import openai_wire as ow
 from producers.openai_front.keys import KeyRing
+from producers.submission import Submitted
 
 log = logging.getLogger("fairq.front")
 

@@ -35,7 +35,8 @@ from broker_config.wire import DoneEvent, ErrorCode
 from dispatcher.admission.kv_store import StoredUsage
 from dispatcher.admission.redis_store import DEFAULT_PREFIX
 from dispatcher.core.limits import month_key
-from producers.client import Client, RequestFailed
+from producers.client import Client
+from producers.errors import RequestFailed
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import until
 

@@ -29,7 +29,8 @@ from dispatcher.observe.dashboard import (
     QueueWatch,
     Snapshot,
 )
-from producers.client import Client, RequestFailed
+from producers.client import Client
+from producers.errors import RequestFailed
 from tests.conftest import service_unavailable
 from tests.producers.test_openai_front import Up, fairq_up
 

@@ -49,7 +49,8 @@ from broker_config.server import EmbeddedNatsServer
 from broker_config.subjects import HDR_MSG_ID, HDR_REPLY, Subjects
 from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent
 from dispatcher.service import Dispatcher
-from producers.client import Client, ConnectionFailed
+from producers.client import Client
+from producers.errors import ConnectionFailed
 
 REPO = Path(__file__).resolve().parents[2]
 S = Subjects()
