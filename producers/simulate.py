@@ -21,7 +21,7 @@ from typing import Any
 from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
 from dispatcher.core.limits import scheduling_only
-from dispatcher.core.scheduler import POLICIES
+from dispatcher.core.policies import POLICIES
 from dispatcher.sim.fairness import RequestRecord, service_over_time
 from dispatcher.sim.simulator import SimResult, simulate
 from producers.loadgen import TraceError, noisy_neighbour, read_trace

@@ -9,9 +9,8 @@ import math
 
 from broker_config.config import Endpoint
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
-from dispatcher.core.policies.drr import TenantFlow
-from dispatcher.core.tiers import Selector
-from dispatcher.core.types import Request
+from dispatcher.core.flow import TenantFlow
+from dispatcher.core.policies.contract import Selector
 
 # An idle tenant's DRR debt (or VTC excess) is forgotten after this long: the state of
 # tenants that come once must not stay for ever. By pausing this long, a tenant could be
@@ -98,15 +97,13 @@ class EndpointQueues:
             return float(max(input_tokens, 1))
         return self.profile.model_units(input_tokens, output_tokens, other)
 
-    def charge_output(self, flow: TenantFlow, request: Request, tokens: int) -> None:
-        """Charge `flow` for `tokens` more output tokens of its running `request`, if the
-        policy charges output as it is generated. Only model units price output (request
-        and token modes charge at dispatch alone)."""
+    def output_cost(self, tokens: int) -> float:
+        """What `tokens` more output tokens of a running request add to its charge: their
+        model units if the policy charges output as it is generated, else 0. Only model
+        units price output (request and token modes charge at dispatch alone)."""
         if self.spec.cost == "model_units" and self.selector.charges_output_as_generated:
-            cost = self.profile.beta * tokens
-            flow.deficit -= cost
-            flow.served_cost += cost
-            request.charged_cost += cost
+            return self.profile.beta * tokens
+        return 0.0
 
     def count_completed(self, usage: Usage) -> None:
         """Add a finished request's model units, priced from its real usage (also one

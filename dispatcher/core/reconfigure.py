@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker_config.config import Config, Registry
-from dispatcher.core.policies.drr import TenantFlow
-from dispatcher.core.tiers import TierLadder
+from dispatcher.core.flow import TenantFlow
+from dispatcher.core.policies.fairq import TierLadder
 from dispatcher.core.types import Request
 
 if TYPE_CHECKING:

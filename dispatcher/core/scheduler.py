@@ -3,13 +3,15 @@
 Synchronous and clock-free: every method takes `now`. The network service and the
 simulator drive the same object:
 
-    result = scheduler.check(request, now)        # validation + throttle, or checks
-    decision = store.apply(result, now)            # rate limits and quota (any store)
+    rejection = scheduler.rejection(request, now)  # validation + throttle, or None
+    checks = scheduler.limit_checks(request, now)  # if None: what the limiter checks
+    decision = store.apply(checks, now)            # rate limits and quota (any store)
     scheduler.enqueue(request, now)                # if admitted
     batch = scheduler.place(endpoint, room, now)   # room: core.placement.Placement
     scheduler.complete(tenant, request_id, usage, now)
 
-`Scheduler.admit` does the first three with a synchronous store.
+`Scheduler.check` is the first two in one answer; `Scheduler.admit` does the first four
+with a synchronous store.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
 from dispatcher.core.endpoint import EndpointQueues
+from dispatcher.core.flow import TenantFlow
 from dispatcher.core.limits import (
     Check,
     LimiterStore,
@@ -34,15 +36,11 @@ from dispatcher.core.limits import (
     throttle,
 )
 from dispatcher.core.placement import BLOCKED, HELD, PLACED, Placement
-from dispatcher.core.policies.drr import TenantFlow
+from dispatcher.core.policies import POLICIES, Policy, selector_for
 from dispatcher.core.queues import arrival_order, priority_order
 from dispatcher.core.reconfigure import reconfigure
-from dispatcher.core.tiers import selector_for
 from dispatcher.core.types import Decision, Outcome, Request, Selection
 from dispatcher.core.view import RequestKey, SchedulerView
-
-Policy = Literal["fairq", "fifo", "vtc"]
-POLICIES: tuple[Policy, ...] = ("fairq", "fifo", "vtc")
 
 # Flows set aside per worker in one pass before giving up on filling it: bounds the work
 # of one `place` when many heads are too large for the room left.
@@ -101,8 +99,16 @@ class Scheduler(SchedulerView):
     def check(
         self, request: Request, now: float, waiting_elsewhere: int = 0, waited_s: float = 0.0
     ) -> Decision | list[Check]:
-        """Everything admission decides without the limiter store: a rejection, or the
-        rate-limit and quota checks the store must pass for the request to enter.
+        """`rejection`, or if there is none the rate-limit and quota checks the store must
+        pass for the request to enter (`limit_checks`)."""
+        rejection = self.rejection(request, now, waiting_elsewhere, waited_s)
+        return rejection if rejection is not None else self.limit_checks(request, now)
+
+    def rejection(
+        self, request: Request, now: float, waiting_elsewhere: int = 0, waited_s: float = 0.0
+    ) -> Decision | None:
+        """Everything admission decides without the limiter store: the rejection, or None
+        if the request may enter once the store passes its `limit_checks`.
 
         `waiting_elsewhere`: the tenant's requests to this endpoint that wait outside the
         scheduler (in the broker), counted against `max_queued`. `waited_s`: how long this
@@ -146,9 +152,7 @@ class Scheduler(SchedulerView):
             request.deadline,
             waited_s,
         )
-        if not decision.admitted:
-            return decision
-        return self.limit_checks(request, now)
+        return None if decision.admitted else decision
 
     def limit_checks(self, request: Request, now: float) -> list[Check]:
         """The limiter checks `request` must pass at `now` (none for an unknown endpoint
@@ -266,6 +270,7 @@ class Scheduler(SchedulerView):
                 continue
             flow.queue.pop()
             endpoint.took_queued(flow)
+            flow.served_cost += request.charged_cost
             selector.charge(flow, request)
             request.expedited = below_share
             self._start(endpoint, flow, request, now)
@@ -277,7 +282,7 @@ class Scheduler(SchedulerView):
     # -- completion, cancellation, expiry -----------------------------------------
 
     def complete(self, tenant: str, request_id: str, usage: Usage, now: float) -> Completed | None:
-        """Settle a finished request: correct its tenant's DRR charge with real usage."""
+        """Settle a finished request: correct its tenant's charge with real usage."""
         entry = self._running.pop((tenant, request_id), None)
         if entry is None:
             return None
@@ -289,11 +294,8 @@ class Scheduler(SchedulerView):
             endpoint.cost(usage.input_tokens, usage.output_tokens, usage.other_units)
             - request.charged_cost
         )
-        flow.deficit -= correction
         flow.served_cost += correction
-        if not flow.in_ring:
-            flow.deficit = min(flow.deficit, 0.0)
-        endpoint.selector.complete(flow, request, usage)
+        endpoint.selector.complete(flow, request, usage, correction)
         self._stop(endpoint, flow, request)
         self.estimator.observe((tenant, request.endpoint), usage.output_tokens, request.max_tokens)
         return Completed(
@@ -313,18 +315,21 @@ class Scheduler(SchedulerView):
             endpoint = self.endpoints[request.endpoint]
             tokens = generated - request.output_charged
             request.output_charged = generated
-            endpoint.selector.progress(flow, request, tokens)
-            endpoint.charge_output(flow, request, tokens)
+            cost = endpoint.output_cost(tokens)
+            request.charged_cost += cost
+            flow.served_cost += cost
+            endpoint.selector.progress(flow, request, tokens, cost)
 
     def requeue(self, tenant: str, request_id: str) -> Request | None:
         """Put a running request back in its queue (its worker failed); it keeps its
-        place by arrival and its tenant gets its charge back."""
+        place by arrival and its tenant's policy gives back what it charged for it
+        (`Selector.refund`)."""
         entry = self._running.pop((tenant, request_id), None)
         if entry is None:
             return None
         request, flow = entry
         endpoint = self.endpoints[request.endpoint]
-        flow.deficit += request.charged_cost
+        endpoint.selector.refund(flow, request)
         flow.served_cost -= request.charged_cost
         self._stop(endpoint, flow, request)
         request.dispatched_at, request.output_charged = None, 0

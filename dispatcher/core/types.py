@@ -28,6 +28,8 @@ class Outcome(enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     CANCELLED = "cancelled"
     UNAVAILABLE = "unavailable"
+    # The edge could not decide: its limiter store did not answer (retryable).
+    INTERNAL = "internal"
 
     @property
     def error_code(self) -> str:
@@ -48,6 +50,7 @@ _ERROR_CODES = {
     Outcome.DEADLINE_EXCEEDED: "deadline_exceeded",
     Outcome.CANCELLED: "cancelled",
     Outcome.UNAVAILABLE: "unavailable",
+    Outcome.INTERNAL: "internal",
 }
 
 

@@ -4,7 +4,7 @@ apart from the decisions in scheduler.py: `Scheduler` inherits them."""
 from __future__ import annotations
 
 from dispatcher.core.endpoint import EndpointQueues
-from dispatcher.core.policies.drr import TenantFlow
+from dispatcher.core.flow import TenantFlow
 from dispatcher.core.types import Request
 
 RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only

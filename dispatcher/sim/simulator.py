@@ -53,8 +53,9 @@ from costmodel.units import Capacity, Usage
 from dispatcher.core.endpoint import sequences_outside_reserve
 from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.placement import affinity_key
+from dispatcher.core.policies import Policy
 from dispatcher.core.pool import WorkerPool
-from dispatcher.core.scheduler import Policy, Scheduler
+from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Outcome, Request
 from dispatcher.sim.clients import Client, ClosedLoop
 from dispatcher.sim.fairness import (

@@ -165,7 +165,7 @@ def test_service_table_errors_name_the_field(table, field, value):
         ("[dispatcher]\nfrobnicate = 1", "frobnicate"),
         ("[workers]\nheartbeat = 1", "heartbeat"),
         ("[broker]\nprefx = 'x'", "prefx"),
-        ("[dispatcher.fleet.drift]\nlo = 0.5", "lo"),
+        ("[dispatcher.drift]\nlo = 0.5", "lo"),
         ("[dispatcher.input]\nmax_imgs = 3", "max_imgs"),
     ],
 )
@@ -179,7 +179,7 @@ def test_service_tables_refuse_unknown_fields(table, match):
     [
         ("[dispatcher]\ntenant_window = 2000\nmax_ack_pending = 1000", "tenant_window"),
         ("[broker]\nmax_age_s = 1\nduplicate_window_s = 5", "duplicate_window_s"),
-        ("[dispatcher.fleet.drift]\nlow = 1.5", "dispatcher.fleet.drift.*band"),
+        ("[dispatcher.drift]\nlow = 1.5", "dispatcher.drift.*band"),
     ],
 )
 def test_cross_field_checks_of_service_tables_are_config_errors(table, match):

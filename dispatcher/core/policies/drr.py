@@ -6,6 +6,10 @@ visit ends and the ring turns. A flow whose queue empties leaves the ring and ke
 positive deficit (no credit hoarded while idle), but keeps any debt: completion
 corrections may drive a deficit negative, and the flow then sits out whole rounds until
 its quanta have repaid it.
+
+This module is the only writer of `TenantFlow.deficit`: the ring's own turns here, and
+what the scheduler reports after dispatch (output as generated, the correction at
+completion, a refund) through the static `charge_output`, `correct` and `refund`.
 """
 
 from __future__ import annotations
@@ -13,57 +17,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from broker_config.config import TenantPolicy
-from dispatcher.core.queues import OrderKey, TenantQueue, priority_order
+from dispatcher.core.flow import TenantFlow
 from dispatcher.core.types import Request
-
-
-class TenantFlow:
-    """One tenant's state on one endpoint: its queue, DRR deficit and running work."""
-
-    __slots__ = (
-        "policy",
-        "weight",
-        "tier_rank",
-        "queue",
-        "quantum",
-        "deficit",
-        "granted",
-        "in_ring",
-        "lane",
-        "running",
-        "served_cost",
-        "left_at_round",
-        "idle_since",
-    )
-
-    def __init__(
-        self, policy: TenantPolicy, endpoint_quantum: float, order: OrderKey = priority_order
-    ) -> None:
-        self.policy = policy
-        # Copied out of the policy: read on every pick.
-        self.weight = policy.weight
-        self.tier_rank = policy.tier_rank
-        self.queue = TenantQueue(order)
-        self.quantum = endpoint_quantum * policy.weight
-        self.deficit = 0.0
-        self.granted = False  # has this visit's quantum been added?
-        self.in_ring = False
-        self.lane: deque[TenantFlow] | None = None  # the ring lane it waits in
-        self.running = 0
-        self.served_cost = 0.0
-        self.left_at_round = 0.0  # its ring's round when it last left the ring
-        self.idle_since = 0.0  # when it last had nothing queued or running (or was made)
-
-    @property
-    def tenant(self) -> str:
-        return self.policy.name
-
-    def __repr__(self) -> str:
-        return (
-            f"TenantFlow({self.tenant!r}, queued={len(self.queue)}, "
-            f"deficit={self.deficit:.3f}, running={self.running})"
-        )
 
 
 class DrrRing:
@@ -149,7 +104,6 @@ class DrrRing:
     def charge(self, flow: TenantFlow, request: Request) -> None:
         """Account for `request`, just popped from the selected flow's queue."""
         flow.deficit -= request.charged_cost
-        flow.served_cost += request.charged_cost
         if flow.queue.peek() is None:
             self._leave(flow.lane.popleft())
 
@@ -172,6 +126,33 @@ class DrrRing:
     def restore(self, flow: TenantFlow) -> None:
         """Put a set-aside flow back at the head of its lane, its visit state intact."""
         flow.lane.appendleft(flow)
+
+    def adopt(self, flow: TenantFlow) -> None:
+        """Take in `flow`, out of any ring (its tenant moved here from another tier): its
+        debt is repaid here from now on, and it joins at once if it has work queued."""
+        flow.left_at_round = self.round
+        if len(flow.queue):
+            self.activate(flow)
+
+    # What the scheduler reports after dispatch; the same for a flow in any ring.
+
+    @staticmethod
+    def charge_output(flow: TenantFlow, cost: float) -> None:
+        """Charge `flow` the `cost` of output one of its running requests generated."""
+        flow.deficit -= cost
+
+    @staticmethod
+    def correct(flow: TenantFlow, correction: float) -> None:
+        """Charge `flow` the `correction` of a completed request (real cost minus what it
+        was charged). Out of the ring it keeps a debt but gains no credit."""
+        flow.deficit -= correction
+        if not flow.in_ring:
+            flow.deficit = min(flow.deficit, 0.0)
+
+    @staticmethod
+    def refund(flow: TenantFlow, cost: float) -> None:
+        """Give `flow` back the `cost` charged for a request that returns to its queue."""
+        flow.deficit += cost
 
     def _leave(self, flow: TenantFlow) -> None:
         flow.left_at_round = self.round

@@ -1,5 +1,5 @@
 """The Virtual Token Counter baseline (Sheng et al., "Fairness in Serving Large Language
-Models", OSDI 2024), behind the selector interface of `dispatcher.core.tiers`.
+Models", OSDI 2024), behind `dispatcher.core.policies.contract.Selector`.
 
 Each tenant has a counter of the weighted tokens it was served, divided by its weight:
 `INPUT_WEIGHT` per prompt token and `OUTPUT_WEIGHT` per generated token. The next
@@ -20,7 +20,7 @@ import heapq
 import itertools
 
 from costmodel.units import Usage
-from dispatcher.core.policies.drr import TenantFlow
+from dispatcher.core.flow import TenantFlow
 from dispatcher.core.types import Request
 
 INPUT_WEIGHT = 1.0
@@ -70,18 +70,20 @@ class VtcSelector:
         return None
 
     def charge(self, flow: TenantFlow, request: Request) -> None:
-        flow.served_cost += request.charged_cost
         self._add(flow, INPUT_WEIGHT * request.input_tokens)
         if flow.queue.peek() is None:
             self._leave(flow)
 
-    def progress(self, flow: TenantFlow, request: Request, tokens: int) -> None:
+    def progress(self, flow: TenantFlow, request: Request, tokens: int, cost: float) -> None:
         self.counters[flow] += OUTPUT_WEIGHT * tokens / flow.weight
         self._moved[flow] = None  # pushed once by the next select, not once per token
 
-    def complete(self, flow: TenantFlow, request: Request, usage: Usage) -> None:
+    def complete(self, flow: TenantFlow, request: Request, usage: Usage, correction: float) -> None:
         unreported = usage.output_tokens - request.output_charged
         self._add(flow, OUTPUT_WEIGHT * max(unreported, 0))
+
+    def refund(self, flow: TenantFlow, request: Request) -> None:
+        return None  # the counters keep what they counted: its prompt, its output so far
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
         if flow.queue.peek() is None:
