@@ -151,7 +151,7 @@ class Autoscaler:
 
 
 class DriftPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """When a profile's capacity counts as off (`[dispatcher.fleet.drift]`)."""
+    """When a profile's capacity counts as off (`[dispatcher.drift]`)."""
 
     # Observed over predicted outside [low, high] ...
     low: float = 0.8

@@ -44,6 +44,7 @@ from broker_config.connection import (
 from broker_config.runtime import freeze_startup_heap
 from dispatcher.admission.kv_store import open_limiter_store
 from dispatcher.admission.redis_store import LimiterUnavailable
+from dispatcher.api.http import HttpApi
 from dispatcher.api.reload import install_reload_signal
 from dispatcher.ha.lease import Lease, holder_id
 from dispatcher.ha.tenures import Tenures
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address for /metrics (0.0.0.0 inside a container)",
     )
+    _add_overrides(parser)
+    return parser
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    """The flags that override a field of `[dispatcher]` or `[broker]` (`with_flags`)."""
     defaults = DispatcherOptions()
     parser.add_argument(
         "--ack-wait",
@@ -141,7 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
         "lowered, on streams that exist) (default: [broker] replicas, "
         f"{BrokerSettings().replicas})",
     )
-    return parser
 
 
 def with_flags(config: Config, args: argparse.Namespace) -> Config:
@@ -174,8 +180,9 @@ def with_flags(config: Config, args: argparse.Namespace) -> Config:
 
 async def serve(args: argparse.Namespace, config: Config) -> int:
     metrics = DispatcherMetrics(list(config.endpoints))
+    http = HttpApi(metrics)
     if args.metrics_port is not None:
-        port = metrics.serve(args.metrics_port, args.metrics_host)
+        port = http.serve(args.metrics_port, args.metrics_host)
         print(f"METRICS_URL=http://{args.metrics_host}:{port}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -206,6 +213,7 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
         on_running=_running,
         limiter=limiter,
         metrics=metrics,
+        http=http,
         config_path=args.config,
     )
     install_reload_signal(loop, lambda: tenures.current)
@@ -217,7 +225,7 @@ async def serve(args: argparse.Namespace, config: Config) -> int:
     finally:
         await limiter.aclose()
         await nc.drain()
-        metrics.close()
+        http.close()
     return 0
 
 

@@ -1,24 +1,31 @@
-"""The dispatcher: the scheduling core on the wire, wired from parts with one job each.
+"""The dispatcher: the scheduling core on the wire, wired from rooms with one job each.
 
-    async with Dispatcher(nc, config, limiter=..., metrics=...):
+    async with Dispatcher(nc, config, limiter=..., metrics=..., http=...):
         await until_sigterm()               # leaving the block drains (see below)
 
-One request's path through the parts:
+What the rooms' components share is one frozen `Parts` (dispatcher/parts.py), built here
+once; each takes it plus only what is its own. One request's path through them:
 
-    intake.Intake            shard consumers, per-tenant windows -> batches of arrived messages
-    admit.Admission          parse, de-duplicate, stored results, adoption, admission
-    core.Scheduler           queues; tier -> DRR -> priority per batch
-    dispatch.Dispatch        fill each worker's free capacity (core.WorkerPool) and send
-    reports.WorkerReports    heartbeats (liveness, lost work) and completions (ack)
-    autoscale.Autoscaling    desired workers per autoscaled endpoint: gauges, scale events
-    drift.DriftWatch         is each endpoint's profile still right: a gauge, a warning
-    api.Api                  status, cancel, depth
-    reload.Reloader          the config file re-read at run time (SIGHUP, admin request)
-    results.Results          final events: stored, published
+    intake.shards.Intake         shard consumers, per-tenant windows -> batches of messages
+    admission.admit.Admission    parse, de-duplicate, stored results, adoption, admission
+    core.Scheduler               queues; tier -> DRR -> priority per batch
+    dispatch.batches.Dispatch    fill each worker's free capacity (core.WorkerPool), send
+    dispatch.reports.WorkerReports  heartbeats (liveness, lost work), completions (ack)
+    dispatch.endings.Endings     a held request ended (a final event) or handed back
+    dispatch.stored_results.Results  final events: stored, published
+    fleet.probes.Probes          black-box health probes, evictions
+    fleet.autoscale.Autoscaling  desired workers per autoscaled endpoint: gauges, events
+    fleet.drift.DriftWatch       is each endpoint's profile still right: a gauge, a warning
+    api.request_reply.Api        status, cancel, depth
+    api.calls.ApiCalls           status and cancel calls side by side, a cap per tenant
+    api.reload.Reloader          the config file re-read at run time (SIGHUP, admin request)
+    api.http.HttpApi             /metrics, /healthz, /readyz, the dashboard (the caller's)
 
-The maintenance tick (this module) drops queued requests past their deadline, takes
-back the work of silent workers, feeds autoscaling and the drift watch, extends the ack
-wait of held messages and exports the queue-depth gauges.
+The maintenance tick is a table of (period, job) (`_maintenance`), run in order by one
+loop: drop queued requests past their deadline, end those of removed tenants, probe
+workers, forget old cancels, feed autoscaling and the drift watch; extend the ack wait of
+held messages, export the queue-depth gauges and forget idle tenants, each at its own
+period; wake the dispatch loop.
 
 States: STARTING (subscribing) -> STANDBY (with a lease, dispatcher/ha/lease.py: until
 this process holds it, listening to heartbeats only) -> SETTLING (until `settle_s` after
@@ -32,7 +39,8 @@ that did not release it first has JetStream deliver at once what that one held
    arrived but was not admitted;
 2. stop dispatching (DRAINING);
 3. give back the token limits the queued requests were charged (the next dispatcher
-   charges them again) and nak them, so another dispatcher gets them at once;
+   charges them again) and nak them, so another dispatcher gets them at once
+   (`Endings.hand_back_queued`);
 4. release the lease: a standby takes over now (a dispatcher that lost its lease skips
    this and step 5: the new holder adopts what runs);
 5. wait up to `grace_s` for running requests to complete (completions are still
@@ -51,43 +59,40 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from broker_config.config import Config
+from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectBatchGet
 from broker_config.lease_key import ensure_leases_bucket
 from broker_config.streams import ConsumerLimits, provision, reset_consumers
 from broker_config.subjects import ApiKind
 from dispatcher.admission.admit import Admission
 from dispatcher.admission.redis_store import AsyncLimiterStore, MemoryLimiterAsync
+from dispatcher.api.calls import ApiCalls
+from dispatcher.api.http import HttpApi
 from dispatcher.api.reload import Reloader, ReloadReply
 from dispatcher.api.request_reply import Api
 from dispatcher.core.pool import WorkerPool
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.dispatch.batches import Dispatch
+from dispatcher.dispatch.endings import Endings
 from dispatcher.dispatch.held import HeldRequests
 from dispatcher.dispatch.reports import WorkerReports
 from dispatcher.dispatch.stored_results import Results
 from dispatcher.fleet.autoscale import Autoscaling
 from dispatcher.fleet.drift import DriftWatch
+from dispatcher.fleet.probes import Probes
 from dispatcher.ha.lease import Lease
 from dispatcher.intake.shards import Intake
 from dispatcher.observe.metrics import DispatcherMetrics
-from dispatcher.probes import Probes
+from dispatcher.parts import Parts
 
 log = logging.getLogger("fairq.dispatcher")
-
-# Status and cancel calls handled at once (see `_subscribe`), in all and per tenant; a
-# tenant's calls beyond its share are answered `rate_limited` at once, so that its flood
-# cannot take the others' room.
-MAX_API_CALLS = 1024
-MAX_API_CALLS_PER_TENANT = 64
-API_RETRY_AFTER_S = 1.0
 
 # How often the queue-depth gauges are refreshed (a scan of every queue).
 DEPTH_EXPORT_S = 1.0
@@ -95,6 +100,16 @@ DEPTH_EXPORT_S = 1.0
 FORGET_IDLE_S = 10.0
 # /healthz fails once the maintenance loop missed this many ticks (plus 5 s).
 LIVE_TICKS = 20
+EVERY_TICK = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A maintenance job: `run(now)` at the first tick `period_s` after its last run
+    (EVERY_TICK: at each tick); it returns what to await, if anything."""
+
+    period_s: float
+    run: Callable[[float], Awaitable[object] | None]
 
 
 class State(enum.Enum):
@@ -114,39 +129,56 @@ class Dispatcher:
         *,
         limiter: AsyncLimiterStore | None = None,
         metrics: DispatcherMetrics | None = None,
+        http: HttpApi | None = None,
         config_path: str | Path | None = None,
         lease: Lease | None = None,
         heard: dict[str, float] | None = None,
     ) -> None:
-        """`config_path`: the file `config` was read from, re-read by `reload`. `lease`:
+        """`http`: the server whose /healthz and /readyz this dispatcher's checks answer.
+        `config_path`: the file `config` was read from, re-read by `reload`. `lease`:
         it dispatches only while holding it (None: no lease, unfenced); one process's
         dispatchers share one. `heard`: when each worker was last heard, kept by the
         process across its dispatchers (updated here)."""
-        self.nc = nc
-        self.config = config
-        self.options = config.dispatcher
-        self.subjects = config.subjects
-        self.limiter = limiter or MemoryLimiterAsync()
-        self.metrics = metrics or DispatcherMetrics(list(config.endpoints))
-        self.metrics.http.live, self.metrics.http.ready = self.live, self.ready
-        self.scheduler = Scheduler(config)
-        self.pool = WorkerPool(
-            timeout_s=self.options.worker_timeout_s, evict_after=self.options.probe_failures
+        options = config.dispatcher
+        self.parts = Parts(
+            nc=nc,
+            subjects=config.subjects,
+            scheduler=Scheduler(config),
+            pool=WorkerPool(timeout_s=options.worker_timeout_s, evict_after=options.probe_failures),
+            held=HeldRequests(),
+            results=Results(nc, config.subjects),
+            metrics=metrics or DispatcherMetrics(list(config.endpoints)),
+            limiter=limiter or MemoryLimiterAsync(),
+            wake=asyncio.Event(),
+            backlog=self._backlog,
         )
-        self.held = HeldRequests()
+        # What callers look at (the entry points, tests): the parts'.
+        parts = self.parts
+        self.nc, self.subjects, self.scheduler = parts.nc, parts.subjects, parts.scheduler
+        self.pool, self.held = parts.pool, parts.held
+        self.limiter, self.metrics = parts.limiter, parts.metrics
+        self.endings = Endings(self.parts)
+        if http is not None:
+            http.check_with(self.live, self.ready)
         self.state = State.STARTING
         self._settled_at = 0.0
         self._ticked_at = time.time()
         self._stack = contextlib.AsyncExitStack()
         self.intake: Intake | None = None
-        self._api_calls: set[asyncio.Task[None]] = set()
-        self._api_slots = asyncio.Semaphore(MAX_API_CALLS)
-        self._api_calls_of: Counter[str] = Counter()  # tenant -> its calls in flight
-        self.reloader = Reloader(self, config_path)
+        self.reloader = Reloader(self.parts, self.endings, config_path)
         self.lease = lease
         self._heard = heard if heard is not None else {}
         self._tenure_at = 0.0  # when it took the lease (or started, without one)
         self._reconnects = nc.stats["reconnects"]
+
+    @property
+    def config(self) -> Config:
+        """The running configuration (a reload swaps it, dispatcher/api/reload.py)."""
+        return self.parts.config
+
+    @property
+    def options(self) -> DispatcherOptions:
+        return self.parts.options
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -163,70 +195,29 @@ class Dispatcher:
         await self._stack.aclose()
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        parts = self.parts
         js = self.nc.jetstream()
         await provision(js, self.config.broker)
-        results = await stack.enter_async_context(Results(self.nc, self.subjects))
+        await stack.enter_async_context(parts.results)
         stored = await stack.enter_async_context(
             DirectBatchGet(self.nc, self.subjects.requests_stream)
         )
         parked = await stack.enter_async_context(
             DirectBatchGet(self.nc, self.subjects.parked_stream)
         )
-        self.admission = Admission(
-            self.config,
-            self.options,
-            self.subjects,
-            self.scheduler,
-            self.limiter,
-            self.pool,
-            self.held,
-            results,
-            self.metrics,
-            self._backlog,
-        )
-        self.dispatch = Dispatch(
-            self.nc,
-            self.subjects,
-            self.scheduler,
-            self.pool,
-            self.admission,
-            self.metrics,
-            self._top_up,
-        )
-        self.probes = Probes(self.nc, self.subjects, self.pool, self.options, self.metrics)
-        self.autoscaling = Autoscaling(
-            self.nc, self.config, self.subjects, self.scheduler, self.pool, self.metrics
-        )
-        self.drift = DriftWatch(
-            self.options, self.scheduler, self.pool, self.metrics, self.dispatch.wake
-        )
+        self.admission = Admission(parts, self.endings)
+        self.dispatch = Dispatch(parts, self.endings, self._top_up)
+        self.probes = Probes(parts)
+        self.autoscaling = Autoscaling(parts)
+        self.drift = DriftWatch(parts)
         self.reports = WorkerReports(
-            self.config,
-            self.subjects,
-            self.scheduler,
-            self.pool,
-            self.held,
-            self.admission,
-            self.metrics,
-            self.dispatch.wake,
-            self.probes,
-            self._answers_for_work,
+            parts, self.admission, self.endings, self.probes, self._answers_for_work
         )
         self.reports.heard = self._heard
-        self.api = Api(
-            self.nc,
-            self.config,
-            self.subjects,
-            self.scheduler,
-            self.held,
-            self.admission,
-            results,
-            parked,
-            stored,
-            self._backlog,
-        )
+        self.api = Api(parts, self.admission, self.endings, parked, stored)
         stack.push_async_callback(self.api.close)  # before the readers close
-        stack.push_async_callback(self._end_api_calls)  # before the API closes
+        self.calls = ApiCalls(self.api)
+        stack.push_async_callback(self.calls.close)  # before the API closes
         for endpoint in self.config.endpoints:
             await self._subscribe(self.subjects.heartbeats(endpoint), self._on_heartbeat)
         self.reloader.start()  # once what a reload changes exists
@@ -234,7 +225,7 @@ class Dispatcher:
         stack.push_async_callback(self.reloader.close)
         self._settled_at = time.time() + self.options.settle_s
         if self.lease is not None:
-            await self._take_lease(self.lease, js, stack, results)
+            await self._take_lease(self.lease, js, stack)
         self._tenure_at = time.time()
         for endpoint in self.config.endpoints:
             await self._subscribe(self.subjects.completions(endpoint), self.reports.on_completions)
@@ -247,25 +238,7 @@ class Dispatcher:
         await self._subscribe(self.subjects.depth, self.api.on_depth)
         self.state = State.SETTLING
         self._ticked_at = time.time()  # the maintenance loop starts now
-        # The shard consumers cover all endpoints: requests for an endpoint this config
-        # does not know are still answered (unknown_endpoint), not stranded.
-        self.intake = Intake(
-            self.nc,
-            self.subjects,
-            handler=self._admit_batch,
-            queued=self.scheduler.tenant_queued,
-            in_hand=self._in_hand,
-            shards=self.config.broker.intake_shards,
-            limits=ConsumerLimits(
-                ack_wait_s=self.options.ack_wait_s, max_ack_pending=self.options.max_held_per_shard
-            ),
-            parked_limits=ConsumerLimits(
-                ack_wait_s=self.options.ack_wait_s, max_ack_pending=self.options.max_ack_pending
-            ),
-            window=self.options.tenant_window,
-            batch=self.options.intake_batch,
-            list_s=self.options.discover_s,
-        )
+        self.intake = self._intake()  # before it starts: its handler reads its backlog
         await stack.enter_async_context(self.intake)
         # Unwound before the intake and the subscriptions above: the drain still uses them.
         group = await stack.enter_async_context(asyncio.TaskGroup())
@@ -278,8 +251,30 @@ class Dispatcher:
         )
         stack.push_async_callback(self._drain, tasks, taking_back)
 
+    def _intake(self) -> Intake:
+        """The shard consumers cover all endpoints: requests for an endpoint this config
+        does not know are still answered (unknown_endpoint), not stranded."""
+        options = self.options
+        return Intake(
+            self.nc,
+            self.subjects,
+            handler=self._admit_batch,
+            queued=self.scheduler.tenant_queued,
+            in_hand=self._in_hand,
+            shards=self.config.broker.intake_shards,
+            limits=ConsumerLimits(
+                ack_wait_s=options.ack_wait_s, max_ack_pending=options.max_held_per_shard
+            ),
+            parked_limits=ConsumerLimits(
+                ack_wait_s=options.ack_wait_s, max_ack_pending=options.max_ack_pending
+            ),
+            window=options.tenant_window,
+            batch=options.intake_batch,
+            list_s=options.discover_s,
+        )
+
     async def _take_lease(
-        self, lease: Lease, js: JetStreamContext, stack: contextlib.AsyncExitStack, results: Results
+        self, lease: Lease, js: JetStreamContext, stack: contextlib.AsyncExitStack
     ) -> None:
         """Stand by until this process holds the lease; then fence what it sends with the
         lease's epoch and take back at once what another holder left unacked."""
@@ -287,16 +282,14 @@ class Dispatcher:
         stack.push_async_callback(lease.release)  # if the drain did not
         self.state = State.STANDBY
         take_back = await lease.acquire(kv, ttl_s)
-        results.epoch = self.dispatch.epoch = self.probes.epoch = lease.epoch
+        self.parts.results.epoch = self.dispatch.epoch = self.probes.epoch = lease.epoch
         if take_back:
             await reset_consumers(js, self.config.broker)
 
     async def _subscribe(
         self, subject: str, handler: Callable[[Msg], Awaitable[None]], *, side_by_side: bool = False
     ) -> None:
-        """nats-py handles a subscription's messages one at a time; `side_by_side` runs
-        each in a task of its own instead (up to MAX_API_CALLS at once), for calls that
-        may wait on the broker: one tenant's slow lookup must hold up no other call."""
+        """`side_by_side`: each message in a task of its own (dispatcher/api/calls.py)."""
 
         async def guarded(msg: Msg) -> None:
             # Every loop that reads from the network survives a malformed message.
@@ -305,43 +298,9 @@ class Dispatcher:
             except Exception:
                 log.exception("handling a message on %s failed", msg.subject)
 
-        async def spawn(msg: Msg) -> None:
-            tenant = msg.subject.rsplit(".", 1)[-1]  # checked by the handler
-            if self._api_calls_of[tenant] >= MAX_API_CALLS_PER_TENANT:
-                await guarded_refusal(msg)
-                return
-            await self._api_slots.acquire()
-            self._api_calls_of[tenant] += 1
-            task = asyncio.create_task(guarded(msg))
-            self._api_calls.add(task)
-            task.add_done_callback(lambda done: self._api_call_done(done, tenant))
-
-        async def guarded_refusal(msg: Msg) -> None:
-            with contextlib.suppress(nats.errors.Error):
-                await self.api.refuse(
-                    msg,
-                    f"more than {MAX_API_CALLS_PER_TENANT} status and "
-                    "cancel calls of this tenant in flight; retry",
-                    API_RETRY_AFTER_S,
-                )
-
-        subscription = await self.nc.subscribe(subject, cb=spawn if side_by_side else guarded)
+        callback = self.calls.side_by_side(guarded) if side_by_side else guarded
+        subscription = await self.nc.subscribe(subject, cb=callback)
         self._stack.push_async_callback(subscription.unsubscribe)
-
-    def _api_call_done(self, task: asyncio.Task[None], tenant: str) -> None:
-        self._api_calls.discard(task)
-        self._api_slots.release()
-        self._api_calls_of[tenant] -= 1
-        if not self._api_calls_of[tenant]:
-            del self._api_calls_of[tenant]
-
-    async def _end_api_calls(self) -> None:
-        """After unsubscribing: the calls still waiting on a lookup end unanswered (their
-        callers time out and ask again, another dispatcher answers)."""
-        calls = list(self._api_calls)
-        for task in calls:
-            task.cancel()
-        await asyncio.gather(*calls, return_exceptions=True)
 
     async def _drain(
         self, tasks: list[asyncio.Task[None]], taking_back: asyncio.Task[None]
@@ -350,7 +309,7 @@ class Dispatcher:
         await self.intake.close()
         self.state = State.DRAINING
         async with self.dispatch.passing:  # a pass under way places requests: let it end
-            await self.admission.hand_back_queued(time.time())
+            await self.endings.hand_back_queued(time.time())
         lost = self.lease is not None and self.lease.lost.is_set()
         if self.lease is not None and not lost:
             await self.lease.release()
@@ -363,7 +322,7 @@ class Dispatcher:
             task.cancel()
         self.state = State.STOPPED
         # Requests taken back from lost workers during the wait went back to the queue.
-        await self.admission.hand_back_queued(time.time())
+        await self.endings.hand_back_queued(time.time())
         await self.held.hand_back()
         await self.nc.flush()
 
@@ -373,12 +332,6 @@ class Dispatcher:
         """Re-read the config file and apply its tenants, tiers and unlisted policy
         (dispatcher/api/reload.py); the reply says what changed, or why nothing did."""
         return await self.reloader.reload()
-
-    def use_config(self, config: Config) -> None:
-        """The configuration a reload applied, for every part that reads it."""
-        self.config = config
-        for part in (self.admission, self.api, self.reports):
-            part.config = config
 
     # -- glue ------------------------------------------------------------------------------
 
@@ -430,7 +383,7 @@ class Dispatcher:
 
     async def _admit_batch(self, messages: list[Msg]) -> None:
         await self.admission.batch(messages)
-        self.dispatch.wake.set()
+        self.parts.wake.set()
 
     # -- maintenance -------------------------------------------------------------------------
 
@@ -452,29 +405,39 @@ class Dispatcher:
         """Settled and not draining (for /readyz)."""
         return self.state is State.RUNNING
 
+    def _maintenance(self) -> tuple[Job, ...]:
+        """The maintenance tick's jobs, in the order they run."""
+        return (
+            Job(EVERY_TICK, lambda now: self.endings.drop_expired(self.scheduler.expire(now), now)),
+            Job(EVERY_TICK, lambda now: self.reloader.end_set_aside()),
+            Job(EVERY_TICK, self._probe),
+            Job(EVERY_TICK, self.admission.forget_old_cancels),
+            Job(EVERY_TICK, self.autoscaling.tick),
+            Job(EVERY_TICK, self.drift.tick),
+            # Held messages' ack wait, extended well before it runs out.
+            Job(self.options.ack_wait_s / 3, lambda now: self.held.in_progress()),
+            Job(DEPTH_EXPORT_S, self._export_depth),
+            Job(FORGET_IDLE_S, self._forget_idle),
+            Job(EVERY_TICK, lambda now: self.parts.wake.set()),
+        )
+
     async def _maintenance_loop(self) -> None:
-        last_extension = last_export = last_forget = time.time()
+        jobs = self._maintenance()
+        last = [time.time()] * len(jobs)
         while True:
             await asyncio.sleep(self.options.tick_s)
             now = self._ticked_at = time.time()
-            await self.admission.drop_expired(self.scheduler.expire(now), now)
-            await self.reloader.end_set_aside()
-            if self._may_dispatch():  # probes and evictions are the lease holder's
-                for worker, lost in await self.probes.tick(now):
-                    self.reports.evicted(worker, lost)
-            self.admission.forget_old_cancels(now)
-            await self.autoscaling.tick(now)
-            self.drift.tick(now)
-            if now - last_extension > self.options.ack_wait_s / 3:
-                last_extension = now
-                await self.held.in_progress()
-            if now - last_export >= DEPTH_EXPORT_S:
-                last_export = now
-                self._export_depth(now)
-            if now - last_forget >= FORGET_IDLE_S:
-                last_forget = now
-                self._forget_idle(now)
-            self.dispatch.wake.set()
+            for n, job in enumerate(jobs):
+                if job.period_s and now - last[n] < job.period_s:
+                    continue
+                last[n] = now
+                if (pending := job.run(now)) is not None:
+                    await pending
+
+    async def _probe(self, now: float) -> None:
+        if self._may_dispatch():  # probes and evictions are the lease holder's
+            for worker, lost in await self.probes.tick(now):
+                self.reports.evicted(worker, lost)
 
     def _forget_idle(self, now: float) -> None:
         """What is kept per tenant goes once it matters no more (tenants that come once,

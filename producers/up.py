@@ -89,6 +89,7 @@ from broker_config.runtime import first_of
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
 from dispatcher.admission.kv_store import open_limiter_store
+from dispatcher.api.http import HttpApi
 from dispatcher.ha.lease import Lease, holder_id
 from dispatcher.ha.tenures import Tenures
 from dispatcher.observe.metrics import DispatcherMetrics
@@ -319,11 +320,12 @@ async def _up(
     # Left in reverse: workers, dispatcher, limiter, connection, server, metrics.
     async with contextlib.AsyncExitStack() as stack:
         metrics = DispatcherMetrics(list(config.endpoints))
+        http = HttpApi(metrics)
         try:
-            metrics_port = metrics.serve(args.metrics_port)
+            metrics_port = http.serve(args.metrics_port)
         except OSError:  # the default port is taken: any free one, printed below
-            metrics_port = metrics.serve(0)
-        stack.callback(metrics.close)
+            metrics_port = http.serve(0)
+        stack.callback(http.close)
         server = await stack.enter_async_context(
             EmbeddedNatsCluster(CLUSTER_SIZE, store_root=log_dir / "nats", sync="always")
             if args.cluster
@@ -346,6 +348,7 @@ async def _up(
             lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None,
             limiter=limiter,
             metrics=metrics,
+            http=http,
             config_path=args.config,
         )
         reloads = Reloads(

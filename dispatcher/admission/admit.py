@@ -10,9 +10,9 @@ For a batch of arrived messages (`Admission.batch`, the intake's handler):
    the first answers); a request with a stored final event (it finished before a restart,
    or was cancelled while in the stream) gets that event again and is acked; a request a
    worker reports running is adopted (acked when it completes, never run twice);
-4. everything else goes through admission: `Scheduler.check`, the limiter store,
-   `Scheduler.enqueue`; a rejection is stored as the request's final event, sent to its
-   reply subject, and the message terminated.
+4. everything else goes through admission: `Scheduler.rejection`, the limiter store
+   (`Scheduler.limit_checks`), `Scheduler.enqueue`; a rejection (one path, `_refuse`:
+   its `Outcome` is its metric label) ends the request (dispatcher/dispatch/endings.py).
 """
 
 from __future__ import annotations
@@ -20,42 +20,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
 
 from broker_config import jetstream, wire
-from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectGetError
 from broker_config.limits import over_limits
-from broker_config.subjects import Subjects
-from dispatcher.admission.redis_store import AsyncLimiterStore, LimiterUnavailable
+from dispatcher.admission.redis_store import LimiterUnavailable
 from dispatcher.admission.tokens import InputCounter
-from dispatcher.core.limits import Settlement, charged, settlement
-from dispatcher.core.pool import Key, WorkerPool
-from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.limits import charged
+from dispatcher.core.pool import Key
 from dispatcher.core.types import ADMITTED, Decision, Outcome, Request
-from dispatcher.dispatch.convert import to_error_event, to_request, too_large_to_dispatch
-from dispatcher.dispatch.held import Held, HeldRequests
-from dispatcher.dispatch.stored_results import BROKER_ERRORS, Results
+from dispatcher.dispatch.convert import to_request, too_large_to_dispatch
+from dispatcher.dispatch.endings import CANCELLED, HAND_BACK_S, Endings
+from dispatcher.dispatch.held import Held
 from dispatcher.intake.park import stored_at
-from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.parts import Parts
 
 log = logging.getLogger("fairq.dispatcher")
 
-# What the broker failed to look up or to end comes back this soon (not after the ack wait).
-HAND_BACK_S = 1.0
 # A request cancelled while still in the stream is refused at admission for this long
 # (its stored `cancelled` event covers it after that, and across restarts).
 CANCEL_MEMORY_S = 300.0
-CANCELLED = Decision(Outcome.CANCELLED, "cancelled by the client")
 # An unlisted tenant without a flow keeps its depth-API counts this long after its last
 # decision.
 COUNTS_MEMORY_S = 600.0
-# Limiter checks settled in one call of the store (one Redis script).
-SETTLE_BATCH = 512
+LIMITER_UNAVAILABLE = Decision(Outcome.INTERNAL, "rate limiter unavailable", 1.0)
 
 
 @dataclass(slots=True)
@@ -75,30 +68,12 @@ class Decisions:
 
 
 class Admission:
-    def __init__(
-        self,
-        config: Config,
-        options: DispatcherOptions,
-        subjects: Subjects,
-        scheduler: Scheduler,
-        limiter: AsyncLimiterStore,
-        pool: WorkerPool,
-        held: HeldRequests,
-        results: Results,
-        metrics: DispatcherMetrics,
-        backlog: Callable[[], dict[tuple[str, str], int]],
-    ) -> None:
-        self.config = config
-        self.options = options
-        self.subjects = subjects
-        self.scheduler = scheduler
-        self.limiter = limiter
-        self.pool = pool
-        self.held = held
-        self.results = results
-        self.metrics = metrics
-        self.backlog = backlog
-        self.input_counter = InputCounter(config.endpoints)
+    def __init__(self, parts: Parts, endings: Endings) -> None:
+        self.parts = parts
+        self.endings = endings
+        self.subjects, self.scheduler, self.pool = parts.subjects, parts.scheduler, parts.pool
+        self.held, self.results, self.metrics = parts.held, parts.results, parts.metrics
+        self.input_counter = InputCounter(parts.config.endpoints)
         # (endpoint, tenant) -> its decisions since start, for the depth API. Only tenants
         # the registry knows; an unlisted one's are forgotten (`forget_counts`).
         self.counts: dict[tuple[str, str], Decisions] = {}
@@ -120,7 +95,7 @@ class Admission:
                             msg.data,
                             msg.headers,
                             self.subjects,
-                            tenant_inboxes=self.options.tenant_inboxes,
+                            tenant_inboxes=self.parts.options.tenant_inboxes,
                         ),
                     )
                 )
@@ -185,21 +160,16 @@ class Admission:
         do not end those (a redelivered request whose worker has not reported it yet
         is judged like a new one)."""
         sub = held.submission
-        violation = over_limits(sub.request, body_bytes, self.options.input)
+        violation = over_limits(sub.request, body_bytes, self.parts.options.input)
         if violation is not None:
             violation = f"over a limit of [dispatcher.input]: {violation}"
-        else:
-            # The broker's own limit (`nc` is the dispatcher's connection).
+        else:  # the broker's own limit
             violation = too_large_to_dispatch(
-                sub, held.received_at, body_bytes, self.results.nc.max_payload
+                sub, held.received_at, body_bytes, self.parts.nc.max_payload
             )
         if violation is None:
             return False
-        label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
-        self.metrics.child(self.metrics.admissions, label, "invalid_request").inc()
-        await self.end(
-            held, wire.ErrorEvent(sub.id, wire.ErrorCode.INVALID_REQUEST, violation), now
-        )
+        await self._refuse(held, Decision(Outcome.INVALID, violation), now)
         return True
 
     async def admit(
@@ -216,54 +186,55 @@ class Admission:
         if await self._cancelled_meanwhile(held, now):
             return
         request = await self._request(held)
-        result = self.scheduler.check(
+        rejection = self.scheduler.rejection(
             request, now, self._waiting_in_stream(sub.endpoint, sub.tenant), waited_s
         )
         if charged_before:
             if not held.charges:
-                held.charges = charged(
-                    result
-                    if isinstance(result, list)
-                    else self.scheduler.limit_checks(request, now)
-                )
-            if isinstance(result, list):
-                result = ADMITTED
-        elif isinstance(result, list):
+                held.charges = charged(self.scheduler.limit_checks(request, now))
+            decision = rejection if rejection is not None else ADMITTED
+        elif rejection is not None:
+            decision = rejection
+        else:
+            checks = self.scheduler.limit_checks(request, now)
             try:
-                decision = await self.limiter.apply(result, now)
+                decision = await self.parts.limiter.apply(checks, now)
             except LimiterUnavailable as exc:
                 log.error("rate limiter unavailable: %s", exc)
-                await self.end(
-                    held,
-                    wire.ErrorEvent(
-                        sub.id, wire.ErrorCode.INTERNAL, "rate limiter unavailable", 1.0
-                    ),
-                    now,
-                )
-                self.metrics.child(self.metrics.admissions, sub.endpoint, "internal").inc()
+                await self._refuse(held, LIMITER_UNAVAILABLE, now)
                 return
             if decision.admitted:
-                held.charges = charged(result)
-            result = decision
+                held.charges = charged(checks)
         request.charges = held.charges
         if await self._cancelled_meanwhile(held, now):  # while the limiter answered
             return
-        endpoint_label = sub.endpoint if sub.endpoint in self.config.endpoints else "unknown"
-        self.metrics.child(self.metrics.admissions, endpoint_label, result.outcome.value).inc()
-        if result.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
+        if decision.outcome not in (Outcome.UNKNOWN_ENDPOINT, Outcome.UNKNOWN_TENANT):
             counts = self.counts.setdefault((sub.endpoint, sub.tenant), Decisions())
-            counts.count(result.admitted, now)
-        if not result.admitted:
-            await self.reject(held, result, now)
+            counts.count(decision.admitted, now)
+        if not decision.admitted:
+            await self._refuse(held, decision, now)
             return
+        self._count_outcome(sub, Outcome.ADMITTED)
         self.scheduler.enqueue(request, now)
         self.held.admitted[held.key] = held
+
+    async def _refuse(self, held: Held, decision: Decision, now: float) -> None:
+        """The one way admission turns a request away: its outcome counted, then the
+        request ended with the outcome's error."""
+        self._count_outcome(held.submission, decision.outcome)
+        await self.endings.reject(held, decision, now)
+
+    def _count_outcome(self, sub: wire.Submission, outcome: Outcome) -> None:
+        """The admissions metric, labelled by the core's `Outcome` (its only label for
+        outcomes)."""
+        endpoint = sub.endpoint if sub.endpoint in self.parts.config.endpoints else "unknown"
+        self.metrics.child(self.metrics.admissions, endpoint, outcome.value).inc()
 
     async def _request(self, held: Held) -> Request:
         """The core's view of a held request, its input counted by the endpoint's
         tokenizer if it has one."""
         sub = held.submission
-        spec = self.config.endpoints.get(sub.endpoint)
+        spec = self.parts.config.endpoints.get(sub.endpoint)
         if spec is None:
             return to_request(sub, held.received_at, 1, held)
         return to_request(
@@ -291,14 +262,15 @@ class Admission:
         """A request cancelled while it was in the stream is never admitted."""
         if held.key not in self.cancelled:
             return False
-        await self.reject(held, CANCELLED, now)
+        await self.endings.reject(held, CANCELLED, now)
         return True
 
     def _waiting_in_stream(self, endpoint: str, tenant: str) -> int:
         """The tenant's requests to `endpoint` the stream holds beyond the one being
         admitted and those already queued or running here (as of the last listing)."""
-        unfinished = self.backlog().get((endpoint, tenant), 0)
-        flow = self.scheduler.flow(endpoint, tenant) if endpoint in self.config.endpoints else None
+        unfinished = self.parts.backlog().get((endpoint, tenant), 0)
+        known = endpoint in self.parts.config.endpoints
+        flow = self.scheduler.flow(endpoint, tenant) if known else None
         here = len(flow.queue) + flow.running if flow is not None else 0
         return max(0, unfinished - here - 1)
 
@@ -313,71 +285,6 @@ class Admission:
         await msg.term()
         self.metrics.child(self.metrics.invalid_messages, "sent" if error.reply else "none").inc()
 
-    async def reject(self, held: Held, decision: Decision, now: float) -> None:
-        """End a held request with `decision`'s error (it was never sent to a worker);
-        the token limits it was charged are given back, since it used none."""
-        charges, held.charges = held.charges, ()
-        await self.settle(settlement(charges, 0), now)
-        await self.end(held, to_error_event(held.submission.id, decision), now)
-
-    async def hand_back_queued(self, now: float) -> None:
-        """A stop hands its queued requests back (nak), out of the scheduler, after giving
-        back what they were charged, since the dispatcher that takes them next charges
-        them at admission. (Running ones keep their charge: the next dispatcher adopts
-        them, uncharged.)"""
-        refunds = []
-        for held in self.held.admitted.values():
-            if held.worker is None:
-                self.scheduler.cancel(*held.key)
-                refunds.extend(settlement(held.charges, 0).refund)
-                held.charges = ()
-        for first in range(0, len(refunds), SETTLE_BATCH):
-            await self.settle(Settlement(refund=tuple(refunds[first : first + SETTLE_BATCH])), now)
-        await self.held.hand_back(queued_only=True)
-
-    async def hand_back(self, held: Held, now: float) -> None:
-        """Hand one request, no longer held, back to JetStream at once, its token charges
-        given back first: the admission that takes it again charges it again."""
-        await self.settle(settlement(held.charges, 0), now)
-        held.charges = ()
-        with contextlib.suppress(nats.errors.Error):  # else after the ack wait
-            await held.msg.nak()
-
-    async def settle(self, settled: Settlement, now: float) -> None:
-        """Settle token limits at real usage; a store that fails loses only the
-        correction (logged), never the request."""
-        if settled:
-            try:
-                await self.limiter.settle(settled, now)
-            except LimiterUnavailable as exc:
-                log.warning("token limits not settled at real usage: %s", exc)
-
-    async def end(self, held: Held, event: wire.FinalEvent, now: float) -> wire.FinalEvent | None:
-        """End a held request with `event`: the result that stands, or None if the broker
-        could not store it; then the message is handed back (naked), so the request comes
-        back rather than vanish."""
-        try:
-            return await self.results.finish(held.msg, held.submission, event, now)
-        except BROKER_ERRORS as exc:
-            log.error(
-                "could not end request %s of %s: %r; handing it back",
-                held.submission.id,
-                held.submission.tenant,
-                exc,
-            )
-            # Delayed: a results bucket that keeps failing must not spin redeliveries.
-            with contextlib.suppress(nats.errors.Error):  # else after the ack wait
-                await held.msg.nak(delay=HAND_BACK_S)
-            return None
-
-    async def drop_expired(self, requests: Iterable[Request], now: float) -> None:
-        """Queued requests whose deadline passed before they were dispatched."""
-        for request in requests:
-            held = self.held.admitted.pop((request.tenant, request.id))
-            await self.reject(
-                held, Decision(Outcome.DEADLINE_EXCEEDED, "the deadline passed while queued"), now
-            )
-
     def forget_counts(self, now: float) -> None:
         """Drop the counts of unlisted tenants the scheduler has forgotten (no flow) and
         that had no decision for `COUNTS_MEMORY_S` (a tenant whose every request is
@@ -385,7 +292,7 @@ class Admission:
         self.counts = {
             key: counts
             for key, counts in self.counts.items()
-            if key[1] in self.config.tenants
+            if key[1] in self.parts.config.tenants
             or self.scheduler.flow(*key) is not None
             or now - counts.last_at < COUNTS_MEMORY_S
         }

@@ -13,10 +13,10 @@ with the running configuration: flags may have overridden sections of it (the
 dispatcher's options, the broker's), and those overrides are kept; only the reloadable
 sections are taken from the file.
 
-Reloads run one at a time. A reload applies without an await between the scheduler's
-swap and the services' config references, so admission never sees half of it; a request
-checked before it and queued after it (its tenant removed meanwhile) is set aside by the
-scheduler (`Scheduler.removed`) and ended on the next maintenance tick.
+Reloads run one at a time. A reload is the scheduler's swap (`Scheduler.reconfigure`),
+whose configuration every part reads (`Parts.config`), so admission never sees half of
+it; a request checked before it and queued after it (its tenant removed meanwhile) is
+set aside by the scheduler (`Scheduler.removed`) and ended on the next maintenance tick.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from broker_config.config import Config, ConfigError, load_config
 from broker_config.subjects import HDR_ADMIN_OP
 from dispatcher.core.reconfigure import RELOADABLE, ReloadError, check_reloadable, tenant_changes
 from dispatcher.core.types import Decision, Outcome, Request
+from dispatcher.dispatch.endings import Endings
+from dispatcher.parts import Parts
 
 if TYPE_CHECKING:
     from dispatcher.service import Dispatcher
@@ -68,8 +70,9 @@ def dispatcher_name() -> str:
 
 
 class Reloader:
-    def __init__(self, dispatcher: Dispatcher, path: str | Path | None) -> None:
-        self.dispatcher = dispatcher
+    def __init__(self, parts: Parts, endings: Endings, path: str | Path | None) -> None:
+        self.parts = parts
+        self.endings = endings
         self.path = None if path is None else Path(path)
         self.name = dispatcher_name()
         # The file as last read (see the module doc).
@@ -126,10 +129,9 @@ class Reloader:
             read = await asyncio.to_thread(load_config, self.path)
         except ConfigError as exc:
             return self._refused(str(exc))
-        service = self.dispatcher
-        scheduler = service.scheduler
+        scheduler = self.parts.scheduler
         config = msgspec.structs.replace(
-            service.config, **{name: getattr(read, name) for name in RELOADABLE}
+            scheduler.config, **{name: getattr(read, name) for name in RELOADABLE}
         )
         old_registry = scheduler.registry
         try:
@@ -137,9 +139,7 @@ class Reloader:
             ended = scheduler.reconfigure(config, time.time())
         except ReloadError as exc:
             return self._refused(f"{self.path}: {exc}")
-        # From the swap to here, no await: admission sees the old or the new config.
         self.file_config = read
-        service.use_config(config)
         changes = tenant_changes(old_registry, scheduler.registry)
         await self.end_removed(ended)
         if ended:
@@ -151,18 +151,17 @@ class Reloader:
 
     async def end_removed(self, requests: Iterable[Request]) -> None:
         """End queued requests of removed tenants with `unknown_tenant`."""
-        admission, held = self.dispatcher.admission, self.dispatcher.held
         now = time.time()
         for request in requests:
-            waiting = held.admitted.pop((request.tenant, request.id), None)
+            waiting = self.parts.held.admitted.pop((request.tenant, request.id), None)
             if waiting is not None:
-                await admission.reject(
+                await self.endings.reject(
                     waiting, Decision(Outcome.UNKNOWN_TENANT, removed_message(request.tenant)), now
                 )
 
     async def end_set_aside(self) -> None:
         """End the requests the scheduler set aside since (see the module doc)."""
-        scheduler = self.dispatcher.scheduler
+        scheduler = self.parts.scheduler
         if scheduler.removed:
             requests, scheduler.removed = scheduler.removed, []
             await self.end_removed(requests)

@@ -16,25 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from broker_config import wire
-from broker_config.config import Config
 from broker_config.direct_get import DirectBatchGet, StoredMessage
-from broker_config.subjects import Subjects
-from dispatcher.admission.admit import CANCELLED, Admission
+from dispatcher.admission.admit import Admission
 from dispatcher.api.lookup import StreamLookup
 from dispatcher.core.pool import Key
-from dispatcher.core.scheduler import DepthRow, Scheduler
+from dispatcher.core.scheduler import DepthRow
 from dispatcher.dispatch.convert import to_error_event
-from dispatcher.dispatch.held import HeldRequests
-from dispatcher.dispatch.stored_results import BROKER_ERRORS, Results
+from dispatcher.dispatch.endings import CANCELLED, Endings
+from dispatcher.dispatch.stored_results import BROKER_ERRORS
+from dispatcher.parts import Parts
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -46,33 +43,27 @@ LOOKUP_RETRY_AFTER_S = 0.5
 class Api:
     def __init__(
         self,
-        nc: NATS,
-        config: Config,
-        subjects: Subjects,
-        scheduler: Scheduler,
-        held: HeldRequests,
+        parts: Parts,
         admission: Admission,
-        results: Results,
+        endings: Endings,
         parked: DirectBatchGet,
         stored: DirectBatchGet,
-        backlog: Callable[[], dict[tuple[str, str], int]],
     ) -> None:
-        self.nc = nc
-        self.config = config
-        self.subjects = subjects
-        self.scheduler = scheduler
-        self.held = held
-        self.admission = admission
-        self.results = results
+        """`parked`, `stored`: readers of the parked and the requests stream."""
+        self.parts = parts
+        self.nc, self.subjects, self.scheduler = parts.nc, parts.subjects, parts.scheduler
+        self.held, self.results = parts.held, parts.results
+        self.admission = admission  # its cancels in flight, its decision counts
+        self.endings = endings
+        subjects = parts.subjects
         # Where a tenant's requests not taken in yet are, oldest first.
         self.lookup = StreamLookup(
             ((parked, subjects.parked_tenant_filter), (stored, subjects.stored_tenant_filter)),
             subjects,
-            held,
+            parts.held,
             self._parse,
         )
         self._cancels: dict[Key, asyncio.Future[bool]] = {}
-        self.backlog = backlog
 
     async def close(self) -> None:
         """Stop the cancels and the lookups in the streams still running (after the
@@ -181,7 +172,7 @@ class Api:
         """Cancel a request the dispatcher holds: drop it if queued, abort it if running."""
         request = self.scheduler.cancel(*key)
         if request is not None:
-            await self.admission.reject(self.held.admitted.pop(key), CANCELLED, time.time())
+            await self.endings.reject(self.held.admitted.pop(key), CANCELLED, time.time())
             return True
         running = self.scheduler.running_request(*key)
         adopted = self.held.adopted.get(key)
@@ -200,7 +191,7 @@ class Api:
                 message.data,
                 message.headers,
                 self.subjects,
-                tenant_inboxes=self.config.dispatcher.tenant_inboxes,
+                tenant_inboxes=self.parts.options.tenant_inboxes,
             )
         except wire.WireError:
             return None
@@ -242,14 +233,14 @@ class Api:
         The stream holds every unfinished request (waiting in the stream, queued here or
         running), so queued = max(queued here, stream count - running).
         """
-        backlog = dict(self.backlog())
+        backlog = dict(self.parts.backlog())
         rows = []
         for row in self.scheduler.depth(now):
             in_stream = backlog.pop((row.endpoint, row.tenant), 0)
             rows.append(replace(row, queued=max(row.queued, in_stream - row.running)))
         for (endpoint, tenant), count in backlog.items():
             policy = self.scheduler.registry.tenant(tenant)
-            if endpoint in self.config.endpoints and policy is not None:
+            if endpoint in self.parts.config.endpoints and policy is not None:
                 rows.append(DepthRow(endpoint, policy.tier, tenant, count, 0, 0.0))
         return rows
 

@@ -5,9 +5,8 @@ sequence: `Scheduler.place` takes the next requests in fair order and places eac
 worker (`WorkerPool.placement`: session or prefix affinity with bounded load, else the
 least utilised worker); each worker's requests are recorded in the pool's ledger (so
 capacity is never double-booked between heartbeats) and published as one batch to its
-subject. The
-loop runs a pass whenever something changed (`wake`): an intake batch, a completion, a
-heartbeat, or the maintenance tick.
+subject. The loop runs a pass whenever something changed (`Parts.wake`): an intake
+batch, a completion, a heartbeat, or the maintenance tick.
 """
 
 from __future__ import annotations
@@ -18,39 +17,25 @@ import time
 from collections.abc import Awaitable, Callable
 
 import nats.errors
-from nats.aio.client import Client as NATS
 
-from broker_config.subjects import Subjects
-from dispatcher.admission.admit import Admission
-from dispatcher.core.pool import Worker, WorkerPool
-from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.pool import Worker
 from dispatcher.core.types import Request
 from dispatcher.dispatch.convert import BATCH_HEADERS, encode_batches, to_batch_item
+from dispatcher.dispatch.endings import Endings
 from dispatcher.dispatch.held import Held
-from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.parts import Parts
 
 log = logging.getLogger("fairq.dispatcher")
 
 
 class Dispatch:
     def __init__(
-        self,
-        nc: NATS,
-        subjects: Subjects,
-        scheduler: Scheduler,
-        pool: WorkerPool,
-        admission: Admission,
-        metrics: DispatcherMetrics,
-        top_up: Callable[[str], Awaitable[None]],
+        self, parts: Parts, endings: Endings, top_up: Callable[[str], Awaitable[None]]
     ) -> None:
-        self.nc = nc
-        self.subjects = subjects
-        self.scheduler = scheduler
-        self.pool = pool
-        self.admission = admission
-        self.metrics = metrics
+        self.nc, self.subjects, self.scheduler = parts.nc, parts.subjects, parts.scheduler
+        self.pool, self.metrics, self.wake = parts.pool, parts.metrics, parts.wake
+        self.endings = endings
         self.top_up = top_up  # intake pulls more for a tenant whose window has room
-        self.wake = asyncio.Event()
         self.epoch = 0  # the lease epoch batches carry
         # Checked again before each endpoint's placement: a lease that lapsed ends a pass.
         self.may_send: Callable[[], bool] = lambda: True
@@ -79,7 +64,7 @@ class Dispatch:
             selection = self.scheduler.place(name, room, now)
             # Taken before any await: the pool may change while batches go out.
             batches = [(self.pool.workers[slot.worker_id], slot.requests) for slot in room.placed()]
-            await self.admission.drop_expired(selection.expired, now)
+            await self.endings.drop_expired(selection.expired, now)
             fill = self.metrics.child(self.metrics.batch_fill, name)
             for worker, requests in batches:
                 await self._send(worker, requests, now)

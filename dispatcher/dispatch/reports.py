@@ -9,7 +9,7 @@
   leave rotation; what a heartbeat or an eviction said a worker lost, and what the silent
   ones had, is taken back there, never in a message handler (a results lookup may wait
   on the broker, and a handler that waits holds up every heartbeat behind it).
-- `evicted`: a worker that failed its health probes (`dispatcher.probes`) leaves
+- `evicted`: a worker that failed its health probes (`dispatcher.fleet.probes`) leaves
   rotation too, and its work is taken back.
 
 Taking work back is the same whichever way a worker was lost: a request that streamed
@@ -38,18 +38,17 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 
 from broker_config import wire
-from broker_config.config import Config
 from broker_config.direct_get import DirectGetError
-from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects
+from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError
 from costmodel.units import Usage
 from dispatcher.admission.admit import Admission
 from dispatcher.core.limits import Settlement, request_tokens, settlement
-from dispatcher.core.pool import Key, Lost, Worker, WorkerPool
-from dispatcher.core.scheduler import Scheduler
+from dispatcher.core.pool import Key, Lost, Worker
 from dispatcher.core.types import Request
-from dispatcher.dispatch.held import Held, HeldRequests
-from dispatcher.observe.metrics import DispatcherMetrics
-from dispatcher.probes import Probes
+from dispatcher.dispatch.endings import Endings
+from dispatcher.dispatch.held import Held
+from dispatcher.fleet.probes import Probes
+from dispatcher.parts import Parts
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -57,25 +56,18 @@ log = logging.getLogger("fairq.dispatcher")
 class WorkerReports:
     def __init__(
         self,
-        config: Config,
-        subjects: Subjects,
-        scheduler: Scheduler,
-        pool: WorkerPool,
-        held: HeldRequests,
+        parts: Parts,
         admission: Admission,
-        metrics: DispatcherMetrics,
-        wake: asyncio.Event,
+        endings: Endings,
         probes: Probes,
         holds_lease: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.config = config
-        self.subjects = subjects
-        self.scheduler = scheduler
-        self.pool = pool
-        self.held = held
-        self.admission = admission
-        self.metrics = metrics
-        self.wake = wake
+        self.parts = parts
+        self.subjects, self.scheduler, self.pool = parts.subjects, parts.scheduler, parts.pool
+        self.held, self.results, self.metrics = parts.held, parts.results, parts.metrics
+        self.wake = parts.wake
+        self.admission = admission  # takes a lost worker's adopted requests in again
+        self.endings = endings
         self.probes = probes
         self.holds_lease = holds_lease
         # (worker id, what it lost), for `take_back` (with a valid lease).
@@ -88,7 +80,7 @@ class WorkerReports:
         # Held across a whole completions message: a worker's last heartbeat, which
         # follows its last completions, must not take back requests being completed.
         self._lock = asyncio.Lock()
-        for endpoint in scheduler.endpoints:  # none serves until its heartbeats come
+        for endpoint in self.scheduler.endpoints:  # none serves until its heartbeats come
             self._update_serving(endpoint, healthy=0)
 
     async def on_heartbeat(self, msg: Msg) -> None:
@@ -237,7 +229,7 @@ class WorkerReports:
         if not keys:
             return {}
         try:
-            return await self.admission.results.lookup(keys)
+            return await self.results.lookup(keys)
         except DirectGetError as exc:
             log.error("results lookup failed (%s); %d requests handed back", exc, len(keys))
             return None
@@ -264,7 +256,7 @@ class WorkerReports:
                 self.scheduler.cancel(*key)
             else:
                 self.held.adopted.pop(key)
-            await self.admission.hand_back(held, now)
+            await self.endings.hand_back(held, now)
         elif (request := self.scheduler.requeue(*key)) is not None:
             request.payload.worker = None
         elif self.held.adopted.pop(key, None) is not None:  # adopted: not in the core
@@ -293,8 +285,8 @@ class WorkerReports:
         )
         async with self._lock:  # as completions are
             settled = await self._complete(done)
-        await self.admission.settle(settled, time.time())
-        await self.admission.results.publish(held.submission.reply, held.submission.encoding, event)
+        await self.endings.settle(settled, time.time())
+        await self.results.publish(held.submission.reply, held.submission.encoding, event)
 
     async def _settle_streamed(self, request: Request, now: float) -> Held | None:
         """Settle a streamed request of a lost worker at what it generated; its held
@@ -307,7 +299,7 @@ class WorkerReports:
         )
         completed = self.scheduler.complete(request.tenant, request.id, usage, now)
         if completed is not None:
-            await self.admission.settle(completed.settlement, now)
+            await self.endings.settle(completed.settlement, now)
         return self.held.admitted.pop((request.tenant, request.id), None)
 
     async def _fail_all(self, streamed: list[Held]) -> None:
@@ -323,9 +315,9 @@ class WorkerReports:
             wire.ErrorCode.INTERNAL,
             "the worker running it was lost (evicted, silent, restarted, or it dropped "
             "the request) after the request had streamed output; resubmit it with a new id",
-            self.config.dispatcher.lost_worker_retry_after_s,
+            self.parts.options.lost_worker_retry_after_s,
         )
-        if await self.admission.end(held, event, now) == event:
+        if await self.endings.end(held, event, now) == event:
             self.metrics.child(self.metrics.failed_by_lost_worker, held.submission.endpoint).inc()
 
     def _update_capacity(self, endpoint: str) -> None:
@@ -335,7 +327,7 @@ class WorkerReports:
             return
         profile = self.scheduler.endpoints[endpoint].profile
         healthy = self.pool.healthy_count(endpoint)
-        autoscale = self.config.endpoints[endpoint].autoscale
+        autoscale = self.parts.config.endpoints[endpoint].autoscale
         self.scheduler.set_capacity(
             endpoint,
             healthy * profile.capacity_mu_per_s,
@@ -345,7 +337,7 @@ class WorkerReports:
 
     def _update_serving(self, endpoint: str, healthy: int) -> None:
         """For `unavailable`: served while a worker is healthy or autoscaling may start one."""
-        serving = bool(healthy) or self.config.endpoints[endpoint].autoscale is not None
+        serving = bool(healthy) or self.parts.config.endpoints[endpoint].autoscale is not None
         self.scheduler.endpoints[endpoint].set_serving(serving, time.time())
 
     async def on_completions(self, msg: Msg) -> None:
@@ -358,7 +350,7 @@ class WorkerReports:
                     self.evicted(*eviction)
         self.wake.set()
         # Outside the lock, in one call: a slow limiter store must not hold up heartbeats.
-        await self.admission.settle(
+        await self.endings.settle(
             Settlement(
                 tuple(check for settled in settlements for check in settled.charge),
                 tuple(check for settled in settlements for check in settled.refund),
@@ -410,9 +402,7 @@ class WorkerReports:
             done.worker_id,
             worker_id,
         )
-        await self.admission.results.abort(
-            done.endpoint, (done.tenant, done.id), wire.ErrorCode.INTERNAL
-        )
+        await self.results.abort(done.endpoint, (done.tenant, done.id), wire.ErrorCode.INTERNAL)
 
     def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
         self.metrics.child(self.metrics.input_tokens, endpoint).inc(done.usage.input_tokens)

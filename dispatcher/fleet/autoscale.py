@@ -14,37 +14,21 @@ from __future__ import annotations
 
 import math
 
-from nats.aio.client import Client as NATS
-
 from broker_config import wire
-from broker_config.config import Config
-from broker_config.subjects import Subjects
 from costmodel.capacity import Autoscaler
-from dispatcher.core.pool import WorkerPool
-from dispatcher.core.scheduler import Scheduler
-from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.parts import Parts
 
 REPUBLISH_S = 5.0
 
 
 class Autoscaling:
-    def __init__(
-        self,
-        nc: NATS,
-        config: Config,
-        subjects: Subjects,
-        scheduler: Scheduler,
-        pool: WorkerPool,
-        metrics: DispatcherMetrics,
-    ) -> None:
-        self.nc = nc
-        self.subjects = subjects
-        self.scheduler = scheduler
-        self.pool = pool
-        self.metrics = metrics
+    def __init__(self, parts: Parts) -> None:
+        self.nc, self.subjects, self.scheduler = parts.nc, parts.subjects, parts.scheduler
+        self.pool, self.metrics = parts.pool, parts.metrics
+        scheduler = parts.scheduler
         self.scalers = {
             name: Autoscaler(spec.autoscale, scheduler.endpoints[name].profile.capacity_mu_per_s)
-            for name, spec in config.endpoints.items()
+            for name, spec in parts.config.endpoints.items()
             if spec.autoscale is not None
         }
         self._counted_mu = dict.fromkeys(self.scalers, 0.0)

@@ -10,37 +10,25 @@ warning says so and how to measure a new one.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 
-from broker_config.config import DispatcherOptions
 from costmodel.capacity import DriftMeter
 from costmodel.units import ModelProfile
 from dispatcher.core.endpoint import EndpointQueues
-from dispatcher.core.pool import Worker, WorkerPool
-from dispatcher.core.scheduler import Scheduler
-from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.core.pool import Worker
+from dispatcher.parts import Parts
 
 log = logging.getLogger(__name__)
 
 
 class DriftWatch:
-    def __init__(
-        self,
-        options: DispatcherOptions,
-        scheduler: Scheduler,
-        pool: WorkerPool,
-        metrics: DispatcherMetrics,
-        dispatch_due: asyncio.Event,
-    ) -> None:
-        self.scheduler = scheduler
-        self.pool = pool
-        self.metrics = metrics
+    def __init__(self, parts: Parts) -> None:
+        self.scheduler, self.pool, self.metrics = parts.scheduler, parts.pool, parts.metrics
         # Set while a dispatch pass is due: the workers' room is about to change.
-        self.dispatch_due = dispatch_due
-        self.meters = {name: DriftMeter(options.drift) for name in scheduler.endpoints}
+        self.dispatch_due = parts.wake
+        self.meters = {name: DriftMeter(parts.options.drift) for name in parts.scheduler.endpoints}
 
     def tick(self, now: float) -> None:
         """One look at every endpoint at `now` (the scheduler's clock, wall time); the

@@ -5,10 +5,10 @@ series (a thousand tenants would be a thousand series per metric).
 
 The maintenance loop builds a snapshot once a second (`QueueWatch.refresh`) while
 someone reads it (the last `WATCHED_S`; nobody watching costs only the samples' upkeep);
-the HTTP server's threads serve the latest one as JSON (`/dashboard.json`) beside a page
-that polls it (`/dashboard`, dispatcher/observe/dashboard.html), so a page load never touches
-the event loop. Rates are over the last `RATE_WINDOW_S`, percentiles over the requests
-of the last `LATENCY_WINDOW_S` (the newest `MAX_SAMPLES` per endpoint and tenant).
+the HTTP server's threads (dispatcher/api/http.py) serve the latest one as JSON
+(`/dashboard.json`) beside a page that polls it (`/dashboard`), so a page load never
+touches the event loop. Rates are over the last `RATE_WINDOW_S`, percentiles over the
+requests of the last `LATENCY_WINDOW_S` (the newest `MAX_SAMPLES` per endpoint and tenant).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from importlib import resources
 from typing import Protocol
 
 import msgspec
@@ -29,7 +28,6 @@ RATE_WINDOW_S = 10.0
 WATCHED_S = 10.0
 LATENCY_WINDOW_S = 60.0
 MAX_SAMPLES = 2048
-PAGE = resources.files("dispatcher.observe").joinpath("dashboard.html").read_bytes()
 
 Key = tuple[str, str]  # (endpoint, tenant)
 

@@ -1,12 +1,12 @@
-"""Prometheus metrics of a dispatcher, on a registry of its own (no global state)."""
+"""Prometheus metrics of a dispatcher, on a registry of its own (no global state), and the
+dashboard's figures (`watch`); dispatcher/api/http.py serves both."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from broker_config.health import HealthServer
 from dispatcher.core.types import Outcome
-from dispatcher.observe.dashboard import PAGE, QueueWatch
+from dispatcher.observe.dashboard import QueueWatch
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -14,13 +14,32 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class DispatcherMetrics:
     def __init__(self, endpoints: list[str]) -> None:
         self.registry = CollectorRegistry()
-        # The dispatcher sets its liveness and readiness checks once it is built.
-        self.http = HealthServer(self.registry)
         # Per-tenant figures for the dashboard page, kept apart from Prometheus's series.
         self.watch = QueueWatch(endpoints)
-        self.http.add_page("/dashboard", "text/html; charset=utf-8", lambda: PAGE)
-        self.http.add_page("/dashboard.json", "application/json", self.watch.read)
-        r = self.registry
+        self._request_metrics(self.registry)
+        self._fleet_metrics(self.registry)
+        # Children of the per-request metrics, which are never cleared: `labels()` hashes
+        # and takes a lock on every call, a cost on the request path.
+        self._children: dict[tuple[object, tuple[str, ...]], object] = {}
+        for reply in ("sent", "none"):
+            self.child(self.invalid_messages, reply)
+        for endpoint in endpoints:  # export every outcome from the start, also at zero
+            for outcome in Outcome:
+                self.child(self.admissions, endpoint, outcome.value)
+            for counter in (
+                self.probes,
+                self.probe_failures,
+                self.evictions,
+                self.replacements,
+                self.redispatched,
+                self.failed_by_lost_worker,
+                self.input_tokens,
+                self.cached_input_tokens,
+            ):
+                self.child(counter, endpoint)
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Queues, admissions and the request path."""
         self.queue_depth = Gauge(
             "fairq_queue_depth",
             "Requests queued in the dispatcher",
@@ -68,6 +87,18 @@ class DispatcherMetrics:
             buckets=(1, 5, 10, 20, 40, 80, 160, 320, 640, 1280),
             registry=r,
         )
+        self.input_tokens = Counter(
+            "fairq_input_tokens", "Prompt tokens of finished requests", ["endpoint"], registry=r
+        )
+        self.cached_input_tokens = Counter(
+            "fairq_cached_input_tokens",
+            "Prompt tokens of finished requests found in the engine's prefix cache",
+            ["endpoint"],
+            registry=r,
+        )
+
+    def _fleet_metrics(self, r: CollectorRegistry) -> None:
+        """Workers, probes, lost work, autoscaling and drift."""
         self.worker_utilisation = Gauge(
             "fairq_worker_model_unit_utilisation",
             "Model units in flight over the worker's capacity",
@@ -114,15 +145,6 @@ class DispatcherMetrics:
             ["endpoint"],
             registry=r,
         )
-        self.input_tokens = Counter(
-            "fairq_input_tokens", "Prompt tokens of finished requests", ["endpoint"], registry=r
-        )
-        self.cached_input_tokens = Counter(
-            "fairq_cached_input_tokens",
-            "Prompt tokens of finished requests found in the engine's prefix cache",
-            ["endpoint"],
-            registry=r,
-        )
         self.desired_replicas = Gauge(
             "fairq_desired_replicas",
             "Workers the autoscaler wants for the endpoint",
@@ -152,25 +174,6 @@ class DispatcherMetrics:
             ["endpoint"],
             registry=r,
         )
-        # Children of the per-request metrics, which are never cleared: `labels()` hashes
-        # and takes a lock on every call, a cost on the request path.
-        self._children: dict[tuple[object, tuple[str, ...]], object] = {}
-        for reply in ("sent", "none"):
-            self.child(self.invalid_messages, reply)
-        for endpoint in endpoints:  # export every outcome from the start, also at zero
-            for outcome in Outcome:
-                self.child(self.admissions, endpoint, outcome.value)
-            for counter in (
-                self.probes,
-                self.probe_failures,
-                self.evictions,
-                self.replacements,
-                self.redispatched,
-                self.failed_by_lost_worker,
-                self.input_tokens,
-                self.cached_input_tokens,
-            ):
-                self.child(counter, endpoint)
 
     def child(self, metric: Counter | Histogram, *labels: str):
         """`metric.labels(*labels)`, cached (for metrics whose labels are never cleared)."""
@@ -179,12 +182,3 @@ class DispatcherMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose /metrics, /healthz and /readyz (see `http`), and the dashboard
-        (/dashboard, dispatcher/observe/dashboard.py) over HTTP; returns the bound port (0 picks a
-        free one)."""
-        return self.http.serve(port, host)
-
-    def close(self) -> None:
-        self.http.close()

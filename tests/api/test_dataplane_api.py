@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from broker_config.subjects import Subjects
 from dispatcher.admission.admit import COUNTS_MEMORY_S
+from dispatcher.api.http import HttpApi
 from dispatcher.core.endpoint import DEBT_MEMORY_S
 from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
@@ -45,7 +46,9 @@ def config_with(options: DispatcherOptions):
 async def client(nats_url):
     nc = await nats.connect(nats_url)
     yield nc
-    await nc.drain()
+    # Closed, not drained: a test's subscriptions read with next_msg may keep unread
+    # events, and a drain waits its whole timeout (30 s) for them to be handled.
+    await nc.close()
 
 
 async def publish(js, tenant: str, rid: str, reply: str | None = None, **body) -> None:
@@ -274,7 +277,8 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
     # reserve: acme alone runs three.
     engine = msgspec.structs.replace(SimEngine().params, max_sequences=5)
     metrics = DispatcherMetrics(["chat", "embed"])
-    port = metrics.serve(0)
+    http = HttpApi(metrics)
+    port = http.serve(0)
     # The hung engine below stands for long requests: no probes to find it.
     options = StackOptions(
         workers=1,
@@ -347,7 +351,7 @@ async def test_metrics_report_the_queue_running_and_admissions(nats_url):
             assert values[("fairq_queue_wait_seconds_count", (("endpoint", "chat"),))] == 5
             await nc.drain()
     finally:
-        metrics.close()
+        http.close()
 
 
 async def test_image_model_units_stay_charged_after_completion(nats_url, monkeypatch):
@@ -402,7 +406,7 @@ async def test_a_lookup_the_broker_does_not_answer_gets_a_retryable_error_not_si
         async def broker_times_out(tenant, wanted):
             raise DirectGetError("batch direct get on FQ_REQUESTS: TimeoutError()")
 
-        monkeypatch.setattr(dispatcher.api.request_reply.lookup, "_scan", broker_times_out)
+        monkeypatch.setattr(dispatcher.api.lookup, "_scan", broker_times_out)
         for kind in ("status", "cancel"):
             started = time.monotonic()
             reply = await api(client, f"fq.api.{kind}.acme", {"id": "r1"})
@@ -416,7 +420,7 @@ async def test_one_tenants_slow_lookups_hold_up_no_other_call(client, monkeypatc
     deep backlog, a flood of ids never sent) delays neither another tenant's calls nor
     its own beyond one scan, and its concurrent lookups share scans."""
     async with Dispatcher(client, config_with(HOLD)) as dispatcher:
-        lookup = dispatcher.api.request_reply.lookup
+        lookup = dispatcher.api.lookup
         real_scan = lookup._scan
         scans: list[tuple[str, set[str]]] = []
 

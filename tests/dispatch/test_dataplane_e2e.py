@@ -22,6 +22,7 @@ from broker_config.config import (
 )
 from broker_config.limits import InputLimits
 from costmodel.engine_model import load_engine_params
+from dispatcher.api.http import HttpApi
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import api, image_b64
 
@@ -362,7 +363,8 @@ async def test_metrics_endpoint_reports_the_request_path(stack, client):
     _, sub = await submit(client, "chat", "acme", {"prompt": "measure me", "max_tokens": 8})
     assert (await collect(sub))[-1]["type"] == "done"
     await asyncio.sleep(1.2)  # the depth gauges are refreshed every second
-    port = stack.metrics.serve(0)
+    http = HttpApi(stack.metrics)
+    port = http.serve(0)
     try:
         body = await asyncio.to_thread(
             lambda: (
@@ -372,7 +374,7 @@ async def test_metrics_endpoint_reports_the_request_path(stack, client):
             )
         )
     finally:
-        stack.metrics.close()
+        http.close()
     samples = {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in body.splitlines()

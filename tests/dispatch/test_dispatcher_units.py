@@ -27,14 +27,16 @@ from broker_config.wire import (
 )
 from costmodel.units import NO_CAPACITY, Capacity, Usage
 from dispatcher.__main__ import build_parser, with_flags
-from dispatcher.admission.admit import HAND_BACK_S, Admission
+from dispatcher.admission.admit import Admission
 from dispatcher.core.pool import Lost, Worker, WorkerPool
 from dispatcher.core.scheduler import Scheduler
+from dispatcher.dispatch.endings import HAND_BACK_S, Endings
 from dispatcher.dispatch.held import Held, HeldRequests
 from dispatcher.dispatch.reports import WorkerReports
 from dispatcher.fleet.drift import advertised_mu_per_s, at_limits
 from dispatcher.intake.park import HDR_PARKED_AT, HDR_PARKED_ID, restore, stored_at
 from dispatcher.observe.metrics import DispatcherMetrics
+from dispatcher.parts import Parts
 from tests.core_support import make_config, req
 
 SUBJECTS = BrokerSettings().subjects
@@ -112,21 +114,20 @@ def reports_holding_r1(
     held = HeldRequests()
     submission = Submission("chat", "acme", "r1", SubmitRequest(prompt="hi"), reply, Encoding.JSON)
     held.adopted[("acme", "r1")] = Held(msg, submission, 0.0, worker="chat-w1", streamed=streamed)
-    admission = Admission(
-        config, config.dispatcher, SUBJECTS, None, None, None, held, results, metrics, dict
+    parts = Parts(
+        nc=None,
+        subjects=SUBJECTS,
+        scheduler=scheduler or SimpleNamespace(endpoints={}, config=config),
+        pool=WorkerPool(timeout_s=math.inf),
+        held=held,
+        results=results,
+        metrics=metrics,
+        limiter=None,
+        wake=asyncio.Event(),
+        backlog=dict,
     )
-    reports = WorkerReports(
-        config,
-        SUBJECTS,
-        scheduler or SimpleNamespace(endpoints={}),
-        WorkerPool(timeout_s=math.inf),
-        held,
-        admission,
-        metrics,
-        asyncio.Event(),
-        probes,
-        holds_lease,
-    )
+    endings = Endings(parts)
+    reports = WorkerReports(parts, Admission(parts, endings), endings, probes, holds_lease)
     return reports, held, metrics
 
 
@@ -196,7 +197,11 @@ def quiet_reports(
     """Reports holding request r1 of acme, adopted on chat-w1, which streamed nothing."""
     msg = Acked()
     scheduler = SimpleNamespace(
-        endpoints={}, complete=lambda *_: None, cancel=lambda *_: None, requeue=lambda *_: None
+        endpoints={},
+        complete=lambda *_: None,
+        cancel=lambda *_: None,
+        requeue=lambda *_: None,
+        config=load_config(),
     )  # r1 is adopted: not in the core
     reports, held, _ = reports_holding_r1(
         msg,

@@ -17,13 +17,10 @@ import itertools
 import logging
 import time
 
-from nats.aio.client import Client as NATS
-
 from broker_config import wire
-from broker_config.config import DispatcherOptions
-from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from dispatcher.core.pool import Lost, Worker, WorkerPool
-from dispatcher.observe.metrics import DispatcherMetrics
+from broker_config.subjects import HDR_CONTENT_TYPE
+from dispatcher.core.pool import Lost, Worker
+from dispatcher.parts import Parts
 
 log = logging.getLogger("fairq.dispatcher")
 
@@ -32,19 +29,9 @@ PROBE_ENCODING = wire.Encoding.MSGPACK
 
 
 class Probes:
-    def __init__(
-        self,
-        nc: NATS,
-        subjects: Subjects,
-        pool: WorkerPool,
-        options: DispatcherOptions,
-        metrics: DispatcherMetrics,
-    ) -> None:
-        self.nc = nc
-        self.subjects = subjects
-        self.pool = pool
-        self.options = options
-        self.metrics = metrics
+    def __init__(self, parts: Parts) -> None:
+        self.nc, self.subjects, self.pool = parts.nc, parts.subjects, parts.pool
+        self.options, self.metrics = parts.options, parts.metrics
         self.epoch = 0  # the lease epoch probes and evictions carry
         # Unique over this dispatcher's life; a restarted dispatcher's start time makes
         # them unique across runs, so no worker's late answer is taken for a new probe.
