@@ -110,7 +110,8 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     autoscale: ScalingPolicy | None = None
 
 
-# omit_defaults: written back as TOML (bench/stack.py), which has no null for an unset field.
+# omit_defaults: written back as TOML (bench/harness/stack.py), which has no null for an
+# unset field.
 class Tier(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     name: Name
     weight: Positive = 1.0
@@ -451,7 +452,7 @@ def _with_profile_files(config: Config, source: str, base_dir: Path) -> Config:
                 "differs from the one of that name already defined"
             )
         profiles[profile.name] = profile
-        # Self-contained from here: written back out (bench/stack.py), it needs no file.
+        # Self-contained from here: written back out (bench/harness/stack.py), it needs no file.
         endpoints[name] = msgspec.structs.replace(spec, profile=profile.name, profile_file=None)
     return msgspec.structs.replace(config, profiles=profiles, endpoints=endpoints)
 

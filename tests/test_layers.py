@@ -7,6 +7,7 @@ no I/O library, checked through `sys.modules` in a fresh interpreter.
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import subprocess
@@ -114,3 +115,148 @@ def test_the_probe_sees_a_breach() -> None:
     loaded = json.loads(result.stdout)["dispatcher.service"]
     assert "nats" in {m.split(".")[0] for m in loaded}
     assert "broker_config.config" in loaded
+
+
+# The dispatcher's rooms (docs/architecture.md, "Map"), checked on each module's own
+# import statements: a room's rule is about what it uses itself, not what it reaches
+# through another room.
+SIM = "dispatcher.sim"
+CORE = "dispatcher.core"
+# Modules that serve HTTP (a socket server or an HTTP framework); only dispatcher.api
+# may use them inside the dispatcher.
+HTTP_SERVING = ("broker_config.health", "wsgiref", "http.server", "hypercorn", "starlette")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(path: Path, *, top_level_only: bool = False) -> set[str]:
+    """The modules `path` imports (absolute names; `from a import b` counts as `a.b`
+    when a.b is a module, else as `a`), outside `if TYPE_CHECKING:` blocks. With
+    `top_level_only`, imports inside functions are left out (they cannot form a cycle
+    at import time)."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and _is_type_checking(node):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module)
+                for alias in node.names:
+                    candidate = f"{node.module}.{alias.name}"
+                    if (ROOT / candidate.replace(".", "/")).with_suffix(".py").exists():
+                        found.add(candidate)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and top_level_only:
+                continue
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                children = getattr(node, field, None)
+                if isinstance(children, list) and children and isinstance(children[0], ast.AST):
+                    visit([c for c in children if isinstance(c, ast.stmt | ast.ExceptHandler)])
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return found
+
+
+@functools.cache
+def project_imports(top_level_only: bool = False) -> dict[str, set[str]]:
+    return {
+        _module_name(path): imports_of(path, top_level_only=top_level_only)
+        for package in LAYERS
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+def _within(name: str, room: str) -> bool:
+    return name == room or name.startswith(room + ".")
+
+
+def test_the_core_imports_nothing_of_the_edge() -> None:
+    breaches = [
+        f"{name} imports {imported}"
+        for name, imported_set in project_imports().items()
+        if _within(name, CORE)
+        for imported in imported_set
+        if _within(imported, "dispatcher") and not _within(imported, CORE)
+    ]
+    assert not breaches, "\n".join(sorted(breaches))
+
+
+def test_nothing_the_service_runs_imports_the_simulator() -> None:
+    """The simulator and its fairness metrics drive the core; the dispatcher and the
+    workers never load them (the CLI's `fairq simulate` and the benchmarks do)."""
+    breaches = [
+        f"{name} imports {imported}"
+        for name, imported_set in project_imports().items()
+        if name.split(".")[0] in ("dispatcher", "workers") and not _within(name, SIM)
+        for imported in imported_set
+        if _within(imported, SIM)
+    ]
+    assert not breaches, "\n".join(sorted(breaches))
+    service = loaded_by_module()
+    for runs in ("dispatcher.service", "dispatcher.__main__", "workers.__main__"):
+        assert not [m for m in service[runs] if _within(m, SIM)], runs
+
+
+def test_only_the_api_room_serves_http() -> None:
+    breaches = [
+        f"{name} imports {imported}"
+        for name, imported_set in project_imports().items()
+        if _within(name, "dispatcher") and not _within(name, "dispatcher.api")
+        for imported in imported_set
+        if any(_within(imported, http) for http in HTTP_SERVING)
+    ]
+    assert not breaches, "\n".join(sorted(breaches))
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in graph:
+                continue
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles(project_imports(top_level_only=True)) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

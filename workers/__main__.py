@@ -11,7 +11,7 @@ results bucket. SIGTERM or SIGINT drains the worker (see `WorkerService`) and ex
 bad arguments exit 2, runtime failures (NATS unreachable, no results bucket, the engine
 failing to start, the connection lost) exit 1.
 
-Fault injection, simulated engine only (for chaos runs: `python -m bench.chaos`):
+Fault injection, simulated engine only (for chaos runs: `python -m bench.chaos.run`):
 SIGUSR1 switches the engine's hang fault on or off (steps stop, heartbeats go on);
 SIGUSR2 switches its slow fault (every step `--slow-fault` times longer).
 """

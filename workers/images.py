@@ -4,7 +4,7 @@
 upright 8-bit RGB pixels whose longer side is at most `max_edge`: the header is read and
 the pixel limit checked before anything is decoded, JPEGs are decoded at a reduced scale
 when they are to be scaled down anyway (the slow part of a large photo), transparency is
-laid on white. Pillow does the work: bench/image_libs.py measured it against pyvips and
+laid on white. Pillow does the work: bench/micro/image_libs.py measured it against pyvips and
 Pillow-SIMD (docs/benchmarks.md).
 
 `ImagePool` runs it in a pool of processes, started at the first image, so text-only
@@ -80,7 +80,7 @@ def prepare_image(data: bytes, index: int, max_pixels: int, max_edge: int) -> Pr
     over the pixel limit or broken.
 
     Shrinks first and turns and converts the small image after: on a 12 MP photo that
-    is most of the time saved (bench/image_libs.py)."""
+    is most of the time saved (bench/micro/image_libs.py)."""
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data), formats=FORMATS) as image:  # reads the header only

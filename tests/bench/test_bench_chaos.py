@@ -1,12 +1,12 @@
-"""The chaos benchmark's arithmetic (bench/chaos_watch.py) on recorded data made up here:
+"""The chaos benchmark's arithmetic (bench/chaos/watch.py) on recorded data made up here:
 what counts as lost, as two results, as run twice, and each fault's times. The run
 itself, against real processes, is tests/bench/test_bench_smoke.py::test_chaos_smoke."""
 
 from __future__ import annotations
 
-from bench.chaos import failures
-from bench.chaos_ha import HaFault, ha_failures, ha_figures
-from bench.chaos_watch import Fault, Watch, _Dispatch, verdict
+from bench.chaos.ha import HaFault, ha_failures, ha_figures
+from bench.chaos.run import failures
+from bench.chaos.watch import Fault, Watch, _Dispatch, verdict
 from broker_config import wire
 from broker_config.subjects import Subjects
 from costmodel.units import Usage

@@ -1,4 +1,4 @@
-"""bench.intake_layouts, its quick variant at 10 tenants for two layouts, on nats-server
+"""bench.archive.intake_layouts, its quick variant at 10 tenants for two layouts, on nats-server
 processes of its own (free ports): the figures must be real, every message counted once,
 and the head-of-line property must show (a shard shares A's backlog, a tenant's own
 consumer does not)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import intake_layouts
+from bench.archive import intake_layouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -1,4 +1,4 @@
-"""bench.naive_worker: the naive baseline's worker, on a real nats-server. It must be the
+"""bench.harness.naive_worker: the naive baseline's worker, on a real nats-server. It must be the
 baseline the issue describes: one shared queue served oldest first, whoever sent the
 request, with no more in flight than the engine's capacity, and every request acked only
 once its final event is stored."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from bench.consumers import endpoint_consumer
-from bench.naive_worker import FeederSettings, SharedQueueFeeder, main
+from bench.harness.consumers import endpoint_consumer
+from bench.harness.naive_worker import FeederSettings, SharedQueueFeeder, main
 from broker_config.config import EXAMPLE_CONFIG, BrokerSettings
 from broker_config.streams import provision
 from broker_config.subjects import SubjectError
@@ -104,7 +104,10 @@ def test_main_needs_the_config_for_the_endpoint_cap(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exited:
         main(["--endpoint", ENDPOINT, "--worker-id", WORKER])
     assert exited.value.code == 2
-    assert "python -m bench.naive_worker: error: --config is required" in capsys.readouterr().err
+    assert (
+        "python -m bench.harness.naive_worker: error: --config is required"
+        in capsys.readouterr().err
+    )
 
 
 async def test_main_serves_the_shared_queue_until_sigterm(nats_url: str) -> None:
@@ -129,7 +132,7 @@ async def test_main_serves_the_shared_queue_until_sigterm(nats_url: str) -> None
     worker = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "bench.naive_worker",
+        "bench.harness.naive_worker",
         "--nats",
         nats_url,
         "--endpoint",

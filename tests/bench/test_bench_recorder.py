@@ -1,5 +1,5 @@
 """The benchmark recorder's well-behaved client against a real stack (nats-server,
-dispatcher and a simulated worker, each a process of `bench.stack`)."""
+dispatcher and a simulated worker, each a process of `bench.harness.stack`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.recorder import Arrival, WellBehaved, replay
-from bench.stack import Stack, StackSpec
+from bench.harness.recorder import Arrival, WellBehaved, replay
+from bench.harness.stack import Stack, StackSpec
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench import affinity, spread
+from bench.sim import affinity, spread
 
 
 def test_the_affinity_benchmark_reports_both_routings(tmp_path, capsys) -> None:

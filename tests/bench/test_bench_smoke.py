@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import autoscale, chaos, scenario_noisy, scenario_rate, scenario_trace, sim_azure
-from bench.chaos_ha import HA_FAULTS
-from bench.traces import AZURE_TRACE_ENV, azure_trace
+from bench.chaos import run as chaos
+from bench.chaos.ha import HA_FAULTS
+from bench.harness.traces import AZURE_TRACE_ENV, azure_trace
+from bench.scenarios import noisy as scenario_noisy
+from bench.scenarios import rate as scenario_rate
+from bench.scenarios import trace as scenario_trace
+from bench.sim import autoscale
+from bench.sim import azure as sim_azure
 from producers.loadgen import TraceError
 
 pytestmark = pytest.mark.integration
@@ -131,7 +136,7 @@ async def test_chaos_saturated_smoke(nats_binary: Path, tmp_path: Path) -> None:
 @pytest.fixture
 def azure_trace_path() -> Path:
     """The public Azure trace, found as the benchmarks find it; absent, the test is skipped
-    (it is data to fetch, not a service CI installs: see bench/traces.py)."""
+    (it is data to fetch, not a service CI installs: see bench/harness/traces.py)."""
     try:
         return azure_trace(None)
     except TraceError as exc:

@@ -1,4 +1,4 @@
-"""The soak benchmark (bench/soak.py): its load mix, its garbage, and a short run on the
+"""The soak benchmark (bench/scenarios/soak.py): its load mix, its garbage, and a short run on the
 real stack. The ten-minute figures are docs/benchmarks.md's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import soak
+from bench.scenarios import soak
 from broker_config import wire
 from broker_config.subjects import HDR_MSG_ID, HDR_REPLY, Subjects
 

@@ -1,5 +1,5 @@
-"""Hostile input through the live stack (bench/hostile.py): a 1,000-probe sample here, the
-full 10,000 as `python -m bench.hostile` (figures in docs/benchmarks.md)."""
+"""Hostile input through the live stack (bench/scenarios/hostile.py): a 1,000-probe sample here, the
+full 10,000 as `python -m bench.scenarios.hostile` (figures in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import hostile
-from bench.hostile_inputs import KINDS, LIMITS, Probe, Send, generate
+from bench.scenarios import hostile
+from bench.scenarios.hostile_inputs import KINDS, LIMITS, Probe, Send, generate
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 from nats.js.errors import APIError, KeyWrongLastSequenceError, ServiceUnavailableError
 
-from bench.consumers import endpoint_consumer, pull_subscription, tenant_consumer
+from bench.harness.consumers import endpoint_consumer, pull_subscription, tenant_consumer
 from broker_config import jetstream
 from broker_config.config import BrokerSettings
 from broker_config.direct_get import DirectBatchGet, DirectGetError

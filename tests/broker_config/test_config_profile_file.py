@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.stack import benchmark_config
+from bench.harness.stack import benchmark_config
 from broker_config.config import EXAMPLE_CONFIG, ConfigError, Registry, load_config
 from costmodel.units import ModelProfile, dump_profile
 from workers.__main__ import _from_fairq_config
@@ -44,7 +44,7 @@ def test_the_dispatcher_and_the_workers_read_the_calibrated_profile_file(tmp_pat
     assert Registry(config).profile("chat") == CALIBRATED
     _, worker_profile, _, _ = _from_fairq_config(path, "chat")
     assert worker_profile == CALIBRATED
-    # The loaded config stands on its own (bench/stack.py writes it out elsewhere): the
+    # The loaded config stands on its own (bench/harness/stack.py writes it out elsewhere): the
     # profile is one of its profiles, and no file is named any more.
     assert config.endpoints["chat"].profile_file is None
     assert b"profile_file" not in msgspec.toml.encode(config.endpoints)
@@ -73,7 +73,7 @@ def test_a_profile_file_may_not_redefine_a_named_profile_differently(tmp_path) -
 
 
 def test_a_loaded_config_written_back_out_reads_the_same(tmp_path) -> None:
-    """bench/stack.py and bench/chaos.py write a loaded config out for their processes:
+    """bench/harness/stack.py and bench/chaos/run.py write a loaded config out for their processes:
     every optional field left unset (a tier's or tenant's quota, a tenant's weight) must
     survive TOML, which has no null, and a tokenizer stays where it was."""
     (tmp_path / "tok.json").write_text("{}")

@@ -1,10 +1,10 @@
 """The noisy neighbour through the real stack: nats-server, dispatcher and simulated
-workers, each in its own process (`bench.stack`), driven by the benchmark's recorder.
+workers, each in its own process (`bench.harness.stack`), driven by the benchmark's recorder.
 
 The reference (issue 10's decision) is the small tenants next to an equally busy engine:
 the same requests of A sent by a well-behaved client that runs closed loop, keeping
 every sequence slot outside the newcomer reserve busy and never building a backlog
-(`bench.recorder.WellBehaved`). What a full continuous batch costs the small tenants by
+(`bench.harness.recorder.WellBehaved`). What a full continuous batch costs the small tenants by
 itself belongs to sharing the engine; the flood's backlog must add no more than 20%.
 
 The bound holds on the small tenants' p95 time to first token pooled over ten seeds
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import scenario_noisy
-from bench.recorder import Replay
-from bench.scenario_noisy import NOISY, Run, Settings
+from bench.harness.recorder import Replay
+from bench.scenarios import noisy as scenario_noisy
+from bench.scenarios.noisy import NOISY, Run, Settings
 from dispatcher.sim.fairness import percentile
 
 pytestmark = pytest.mark.integration

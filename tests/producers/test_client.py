@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bench.consumers import tenant_consumer
+from bench.harness.consumers import tenant_consumer
 from broker_config.auth import build_users, render_auth_config
 from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
@@ -46,10 +46,11 @@ from broker_config.wire import (
     encode,
     parse_submission,
 )
-from producers.client import (
+from producers.client import Client
+from producers.commands import DepthTrend, _without_credentials, render_depth
+from producers.errors import (
     ApiError,
     BacklogFull,
-    Client,
     ConnectionFailed,
     FairqError,
     FairqTimeout,
@@ -58,7 +59,6 @@ from producers.client import (
     PublishFailed,
     RequestFailed,
 )
-from producers.commands import DepthTrend, _without_credentials, render_depth
 
 pytestmark = pytest.mark.integration
 S = Subjects()

@@ -27,7 +27,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.procstat import worker_pid
+from bench.harness.procstat import worker_pid
 from broker_config.config import EXAMPLE_CONFIG
 from broker_config.wire import ChatMessage, Sampling
 from producers.client import Client

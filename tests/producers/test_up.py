@@ -21,12 +21,13 @@ import nats
 import pytest
 from nats.aio.subscription import Subscription
 
-from bench.procstat import children_of, processes, worker_pid
+from bench.harness.procstat import children_of, processes, worker_pid
 from broker_config.config import load_config
 from broker_config.connection import server_urls
 from broker_config.subjects import Subjects
 from broker_config.wire import DoneEvent
-from producers.client import Client, ConnectionFailed
+from producers.client import Client
+from producers.errors import ConnectionFailed
 from producers.scaling import ScaleFollower
 from producers.supervisor import Backoff, Child, Supervisor, SupervisorError
 from tests.wire_support import until

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from bench.affinity_workload import ChatWorkload, chat_turns
+from bench.sim.affinity_workload import ChatWorkload, chat_turns
 from broker_config.config import EXAMPLE_CONFIG, load_config
 from costmodel.engine_model import BatchingEngineModel, EngineParams
 from costmodel.prefix_cache import BLOCK_TOKENS, PrefixCache

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import fairness_ablation, fairness_matrix, sim_noisy
-from bench.sim_noisy import noisy_config, p95_ttft
+from bench.sim import fairness_ablation, fairness_matrix
+from bench.sim import noisy as sim_noisy
+from bench.sim.noisy import noisy_config, p95_ttft
 from broker_config.config import EXAMPLE_CONFIG, load_config, parse_config
 from costmodel.engine_model import EngineParams
 from dispatcher.sim.fairness import (
@@ -35,7 +36,7 @@ from producers.loadgen import (
 SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "configs" / "sample_trace.csv"
 
 
-# -- the noisy-neighbour acceptance scenario (bench.sim_noisy) ---------------------------
+# -- the noisy-neighbour acceptance scenario (bench.sim.noisy) ---------------------------
 
 # Tenant A sends 10,000 requests at t=0; B-E send Poisson 0.5 req/s each for 300 s.
 # A's backlog takes about 1,100 s of virtual time to drain, so it stays backlogged for

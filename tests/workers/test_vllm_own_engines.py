@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
-from bench import affinity_vllm
+from bench.scenarios import affinity_vllm
 from broker_config.config import DispatcherOptions
 from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
@@ -108,7 +108,7 @@ async def test_session_affinity_finds_more_of_the_prompts_cached_than_least_load
     nats_url: str,
     model_dir: Path,  # noqa: F811
 ) -> None:
-    """`bench.affinity_vllm` at a small size: two vLLM engines with prefix caching, six
+    """`bench.scenarios.affinity_vllm` at a small size: two vLLM engines with prefix caching, six
     conversations of three turns, routed by session and then to the least loaded
     worker. Turns of a conversation that stay on one engine find their history in its
     cache."""

@@ -1,0 +1,2 @@
+"""Micro-benchmarks: one part alone (the scheduler's pick, the limiter stores, the image
+libraries), in this process."""
