@@ -179,6 +179,53 @@ def _within(name: str, room: str) -> bool:
     return name == room or name.startswith(room + ".")
 
 
+# Room -> the other dispatcher rooms it may import (the map in docs/architecture.md).
+D = "dispatcher."
+ROOMS: dict[str, set[str]] = {
+    D + "core": {D + "core.policies"},
+    D + "core.policies": {D + "core"},
+    D + "sim": {D + "core", D + "core.policies"},
+    D + "intake": set(),
+    D + "admission": {D + "core", D + "dispatch", D + "intake", D + "parts"},
+    D + "dispatch": {D + "core", D + "admission", D + "fleet", D + "parts"},
+    D + "fleet": {D + "core", D + "parts"},
+    D + "observe": {D + "core"},
+    D + "parts": {D + "core", D + "admission", D + "dispatch", D + "observe"},
+    D + "api": {D + r for r in ("core", "admission", "dispatch", "intake", "observe", "parts")},
+    D + "ha": {D + "service"},
+    D + "service": {
+        D + r
+        for r in ("core", "admission", "dispatch", "intake", "fleet", "observe", "parts")
+        + ("api", "ha")
+    },
+    D + "__main__": {D + r for r in ("admission", "api", "ha", "observe", "service")},
+}
+
+
+def room_of(name: str) -> str:
+    parts = name.split(".")
+    if parts[1:3] == ["core", "policies"]:
+        return D + "core.policies"
+    return ".".join(parts[:2])
+
+
+def test_each_room_imports_only_the_rooms_the_map_allows() -> None:
+    breaches = []
+    for name, imported_set in project_imports().items():
+        if not _within(name, "dispatcher") or name == "dispatcher":
+            continue
+        room = room_of(name)
+        assert room in ROOMS, f"{name}: a room the map does not list"
+        breaches += [
+            f"{name} imports {imported}"
+            for imported in imported_set
+            if _within(imported, "dispatcher")
+            and imported != "dispatcher"
+            and room_of(imported) not in ROOMS[room] | {room}
+        ]
+    assert not breaches, "\n".join(sorted(breaches))
+
+
 def test_the_core_imports_nothing_of_the_edge() -> None:
     breaches = [
         f"{name} imports {imported}"
