@@ -38,7 +38,7 @@ fairq_requirements() {
 import re, sys, tomllib
 
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-runner = {"pytest", "pytest-asyncio", "pytest-timeout"}
+runner = {"pytest", "pytest-asyncio", "pytest-timeout", "pytest-xdist"}
 dev = [r for r in project["optional-dependencies"]["dev"] if re.split(r"[<>=!~ \[]", r)[0] in runner]
 print("\n".join(project["dependencies"] + dev))
 PYEOF

