@@ -52,7 +52,8 @@ from bench.scenarios.hostile_runner import (
     flood,
     quantile,
 )
-from broker_config.config import Config, Tenant
+from broker_config.config import Config
+from broker_config.config_scheduling import Tenant
 
 RESULTS = RESULTS_DIR / "hostile"
 # Bound on the requests stream emptying after the probes.

@@ -15,7 +15,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from broker_config.config import Config, ConfigError, FrontKey
+from broker_config.config import Config, ConfigError
+from broker_config.config_services import FrontKey
 
 KEY_PREFIX = "fq-"
 

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import msgspec
 
 from broker_config.config_errors import error_path
-from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
+from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent
+from broker_config.wire_generation import TokenLogprob
 
 DATA_URL_PREFIX = "data:"
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit
