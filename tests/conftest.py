@@ -170,32 +170,60 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("solo") is None)
 
 
-# A test marked `solo` measures wall time against a bound (a benchmark in disguise):
-# other tests' processes beside it would move its figure. Across the xdist workers of one
-# run, every test holds the `running` lock shared while it runs; a solo test closes the
-# `gate` first (no test starts), then takes `running` exclusively (every running test has
-# ended). Other tests pass the gate shared and let go of it at once, so a waiting solo
-# test is never starved. Taken outside pytest-timeout's wrapper: waiting is not running.
+# A test marked `solo` measures wall time against a bound (a benchmark in disguise, or a
+# wall-clock promise such as a lease's TTL): other tests' processes beside it would move
+# its figure. Across the xdist workers of one run, every test holds the `running` lock
+# shared while it runs; a solo test closes the `gate` first (no test starts), then takes
+# `running` exclusively (every running test has ended). Other tests pass the gate shared
+# and let go of it at once, so a waiting solo test is never starved, and a worker whose
+# next test is solo too keeps the gate closed between them. Taken outside pytest-timeout's
+# wrapper: waiting is not running.
+def _is_solo(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("solo") is not None
+
+
+class _SoloLocks:
+    def __init__(self, run: str) -> None:
+        directory = Path(tempfile.gettempdir()) / f"fairq-pytest-{run}"
+        directory.mkdir(exist_ok=True)
+        self.gate = open(directory / "gate", "a")  # held for the session
+        self.running = open(directory / "running", "a")
+        self.gate_closed = False
+
+    def enter(self, solo: bool) -> None:
+        if solo:
+            if not self.gate_closed:
+                fcntl.flock(self.gate, fcntl.LOCK_EX)
+                self.gate_closed = True
+            fcntl.flock(self.running, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(self.gate, fcntl.LOCK_SH)
+            fcntl.flock(self.running, fcntl.LOCK_SH)
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+    def leave(self, next_is_solo: bool) -> None:
+        fcntl.flock(self.running, fcntl.LOCK_UN)
+        if self.gate_closed and not next_is_solo:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+            self.gate_closed = False
+
+
+_solo_locks: _SoloLocks | None = None
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
+    global _solo_locks
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:  # one process: tests run one at a time anyway
         yield
         return
-    locks = Path(tempfile.gettempdir()) / f"fairq-pytest-{run}"
-    locks.mkdir(exist_ok=True)
-    solo = item.get_closest_marker("solo") is not None
-    with open(locks / "gate", "a") as gate, open(locks / "running", "a") as running:
-        if solo:
-            fcntl.flock(gate, fcntl.LOCK_EX)
-            fcntl.flock(running, fcntl.LOCK_EX)
-        else:
-            fcntl.flock(gate, fcntl.LOCK_SH)
-            fcntl.flock(running, fcntl.LOCK_SH)
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(running, fcntl.LOCK_UN)
-            if solo:
-                fcntl.flock(gate, fcntl.LOCK_UN)
+    if _solo_locks is None:
+        _solo_locks = _SoloLocks(run)
+    _solo_locks.enter(_is_solo(item))
+    try:
+        yield
+    finally:
+        _solo_locks.leave(_is_solo(item) and _is_solo(nextitem))
