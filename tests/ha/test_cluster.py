@@ -34,7 +34,8 @@ from costmodel.engine_model import load_engine_params
 from tests.local_stack import DELIVERY_CONFIG, CountingEngine
 from workers.service import WorkerService
 
-pytestmark = pytest.mark.integration
+# Alone (`solo`): elections and reconnections are timed by the wall clock.
+pytestmark = [pytest.mark.integration, pytest.mark.solo]
 ROOT = Path(__file__).resolve().parents[2]
 SUBJECTS = Subjects()
 # An ack sent while the stream's leader is being elected is lost; its request is then
