@@ -7,7 +7,7 @@ its holder stopped renewing ages out, so a standby's create succeeds. Its *epoch
 revision of the create that began the tenure (stream sequences only grow, so a later
 tenure always has a larger epoch); renewals carry it in the record.
 
-Dispatchers put their epoch in every batch, abort and eviction (`wire_internal.Batch.epoch`...);
+Dispatchers put their epoch in every batch, abort and eviction (`wire.Batch.epoch`...);
 a worker watches the key and refuses what carries an epoch older than the newest it has
 seen (`EpochWatch`), so a dispatcher that was paused past its lease and wakes up cannot
 send work a second time. Epoch 0 means unfenced (a dispatcher run without a lease).
@@ -31,7 +31,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.jetstream import kv_stream
 from broker_config.streams import apply_key_value
 from broker_config.subjects import Subjects

@@ -44,7 +44,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from broker_config import jetstream
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.subjects import Subjects
 
 # A move to the parked stream is repeated only when the dispatcher died between the

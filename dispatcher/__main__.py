@@ -26,8 +26,15 @@ import msgspec
 import nats
 import nats.errors
 
-from broker_config.config import DEFAULT_NATS_URL, EXAMPLE_CONFIG, Config, ConfigError, load_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions
+from broker_config.config import (
+    DEFAULT_NATS_URL,
+    EXAMPLE_CONFIG,
+    BrokerSettings,
+    Config,
+    ConfigError,
+    DispatcherOptions,
+    load_config,
+)
 from broker_config.connection import (
     ConnectionOptionsError,
     add_connection_args,

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
-from broker_config.config import Config
-from broker_config.config_services import DispatcherOptions
+from broker_config.config import Config, DispatcherOptions
 from broker_config.subjects import Subjects
 from dispatcher.admission.redis_store import AsyncLimiterStore
 from dispatcher.core.pool import WorkerPool

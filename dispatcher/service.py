@@ -66,8 +66,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from broker_config.config import Config
-from broker_config.config_services import DispatcherOptions
+from broker_config.config import Config, DispatcherOptions
 from broker_config.direct_get import DirectBatchGet
 from broker_config.lease_key import ensure_leases_bucket
 from broker_config.streams import ConsumerLimits, provision, reset_consumers

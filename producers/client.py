@@ -39,17 +39,18 @@ from broker_config.wire import (
     STATUS_REPLY,
     CancelReply,
     CancelRequest,
+    ChatMessage,
     DepthReply,
     DepthRequest,
     DoneEvent,
     Encoding,
     ErrorEvent,
     Event,
+    Sampling,
     StatusReply,
     StatusRequest,
     TokenEvent,
 )
-from broker_config.wire_generation import ChatMessage, Sampling
 from producers.api_calls import api_subject, call_api, checked_id
 from producers.connection import nats_options, open_connection, tenant_inbox
 from producers.errors import (

@@ -1,5 +1,5 @@
 """`fairq up`: a whole fairq system on this machine, its parts run as a deployment runs
-them (`producers.up_stack`), until Ctrl-C or SIGTERM.
+them, until Ctrl-C or SIGTERM.
 
 Start: an embedded nats-server -> a connection -> the dispatcher, in this process (it
 provisions the broker) -> `--workers` worker processes per endpoint of the config
@@ -56,22 +56,60 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
+import nats
 
-from broker_config.auth import registered_tenants, render_auth_dir, with_tenant_inboxes
-from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
-from broker_config.server import EmbeddedServerError
+from broker_config.auth import (
+    DISPATCHER_USER,
+    FRONT_USER,
+    OPERATOR_USER,
+    WORKER_USER,
+    RenderedAuth,
+    front_inbox_prefix,
+    registered_tenants,
+    render_auth_dir,
+    with_tenant_inboxes,
+)
+from broker_config.cluster import EmbeddedNatsCluster
+from broker_config.config import (
+    EXAMPLE_CONFIG,
+    Config,
+    ConfigError,
+    load_config,
+)
+from broker_config.connection import server_urls
+from broker_config.runtime import first_of
+from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
 from costmodel.capacity import ScalingPolicy
-from producers.local_workers import StartError
-from producers.openai_front.keys import with_dev_key
-from producers.scaling import with_autoscaling
-from producers.supervisor import SupervisorError
-from producers.up_stack import CLUSTER_SIZE, DEV_TENANT, Plan, run_stack
+from dispatcher.admission.kv_store import open_limiter_store
+from dispatcher.api.http import HttpApi
+from dispatcher.ha.lease import Lease, holder_id
+from dispatcher.ha.tenures import Tenures
+from dispatcher.observe.metrics import DispatcherMetrics
+from producers.client import Client
+from producers.local_workers import (
+    START_TIMEOUT_S,
+    STOP_MARGIN_S,
+    StartError,
+    WorkerLauncher,
+    replace_unhealthy,
+    until_serving,
+)
+from producers.openai_front.app import Front
+from producers.openai_front.keys import KeyRing, with_dev_key
+from producers.openai_front.server import FrontServer
+from producers.reloads import Reloads
+from producers.scaling import ScaleFollower, with_autoscaling
+from producers.supervisor import Supervisor, SupervisorError
 
+DEV_TENANT = "acme"
 # `--autoscale` for endpoints without their own policy: local processes start in a few
 # seconds, and a demo should see a lull give workers back within a minute.
 LOCAL_SCALING = ScalingPolicy(
@@ -82,6 +120,7 @@ LOCAL_SCALING = ScalingPolicy(
     rate_window_s=10.0,
     drain_s=10.0,
 )
+CLUSTER_SIZE = 3  # nodes of --cluster: a majority survives the loss of one
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -92,21 +131,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "workers, each in its own process and restarted if it dies, with the "
         "given config until Ctrl-C, which drains and stops them in order.",
     )
-    _add_system_args(parser)
-    _add_autoscale_args(parser)
-    _add_front_args(parser)
-    _add_broker_args(parser)
-    parser.add_argument(
-        "--log-dir",
-        type=Path,
-        help="workers' output, one <worker id>.log each (default: a new "
-        "temporary directory, printed as LOG_DIR and kept)",
-    )
-    parser.set_defaults(run=run_up)
-
-
-def _add_system_args(parser: argparse.ArgumentParser) -> None:
-    """The broker's port, the config, the workers, the limiter store and the metrics."""
     parser.add_argument(
         "--port",
         type=int,
@@ -140,10 +164,6 @@ def _add_system_args(parser: argparse.ArgumentParser) -> None:
         default=9464,
         help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free one if that is taken)",
     )
-
-
-def _add_autoscale_args(parser: argparse.ArgumentParser) -> None:
-    """Worker processes started and stopped as the dispatcher's autoscaler decides."""
     parser.add_argument(
         "--autoscale",
         action="store_true",
@@ -158,10 +178,6 @@ def _add_autoscale_args(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="with --autoscale: the default most workers per endpoint",
     )
-
-
-def _add_front_args(parser: argparse.ArgumentParser) -> None:
-    """The OpenAI-compatible front: its port and its development key's tenant."""
     parser.add_argument(
         "--front-port",
         type=int,
@@ -176,10 +192,6 @@ def _add_front_args(parser: argparse.ArgumentParser) -> None:
         f"printed as OPENAI_API_KEY (default {DEV_TENANT}, else the "
         "config's first tenant)",
     )
-
-
-def _add_broker_args(parser: argparse.ArgumentParser) -> None:
-    """How the broker runs: with users (--auth), as a cluster (--cluster)."""
     parser.add_argument(
         "--auth",
         action="store_true",
@@ -194,6 +206,13 @@ def _add_broker_args(parser: argparse.ArgumentParser) -> None:
         "(free ports, stores in LOG_DIR/nats, every stream and bucket at "
         "3 replicas, fsync on every write); NATS_URL lists the nodes",
     )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help="workers' output, one <worker id>.log each (default: a new "
+        "temporary directory, printed as LOG_DIR and kept)",
+    )
+    parser.set_defaults(run=run_up)
 
 
 def worker_counts(value: str) -> dict[str, int]:
@@ -262,7 +281,7 @@ def run_up(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as exc:
             return _fail(f"--auth: {exc}", 2)
     try:
-        return asyncio.run(run_stack(Plan(args, config, dev_key, log_dir, auth)))
+        return asyncio.run(_up(args, config, dev_key, log_dir, auth))
     except (EmbeddedServerError, SupervisorError, StartError) as exc:
         return _fail(str(exc), 1)
     except ConfigError as exc:  # found at start: an endpoint's tokenizer it cannot load
@@ -274,9 +293,188 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _say(message: str) -> None:
+    print(f"fairq: {message}", flush=True)
+
+
 def _log_dir(path: Path | None) -> Path:
     if path is None:
         return Path(tempfile.mkdtemp(prefix="fairq-up-"))
     path = path.resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _seed(auth: RenderedAuth | None, user: str) -> dict[str, str]:
+    """nats.connect's credentials for `user` (none without --auth)."""
+    return {} if auth is None else {"nkeys_seed": str(auth.seeds[user])}
+
+
+async def _up(
+    args: argparse.Namespace, config: Config, dev_key: str, log_dir: Path, auth: RenderedAuth | None
+) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # Left in reverse: workers, dispatcher, limiter, connection, server, metrics.
+    async with contextlib.AsyncExitStack() as stack:
+        metrics = DispatcherMetrics(list(config.endpoints))
+        http = HttpApi(metrics)
+        try:
+            metrics_port = http.serve(args.metrics_port)
+        except OSError:  # the default port is taken: any free one, printed below
+            metrics_port = http.serve(0)
+        stack.callback(http.close)
+        server = await stack.enter_async_context(
+            EmbeddedNatsCluster(CLUSTER_SIZE, store_root=log_dir / "nats", sync="always")
+            if args.cluster
+            else EmbeddedNatsServer(port=args.port, config_file=auth.config if auth else None)
+        )
+        nc = await nats.connect(
+            server_urls(server.url),
+            name="fairq-up",
+            max_reconnect_attempts=-1,
+            **_seed(auth, DISPATCHER_USER),
+        )
+        stack.push_async_callback(nc.drain)
+        limiter = await open_limiter_store(args.redis_url, nc, config)
+        stack.push_async_callback(limiter.aclose)
+        # With the lease, a `python -m dispatcher` started against this broker stands by.
+        ttl_s = config.dispatcher.lease_ttl_s
+        tenures = Tenures(
+            nc,
+            config,
+            lease=Lease(holder_id(), ttl_s=ttl_s) if ttl_s else None,
+            limiter=limiter,
+            metrics=metrics,
+            http=http,
+            config_path=args.config,
+        )
+        reloads = Reloads(
+            lambda: tenures.current,
+            config,
+            auth,
+            _say,
+            reload_broker=None if args.cluster else server.reload,
+        )
+        loop.add_signal_handler(signal.SIGHUP, reloads.trigger)
+        stack.push_async_callback(reloads.close)
+        dispatching = await stack.enter_async_context(_dispatching(tenures, stop))
+        supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
+        launcher = WorkerLauncher(
+            server.url,
+            args.config.resolve(),
+            args.time_scale,
+            log_dir,
+            stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S,
+            credentials=("--nkey", str(auth.seeds[WORKER_USER])) if auth else (),
+        )
+        for endpoint, spec in config.endpoints.items():
+            count = (
+                spec.autoscale.min_replicas
+                if args.autoscale
+                else args.workers.get(endpoint, args.workers.get("", 1))
+            )
+            for n in range(1, count + 1):
+                await supervisor.add(launcher.child(endpoint, n))
+        if args.autoscale:
+            await stack.enter_async_context(
+                ScaleFollower(nc, config, supervisor, launcher.child, _say)
+            )
+        await until_serving(nc, config, supervisor, stop, log_dir)
+        if not stop.is_set():
+            front = await _serve_front(stack, server.url, config, args.front_port, auth)
+            print(f"NATS_URL={server.url}", flush=True)
+            print(f"METRICS_URL=http://127.0.0.1:{metrics_port}/metrics", flush=True)
+            print(f"DASHBOARD_URL=http://127.0.0.1:{metrics_port}/dashboard", flush=True)
+            print(f"OPENAI_BASE_URL={front.base_url}", flush=True)
+            print(f"OPENAI_API_KEY={dev_key}", flush=True)
+            print(f"LOG_DIR={log_dir}", flush=True)
+            if auth is not None:
+                print(f"AUTH_DIR={auth.directory}", flush=True)
+                tenants = registered_tenants(config)
+                example = DEV_TENANT if DEV_TENANT in tenants else tenants[0]
+                _say(
+                    f"broker users on: tenants {', '.join(tenants)} connect with their "
+                    f"AUTH_DIR/<tenant>.nk, e.g. `fairq submit --nats {server.url} --nkey "
+                    f"{auth.seeds[example]} --tenant {example} ...`; operators with "
+                    f"{auth.seeds[OPERATOR_USER]}"
+                )
+            print(
+                f"fairq is up: {len(supervisor.children)} simulated workers on "
+                f"{', '.join(config.endpoints)}; Ctrl-C stops",
+                flush=True,
+            )
+            replacing = asyncio.create_task(replace_unhealthy(tenures, supervisor))
+            try:
+                await first_of(stop.wait(), asyncio.shield(dispatching))
+            finally:
+                replacing.cancel()
+            if dispatching.done():
+                dispatching.result()  # its error (a config it could no longer read, a bug)
+        _say("draining...")
+    _say("stopped")
+    return 0
+
+
+async def _serve_front(
+    stack: contextlib.AsyncExitStack,
+    nats_url: str,
+    config: Config,
+    port: int | None,
+    auth: RenderedAuth | None,
+) -> FrontServer:
+    """The OpenAI-compatible front, on its own connection (as its own user with --auth);
+    left before the workers stop, so that no new request arrives while they drain."""
+    seed = None if auth is None else auth.seeds[FRONT_USER]
+    client = await stack.enter_async_context(
+        await Client.connect(
+            nats_url,
+            prefix=config.broker.prefix,
+            nkey=seed,
+            inbox_prefix=front_inbox_prefix(FRONT_USER) if seed else None,
+        )
+    )
+    front = Front(client, config, KeyRing(config.front.keys))
+    try:
+        return await stack.enter_async_context(FrontServer(front, config.front, port))
+    except OSError:
+        if port is not None:
+            raise StartError(f"the front cannot listen on port {port}") from None
+        # The configured port is taken: any free one, printed as OPENAI_BASE_URL.
+        return await stack.enter_async_context(FrontServer(front, config.front, 0))
+
+
+@contextlib.asynccontextmanager
+async def _dispatching(tenures: Tenures, stop: asyncio.Event) -> AsyncIterator[asyncio.Task[None]]:
+    """The dispatcher's tenures in a task (yielded: it ends only by an error), entered
+    once the first has taken the lease and started, or `stop` was set first; left (the
+    last one drains) when the stack unwinds to here, after the workers stopped. A
+    dispatcher that lost its lease (its renewals failed while a cluster elected a new
+    leader) stands by and serves again, as `python -m dispatcher` does."""
+    ended = asyncio.Event()
+    running = asyncio.create_task(tenures.run(ended))
+    waits = [
+        running,
+        asyncio.ensure_future(tenures.serving.wait()),
+        asyncio.ensure_future(stop.wait()),
+    ]
+    try:
+        done, _ = await asyncio.wait(
+            waits, timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        if running.done():
+            running.result()  # its error at start, e.g. a tokenizer it could not load
+        elif not done:
+            raise StartError(
+                f"the dispatcher did not start within {START_TIMEOUT_S:g}s "
+                "(the broker failed it, or another dispatcher holds the lease)"
+            )
+        yield running
+    finally:
+        for wait in waits[1:]:
+            wait.cancel()
+        ended.set()
+        if not running.done():
+            await running

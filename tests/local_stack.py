@@ -19,8 +19,13 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 
-from broker_config.config import EXAMPLE_ENGINE, Config
-from broker_config.config_services import BrokerSettings, DispatcherOptions, WorkerOptions
+from broker_config.config import (
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    Config,
+    DispatcherOptions,
+    WorkerOptions,
+)
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.server import EmbeddedNatsServer
 from costmodel.engine_model import EngineParams, load_engine_params

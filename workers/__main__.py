@@ -35,10 +35,14 @@ import nats
 import nats.errors
 from nats.js.errors import BucketNotFoundError
 
-from broker_config.config import DEFAULT_NATS_URL, load_config
+from broker_config.config import (
+    DEFAULT_NATS_URL,
+    EndpointKind,
+    Registry,
+    WorkerOptions,
+    load_config,
+)
 from broker_config.config_errors import error_path
-from broker_config.config_scheduling import EndpointKind
-from broker_config.config_services import WorkerOptions
 from broker_config.connection import (
     ConnectionOptionsError,
     add_connection_args,
@@ -50,7 +54,6 @@ from broker_config.kv_writer import KeyValueWriter
 from broker_config.lease_key import EpochWatch
 from broker_config.runtime import freeze_startup_heap
 from broker_config.subjects import SubjectError, Subjects, check_token
-from broker_config.tenant_registry import Registry
 from costmodel.engine_model import EngineParams, load_engine_params
 from costmodel.units import ModelProfile
 from workers.engine import Engine, EngineError
@@ -87,24 +90,6 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Run a fairq worker: batches in, events out."
     )
-    _add_broker_args(parser)
-    parser.add_argument("--endpoint", required=True, help="the endpoint this worker serves")
-    parser.add_argument(
-        "--kind",
-        choices=("generate", "embed"),
-        help="what the endpoint does (default: its `kind` in --config, else generate)",
-    )
-    parser.add_argument("--worker-id", required=True, help="unique among the endpoint's workers")
-    _add_engine_args(parser)
-    _add_service_args(parser)
-    parser.add_argument(
-        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
-    )
-    return parser
-
-
-def _add_broker_args(parser: argparse.ArgumentParser) -> None:
-    """Reaching NATS: the server, the credentials, how long to keep trying."""
     parser.add_argument(
         "--nats",
         default=DEFAULT_NATS_URL,
@@ -119,10 +104,13 @@ def _add_broker_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="how long to keep trying to reach NATS at start (default 60)",
     )
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine and its settings; the sim-only ones and --model are checked against it."""
+    parser.add_argument("--endpoint", required=True, help="the endpoint this worker serves")
+    parser.add_argument(
+        "--kind",
+        choices=("generate", "embed"),
+        help="what the endpoint does (default: its `kind` in --config, else generate)",
+    )
+    parser.add_argument("--worker-id", required=True, help="unique among the endpoint's workers")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument(
         "--engine-config",
@@ -145,10 +133,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "SIGUSR2 again undoes it (default 10; SIGUSR1 toggles a hang)",
     )
     parser.add_argument("--model", metavar="DIR", help="vllm only: the model directory")
-
-
-def _add_service_args(parser: argparse.ArgumentParser) -> None:
-    """The fairq config and what overrides it, and the health endpoints."""
     parser.add_argument(
         "--config",
         type=Path,
@@ -183,6 +167,10 @@ def _add_service_args(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address for --health-port (0.0.0.0 inside a container)",
     )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
+    return parser
 
 
 def parse_options(args: argparse.Namespace) -> Options:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from broker_config.wire_generation import ChatMessage, Sampling, TokenLogprob
+from broker_config.wire import ChatMessage, Sampling, TokenLogprob
 from costmodel.units import Capacity
 from workers.images import PreparedImage
 

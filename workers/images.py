@@ -33,7 +33,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Self
 
-from broker_config.config_services import ImageOptions
+from broker_config.config import ImageOptions
 from broker_config.limits import decode_image, over_pixels
 
 log = logging.getLogger(__name__)

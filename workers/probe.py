@@ -15,8 +15,7 @@ import asyncio
 import logging
 import time
 
-from broker_config.wire import ErrorCode
-from broker_config.wire_internal import BatchItem, Completion
+from broker_config.wire import BatchItem, Completion, ErrorCode
 from costmodel.units import Capacity, Usage
 from workers.engine import PROBE, Engine, EngineError, EngineRequest
 

@@ -10,9 +10,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import get_args
 
-from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, FinalEvent, Timings
-from broker_config.wire_generation import FinishReason, TokenLogprob
-from broker_config.wire_internal import BatchItem
+from broker_config.wire import (
+    BatchItem,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    FinalEvent,
+    FinishReason,
+    Timings,
+    TokenLogprob,
+)
 from costmodel.units import Usage
 from workers.engine import EXPEDITED, Delta, EngineRequest
 from workers.images import ImagePool

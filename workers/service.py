@@ -1,24 +1,33 @@
 """The worker service: the NATS edge of one inference worker.
 
 Batches come in on `Subjects.work(endpoint, worker_id)`, every item runs as one task in the
-service's task group (`workers.execution`), its output streams to the item's reply subject
-as `token` events, and its final event (`done` or `error`) is stored in the results bucket
-before anything else learns that the request finished. Heartbeats advertise capacity and
-load (`workers.heartbeats`); aborts for the endpoint stop matching requests.
+service's task group, its output streams to the item's reply subject as `token` events, and
+its final event (`done` or `error`) is stored in the results bucket before anything else
+learns that the request finished. Heartbeats advertise capacity and load; aborts for the
+endpoint stop matching requests.
 
-Internal messages (heartbeats, completions) are sent as JSON with a `Content-Type` header
-(`workers.outbox`); batches and aborts are read in whichever encoding their `Content-Type`
-names.
+Per request, in this order:
+
+1. token events to `item.reply` (seq from 0), in the request's encoding;
+2. the final event stored under `Subjects.result_key(tenant, id)` (bounded retries),
+   create-only: a request has one result (`workers.results`). If another run stored one
+   first, that one stands and is what the reply subject gets;
+3. the final event to `item.reply`, only once stored: if storing fails for good the
+   dispatcher redelivers the request, and the client must not see two final events;
+4. a `Completion` to `Subjects.completion(endpoint, worker_id)`, `stored` telling the
+   dispatcher whether it may ack the request.
+
+Internal messages (heartbeats, completions) are sent as JSON with a `Content-Type` header;
+batches and aborts are read in whichever encoding their `Content-Type` names.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Self, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Self, TypeVar
 
 import msgspec
 import nats.errors
@@ -26,20 +35,38 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from broker_config.config_services import WorkerOptions
+from broker_config.config import WorkerOptions
 from broker_config.lease_key import EpochWatch
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
-from broker_config.wire import Encoding, ErrorCode, WireError, header
-from broker_config.wire_internal import ABORT, BATCH, EVICT, BatchItem
-from costmodel.units import ModelProfile
-from workers.engine import Engine, EngineError
-from workers.execution import RequestRunner
-from workers.heartbeats import Heartbeats
+from broker_config.wire import (
+    ABORT,
+    BATCH,
+    EVICT,
+    BatchItem,
+    Completion,
+    Completions,
+    Encoding,
+    ErrorCode,
+    FinalEvent,
+    Heartbeat,
+    TokenEvent,
+    WireError,
+    encode,
+    header,
+)
+from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
+from workers.engine import Delta, Engine, EngineError, EngineRequest
 from workers.images import ImagePool
-from workers.outbox import Outbox
-from workers.probe import answer_probe
+from workers.probe import advertised, answer_probe
 from workers.results import FinalResults, ResultStore
-from workers.running import Ending, Running
+from workers.running import (
+    Ending,
+    Running,
+    close_stream,
+    conclude,
+    engine_request,
+    final_event,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +74,7 @@ log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
+_INTERNAL_ENCODING = Encoding.JSON
 
 
 class WorkerService:
@@ -102,33 +130,19 @@ class WorkerService:
         self.started_at = time.time()
         self._nc = nc
         self._engine = engine
+        self._results = FinalResults(nc, subjects, results)
+        self._profile = profile
+        self._embed = embed  # an embedding endpoint's worker
         self._fence = fence
         self.fenced = 0  # messages refused for an older lease epoch
         self._heartbeat_interval_s = settings.heartbeat_interval_s
         self._drain_timeout_s = settings.drain_timeout_s
         # Started at the first image: a worker that sees only text runs no extra process.
         self.image_pool = ImagePool(settings.images)
-        self._outbox = Outbox(nc, subjects.completion(endpoint, worker_id), self._spawn)
-        self._runner = RequestRunner(
-            engine,
-            self._outbox,
-            FinalResults(nc, subjects, results),
-            self.image_pool,
-            worker_id=worker_id,
-            profile=profile,
-            embed=embed,
-            on_deadline=self._expire,
-        )
-        self._heartbeats = Heartbeats(
-            self._outbox,
-            engine,
-            subjects.heartbeat(endpoint, worker_id),
-            endpoint=endpoint,
-            worker_id=worker_id,
-            started_at=self.started_at,
-            capacity_mu_per_s=profile.capacity_mu_per_s if profile is not None else 0.0,
-        )
         self._running: dict[str, Running] = {}
+        self._heartbeat_seq = 0
+        self._beat_at = time.time()  # when the last heartbeat went out
+        self._completions: list[Completion] = []
         self._draining = False
         self._tg: asyncio.TaskGroup | None = None
         self._work_sub: Subscription | None = None
@@ -144,7 +158,7 @@ class WorkerService:
         a failure has the process restarted)."""
         return (
             not self.evicted.is_set()
-            and time.time() - self._heartbeats.sent_at < 3 * self._heartbeat_interval_s + 5.0
+            and time.time() - self._beat_at < 3 * self._heartbeat_interval_s + 5.0
         )
 
     def ready(self) -> bool:
@@ -208,7 +222,7 @@ class WorkerService:
             await asyncio.wait(pending, timeout=self._drain_timeout_s)
         await self._abandon_unfinished()
         # Before the final heartbeat: requests it no longer lists must have completed.
-        await self._outbox.send_completions()
+        await self._send_completions()
         await self._unsubscribe()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
@@ -244,11 +258,6 @@ class WorkerService:
             await step
         except nats.errors.Error as exc:
             log.warning("shutdown: %s failed: %r", what, exc)
-
-    def _spawn(self, job: Callable[[], Coroutine[Any, Any, None]], name: str | None = None) -> None:
-        """Run `job` in a task of the service's task group; nothing once the service left."""
-        if self._tg is not None:
-            self._tg.create_task(job(), name=name)
 
     # -- intake -------------------------------------------------------------------------
 
@@ -309,15 +318,11 @@ class WorkerService:
             return
         assert self._tg is not None
         input_tokens = item.request.input_tokens or 0  # counted when the request starts
-        running = Running(key, item, input_tokens, self._runner.footprint(item, input_tokens))
+        running = Running(
+            key, item, input_tokens, self._model_units(item, input_tokens, item.max_tokens)
+        )
         self._running[key] = running
         running.task = self._tg.create_task(self._serve(running), name=f"request-{key}")
-
-    async def _serve(self, running: Running) -> None:
-        try:
-            await self._runner.run(running)
-        finally:
-            del self._running[running.key]
 
     async def _on_evict(self, msg: Msg) -> None:
         evict = _decode_or_log(msg, "eviction", EVICT.decode)
@@ -339,7 +344,7 @@ class WorkerService:
     async def _probe(self, item: BatchItem) -> None:
         completion = await answer_probe(self._engine, item, self.worker_id)
         if completion is not None:
-            self._outbox.report(completion)
+            self._report(completion)
 
     async def _on_abort(self, msg: Msg) -> None:
         abort = _decode_or_log(msg, "abort", ABORT.decode)
@@ -374,14 +379,201 @@ class WorkerService:
 
     def _expire(self, running: Running) -> None:
         ending = Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while running")
-        if self._stop(running, ending):
-            self._spawn(functools.partial(self._abort_in_engine, running.key))
+        if self._stop(running, ending) and self._tg is not None:
+            self._tg.create_task(self._abort_in_engine(running.key))
 
     async def _abort_in_engine(self, key: str) -> None:
         try:
             await self._engine.abort(key)
         except EngineError as exc:
             log.warning("engine abort of %s failed: %s", key, exc)
+
+    # -- one request --------------------------------------------------------------------
+
+    async def _serve(self, running: Running) -> None:
+        try:
+            ending = await self._execute(running)
+            running.finalizing = True
+            await self._finish(running, ending)
+        finally:
+            del self._running[running.key]
+
+    async def _execute(self, running: Running) -> Ending:
+        item = running.item
+        deadline = item.request.deadline
+
+        def wanted() -> bool:  # checked when its images' turn in the pool comes
+            return running.stop is None and (deadline is None or time.time() < deadline)
+
+        try:
+            if item.request.images and not self._engine.accepts_images:
+                raise ValueError("it has images, and this endpoint's model takes text only")
+            request = await engine_request(
+                running.key, item, embed=self._embed, images=self.image_pool, wanted=wanted
+            )
+            if request is not None and item.request.input_tokens is None:
+                # With images an engine may run the model's image processor to count.
+                count = self._engine.count_tokens
+                running.input_tokens = (
+                    await asyncio.to_thread(count, request) if request.images else count(request)
+                )
+                running.footprint_mu = self._model_units(
+                    item, running.input_tokens, item.max_tokens
+                )
+        except ValueError as exc:
+            return Ending(ErrorCode.INVALID_REQUEST, str(exc))
+        if running.stop is not None:  # cancelled while its images waited for the pool
+            return running.stop
+        if deadline is not None and time.time() >= deadline or request is None:
+            return Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the start")
+        timer = self._deadline_timer(running)
+        try:
+            final = await self._stream(running, request)
+        except EngineError as exc:
+            return Ending(ErrorCode.INTERNAL, str(exc))
+        except ValueError as exc:
+            return Ending(ErrorCode.INVALID_REQUEST, str(exc))
+        except Exception as exc:
+            log.exception("engine failed request %s", running.key)
+            return Ending(ErrorCode.INTERNAL, f"engine failure: {exc!r}")
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return conclude(running, final)
+
+    def _deadline_timer(self, running: Running) -> asyncio.TimerHandle | None:
+        deadline = running.item.request.deadline
+        if deadline is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + (deadline - time.time()), self._expire, running)
+
+    async def _stream(self, running: Running, request: EngineRequest) -> Delta | None:
+        """Publish the engine's output; the final delta, or None if stopped before it."""
+        if running.stop is not None:
+            return None
+        running.in_engine = True
+        deltas = self._engine.generate(request)
+        try:
+            async for delta in deltas:
+                if delta.finished:
+                    await self._emit(running, delta)
+                    return delta
+                if running.stop is not None:
+                    return None
+                await self._emit(running, delta)
+            return None
+        finally:
+            await close_stream(deltas)
+
+    async def _emit(self, running: Running, delta: Delta) -> None:
+        running.output_tokens += delta.token_count
+        if delta.logprobs is not None:
+            running.pending_logprobs = (running.pending_logprobs or []) + delta.logprobs
+        if not delta.text and not (delta.finished and running.pending_logprobs):
+            # Its logprobs, if any, go with the next piece of text, or with an empty
+            # one at the end, so that every generated token's are sent.
+            return
+        if running.first_token_at is None:
+            running.first_token_at = time.time()
+        running.parts.append(delta.text)
+        event = TokenEvent(
+            id=running.item.id, seq=running.seq, text=delta.text, logprobs=running.pending_logprobs
+        )
+        running.pending_logprobs = None
+        running.seq += 1
+        await self._send_event(running.item, event)
+
+    async def _finish(self, running: Running, ending: Ending) -> None:
+        item = running.item
+        cost = (
+            self._model_units(
+                item, running.input_tokens, running.output_tokens, running.cached_input_tokens
+            )
+            if running.in_engine
+            else 0.0
+        )
+        images = len(item.request.images)
+        # Only when there are some: msgspec omits a default by identity, not by value,
+        # and the contract's usage has no `other_units` otherwise.
+        usage = Usage(
+            running.input_tokens,
+            running.output_tokens,
+            cost,
+            **({"other_units": float(images)} if images else {}),
+            cached_input_tokens=running.cached_input_tokens,
+        )
+        event = final_event(running, ending, usage)
+        stored, result = await self._results.store(running.key, item, event)
+        if result is not None:
+            await self._send_event(item, result)
+        self._report(
+            Completion(
+                id=item.id,
+                tenant=item.tenant,
+                endpoint=item.endpoint,
+                worker_id=self.worker_id,
+                usage=usage,
+                code=ending.code,
+                stored=stored,
+                finished_at=time.time(),
+                first_token_at=running.first_token_at,
+            )
+        )
+
+    def _report(self, completion: Completion) -> None:
+        """Queue a completion; the requests finishing in this turn of the event loop are
+        reported in one message (one NATS message per request was a real share of both
+        the worker's and the dispatcher's CPU when many finish together)."""
+        self._completions.append(completion)
+        if len(self._completions) == 1 and self._tg is not None:
+            self._tg.create_task(self._send_completions(), name="worker-completions")
+
+    async def _send_completions(self) -> None:
+        await asyncio.sleep(0)  # let the other requests finishing now join
+        if not self._completions:
+            return  # sent already by the drain
+        items, self._completions = self._completions, []
+        await self._publish_internal(
+            self.subjects.completion(self.endpoint, self.worker_id), Completions(items)
+        )
+
+    def _model_units(
+        self, item: BatchItem, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0
+    ) -> float:
+        if self._profile is None:
+            return 0.0
+        return self._profile.model_units(
+            input_tokens,
+            output_tokens,
+            other=len(item.request.images),
+            cached_input_tokens=cached_input_tokens,
+        )
+
+    # -- publishing ---------------------------------------------------------------------
+
+    async def _send_event(self, item: BatchItem, event: TokenEvent | FinalEvent) -> None:
+        if item.reply is None:
+            return
+        try:
+            await self._nc.publish(
+                item.reply,
+                encode(event, item.encoding),
+                headers={HDR_CONTENT_TYPE: item.encoding.content_type},
+            )
+        except nats.errors.Error as exc:
+            # Events are at-most-once; the final one is also in the results bucket.
+            log.warning("publishing an event of %s to %s failed: %r", item.id, item.reply, exc)
+
+    async def _publish_internal(self, subject: str, message: object) -> None:
+        try:
+            await self._nc.publish(
+                subject,
+                encode(message, _INTERNAL_ENCODING),
+                headers={HDR_CONTENT_TYPE: _INTERNAL_ENCODING.content_type},
+            )
+        except nats.errors.Error as exc:
+            log.error("publishing to %s failed: %r", subject, exc)
 
     # -- heartbeats ---------------------------------------------------------------------
 
@@ -391,12 +583,50 @@ class WorkerService:
             await self._heartbeat()
 
     async def _heartbeat(self, *, final: bool = False) -> None:
-        await self._heartbeats.send(
-            self._running.values(),
-            draining=self._draining,
-            evicted=self.evicted.is_set(),
-            final=final,
+        self._beat_at = time.time()
+        await self._publish_internal(
+            self.subjects.heartbeat(self.endpoint, self.worker_id),
+            self._heartbeat_message(final=final),
         )
+
+    def _heartbeat_message(self, *, final: bool) -> Heartbeat:
+        running = [] if final else list(self._running.values())
+        used = Capacity(
+            sequences=len(running),
+            tokens=sum(r.input_tokens + r.item.max_tokens for r in running),
+            model_units=sum(r.footprint_mu for r in running),
+        )
+        healthy = not final and self._engine.healthy and not self.evicted.is_set()
+        if final:
+            capacity = NO_CAPACITY
+        elif self._draining:
+            capacity = used  # no room: the dispatcher sends nothing new
+        else:
+            capacity, healthy = self._engine_capacity(healthy)
+        seq, self._heartbeat_seq = self._heartbeat_seq, self._heartbeat_seq + 1
+        return Heartbeat(
+            worker_id=self.worker_id,
+            endpoint=self.endpoint,
+            capacity=capacity,
+            used=used,
+            in_flight=[r.key for r in running],
+            healthy=healthy,
+            started_at=self.started_at,
+            sent_at=time.time(),
+            seq=seq,
+            output_tokens=[r.output_tokens for r in running],
+            capacity_mu_per_s=(
+                self._profile.capacity_mu_per_s if self._profile is not None else 0.0
+            ),
+        )
+
+    def _engine_capacity(self, healthy: bool) -> tuple[Capacity, bool]:
+        try:
+            limits = self._engine.capacity
+        except EngineError as exc:
+            log.error("the engine reports no capacity: %s", exc)
+            return NO_CAPACITY, False
+        return advertised(limits), healthy
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import cast
 
-from broker_config.wire_generation import ChatMessage, Sampling, TokenLogprob, TopLogprob
+from broker_config.wire import ChatMessage, Sampling, TokenLogprob, TopLogprob
 from costmodel.engine_model import BatchingEngineModel, EngineParams, StepResult
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, approx_tokens
 from workers.engine import Delta, EngineError, EngineRequest

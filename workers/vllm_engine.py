@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from broker_config.wire_generation import ChatMessage, Sampling, TokenLogprob, TopLogprob
+from broker_config.wire import ChatMessage, Sampling, TokenLogprob, TopLogprob
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity
 from workers.engine import Delta, EngineError, EngineRequest
 

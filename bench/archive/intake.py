@@ -47,8 +47,7 @@ from bench.harness.paths import RESULTS_DIR
 from bench.harness.procstat import memory_kb
 from bench.harness.raw import FETCH_BATCH, raw_fetch_job, spawn_pool
 from bench.harness.stack import connected
-from broker_config.config import parse_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions
+from broker_config.config import BrokerSettings, DispatcherOptions, parse_config
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import provision
 from broker_config.subjects import HDR_MSG_ID

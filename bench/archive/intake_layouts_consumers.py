@@ -24,7 +24,7 @@ from nats.js.api import ConsumerConfig
 from bench.harness.procstat import CpuMeter
 from bench.harness.stack import connected
 from broker_config import jetstream
-from broker_config.config_services import BrokerSettings, DispatcherOptions
+from broker_config.config import BrokerSettings, DispatcherOptions
 from broker_config.direct_get import DirectBatchGet, DirectGetError, StoredMessage
 from broker_config.streams import (
     ConsumerLimits,

@@ -20,7 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bench.harness.machine import table
-from broker_config import wire, wire_internal
+from broker_config import wire
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from dispatcher.core.pool import Key
 
@@ -59,13 +59,11 @@ class Watch:
         self.endpoint = endpoint
         self.inbox = inbox
         self.dispatches: dict[Key, list[_Dispatch]] = defaultdict(list)
-        self.completions: dict[Key, list[tuple[float, wire_internal.Completion]]] = defaultdict(
-            list
-        )
+        self.completions: dict[Key, list[tuple[float, wire.Completion]]] = defaultdict(list)
         self.finals: dict[Key, list[wire.FinalEvent]] = defaultdict(list)
         self.final_at: dict[Key, float] = {}
         self.runs: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (seen, started)
-        self.evictions: list[tuple[float, wire_internal.Evict]] = []
+        self.evictions: list[tuple[float, wire.Evict]] = []
         # Per healthy heartbeat: the larger of its sequence and KV token shares in use.
         self.fullness: list[float] = []
         self.probes_sent = 0
@@ -103,7 +101,7 @@ class Watch:
     # -- handlers ------------------------------------------------------------------------
 
     async def _on_batch(self, msg: Msg) -> None:
-        batch = self._decode(msg, wire_internal.BATCH.decode)
+        batch = self._decode(msg, wire.BATCH.decode)
         if batch is None:
             return
         if self.epoch_first_batch and batch.epoch < max(self.epoch_first_batch):
@@ -119,7 +117,7 @@ class Watch:
                 )
 
     async def _on_completions(self, msg: Msg) -> None:
-        completions = self._decode(msg, wire_internal.COMPLETIONS.decode)
+        completions = self._decode(msg, wire.COMPLETIONS.decode)
         if completions is None:
             return
         for done in completions.items:
@@ -132,7 +130,7 @@ class Watch:
                 self.completions[(done.tenant, done.id)].append((done.finished_at, done))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        beat = self._decode(msg, wire_internal.HEARTBEAT.decode)
+        beat = self._decode(msg, wire.HEARTBEAT.decode)
         if beat is None:
             return
         runs = self.runs[beat.worker_id]
@@ -147,7 +145,7 @@ class Watch:
             )
 
     async def _on_evict(self, msg: Msg) -> None:
-        evict = self._decode(msg, wire_internal.EVICT.decode)
+        evict = self._decode(msg, wire.EVICT.decode)
         if evict is not None:
             self.evictions.append((time.time(), evict))
 
@@ -221,24 +219,8 @@ class Watch:
         return ended is not None and ended <= at
 
 
-def _error_messages(
-    watch: Watch, stored: dict[Key, wire_internal.StoredResult], submitted: list[Key]
-) -> dict[str, int]:
-    """The five most frequent error messages among the final events."""
-    messages = Counter(
-        e.message
-        for key in submitted
-        for e in [_final(watch, stored, key)]
-        if isinstance(e, wire.ErrorEvent)
-    )
-    return dict(messages.most_common(5))
-
-
 def verdict(
-    watch: Watch,
-    faults: list[Fault],
-    submitted: list[Key],
-    stored: dict[Key, wire_internal.StoredResult],
+    watch: Watch, faults: list[Fault], submitted: list[Key], stored: dict[Key, wire.StoredResult]
 ) -> dict[str, Any]:
     """The run's figures: delivery (lost, two results, repeats, run twice), and per fault
     the times to detection, re-dispatch and a replacement serving."""
@@ -287,7 +269,14 @@ def verdict(
         "ran_twice_to_completion": len(ran_twice),
         "ran_twice_ids": [list(k) for k in ran_twice[:20]],
         "outcomes": dict(outcomes),
-        "error_messages": _error_messages(watch, stored, submitted),
+        "error_messages": dict(
+            Counter(
+                e.message
+                for key in submitted
+                for e in [_final(watch, stored, key)]
+                if isinstance(e, wire.ErrorEvent)
+            ).most_common(5)
+        ),
         "internal_elsewhere": len(internal_elsewhere),
         "internal_elsewhere_ids": [list(k) for k in internal_elsewhere[:20]],
         "done_total_s": {f"p{q}": _quantile(totals, q / 100) for q in (50, 95, 99)},
@@ -310,7 +299,7 @@ def verdict(
     }
 
 
-def _results_of(watch: Watch, stored: dict[Key, wire_internal.StoredResult], key: Key) -> int:
+def _results_of(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) -> int:
     """How many different final events the request has, stored or delivered."""
     events = list(watch.finals.get(key, ()))
     if key in stored:
@@ -318,9 +307,7 @@ def _results_of(watch: Watch, stored: dict[Key, wire_internal.StoredResult], key
     return len({msgspec.json.encode(e) for e in events})
 
 
-def _final(
-    watch: Watch, stored: dict[Key, wire_internal.StoredResult], key: Key
-) -> wire.FinalEvent | None:
+def _final(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) -> wire.FinalEvent | None:
     result = stored.get(key)
     return result.event if result is not None else (watch.finals.get(key) or [None])[0]
 

@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 
 from bench.harness.measured import REFUSED, Arrival, Measured, Replay, to_measure
 from bench.harness.recorder import bounded
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.subjects import HDR_MSG_ID, HDR_REPLY
 from broker_config.wire import EVENT, DoneEvent, SubmitRequest, TokenEvent, encode
 

@@ -34,7 +34,7 @@ from bench.harness.measured import Arrival, Replay
 from bench.harness.procstat import CpuMeter, run_timed
 from bench.harness.stack import ENDPOINT, FIRE_IN_FLIGHT, connected, provisioned
 from broker_config import jetstream
-from broker_config.config_services import BrokerSettings, DispatcherOptions
+from broker_config.config import BrokerSettings, DispatcherOptions
 from broker_config.streams import ConsumerLimits, ConsumerSpec, ensure_consumer
 
 SETTINGS = BrokerSettings()

@@ -60,9 +60,8 @@ from bench.harness.measured import (
     describe_outcomes,
     to_measure,
 )
-from broker_config.config_services import BrokerSettings
-from broker_config.wire import DoneEvent, TokenEvent
-from broker_config.wire_internal import STORED_RESULT, StoredResult
+from broker_config.config import BrokerSettings
+from broker_config.wire import STORED_RESULT, DoneEvent, StoredResult, TokenEvent
 from producers.client import Client
 from producers.errors import FairqError
 from producers.submission import Submitted

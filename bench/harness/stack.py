@@ -48,12 +48,10 @@ from bench.harness.firehose import fire_measured
 from bench.harness.measured import Arrival, Measured, Replay, to_measure
 from bench.harness.paths import REPO
 from bench.harness.recorder import WellBehaved, replay
-from broker_config.config import EXAMPLE_CONFIG, Config, load_config
-from broker_config.config_scheduling import Tenant
-from broker_config.config_services import BrokerSettings
+from broker_config.config import EXAMPLE_CONFIG, BrokerSettings, Config, Tenant, load_config
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import provision
-from broker_config.wire_internal import HEARTBEAT
+from broker_config.wire import HEARTBEAT
 from costmodel.engine_model import EngineParams
 from dispatcher.core.endpoint import sequences_outside_reserve
 from dispatcher.core.limits import scheduling_only

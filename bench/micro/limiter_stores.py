@@ -26,8 +26,7 @@ import numpy as np
 
 from bench.harness.cli import write_json
 from bench.harness.machine import command_line, machine_facts, table
-from broker_config.config_scheduling import Limits
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings, Limits
 from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
 from dispatcher.admission.kv_store import KvLimiterStore
 from dispatcher.admission.redis_store import (

@@ -52,8 +52,7 @@ from bench.scenarios.hostile_runner import (
     flood,
     quantile,
 )
-from broker_config.config import Config
-from broker_config.config_scheduling import Tenant
+from broker_config.config import Config, Tenant
 
 RESULTS = RESULTS_DIR / "hostile"
 # Bound on the requests stream emptying after the probes.

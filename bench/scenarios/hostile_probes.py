@@ -15,7 +15,7 @@ import msgspec
 from hypothesis import strategies as st
 from PIL import Image
 
-from broker_config.config_services import DispatcherOptions
+from broker_config.config import DispatcherOptions
 from broker_config.limits import InputLimits
 
 ENDPOINT = "chat"

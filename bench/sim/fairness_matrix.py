@@ -54,8 +54,7 @@ from bench.harness.machine import command_line, machine_facts, table
 from bench.harness.paths import RESULTS_DIR
 from bench.harness.plots import grouped_bars
 from bench.harness.traces import add_trace_argument, azure_trace
-from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, load_config
-from broker_config.config_scheduling import Tenant
+from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, Tenant, load_config
 from costmodel.engine_model import load_engine_params
 from dispatcher.core.limits import scheduling_only
 from dispatcher.core.policies import POLICIES

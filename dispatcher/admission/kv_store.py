@@ -40,8 +40,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from broker_config.config import Config
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings, Config
 from broker_config.streams import ProvisionError, apply_key_value, limits_bucket_config
 from dispatcher.admission.redis_store import (
     AsyncLimiterStore,

@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from tokenizers import Tokenizer
 
 from broker_config import wire
-from broker_config.config import ConfigError
-from broker_config.config_scheduling import Endpoint
+from broker_config.config import ConfigError, Endpoint
 from dispatcher.dispatch.convert import prompt_text
 
 # Below this many characters counting takes well under a millisecond: inline is cheaper

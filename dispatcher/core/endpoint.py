@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from broker_config.config_scheduling import Endpoint
+from broker_config.config import Endpoint
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.policies.contract import Selector

@@ -28,8 +28,7 @@ from typing import Protocol
 
 import msgspec
 
-from broker_config.config import Config
-from broker_config.config_scheduling import Limits, Tier, UnlistedTenants
+from broker_config.config import Config, Limits, Tier, UnlistedTenants
 from dispatcher.core.types import ADMITTED, Decision, Outcome
 
 # Slack when comparing times, so a request exactly on its emission time passes despite

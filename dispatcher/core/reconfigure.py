@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from broker_config.config import Config
-from broker_config.tenant_registry import Registry
+from broker_config.config import Config, Registry
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.policies.fairq import TierLadder
 from dispatcher.core.types import Request

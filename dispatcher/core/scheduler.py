@@ -20,8 +20,7 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from broker_config.config import Config
-from broker_config.tenant_registry import Registry
+from broker_config.config import Config, Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
 from dispatcher.core.endpoint import EndpointQueues

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from broker_config import wire, wire_internal
+from broker_config import wire
 from costmodel.capacity import Autoscaler
 from dispatcher.parts import Parts
 
@@ -54,7 +54,7 @@ class Autoscaling:
             last = self._published.get(name)
             if last is None or last[0] != decision.desired or now - last[1] >= REPUBLISH_S:
                 self._published[name] = (decision.desired, now)
-                event = wire_internal.ScaleEvent(
+                event = wire.ScaleEvent(
                     endpoint=name,
                     desired=decision.desired,
                     serving=serving,

@@ -25,11 +25,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from broker_config.config import Config
-from broker_config.config_scheduling import EndpointKind
+from broker_config.config import Config, EndpointKind
 from broker_config.subjects import Subjects
-from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent
-from broker_config.wire_generation import TokenLogprob
+from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
 from producers.client import Client
 from producers.errors import BacklogFull, FairqError, FairqTimeout, InvalidRequest
 from producers.openai_front import openai_wire as ow

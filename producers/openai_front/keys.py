@@ -15,8 +15,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from broker_config.config import Config, ConfigError
-from broker_config.config_services import FrontKey
+from broker_config.config import Config, ConfigError, FrontKey
 
 KEY_PREFIX = "fq-"
 

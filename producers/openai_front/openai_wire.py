@@ -17,8 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from broker_config.config_errors import error_path
-from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent
-from broker_config.wire_generation import TokenLogprob
+from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
 
 DATA_URL_PREFIX = "data:"
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit

@@ -21,7 +21,7 @@ from typing import Any
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from broker_config.config_services import FrontOptions
+from broker_config.config import FrontOptions
 from producers.openai_front.app import Front
 
 DRAIN_S = 5.0

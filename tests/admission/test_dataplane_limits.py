@@ -23,8 +23,13 @@ import pytest
 import redis.asyncio as aioredis
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from broker_config.config import Config, parse_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions, WorkerOptions
+from broker_config.config import (
+    BrokerSettings,
+    Config,
+    DispatcherOptions,
+    WorkerOptions,
+    parse_config,
+)
 from broker_config.server import EmbeddedNatsServer, EmbeddedRedisServer
 from broker_config.wire import DoneEvent, ErrorCode
 from dispatcher.admission.kv_store import StoredUsage

@@ -13,7 +13,7 @@ import msgspec
 import nats
 import pytest
 
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
 from dispatcher.admission.kv_store import KvLimiterStore, StoredUsage
 from dispatcher.admission.redis_store import LimiterUnavailable

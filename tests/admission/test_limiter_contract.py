@@ -17,8 +17,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from broker_config.config import load_config
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings, load_config
 from broker_config.server import EmbeddedRedisServer
 from dispatcher.admission.kv_store import KvLimiterStore, open_limiter_store
 from dispatcher.admission.redis_store import (

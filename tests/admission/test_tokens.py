@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from broker_config.config_scheduling import Endpoint
-from broker_config.wire import SubmitRequest
-from broker_config.wire_generation import ChatMessage
+from broker_config.config import Endpoint
+from broker_config.wire import ChatMessage, SubmitRequest
 from dispatcher.admission.tokens import INLINE_CHARS, InputCounter, TokenizerError
 from dispatcher.dispatch.convert import prompt_text
 

@@ -15,8 +15,7 @@ import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_config.config import load_config
-from broker_config.config_services import DispatcherOptions, WorkerOptions
+from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from broker_config.subjects import Subjects
 from dispatcher.admission.admit import COUNTS_MEMORY_S
 from dispatcher.api.http import HttpApi

@@ -15,12 +15,10 @@ import pytest
 
 from bench.harness.consumers import endpoint_consumer
 from bench.harness.naive_worker import FeederSettings, SharedQueueFeeder, main
-from broker_config.config import EXAMPLE_CONFIG
-from broker_config.config_services import BrokerSettings
+from broker_config.config import EXAMPLE_CONFIG, BrokerSettings
 from broker_config.streams import provision
 from broker_config.subjects import SubjectError
-from broker_config.wire import EVENT, DoneEvent, Encoding
-from broker_config.wire_internal import BATCH, COMPLETIONS
+from broker_config.wire import BATCH, COMPLETIONS, EVENT, DoneEvent, Encoding
 from costmodel.engine_model import EngineParams
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine

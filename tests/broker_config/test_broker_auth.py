@@ -19,7 +19,7 @@ from broker_config.auth import (
     render_auth_config,
     tenant_permissions,
 )
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import provision
 from broker_config.subjects import HDR_MSG_ID, Subjects

@@ -23,7 +23,7 @@ from nats.js.errors import APIError, KeyWrongLastSequenceError, ServiceUnavailab
 
 from bench.harness.consumers import endpoint_consumer, pull_subscription, tenant_consumer
 from broker_config import jetstream
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.direct_get import DirectBatchGet, DirectGetError
 from broker_config.kv_writer import KeyValueWriter, PutError
 from broker_config.server import (

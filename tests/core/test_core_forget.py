@@ -11,9 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_config.config import Config
-from broker_config.config_scheduling import UnlistedTenants
-from broker_config.tenant_registry import Registry
+from broker_config.config import Config, Registry, UnlistedTenants
 from costmodel.units import Capacity, Usage
 from dispatcher.core.endpoint import DEBT_MEMORY_S
 from dispatcher.core.limits import MemoryLimiterStore

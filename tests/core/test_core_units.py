@@ -7,10 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from broker_config.config import ConfigError, load_config, parse_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions, WorkerOptions
+from broker_config.config import (
+    BrokerSettings,
+    ConfigError,
+    DispatcherOptions,
+    Registry,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
 from broker_config.limits import InputLimits
-from broker_config.tenant_registry import Registry
 from costmodel.units import Capacity, Usage
 from dispatcher.core.limits import MemoryLimiterStore, month_end, month_key
 from dispatcher.core.scheduler import Scheduler

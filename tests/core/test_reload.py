@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_config.config import ConfigError, parse_config
-from broker_config.config_scheduling import Limits
+from broker_config.config import ConfigError, Limits, parse_config
 from costmodel.units import Capacity, Usage
 from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.reconfigure import UNLISTED, ReloadError, tenant_changes

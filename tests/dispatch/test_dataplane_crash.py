@@ -18,11 +18,15 @@ import nats
 import nats.js.errors
 import pytest
 
-from broker_config.config import EXAMPLE_ENGINE, parse_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions, WorkerOptions
+from broker_config.config import (
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    DispatcherOptions,
+    WorkerOptions,
+    parse_config,
+)
 from broker_config.subjects import Subjects, shard_of
-from broker_config.wire import ErrorCode, ErrorEvent
-from broker_config.wire_internal import STORED_RESULT
+from broker_config.wire import STORED_RESULT, ErrorCode, ErrorEvent
 from costmodel.engine_model import load_engine_params
 from dispatcher.service import Dispatcher
 from tests.local_stack import DELIVERY_CONFIG

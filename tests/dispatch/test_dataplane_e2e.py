@@ -12,8 +12,14 @@ import msgspec
 import nats
 import pytest
 
-from broker_config.config import EXAMPLE_ENGINE, load_config, parse_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions, WorkerOptions
+from broker_config.config import (
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    DispatcherOptions,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
 from broker_config.limits import InputLimits
 from costmodel.engine_model import load_engine_params
 from dispatcher.api.http import HttpApi

@@ -24,13 +24,28 @@ import msgspec
 import nats
 import pytest
 
-from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, load_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions, WorkerOptions
+from broker_config.config import (
+    EXAMPLE_CONFIG,
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    DispatcherOptions,
+    WorkerOptions,
+    load_config,
+)
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.streams import provision
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from broker_config.wire import EVENT, DoneEvent, Encoding, ErrorCode, ErrorEvent, TokenEvent
-from broker_config.wire_internal import BATCH, COMPLETIONS, STORED_RESULT
+from broker_config.wire import (
+    BATCH,
+    COMPLETIONS,
+    EVENT,
+    STORED_RESULT,
+    DoneEvent,
+    Encoding,
+    ErrorCode,
+    ErrorEvent,
+    TokenEvent,
+)
 from costmodel.engine_model import load_engine_params
 from dispatcher.dispatch.stored_results import Results
 from tests.local_stack import LocalStack, StackOptions

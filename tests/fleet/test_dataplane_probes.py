@@ -9,8 +9,7 @@ import json
 import nats
 import pytest
 
-from broker_config.config import load_config
-from broker_config.config_services import DispatcherOptions, WorkerOptions
+from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from broker_config.subjects import Subjects
 from tests.local_stack import LocalStack, StackOptions
 from tests.wire_support import eventually

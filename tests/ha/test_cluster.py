@@ -18,8 +18,7 @@ import nats.errors
 import pytest
 
 from broker_config.cluster import EmbeddedNatsCluster
-from broker_config.config import EXAMPLE_ENGINE
-from broker_config.config_services import BrokerSettings, WorkerOptions
+from broker_config.config import EXAMPLE_ENGINE, BrokerSettings, WorkerOptions
 from broker_config.connection import server_urls
 from broker_config.jetstream import kv_stream
 from broker_config.lease_key import EpochWatch, ensure_leases_bucket

@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from broker_config import lease_key as lease_module
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.lease_key import (
     LEASE_KEY,
     EpochWatch,

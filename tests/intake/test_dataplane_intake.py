@@ -18,8 +18,14 @@ import nats.js.errors
 import pytest
 
 from broker_config import jetstream, wire
-from broker_config.config import EXAMPLE_ENGINE, load_config, parse_config
-from broker_config.config_services import BrokerSettings, DispatcherOptions, WorkerOptions
+from broker_config.config import (
+    EXAMPLE_ENGINE,
+    BrokerSettings,
+    DispatcherOptions,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
 from broker_config.streams import (
     ConsumerSpec,
     ensure_consumer,

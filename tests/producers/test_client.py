@@ -27,7 +27,7 @@ from nats.js import JetStreamContext
 
 from bench.harness.consumers import tenant_consumer
 from broker_config.auth import build_users, render_auth_config
-from broker_config.config_services import BrokerSettings
+from broker_config.config import BrokerSettings
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import ensure_consumer, provision
 from broker_config.subjects import HDR_CONTENT_TYPE, HDR_MSG_ID, HDR_REPLY, Subjects, shard_of
@@ -42,11 +42,12 @@ from broker_config.wire import (
     StatusReply,
     Timings,
     TokenEvent,
+    Usage,
     encode,
     parse_submission,
 )
-from costmodel.units import Usage
 from producers.client import Client
+from producers.commands import DepthTrend, _without_credentials, render_depth
 from producers.errors import (
     ApiError,
     BacklogFull,
@@ -58,7 +59,6 @@ from producers.errors import (
     PublishFailed,
     RequestFailed,
 )
-from producers.top_command import DepthTrend, _without_credentials, render_depth
 
 pytestmark = pytest.mark.integration
 S = Subjects()

@@ -29,7 +29,7 @@ import pytest
 
 from bench.harness.procstat import worker_pid
 from broker_config.config import EXAMPLE_CONFIG
-from broker_config.wire_generation import ChatMessage, Sampling
+from broker_config.wire import ChatMessage, Sampling
 from producers.client import Client
 from workers.engine import EngineRequest
 from workers.sim_engine import SimEngine

@@ -7,10 +7,15 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from broker_config.config import ConfigError, load_config, parse_config
-from broker_config.config_services import FrontKey
-from broker_config.wire import DoneEvent, ErrorCode, Timings, TokenEvent
-from broker_config.wire_generation import TokenLogprob, TopLogprob
+from broker_config.config import ConfigError, FrontKey, load_config, parse_config
+from broker_config.wire import (
+    DoneEvent,
+    ErrorCode,
+    Timings,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+)
 from costmodel.units import Usage
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Outcome, Request

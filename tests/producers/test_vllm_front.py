@@ -19,8 +19,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from broker_config.config import parse_config
-from broker_config.config_services import DispatcherOptions, WorkerOptions
+from broker_config.config import DispatcherOptions, WorkerOptions, parse_config
 from broker_config.server import EmbeddedNatsServer
 from dispatcher.service import Dispatcher
 from producers.client import Client

@@ -18,11 +18,15 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from broker_config.config import ConfigError, load_config, parse_config
-from broker_config.config_services import ImageOptions, WorkerOptions
+from broker_config.config import (
+    ConfigError,
+    ImageOptions,
+    WorkerOptions,
+    load_config,
+    parse_config,
+)
 from broker_config.subjects import message_bytes
-from broker_config.wire import Encoding, Submission, SubmitRequest
-from broker_config.wire_generation import ChatMessage
+from broker_config.wire import ChatMessage, Encoding, Submission, SubmitRequest
 from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.dispatch.convert import to_request

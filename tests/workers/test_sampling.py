@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker_config.wire import SUBMIT_REQUEST, Encoding, WireError, decode_request
-from broker_config.wire_generation import Sampling
+from broker_config.wire import SUBMIT_REQUEST, Encoding, Sampling, WireError, decode_request
 from workers.engine import Delta, EngineRequest
 from workers.sim_engine import EMBEDDING_DIM, SimEngine
 from workers.stops import StopScanner

@@ -10,7 +10,7 @@ from contextlib import aclosing
 import msgspec
 import pytest
 
-from broker_config.wire_generation import ChatMessage
+from broker_config.wire import ChatMessage
 from costmodel.engine_model import BatchingEngineModel, EngineParams
 from costmodel.units import CHARS_PER_TOKEN, UNLIMITED_MODEL_UNITS, Capacity
 from workers.engine import Delta, Engine, EngineError, EngineRequest

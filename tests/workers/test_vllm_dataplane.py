@@ -23,8 +23,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
 
-from broker_config.config import parse_config
-from broker_config.config_services import DispatcherOptions, WorkerOptions
+from broker_config.config import DispatcherOptions, WorkerOptions, parse_config
 from broker_config.subjects import Subjects
 from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher

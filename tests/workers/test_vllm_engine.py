@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from broker_config.wire_generation import ChatMessage, Sampling
+from broker_config.wire import ChatMessage, Sampling
 from workers.engine import Delta, EngineError, EngineRequest
 from workers.images import PreparedImage
 
@@ -436,9 +436,8 @@ async def test_a_busy_worker_answers_a_probe_in_the_slot_it_keeps_free(model_dir
     the top priority and is answered well within the dispatcher's default timeout."""
     import time
 
-    from broker_config.config_services import DispatcherOptions
-    from broker_config.wire import SubmitRequest
-    from broker_config.wire_internal import BatchItem
+    from broker_config.config import DispatcherOptions
+    from broker_config.wire import BatchItem, SubmitRequest
     from workers.probe import advertised, answer_probe
 
     config = VLLMEngineConfig(

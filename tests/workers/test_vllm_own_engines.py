@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from bench.scenarios import affinity_vllm
-from broker_config.config_services import DispatcherOptions
+from broker_config.config import DispatcherOptions
 from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
 from tests.dispatch.test_dataplane_e2e import collect, submit

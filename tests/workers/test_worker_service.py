@@ -24,33 +24,35 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from broker_config.config import ConfigError, parse_config
-from broker_config.config_services import BrokerSettings, WorkerOptions
+from broker_config.config import (
+    BrokerSettings,
+    ConfigError,
+    WorkerOptions,
+    parse_config,
+)
 from broker_config.streams import provision
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from broker_config.wire import (
-    EVENT,
-    DoneEvent,
-    Encoding,
-    ErrorCode,
-    ErrorEvent,
-    Event,
-    SubmitRequest,
-    TokenEvent,
-    encode,
-)
-from broker_config.wire_generation import ChatMessage
-from broker_config.wire_internal import (
     COMPLETIONS,
+    EVENT,
     HEARTBEAT,
     STORED_RESULT,
     Abort,
     Batch,
     BatchItem,
+    ChatMessage,
     Completion,
+    DoneEvent,
+    Encoding,
+    ErrorCode,
+    ErrorEvent,
+    Event,
     Evict,
     Heartbeat,
     StoredResult,
+    SubmitRequest,
+    TokenEvent,
+    encode,
 )
 from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile, Usage
