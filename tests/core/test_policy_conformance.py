@@ -438,6 +438,15 @@ def test_a_flow_set_aside_waits_for_restore_then_is_back(policy: Policy, queued)
     outputs=st.lists(st.integers(0, 20), max_size=12),
     returning=st.lists(st.tuples(tenant_names, costs), min_size=1, max_size=10),
 )
+# A charge of 0 leaves VTC's counter as it was: its heap entry must not stay valid
+# beside the new one, or `set_aside` leaves the flow selectable.
+@example(
+    quantum=1.0,
+    queued=[("a", 0), ("a", 0)],
+    ops=[("place", ["charge", "aside"])],
+    outputs=[],
+    returning=[("a", 0)],
+)
 def test_forget_drops_only_flows_a_new_one_would_replace(
     policy: Policy, quantum: float, queued, ops, outputs, returning
 ) -> None:

@@ -28,6 +28,7 @@ OUTPUT_WEIGHT = 2.0
 
 
 class VtcSelector:
+    strict_tiers = False
     blocks_on_misfit = False
     charges_output_as_generated = True
 
@@ -37,8 +38,11 @@ class VtcSelector:
         # from run to run and with it the ties).
         self._moved: dict[TenantFlow, None] = {}
         # (counter, tie-break, flow) of backlogged flows; an entry whose counter is no
-        # longer the flow's is stale and skipped.
+        # longer the flow's is stale and skipped. `_entry`: each flow's newest entry
+        # still in the heap, reused while its counter is the flow's, so a flow never has
+        # two valid entries (one would survive `set_aside`).
         self._heap: list[tuple[float, int, TenantFlow]] = []
+        self._entry: dict[TenantFlow, tuple[float, int]] = {}
         self._ties = itertools.count()
         self._last_left = 0.0
         self._backlogged: set[TenantFlow] = set()
@@ -59,11 +63,15 @@ class VtcSelector:
         self._moved.clear()
         heap = self._heap
         while heap:
-            counter, _, flow = heap[0]
-            if not flow.in_ring or self.counters[flow] != counter:
-                heapq.heappop(heap)  # stale: its counter moved on
+            counter, tie, flow = heap[0]
+            if (
+                not flow.in_ring
+                or self.counters[flow] != counter
+                or self._entry.get(flow) != (counter, tie)
+            ):
+                self._pop()  # stale: its counter moved on, or a newer entry took over
             elif flow.queue.peek() is None:  # emptied by cancels
-                heapq.heappop(heap)
+                self._pop()
                 self._leave(flow)
             else:
                 return flow
@@ -87,11 +95,11 @@ class VtcSelector:
 
     def drop_if_empty(self, flow: TenantFlow) -> None:
         if flow.queue.peek() is None:
-            heapq.heappop(self._heap)
+            self._pop()
             self._leave(flow)
 
     def set_aside(self, flow: TenantFlow) -> None:
-        heapq.heappop(self._heap)
+        self._pop()
         self._set_aside.append(flow)
 
     def restore_set_aside(self) -> None:
@@ -107,6 +115,7 @@ class VtcSelector:
         gone = [flow for flow in idle if flow in forgive or self.counters.get(flow, 0.0) <= floor]
         for flow in gone:
             self.counters.pop(flow, None)
+            self._entry.pop(flow, None)
         return gone
 
     def _floor(self) -> float:
@@ -126,4 +135,14 @@ class VtcSelector:
         self._last_left = self.counters[flow]
 
     def _push(self, flow: TenantFlow) -> None:
-        heapq.heappush(self._heap, (self.counters[flow], next(self._ties), flow))
+        counter = self.counters[flow]
+        entry = self._entry.get(flow)
+        if entry is not None and entry[0] == counter:
+            return  # its entry in the heap is valid as it is
+        self._entry[flow] = (counter, next(self._ties))
+        heapq.heappush(self._heap, (*self._entry[flow], flow))
+
+    def _pop(self) -> None:
+        counter, tie, flow = heapq.heappop(self._heap)
+        if self._entry.get(flow) == (counter, tie):
+            del self._entry[flow]
