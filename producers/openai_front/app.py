@@ -25,12 +25,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from broker_config.config import Config, EndpointKind
+from broker_config.config import Config, Endpoint, EndpointKind
 from broker_config.subjects import Subjects
 from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
 from producers.client import Client
 from producers.errors import BacklogFull, FairqError, FairqTimeout, InvalidRequest
 from producers.openai_front import openai_wire as ow
+from producers.openai_front.errors import FrontError, error_for, event_error, submit_error
 from producers.openai_front.keys import KeyRing
 from producers.submission import Submitted
 
@@ -56,49 +57,65 @@ class Front:
         self._cancels: set[asyncio.Task[None]] = set()
         self.app = Starlette(
             routes=[
+                Route("/health", self.health, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                # `path`: a name with a slash is an unknown model too, not an unknown route.
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             ],
-            exception_handlers={ow.FrontError: _error_response, HTTPException: _http_error},
+            exception_handlers={FrontError: _error_response, HTTPException: _http_error},
         )
 
     # -- routes --------------------------------------------------------------------------
 
+    async def health(self, request: Request) -> Response:
+        """For load balancers and probes (no key): 200 while the front can reach NATS."""
+        nc = self.client.connection
+        if nc.is_draining:  # is_connected too, but the front is stopping
+            state = "draining"
+        elif nc.is_connected:
+            return JSONResponse({"status": "ok", "nats": "connected"})
+        else:
+            state = "closed" if nc.is_closed else "reconnecting"
+        return JSONResponse({"status": "unavailable", "nats": state}, status_code=503)
+
     async def models(self, request: Request) -> Response:
         self._tenant(request)
         return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": 0, "owned_by": "fairq"}
-                    for name in sorted(self.config.endpoints)
-                ],
-            }
+            {"object": "list", "data": [_model(name) for name in sorted(self.config.endpoints)]}
         )
+
+    async def model(self, request: Request) -> Response:
+        self._tenant(request)
+        name = request.path_params["model"]
+        self._spec(name)
+        return JSONResponse(_model(name))
 
     async def chat(self, request: Request) -> Response:
         tenant = self._tenant(request)
         body: ow.ChatRequest = ow.decode_body(await self._body(request), ow.ChatRequest)
-        return await self._generate(request, tenant, body, ow.chat_submit(body), "chatcmpl")
+        fields = ow.chat_submit(body, self._endpoint(body.model, "generate").max_tokens_cap)
+        return await self._generate(request, tenant, body, fields, "chatcmpl")
 
     async def completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
         body: ow.CompletionRequest = ow.decode_body(await self._body(request), ow.CompletionRequest)
-        return await self._generate(request, tenant, body, ow.completion_submit(body), "cmpl")
+        fields = ow.completion_submit(body, self._endpoint(body.model, "generate").max_tokens_cap)
+        return await self._generate(request, tenant, body, fields, "cmpl")
 
     async def embeddings(self, request: Request) -> Response:
         tenant = self._tenant(request)
         body: ow.EmbeddingRequest = ow.decode_body(await self._body(request), ow.EmbeddingRequest)
         inputs = ow.embedding_inputs(body)
-        endpoint = self._endpoint(body.model, "embed")
+        self._endpoint(body.model, "embed")
         fields = [
             {"prompt": text, "max_tokens": 1, **ow.fairq_fields(body.fairq)} for text in inputs
         ]
         submitted: list[Submitted] = []
         dones = await self._until_disconnect(
-            request, self._embed_all(endpoint, tenant, fields, submitted), submitted
+            request, self._embed_all(body, tenant, fields, submitted), submitted
         )
         return JSONResponse(ow.embedding_list(body.model, dones, body.encoding_format))
 
@@ -108,7 +125,7 @@ class Front:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         tenant = self.keys.tenant(key.strip()) if scheme.lower() == "bearer" else None
         if tenant is None:
-            raise ow.FrontError(
+            raise FrontError(
                 401,
                 "missing or unknown API key (send Authorization: Bearer KEY)",
                 type_="authentication_error",
@@ -131,32 +148,42 @@ class Front:
                         raise _too_large(limit)
                     chunks.append(chunk)
         except TimeoutError:
-            raise ow.FrontError(
+            raise FrontError(
                 408,
                 f"the request body did not arrive within {self.options.request_read_timeout_s:g}s",
             ) from None
         return b"".join(chunks)
 
-    def _endpoint(self, model: str, kind: EndpointKind) -> str:
+    def _spec(self, model: str) -> Endpoint:
         spec = self.config.endpoints.get(model)
         if spec is None:
-            raise ow.FrontError(
+            raise FrontError(
                 404,
                 f"the model {model!r} does not exist (GET /v1/models lists them)",
                 param="model",
                 code="model_not_found",
             )
+        return spec
+
+    def _endpoint(self, model: str, kind: EndpointKind) -> Endpoint:
+        """The model's endpoint, which must be of this kind."""
+        spec = self._spec(model)
         if spec.kind != kind:
-            route = "/v1/embeddings" if spec.kind == "embed" else "/v1/chat/completions"
-            raise ow.FrontError(
+            article, route = (
+                ("an", "/v1/embeddings") if spec.kind == "embed" else ("a", "/v1/chat/completions")
+            )
+            raise FrontError(
                 400,
-                f"the model {model!r} is an {spec.kind} endpoint: use {route}",
+                f"the model {model!r} is {article} {spec.kind} endpoint: use {route}",
                 param="model",
                 code="wrong_model_kind",
             )
-        return model
+        return spec
 
-    async def _submit(self, endpoint: str, tenant: str, fields: dict[str, Any]) -> Submitted:
+    async def _submit(self, body: Any, tenant: str, fields: dict[str, Any]) -> Submitted:
+        """`fields` submitted to `body`'s model for `tenant`; a refusal names the
+        parameter of `body` that it is about."""
+        endpoint = body.model
         # With per-tenant broker users the dispatcher takes only replies in the tenant's
         # inbox; the front's user may listen there for the tenants it serves.
         reply: bool | str = (
@@ -167,30 +194,30 @@ class Front:
         try:
             return await self.client.submit(endpoint, tenant, reply=reply, **fields)
         except InvalidRequest as exc:
-            raise ow.FrontError(400, str(exc)) from exc
+            raise submit_error(exc, body.param_names()) from exc
         except BacklogFull as exc:
-            raise ow.error_for(ErrorCode.OVERLOADED, str(exc), 1.0) from exc
+            raise error_for(ErrorCode.OVERLOADED, str(exc), 1.0) from exc
         except FairqTimeout as exc:  # also what a broker user refused this tenant sees
-            raise ow.FrontError(
+            raise FrontError(
                 503,
                 f"the broker did not take the request of tenant {tenant!r} on {endpoint!r}: {exc}",
                 type_="server_error",
                 retry_after_s=1.0,
             ) from exc
         except FairqError as exc:  # broker unreachable or refusing: not the client's fault
-            raise ow.FrontError(
+            raise FrontError(
                 503, f"fairq is unavailable: {exc}", type_="server_error", retry_after_s=1.0
             ) from exc
 
     async def _generate(
         self, request: Request, tenant: str, body: Any, fields: dict[str, Any], prefix: str
     ) -> Response:
-        submitted = await self._submit(self._endpoint(body.model, "generate"), tenant, fields)
+        submitted = await self._submit(body, tenant, fields)
         ids = ow.ResponseIds(prefix, submitted.id, body.model)
         chat = prefix == "chatcmpl"
         if not body.stream:
             done, logprobs = await self._until_disconnect(
-                request, self._final(submitted), [submitted]
+                request, self._final(submitted, body), [submitted]
             )
             return JSONResponse(
                 ow.chat_completion(ids, done, logprobs)
@@ -200,7 +227,7 @@ class Front:
         events = self.client.stream(submitted, timeout_s=self.options.event_timeout_s)
         first = await self._until_disconnect(request, self._next(events, submitted), [submitted])
         if isinstance(first, ErrorEvent):
-            raise ow.error_for(first.code, first.message, first.retry_after_s)
+            raise event_error(first, body.param_names())
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = ow.StreamChunks(ids, chat=chat, include_usage=usage)
         return _EventStream(
@@ -227,7 +254,7 @@ class Front:
                 break
             try:
                 event = await self._next(events, submitted)
-            except ow.FrontError as exc:
+            except FrontError as exc:
                 yield _sse(exc.body())
                 break
         yield "data: [DONE]\n\n"
@@ -236,19 +263,22 @@ class Front:
         try:
             return await anext(events)
         except FairqTimeout as exc:
-            raise ow.error_for(ErrorCode.DEADLINE_EXCEEDED, str(exc)) from exc
+            raise error_for(ErrorCode.DEADLINE_EXCEEDED, str(exc)) from exc
         except StopAsyncIteration:
-            raise ow.FrontError(
+            raise FrontError(
                 500,
                 f"the events of request {submitted.id} ended without a final event",
                 type_="server_error",
             ) from None
         except FairqError as exc:
-            raise ow.FrontError(503, str(exc), type_="server_error") from exc
+            raise FrontError(503, str(exc), type_="server_error") from exc
 
-    async def _final(self, submitted: Submitted) -> tuple[DoneEvent, list[TokenLogprob] | None]:
+    async def _final(
+        self, submitted: Submitted, body: Any
+    ) -> tuple[DoneEvent, list[TokenLogprob] | None]:
         """The request's done event and its tokens' logprobs (None if not asked for); its
-        error event as a FrontError. Tokens of a second run (from seq 0 again) are skipped."""
+        error event as a FrontError about a parameter of `body`. Tokens of a second run
+        (from seq 0 again) are skipped."""
         events = self.client.stream(submitted, timeout_s=self.options.event_timeout_s)
         logprobs: list[TokenLogprob] | None = None
         next_seq = 0
@@ -263,12 +293,16 @@ class Front:
                 elif isinstance(event, DoneEvent):
                     return event, logprobs
                 elif isinstance(event, ErrorEvent):
-                    raise ow.error_for(event.code, event.message, event.retry_after_s)
+                    raise event_error(event, body.param_names())
         finally:
             await _close(events)
 
     async def _embed_all(
-        self, endpoint: str, tenant: str, fields: list[dict[str, Any]], submitted: list[Submitted]
+        self,
+        body: ow.EmbeddingRequest,
+        tenant: str,
+        fields: list[dict[str, Any]],
+        submitted: list[Submitted],
     ) -> list[DoneEvent]:
         """Every input's done event, in order; the requests are listed in `submitted` as
         they go out. If one fails, the others are cancelled and its error is raised."""
@@ -276,8 +310,8 @@ class Front:
 
         async def one(request: dict[str, Any]) -> DoneEvent:
             async with slots:
-                submitted.append(await self._submit(endpoint, tenant, request))
-                done, _ = await self._final(submitted[-1])
+                submitted.append(await self._submit(body, tenant, request))
+                done, _ = await self._final(submitted[-1], body)
                 return done
 
         try:
@@ -285,7 +319,7 @@ class Front:
                 tasks = [group.create_task(one(request)) for request in fields]
         except BaseExceptionGroup as failed:
             self._abandon(submitted)
-            first = next((e for e in failed.exceptions if isinstance(e, ow.FrontError)), None)
+            first = next((e for e in failed.exceptions if isinstance(e, FrontError)), None)
             if first is None:
                 raise
             raise first from None
@@ -308,7 +342,7 @@ class Front:
                 task.cancel()
                 self._abandon(submitted)
         # Nobody reads this answer; 499 is what proxies log for it.
-        raise ow.FrontError(499, "the client closed the connection", type_="cancelled")
+        raise FrontError(499, "the client closed the connection", type_="cancelled")
 
     def _abandon(self, submitted: Sequence[Submitted]) -> None:
         """Cancel requests nobody will read, in a task of their own."""
@@ -353,18 +387,23 @@ async def _close(events: AsyncIterator[Event]) -> None:
         await aclose()
 
 
+def _model(name: str) -> dict[str, Any]:
+    """An endpoint as OpenAI's model object."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "fairq"}
+
+
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def _too_large(limit: int) -> ow.FrontError:
-    return ow.FrontError(
+def _too_large(limit: int) -> FrontError:
+    return FrontError(
         413, f"the request body is over the front's limit of {limit} bytes ([front] max_body_bytes)"
     )
 
 
 async def _error_response(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ow.FrontError)
+    assert isinstance(exc, FrontError)
     headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
@@ -374,4 +413,4 @@ async def _error_response(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (no such route, wrong method) in OpenAI's error body."""
     assert isinstance(exc, HTTPException)
-    return await _error_response(request, ow.FrontError(exc.status_code, str(exc.detail)))
+    return await _error_response(request, FrontError(exc.status_code, str(exc.detail)))

@@ -3,8 +3,11 @@
 Requests are decoded leniently, as OpenAI-compatible servers do: fields this front does
 not know are ignored, except those whose meaning it cannot honour (`tools`, `n` > 1,
 remote image URLs, token-id prompts), which are refused with a 400 naming them. What
-fairq itself checks (ranges of the sampling parameters, input limits) is left to the
-dispatcher, so a request is judged once, by the same rules as any client's.
+fairq itself checks (ranges of the sampling parameters, input limits) is left to the SDK
+and the dispatcher, so a request is judged once, by the same rules as any client's. The
+one exception is `max_tokens` over the endpoint's `max_tokens_cap`, which fairq lowers
+silently: the front refuses it (400), as OpenAI and vLLM refuse a `max_tokens` over what
+the model can generate, so that a caller never gets less than it asked without a word.
 """
 
 from __future__ import annotations
@@ -16,63 +19,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from broker_config.config_errors import error_path
-from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent, Event, TokenEvent, TokenLogprob
+from broker_config.wire import DoneEvent, ErrorEvent, Event, TokenEvent, TokenLogprob
+from producers.openai_front.errors import FrontError, body_param, error_for
 
 DATA_URL_PREFIX = "data:"
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit
-
-
-class FrontError(Exception):
-    """An HTTP error in OpenAI's error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-# The HTTP status, OpenAI error type and code for each of the contract's error codes.
-_ERRORS: dict[ErrorCode, tuple[int, str]] = {
-    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
-    ErrorCode.UNKNOWN_TENANT: (401, "authentication_error"),
-    ErrorCode.UNKNOWN_ENDPOINT: (404, "invalid_request_error"),
-    ErrorCode.RATE_LIMITED: (429, "rate_limit_error"),
-    ErrorCode.QUOTA_EXCEEDED: (429, "insufficient_quota"),
-    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
-    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    ErrorCode.CANCELLED: (499, "cancelled"),
-    ErrorCode.INTERNAL: (500, "server_error"),
-    ErrorCode.UNAVAILABLE: (503, "server_error"),
-}
-
-
-def error_for(code: ErrorCode, message: str, retry_after_s: float | None = None) -> FrontError:
-    status, type_ = _ERRORS[code]
-    return FrontError(status, message, type_=type_, code=str(code), retry_after_s=retry_after_s)
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -121,6 +72,10 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     fairq: FairqOptions | None = None
     user: str | None = None
 
+    def param_names(self) -> dict[str, str]:
+        """This request's names for the submit's fields, where they differ."""
+        return {}
+
 
 class ChatRequest(_Common, frozen=True, kw_only=True):
     messages: list[Message]
@@ -129,6 +84,16 @@ class ChatRequest(_Common, frozen=True, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
+
+    def param_names(self) -> dict[str, str]:
+        return {
+            "max_tokens": "max_tokens"
+            if self.max_completion_tokens is None
+            else "max_completion_tokens",
+            "logprobs": "top_logprobs",
+            "prompt": "messages",
+            "images": "messages",
+        }
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -146,18 +111,35 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     fairq: FairqOptions | None = None
     user: str | None = None
 
+    def param_names(self) -> dict[str, str]:
+        return {"prompt": "input"}
+
 
 def decode_body(body: bytes, type_: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise FrontError(400, f"invalid body: {exc}", param=error_path(exc)) from exc
+        raise FrontError(400, f"invalid body: {exc}", param=body_param(exc)) from exc
     except msgspec.DecodeError as exc:
         raise FrontError(400, f"body is not valid JSON: {exc}") from exc
 
 
 def _refuse(param: str, why: str) -> FrontError:
     return FrontError(400, f"`{param}`: {why}", param=param, code="unsupported_parameter")
+
+
+def _max_tokens(request: _Common, asked: int | None, cap: int) -> int | None:
+    """`asked`, refused (400) over the endpoint's cap rather than lowered to it."""
+    if asked is not None and asked > cap:
+        param = request.param_names().get("max_tokens", "max_tokens")
+        raise FrontError(
+            400,
+            f"`{param}` is {asked}, but model {request.model!r} generates at most {cap} "
+            "tokens per request (its max_tokens_cap)",
+            param=param,
+            code="invalid_value",
+        )
+    return asked
 
 
 def _sampling(request: _Common, logprobs: int | None) -> dict[str, Any]:
@@ -187,8 +169,9 @@ def fairq_fields(options: FairqOptions | None) -> dict[str, Any]:
     }
 
 
-def chat_submit(request: ChatRequest) -> dict[str, Any]:
-    """The keywords of `Client.submit` for a chat completion."""
+def chat_submit(request: ChatRequest, cap: int) -> dict[str, Any]:
+    """The keywords of `Client.submit` for a chat completion on an endpoint of this
+    `max_tokens_cap`."""
     if request.tools or request.functions:
         raise _refuse("tools", "tool calling is not supported")
     if request.top_logprobs is not None and not request.logprobs:
@@ -206,7 +189,7 @@ def chat_submit(request: ChatRequest) -> dict[str, Any]:
     )
     fields: dict[str, Any] = {
         "messages": messages,
-        "max_tokens": max_tokens,
+        "max_tokens": _max_tokens(request, max_tokens, cap),
         "sampling": _sampling(request, logprobs) or None,
         **fairq_fields(request.fairq),
     }
@@ -234,7 +217,7 @@ def _content(content: str | list[ContentPart] | None, param: str) -> tuple[str, 
     return "".join(texts), images
 
 
-def completion_submit(request: CompletionRequest) -> dict[str, Any]:
+def completion_submit(request: CompletionRequest, cap: int) -> dict[str, Any]:
     prompt = request.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -244,10 +227,12 @@ def completion_submit(request: CompletionRequest) -> dict[str, Any]:
         raise _refuse("echo", "not supported")
     if request.suffix is not None:
         raise _refuse("suffix", "not supported")
-    # OpenAI's legacy completions default to 16 tokens.
+    # OpenAI's legacy completions default to 16 tokens (fewer on an endpoint capped lower).
     return {
         "prompt": prompt,
-        "max_tokens": 16 if request.max_tokens is None else request.max_tokens,
+        "max_tokens": min(16, cap)
+        if request.max_tokens is None
+        else _max_tokens(request, request.max_tokens, cap),
         "sampling": _sampling(request, request.logprobs) or None,
         **fairq_fields(request.fairq),
     }

@@ -6,6 +6,10 @@ or sends its headers a byte at a time, is closed (`[front] idle_timeout_s`); uvi
 waits on such a connection forever. The body's own timeout is the app's
 (`request_read_timeout_s`).
 
+hypercorn writes HTTP/1.1 status lines without a reason phrase ("HTTP/1.1 200"): legal,
+but not what clients, proxies and `curl -i` expect to show, so the standard phrase is
+added to each response as it is sent ("HTTP/1.1 200 OK").
+
 Drain order on leaving: stop accepting connections and let open requests finish for up to
 `DRAIN_S`, then close the listening socket. The SDK client is the caller's to close after.
 """
@@ -16,15 +20,43 @@ import asyncio
 import contextlib
 import os
 import socket
+from http import HTTPStatus
 from typing import Any
 
+import h11
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.protocol.h11 import H11Protocol
 
 from broker_config.config import FrontOptions
 from producers.openai_front.app import Front
 
 DRAIN_S = 5.0
+
+
+def _reason_phrase(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:  # not a standard status (the front's 499): none, as before
+        return b""
+
+
+_send_h11_event = H11Protocol._send_h11_event
+
+
+async def _send_with_reason_phrase(self: H11Protocol, event: Any) -> None:
+    if isinstance(event, h11.Response | h11.InformationalResponse) and not event.reason:
+        event = type(event)(
+            headers=event.headers,
+            status_code=event.status_code,
+            http_version=event.http_version,
+            reason=_reason_phrase(event.status_code),
+        )
+    await _send_h11_event(self, event)
+
+
+# hypercorn has no setting for it, and builds each h11 response where it sends it.
+H11Protocol._send_h11_event = _send_with_reason_phrase  # type: ignore[method-assign]
 
 
 class FrontServer:

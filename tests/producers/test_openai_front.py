@@ -28,9 +28,12 @@ import openai
 import pytest
 
 from bench.harness.procstat import worker_pid
-from broker_config.config import EXAMPLE_CONFIG
+from broker_config.config import EXAMPLE_CONFIG, load_config
 from broker_config.wire import ChatMessage, Sampling
 from producers.client import Client
+from producers.openai_front.app import Front
+from producers.openai_front.keys import KeyRing
+from producers.openai_front.server import FrontServer
 from workers.engine import EngineRequest
 from workers.sim_engine import SimEngine
 
@@ -255,7 +258,12 @@ def error_of(call: object) -> openai.APIStatusError:
 def test_every_error_has_the_status_an_openai_client_expects(up: Up) -> None:
     client = up.client()
     bad = error_of(lambda: client.chat.completions.create(**chat(temperature=5)))
-    assert bad.status_code == 400 and "temperature" in bad.message
+    assert bad.status_code == 400 and bad.param == "temperature" and "temperature" in bad.message
+    # Over a [dispatcher.input] limit (256 characters): refused by the dispatcher.
+    long = error_of(
+        lambda: client.chat.completions.create(**chat(extra_body={"fairq": {"session": "s" * 300}}))
+    )
+    assert long.status_code == 400 and long.param == "fairq.session"
     tools = error_of(
         lambda: client.chat.completions.create(
             **chat(tools=[{"type": "function", "function": {"name": "f"}}])
@@ -288,12 +296,63 @@ def test_every_error_has_the_status_an_openai_client_expects(up: Up) -> None:
 
     wrong = error_of(lambda: client.chat.completions.create(**chat(model="embed")))
     assert wrong.status_code == 400 and wrong.code == "wrong_model_kind"
+    assert "is an embed endpoint: use /v1/embeddings" in wrong.message
     wrong = error_of(lambda: client.embeddings.create(model="chat", input="x"))
-    assert wrong.status_code == 400 and "/v1/chat/completions" in wrong.message
+    assert wrong.status_code == 400 and wrong.param == "model"
+    assert "is a generate endpoint: use /v1/chat/completions" in wrong.message
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(f"{up.base_url}/nowhere", timeout=30)
     assert caught.value.code == 404
     assert json.load(caught.value)["error"]["message"] == "Not Found"
+
+
+def test_max_tokens_over_the_models_cap_is_a_400_naming_it(up: Up) -> None:
+    """Not lowered to the cap without a word: refused, as OpenAI and vLLM refuse it."""
+    client = up.client()
+    over = error_of(lambda: client.chat.completions.create(**chat(max_tokens=100_000)))
+    assert over.status_code == 400 and over.param == "max_tokens" and "1024" in over.message
+    over = error_of(lambda: client.completions.create(model="chat", prompt="x", max_tokens=1025))
+    assert over.status_code == 400 and over.param == "max_tokens"
+
+
+def test_a_model_is_retrieved_by_name(up: Up) -> None:
+    client = up.client()
+    model = client.models.retrieve("chat")
+    assert (model.id, model.object, model.owned_by) == ("chat", "model", "fairq")
+    for unknown in ("gpt-9", "org/gpt-9"):
+        missing = error_of(lambda name=unknown: client.models.retrieve(name))
+        assert isinstance(missing, openai.NotFoundError) and missing.code == "model_not_found"
+        assert missing.param == "model"
+    nobody = error_of(lambda: up.client("fq-nobody").models.retrieve("chat"))
+    assert isinstance(nobody, openai.AuthenticationError)
+
+
+def get(url: str) -> tuple[int, str, dict[str, object]]:
+    """Status, reason phrase and JSON body of a GET, an error status too."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.reason, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, error.reason, json.load(error)
+
+
+async def test_health_says_whether_the_front_reaches_nats_in_standard_status_lines(
+    up: Up,
+) -> None:
+    root = up.base_url.removesuffix("/v1")
+    assert get(f"{root}/health") == (200, "OK", {"status": "ok", "nats": "connected"})
+    assert get(f"{up.base_url}/nowhere")[:2] == (404, "Not Found")
+    client = await Client.connect(up.nats_url)
+    config = load_config()
+    async with FrontServer(Front(client, config, KeyRing([])), config.front, 0) as front:
+        health = f"{front.base_url.removesuffix('/v1')}/health"
+        assert (await asyncio.to_thread(get, health))[0] == 200
+        await client.close()
+        assert await asyncio.to_thread(get, health) == (
+            503,
+            "Service Unavailable",
+            {"status": "unavailable", "nats": "closed"},
+        )
 
 
 def test_http_limits_answer_413_and_close_idle_connections(up: Up) -> None:

@@ -8,9 +8,14 @@ import msgspec
 import pytest
 
 from broker_config.config import ConfigError, FrontKey, load_config, parse_config
+from broker_config.limits import InputLimits, over_limits
+from broker_config.subjects import Subjects
 from broker_config.wire import (
     DoneEvent,
+    Encoding,
     ErrorCode,
+    ErrorEvent,
+    SubmitRequest,
     Timings,
     TokenEvent,
     TokenLogprob,
@@ -20,7 +25,11 @@ from costmodel.units import Usage
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Outcome, Request
 from producers.openai_front import openai_wire as ow
+from producers.openai_front.errors import FrontError, error_for, event_error, submit_error
 from producers.openai_front.keys import KeyRing, key_hash, new_key, with_dev_key
+from producers.submission import prepare_submit
+
+CAP = 1024  # the chat endpoint's max_tokens_cap in the example config
 
 STATUS = {
     "invalid_request": 400,
@@ -38,7 +47,7 @@ STATUS = {
 
 @pytest.mark.parametrize("code", list(ErrorCode))
 def test_every_contract_error_has_an_http_status_and_openai_body(code: ErrorCode) -> None:
-    error = ow.error_for(code, "why", retry_after_s=2.5)
+    error = error_for(code, "why", retry_after_s=2.5)
     assert error.status == STATUS[code]
     assert error.body() == {
         "error": {"message": "why", "type": error.type, "param": None, "code": str(code)}
@@ -64,7 +73,8 @@ def test_a_chat_request_becomes_a_submit_with_sampling_and_extensions() -> None:
             user="u",
             response_format={"type": "text"},
             fairq={"priority": 3, "session": "s"},
-        )
+        ),
+        CAP,
     )
     assert fields == {
         "messages": [{"role": "user", "content": "hi"}],
@@ -73,18 +83,18 @@ def test_a_chat_request_becomes_a_submit_with_sampling_and_extensions() -> None:
         "priority": 3,
         "session": "s",
     }
-    assert ow.chat_submit(chat())["sampling"] is None
+    assert ow.chat_submit(chat(), CAP)["sampling"] is None
 
 
 def test_image_parts_must_be_data_urls() -> None:
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     content = [{"type": "text", "text": "look: "}, part]
-    fields = ow.chat_submit(chat(messages=[{"role": "user", "content": content}]))
+    fields = ow.chat_submit(chat(messages=[{"role": "user", "content": content}]), CAP)
     assert fields["messages"] == [{"role": "user", "content": "look: "}]
     assert fields["images"] == ["AAAA"]
     remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
-    with pytest.raises(ow.FrontError, match="data URLs") as caught:
-        ow.chat_submit(chat(messages=[{"role": "user", "content": [remote]}]))
+    with pytest.raises(FrontError, match="data URLs") as caught:
+        ow.chat_submit(chat(messages=[{"role": "user", "content": [remote]}]), CAP)
     assert caught.value.status == 400 and caught.value.param == "messages[0].content"
 
 
@@ -97,23 +107,148 @@ def test_image_parts_must_be_data_urls() -> None:
     ],
 )
 def test_what_the_front_cannot_honour_is_refused_by_name(fields: dict, param: str) -> None:
-    with pytest.raises(ow.FrontError) as caught:
-        ow.chat_submit(chat(**fields))
+    with pytest.raises(FrontError) as caught:
+        ow.chat_submit(chat(**fields), CAP)
     assert caught.value.status == 400 and caught.value.param == param
 
 
 def test_bad_json_and_wrong_types_are_400s_naming_the_field() -> None:
-    with pytest.raises(ow.FrontError, match="not valid JSON"):
+    with pytest.raises(FrontError, match="not valid JSON"):
         ow.decode_body(b"{", ow.ChatRequest)
-    with pytest.raises(ow.FrontError) as caught:
+    with pytest.raises(FrontError) as caught:
         ow.decode_body(b'{"model":"chat","messages":"hi"}', ow.ChatRequest)
     assert caught.value.status == 400 and caught.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "chat"}, "messages"),
+        ({"messages": []}, "model"),
+        ({"model": "chat", "messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"model": "chat", "messages": [], "fairq": {"bogus": 1}}, "fairq.bogus"),
+        ({"model": "chat", "messages": [], "fairq": {"metadata": {"a": 1}}}, "fairq.metadata"),
+    ],
+)
+def test_a_missing_or_unknown_field_is_named_too(body: dict, param: str) -> None:
+    with pytest.raises(FrontError) as caught:
+        ow.decode_body(msgspec.json.encode(body), ow.ChatRequest)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def completion(**fields: object) -> ow.CompletionRequest:
+    body = {"model": "chat", "prompt": "hi", **fields}
+    return ow.decode_body(msgspec.json.encode(body), ow.CompletionRequest)
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (chat(temperature=5), "temperature"),
+        (chat(top_p=0), "top_p"),
+        (chat(top_k=-1), "top_k"),
+        (chat(min_p=2), "min_p"),
+        (chat(presence_penalty=3), "presence_penalty"),
+        (chat(frequency_penalty=-3), "frequency_penalty"),
+        (chat(repetition_penalty=0), "repetition_penalty"),
+        (chat(seed=2**64), "seed"),
+        (chat(stop=["ok", ""]), "stop"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(max_tokens=5, max_completion_tokens=0), "max_completion_tokens"),
+        (chat(messages=[]), "messages"),
+        (chat(fairq={"priority": 2**40}), "fairq.priority"),
+        (completion(logprobs=21), "logprobs"),
+        (completion(max_tokens=-1), "max_tokens"),
+    ],
+)
+def test_what_the_sdk_refuses_names_the_callers_parameter(request_: object, param: str) -> None:
+    """The checks of `Client.submit` (the wire contract) name fairq's fields, as in
+    `$.sampling.logprobs`; the error names what the caller sent."""
+    submit = ow.chat_submit if isinstance(request_, ow.ChatRequest) else ow.completion_submit
+    fields = submit(request_, CAP)  # type: ignore[arg-type]
+    with pytest.raises(ValueError) as refused:
+        prepare_submit(Subjects(), "chat", "acme", fields, "r1", None, Encoding.JSON)
+    error = submit_error(refused.value, request_.param_names())  # type: ignore[attr-defined]
+    assert error.status == 400 and error.param == param
+    assert error.message.startswith(f"invalid `{param}`: Expected ") and "$." not in error.message
+
+
+def embedding(**fields: object) -> ow.EmbeddingRequest:
+    body = {"model": "embed", "input": "hi", **fields}
+    return ow.decode_body(msgspec.json.encode(body), ow.EmbeddingRequest)
+
+
+@pytest.mark.parametrize(
+    ("wire", "request_", "param"),
+    [
+        ({"prompt": "long"}, completion(), "prompt"),
+        ({"prompt": "long"}, embedding(), "input"),
+        ({"messages": [{"role": "user", "content": "long"}]}, chat(), "messages"),
+        ({"messages": [{"role": "user", "content": ""}] * 3}, chat(), "messages"),
+        ({"prompt": "", "images": ["", ""]}, chat(), "messages"),
+        ({"prompt": "", "images": ["AAA="]}, chat(), "messages"),  # no image at all
+        ({"prompt": "", "images": ["!"]}, chat(), "messages"),  # not base64
+        ({"prompt": "", "metadata": {"a": "1", "b": "2"}}, embedding(), "fairq.metadata"),
+        ({"prompt": "", "metadata": {"key": "long value"}}, chat(), "fairq.metadata"),
+        ({"prompt": "", "session": "a long one"}, completion(), "fairq.session"),
+        ({"prompt": "", "metadata": {"x" * 200: ""}}, chat(), None),  # the body as a whole
+    ],
+)
+def test_what_the_dispatcher_refuses_names_the_callers_parameter(
+    wire: dict, request_: object, param: str | None
+) -> None:
+    """`[dispatcher.input]`'s messages (broker_config.limits) name the limit; the error
+    names the parameter the limit bounds."""
+    limits = InputLimits(
+        max_body_bytes=150,
+        max_prompt_chars=3,
+        max_messages=2,
+        max_images=1,
+        max_metadata_entries=1,
+        max_metadata_chars=5,
+        max_session_chars=5,
+    )
+    request = msgspec.convert(wire, SubmitRequest)
+    violation = over_limits(request, len(msgspec.json.encode(wire)), limits)
+    assert violation is not None
+    event = ErrorEvent("r1", ErrorCode.INVALID_REQUEST, f"over a limit: {violation}")
+    error = event_error(event, request_.param_names())  # type: ignore[attr-defined]
+    assert error.status == 400 and error.param == param and error.message == event.message
+
+
+def test_a_worker_refusing_images_and_errors_of_other_codes() -> None:
+    text_only = "it has images, and this endpoint's model takes text only"  # workers/service
+    event = ErrorEvent("r1", ErrorCode.INVALID_REQUEST, text_only)
+    assert event_error(event, chat().param_names()).param == "messages"
+    limited = ErrorEvent("r1", ErrorCode.RATE_LIMITED, "max_tokens is 3", retry_after_s=2.0)
+    error = event_error(limited, chat().param_names())
+    assert error.status == 429 and error.param is None and error.retry_after_s == 2.0
+
+
+def test_max_tokens_over_the_endpoints_cap_is_refused_naming_it() -> None:
+    """As OpenAI and vLLM do, rather than lowering it to the cap without a word."""
+    for request_, param in (
+        (chat(max_tokens=CAP + 1), "max_tokens"),
+        (chat(max_tokens=1, max_completion_tokens=CAP + 1), "max_completion_tokens"),
+    ):
+        with pytest.raises(FrontError) as caught:
+            ow.chat_submit(request_, CAP)
+        error = caught.value
+        assert error.status == 400 and error.param == param and error.code == "invalid_value"
+        assert f"`{param}` is {CAP + 1}" in error.message and f"at most {CAP}" in error.message
+    assert ow.chat_submit(chat(max_tokens=CAP), CAP)["max_tokens"] == CAP
+    with pytest.raises(FrontError, match="at most 8 tokens") as caught:
+        ow.completion_submit(completion(max_tokens=9), 8)
+    assert caught.value.param == "max_tokens"
+    assert ow.completion_submit(completion(), 8)["max_tokens"] == 8  # not OpenAI's 16
 
 
 def test_completions_take_one_prompt_and_default_to_16_tokens() -> None:
     def completion(**fields: object) -> dict:
         body = {"model": "chat", **fields}
-        return ow.completion_submit(ow.decode_body(msgspec.json.encode(body), ow.CompletionRequest))
+        request = ow.decode_body(msgspec.json.encode(body), ow.CompletionRequest)
+        return ow.completion_submit(request, CAP)
 
     assert completion(prompt=["once"], logprobs=0) == {
         "prompt": "once",
@@ -121,7 +256,7 @@ def test_completions_take_one_prompt_and_default_to_16_tokens() -> None:
         "sampling": {"logprobs": 0},
     }
     for bad in ({"prompt": ["a", "b"]}, {"prompt": [1, 2]}, {"prompt": "a", "echo": True}):
-        with pytest.raises(ow.FrontError):
+        with pytest.raises(FrontError):
             completion(**bad)
 
 
