@@ -12,9 +12,9 @@ import sys
 COMMANDS = {
     "up": "producers.up",
     "sim": "producers.simulate",
-    "submit": "producers.commands",
-    "status": "producers.commands",
-    "cancel": "producers.commands",
+    "submit": "producers.request_commands",
+    "status": "producers.request_commands",
+    "cancel": "producers.request_commands",
     "top": "producers.commands",
     "reload": "producers.commands",
     "calibrate": "workers.calibrate",

@@ -4,9 +4,10 @@ them, until Ctrl-C or SIGTERM.
 Start: an embedded nats-server -> a connection -> the dispatcher, in this process (it
 provisions the broker) -> `--workers` worker processes per endpoint of the config
 (`python -m workers --engine sim`, worker ids `<endpoint>-w1`, `-w2`, ...), each in its
-own session with its output in `<log dir>/<worker id>.log`. fairq is up once every
-worker has sent a heartbeat; a worker that exits before that fails the start with the
-end of its log, since restarting would not cure a bad argument or config.
+own session with its output in `<log dir>/<worker id>.log` (the dispatcher's log, this
+process's, is `<log dir>/dispatcher.log`). The workers are up once each has sent a
+heartbeat; a worker that exits before that fails the start with the end of its log,
+since restarting would not cure a bad argument or config.
 
 Supervision (`producers.supervisor`): a worker that exits without being asked to is
 restarted under the same worker id after 0.5 s, doubling per further crash up to 30 s,
@@ -24,7 +25,8 @@ numbers) or drain the highest-numbered ones; endpoints without their own
 
 The OpenAI-compatible front (`producers.openai_front`) serves in this process once the
 workers are up, with a development API key for `--front-tenant` printed as
-OPENAI_API_KEY beside OPENAI_BASE_URL.
+OPENAI_API_KEY beside OPENAI_BASE_URL. Once it answers HTTP, the URLs of everything are
+printed (the ports actually bound), and "fairq is up" is the start's last line.
 
 Auth (`--auth`, docs/security.md): the broker's nkey users are rendered into
 `<log dir>/auth` (as `fairq auth` does; kept, so a later run with the same `--log-dir`
@@ -57,10 +59,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -78,12 +82,7 @@ from broker_config.auth import (
     with_tenant_inboxes,
 )
 from broker_config.cluster import EmbeddedNatsCluster
-from broker_config.config import (
-    EXAMPLE_CONFIG,
-    Config,
-    ConfigError,
-    load_config,
-)
+from broker_config.config import Config, ConfigError, load_config
 from broker_config.connection import server_urls
 from broker_config.runtime import first_of
 from broker_config.server import EmbeddedNatsServer, EmbeddedServerError
@@ -108,8 +107,8 @@ from producers.openai_front.server import FrontServer
 from producers.reloads import Reloads
 from producers.scaling import ScaleFollower, with_autoscaling
 from producers.supervisor import Supervisor, SupervisorError
+from producers.up_options import DEV_TENANT, DISPATCHER_LOG, add_options
 
-DEV_TENANT = "acme"
 # `--autoscale` for endpoints without their own policy: local processes start in a few
 # seconds, and a demo should see a lull give workers back within a minute.
 LOCAL_SCALING = ScalingPolicy(
@@ -121,6 +120,8 @@ LOCAL_SCALING = ScalingPolicy(
     drain_s=10.0,
 )
 CLUSTER_SIZE = 3  # nodes of --cluster: a majority survives the loss of one
+# Where to reach a front that listens on every address.
+LOOPBACK_OF = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -131,107 +132,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "workers, each in its own process and restarted if it dies, with the "
         "given config until Ctrl-C, which drains and stops them in order.",
     )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=0,
-        help="NATS port on 127.0.0.1 (default: a free one, printed as NATS_URL)",
-    )
-    parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
-    parser.add_argument(
-        "--workers",
-        type=worker_counts,
-        default={"": 2},
-        metavar="N | ENDPOINT=N,...",
-        help="simulated worker processes per endpoint (default 2); a list "
-        "sets endpoints apart, those not in it get 1 "
-        "(chat=3,embed=0: embed gets none)",
-    )
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="multiplies simulated engine time (0.1 = ten times faster)",
-    )
-    parser.add_argument(
-        "--redis-url",
-        help="use Redis for rate limits and quotas (default: "
-        "in process, monthly usage kept in a NATS KV bucket)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=9464,
-        help="Prometheus /metrics port on 127.0.0.1 (default 9464, or a free one if that is taken)",
-    )
-    parser.add_argument(
-        "--autoscale",
-        action="store_true",
-        help="start and stop worker processes as the dispatcher's autoscaler "
-        "decides; endpoints without their own [endpoints.<name>.autoscale] "
-        "get 1 to --max-workers workers, a 5 s cold start and a 60 s "
-        "quiet window",
-    )
-    parser.add_argument(
-        "--max-workers",
-        type=int,
-        default=4,
-        help="with --autoscale: the default most workers per endpoint",
-    )
-    parser.add_argument(
-        "--front-port",
-        type=int,
-        help="the OpenAI-compatible front's port on [front] host (default: "
-        "[front] port, or a free one if that is taken; printed in "
-        "OPENAI_BASE_URL)",
-    )
-    parser.add_argument(
-        "--front-tenant",
-        default=DEV_TENANT,
-        help=f"the tenant of the development API key made at start and "
-        f"printed as OPENAI_API_KEY (default {DEV_TENANT}, else the "
-        "config's first tenant)",
-    )
-    parser.add_argument(
-        "--auth",
-        action="store_true",
-        help="run with broker users: one nkey user per tenant and per part, "
-        "rendered into LOG_DIR/auth (printed as AUTH_DIR), and the "
-        "dispatcher's tenant inbox check (docs/security.md)",
-    )
-    parser.add_argument(
-        "--cluster",
-        action="store_true",
-        help="run a 3-node NATS cluster on 127.0.0.1 instead of one server "
-        "(free ports, stores in LOG_DIR/nats, every stream and bucket at "
-        "3 replicas, fsync on every write); NATS_URL lists the nodes",
-    )
-    parser.add_argument(
-        "--log-dir",
-        type=Path,
-        help="workers' output, one <worker id>.log each (default: a new "
-        "temporary directory, printed as LOG_DIR and kept)",
-    )
+    add_options(parser)
     parser.set_defaults(run=run_up)
-
-
-def worker_counts(value: str) -> dict[str, int]:
-    """`--workers`: N for every endpoint (key ""), or ENDPOINT=N,... for some."""
-    try:
-        if "=" not in value:
-            counts = {"": int(value)}
-        else:
-            counts = {
-                name.strip(): int(count)
-                for name, count in (item.split("=", 1) for item in value.split(","))
-            }
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or ENDPOINT=N,..., got {value!r}") from None
-    if counts.get("", 1) < 1 or min(counts.values()) < 0:
-        raise argparse.ArgumentTypeError(
-            f"worker counts must be >= 0 (>= 1 for all endpoints at once), got {value!r}"
-        )
-    return counts
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -273,6 +175,7 @@ def run_up(args: argparse.Namespace) -> int:
             config, broker=msgspec.structs.replace(config.broker, replicas=CLUSTER_SIZE)
         )
     log_dir = _log_dir(args.log_dir)
+    _log_to(log_dir / DISPATCHER_LOG)
     auth = None
     if args.auth:
         config = with_tenant_inboxes(config)
@@ -305,6 +208,16 @@ def _log_dir(path: Path | None) -> Path:
     return path
 
 
+def _log_to(path: Path) -> None:
+    """This process's log (the dispatcher's, with the front's few lines) into `path`, as
+    `python -m dispatcher` writes it; warnings also to stderr, as without a handler."""
+    log_file = logging.FileHandler(path)
+    log_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    console = logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[log_file, console])
+
+
 def _seed(auth: RenderedAuth | None, user: str) -> dict[str, str]:
     """nats.connect's credentials for `user` (none without --auth)."""
     return {} if auth is None else {"nkeys_seed": str(auth.seeds[user])}
@@ -317,7 +230,7 @@ async def _up(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # Left in reverse: workers, dispatcher, limiter, connection, server, metrics.
+    # Left in reverse: front, workers, dispatcher, limiter, connection, server, metrics.
     async with contextlib.AsyncExitStack() as stack:
         metrics = DispatcherMetrics(list(config.endpoints))
         http = HttpApi(metrics)
@@ -362,60 +275,104 @@ async def _up(
         stack.push_async_callback(reloads.close)
         dispatching = await stack.enter_async_context(_dispatching(tenures, stop))
         supervisor = await stack.enter_async_context(Supervisor(on_event=_say))
-        launcher = WorkerLauncher(
-            server.url,
-            args.config.resolve(),
-            args.time_scale,
-            log_dir,
-            stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S,
-            credentials=("--nkey", str(auth.seeds[WORKER_USER])) if auth else (),
-        )
-        for endpoint, spec in config.endpoints.items():
-            count = (
-                spec.autoscale.min_replicas
-                if args.autoscale
-                else args.workers.get(endpoint, args.workers.get("", 1))
-            )
-            for n in range(1, count + 1):
-                await supervisor.add(launcher.child(endpoint, n))
-        if args.autoscale:
-            await stack.enter_async_context(
-                ScaleFollower(nc, config, supervisor, launcher.child, _say)
-            )
+        await _start_workers(stack, args, config, nc, supervisor, server.url, log_dir, auth)
         await until_serving(nc, config, supervisor, stop, log_dir)
         if not stop.is_set():
             front = await _serve_front(stack, server.url, config, args.front_port, auth)
-            print(f"NATS_URL={server.url}", flush=True)
-            print(f"METRICS_URL=http://127.0.0.1:{metrics_port}/metrics", flush=True)
-            print(f"DASHBOARD_URL=http://127.0.0.1:{metrics_port}/dashboard", flush=True)
-            print(f"OPENAI_BASE_URL={front.base_url}", flush=True)
-            print(f"OPENAI_API_KEY={dev_key}", flush=True)
-            print(f"LOG_DIR={log_dir}", flush=True)
-            if auth is not None:
-                print(f"AUTH_DIR={auth.directory}", flush=True)
-                tenants = registered_tenants(config)
-                example = DEV_TENANT if DEV_TENANT in tenants else tenants[0]
-                _say(
-                    f"broker users on: tenants {', '.join(tenants)} connect with their "
-                    f"AUTH_DIR/<tenant>.nk, e.g. `fairq submit --nats {server.url} --nkey "
-                    f"{auth.seeds[example]} --tenant {example} ...`; operators with "
-                    f"{auth.seeds[OPERATOR_USER]}"
-                )
-            print(
-                f"fairq is up: {len(supervisor.children)} simulated workers on "
-                f"{', '.join(config.endpoints)}; Ctrl-C stops",
-                flush=True,
-            )
-            replacing = asyncio.create_task(replace_unhealthy(tenures, supervisor))
-            try:
-                await first_of(stop.wait(), asyncio.shield(dispatching))
-            finally:
-                replacing.cancel()
-            if dispatching.done():
-                dispatching.result()  # its error (a config it could no longer read, a bug)
+            where = Announcement(server.url, metrics_port, front.base_url, dev_key, log_dir)
+            _announce(where, config, auth, len(supervisor.children))
+            await _serve_until_stopped(tenures, supervisor, stop, dispatching)
         _say("draining...")
     _say("stopped")
     return 0
+
+
+async def _start_workers(
+    stack: contextlib.AsyncExitStack,
+    args: argparse.Namespace,
+    config: Config,
+    nc: nats.NATS,
+    supervisor: Supervisor,
+    nats_url: str,
+    log_dir: Path,
+    auth: RenderedAuth | None,
+) -> None:
+    """Each endpoint's first workers (its policy's minimum with --autoscale, else
+    --workers), and with --autoscale the follower of the dispatcher's scale events."""
+    launcher = WorkerLauncher(
+        nats_url,
+        args.config.resolve(),
+        args.time_scale,
+        log_dir,
+        stop_timeout_s=config.workers.drain_timeout_s + STOP_MARGIN_S,
+        credentials=("--nkey", str(auth.seeds[WORKER_USER])) if auth else (),
+    )
+    for endpoint, spec in config.endpoints.items():
+        count = (
+            spec.autoscale.min_replicas
+            if args.autoscale
+            else args.workers.get(endpoint, args.workers.get("", 1))
+        )
+        for n in range(1, count + 1):
+            await supervisor.add(launcher.child(endpoint, n))
+    if args.autoscale:
+        await stack.enter_async_context(ScaleFollower(nc, config, supervisor, launcher.child, _say))
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """Where everything is, as `fairq up` prints it once all of it serves."""
+
+    nats_url: str
+    metrics_port: int
+    openai_base_url: str
+    openai_api_key: str
+    log_dir: Path
+
+    def lines(self) -> list[str]:
+        metrics = f"http://127.0.0.1:{self.metrics_port}"
+        return [
+            f"NATS_URL={self.nats_url}",
+            f"METRICS_URL={metrics}/metrics",
+            f"DASHBOARD_URL={metrics}/dashboard",
+            f"OPENAI_BASE_URL={self.openai_base_url}",
+            f"OPENAI_API_KEY={self.openai_api_key}",
+            f"LOG_DIR={self.log_dir}",
+        ]
+
+
+def _announce(where: Announcement, config: Config, auth: RenderedAuth | None, workers: int) -> None:
+    """The variables to export, then "fairq is up", the last line of the start."""
+    for line in where.lines():
+        print(line, flush=True)
+    if auth is not None:
+        print(f"AUTH_DIR={auth.directory}", flush=True)
+        tenants = registered_tenants(config)
+        example = DEV_TENANT if DEV_TENANT in tenants else tenants[0]
+        _say(
+            f"broker users on: tenants {', '.join(tenants)} connect with their "
+            f"AUTH_DIR/<tenant>.nk, e.g. `fairq submit --nats {where.nats_url} --nkey "
+            f"{auth.seeds[example]} --tenant {example} ...`; operators with "
+            f"{auth.seeds[OPERATOR_USER]}"
+        )
+    print(
+        f"fairq is up: {workers} simulated workers on {', '.join(config.endpoints)}; Ctrl-C stops",
+        flush=True,
+    )
+
+
+async def _serve_until_stopped(
+    tenures: Tenures, supervisor: Supervisor, stop: asyncio.Event, dispatching: asyncio.Task
+) -> None:
+    """Until Ctrl-C or SIGTERM, replacing workers the dispatcher holds unhealthy; raises
+    the dispatcher's error if it ends first (a config it could no longer read, a bug)."""
+    replacing = asyncio.create_task(replace_unhealthy(tenures, supervisor))
+    try:
+        await first_of(stop.wait(), asyncio.shield(dispatching))
+    finally:
+        replacing.cancel()
+    if dispatching.done():
+        dispatching.result()
 
 
 async def _serve_front(
@@ -425,8 +382,9 @@ async def _serve_front(
     port: int | None,
     auth: RenderedAuth | None,
 ) -> FrontServer:
-    """The OpenAI-compatible front, on its own connection (as its own user with --auth);
-    left before the workers stop, so that no new request arrives while they drain."""
+    """The OpenAI-compatible front, on its own connection (as its own user with --auth),
+    once it answers HTTP; left before the workers stop, so that no new request arrives
+    while they drain."""
     seed = None if auth is None else auth.seeds[FRONT_USER]
     client = await stack.enter_async_context(
         await Client.connect(
@@ -438,12 +396,32 @@ async def _serve_front(
     )
     front = Front(client, config, KeyRing(config.front.keys))
     try:
-        return await stack.enter_async_context(FrontServer(front, config.front, port))
+        server = await stack.enter_async_context(FrontServer(front, config.front, port))
     except OSError:
         if port is not None:
             raise StartError(f"the front cannot listen on port {port}") from None
         # The configured port is taken: any free one, printed as OPENAI_BASE_URL.
-        return await stack.enter_async_context(FrontServer(front, config.front, 0))
+        server = await stack.enter_async_context(FrontServer(front, config.front, 0))
+    await _until_answering(config.front.host, server.port)
+    return server
+
+
+async def _until_answering(host: str, port: int) -> None:
+    """Until an HTTP server answers on host:port. The front's socket listens at once, but
+    hypercorn serves (and says so) from a task of its own: "fairq is up" comes after."""
+    host = LOOPBACK_OF.get(host, host)
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(b"GET /v1/models HTTP/1.1\r\nHost: fairq\r\nConnection: close\r\n\r\n")
+                status = await reader.readline()
+            finally:
+                writer.close()
+    except (TimeoutError, OSError) as exc:
+        raise StartError(f"the front on port {port} does not answer: {exc!r}") from None
+    if not status.startswith(b"HTTP/"):
+        raise StartError(f"the front on port {port} closed the connection without an answer")
 
 
 @contextlib.asynccontextmanager

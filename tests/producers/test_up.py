@@ -311,6 +311,11 @@ async def test_fairq_up_serves_restarts_a_killed_worker_and_stops_on_ctrl_c(
         assert url.startswith("nats://127.0.0.1:")
         up_line = await output.expect("fairq is up:", START_S)
         assert up_line == "fairq is up: 2 simulated workers on chat, embed; Ctrl-C stops"
+        # The start's last line: the front had served (hypercorn says so) before it.
+        assert any("Running on http://" in line for line in output.lines), output.lines
+        # The dispatcher's log beside the workers'.
+        assert "took the lease" in (tmp_path / "dispatcher.log").read_text()
+        assert (tmp_path / "chat-w1.log").exists()
         started = children_of(up.pid)
         assert len(started) == 3  # nats-server and one worker per endpoint
         metrics_url = next(line for line in output.lines if line.startswith("METRICS_URL="))
