@@ -89,6 +89,7 @@ from dispatcher.fleet.drift import DriftWatch
 from dispatcher.fleet.probes import Probes
 from dispatcher.ha.lease import Lease
 from dispatcher.intake.shards import Intake
+from dispatcher.observe.dashboard import Watched
 from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.parts import Parts
 
@@ -238,6 +239,7 @@ class Dispatcher:
         await self._subscribe(self.subjects.depth, self.api.on_depth)
         self.state = State.SETTLING
         self._ticked_at = time.time()  # the maintenance loop starts now
+        stack.callback(self.metrics.watch.follow(asyncio.get_running_loop(), self._watched))
         self.intake = self._intake()  # before it starts: its handler reads its backlog
         await stack.enter_async_context(self.intake)
         # Unwound before the intake and the subscriptions above: the drain still uses them.
@@ -447,20 +449,10 @@ class Dispatcher:
         self.admission.forget_counts(now)
 
     def _export_depth(self, now: float) -> None:
-        self.metrics.queue_depth.clear()
-        self.metrics.running.clear()
-        rows = self.api.depth_rows(now)
-        for row in rows:
-            self.metrics.queue_depth.labels(row.endpoint, row.tier, row.tenant).set(row.queued)
-            self.metrics.running.labels(row.endpoint, row.tier, row.tenant).set(row.running)
-        self.metrics.watch.refresh(
-            rows,
-            self.admission.counts,
-            self._tier_of,
-            [tier.name for tier in self.config.tiers],
-            now,
-        )
+        watched = self._watched(now)
+        self.metrics.export_depth(watched.rows)
+        self.metrics.watch.refresh(watched, now)
 
-    def _tier_of(self, tenant: str) -> str | None:
-        policy = self.scheduler.registry.tenant(tenant)
-        return policy.tier if policy is not None else None
+    def _watched(self, now: float) -> Watched:
+        """What the dashboard shows (dispatcher/observe/dashboard.py), at `now`."""
+        return Watched(self.api.depth_rows(now), self.admission.counts, self.scheduler)

@@ -1,6 +1,7 @@
 """The dispatcher's HTTP server, the only one it runs: Prometheus's `/metrics`, `/healthz`
 (live) and `/readyz` (settled and running), and the live queue dashboard (`/dashboard`, a
-page that polls `/dashboard.json`, whose figures dispatcher/observe/dashboard.py keeps).
+page that polls `/dashboard.json` and `/dashboard/history.json`, whose figures
+dispatcher/observe/dashboard.py keeps).
 
     http = HttpApi(metrics)
     port = http.serve(port)            # before any dispatcher exists (0: a free port)
@@ -8,7 +9,8 @@ page that polls `/dashboard.json`, whose figures dispatcher/observe/dashboard.py
     http.close()
 
 A thread of its own answers (broker_config/health.py): the pages are the latest snapshot
-the maintenance loop made, never a call into the event loop.
+the maintenance loop made; only a read of a snapshot gone stale (nobody watched) waits,
+briefly, for the event loop to build a new one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class HttpApi:
         self._server = HealthServer(metrics.registry)
         self._server.add_page("/dashboard", "text/html; charset=utf-8", lambda: PAGE)
         self._server.add_page("/dashboard.json", "application/json", metrics.watch.read)
+        self._server.add_page("/dashboard/history.json", "application/json", metrics.watch.history)
 
     def check_with(self, live: Check, ready: Check) -> None:
         """Answer `/healthz` and `/readyz` with these: the dispatcher's that is current

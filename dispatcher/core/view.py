@@ -1,8 +1,11 @@
-"""The scheduler's read-only queries (status, cancel lookups, intake estimates), kept
-apart from the decisions in scheduler.py: `Scheduler` inherits them."""
+"""The scheduler's read-only queries (status, cancel lookups, intake estimates, the
+dashboard's), kept apart from the decisions in scheduler.py: `Scheduler` inherits them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from broker_config.config import Config, Registry
 from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.types import Request
@@ -10,10 +13,22 @@ from dispatcher.core.types import Request
 RequestKey = tuple[str, str]  # (tenant, request id): ids are unique per tenant only
 
 
+@dataclass(slots=True, frozen=True)
+class FlowRow:
+    """A tenant's flow on one endpoint, as the dashboard's fairness figures read it."""
+
+    endpoint: str
+    tenant: str
+    weight: float
+    served_cost: float  # charged so far, in the endpoint's cost unit
+
+
 class SchedulerView:
     """Reads the state `Scheduler` keeps: every queued request's flow, every running
     request with its flow, each endpoint's queues."""
 
+    config: Config
+    registry: Registry
     endpoints: dict[str, EndpointQueues]
     _queued: dict[RequestKey, TenantFlow]
     _running: dict[RequestKey, tuple[Request, TenantFlow]]
@@ -49,3 +64,24 @@ class SchedulerView:
 
     def flow(self, endpoint: str, tenant: str) -> TenantFlow | None:
         return self.endpoints[endpoint].flows.get(tenant)
+
+    def flow_rows(self) -> list[FlowRow]:
+        """Every flow the scheduler keeps, idle ones too (until forgotten)."""
+        return [
+            FlowRow(name, flow.tenant, flow.weight, flow.served_cost)
+            for name, endpoint in self.endpoints.items()
+            for flow in endpoint.flows.values()
+        ]
+
+    def cost_units(self) -> dict[str, str]:
+        """Each endpoint's DRR cost unit: "request", "token" or "model_units"."""
+        return {name: endpoint.spec.cost for name, endpoint in self.endpoints.items()}
+
+    def tier_of(self, tenant: str) -> str | None:
+        """The tenant's tier, None for one the registry turns away."""
+        policy = self.registry.tenant(tenant)
+        return policy.tier if policy is not None else None
+
+    def tier_names(self) -> list[str]:
+        """The tiers, highest first."""
+        return [tier.name for tier in self.config.tiers]

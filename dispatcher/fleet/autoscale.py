@@ -7,7 +7,9 @@ decision is exported as gauges (`fairq_desired_replicas`, `fairq_serving_replica
 `fairq_model_unit_demand`, `fairq_model_unit_utilisation`: what a KEDA or HPA scaler
 reads) and published as a `ScaleEvent` on `<prefix>.int.scale.<endpoint>` whenever the
 desired count changes, and every `REPUBLISH_S` besides, so a supervisor that starts
-late, or missed one (core NATS is at most once), learns it.
+late, or missed one (core NATS is at most once), learns it. An endpoint that is not
+autoscaled exports its healthy workers as both `fairq_serving_replicas` and
+`fairq_desired_replicas`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class Autoscaling:
             scheduler.set_capacity(name, 0.0, startup_wait_s=scaler.policy.cold_start_s)
 
     async def tick(self, now: float) -> None:
+        for name in self.scheduler.endpoints.keys() - self.scalers.keys():
+            # Not autoscaled: it wants the workers it has (an HPA reading it keeps them).
+            serving = self.pool.healthy_count(name)
+            self.metrics.serving_replicas.labels(name).set(serving)
+            self.metrics.desired_replicas.labels(name).set(serving)
         for name, scaler in self.scalers.items():
             queues = self.scheduler.endpoints[name]
             scaler.arrived(queues.offered_mu - self._counted_mu[name], now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dispatcher.core.scheduler import DepthRow
 from dispatcher.core.types import Outcome
 from dispatcher.observe.dashboard import QueueWatch
 
@@ -14,6 +15,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class DispatcherMetrics:
     def __init__(self, endpoints: list[str]) -> None:
         self.registry = CollectorRegistry()
+        self.endpoints = list(endpoints)
         # Per-tenant figures for the dashboard page, kept apart from Prometheus's series.
         self.watch = QueueWatch(endpoints)
         self._request_metrics(self.registry)
@@ -147,7 +149,7 @@ class DispatcherMetrics:
         )
         self.desired_replicas = Gauge(
             "fairq_desired_replicas",
-            "Workers the autoscaler wants for the endpoint",
+            "Workers the autoscaler wants for the endpoint (those serving, if not autoscaled)",
             ["endpoint"],
             registry=r,
         )
@@ -174,6 +176,20 @@ class DispatcherMetrics:
             ["endpoint"],
             registry=r,
         )
+
+    def export_depth(self, rows: list[DepthRow]) -> None:
+        """Set the queue gauges to `rows`. An endpoint without any row has one sample of
+        each at 0 (tier and tenant ""), so that an idle endpoint reads 0, not no data."""
+        self.queue_depth.clear()
+        self.running.clear()
+        idle = set(self.endpoints)
+        for row in rows:
+            idle.discard(row.endpoint)
+            self.queue_depth.labels(row.endpoint, row.tier, row.tenant).set(row.queued)
+            self.running.labels(row.endpoint, row.tier, row.tenant).set(row.running)
+        for endpoint in idle:
+            self.queue_depth.labels(endpoint, "", "").set(0)
+            self.running.labels(endpoint, "", "").set(0)
 
     def child(self, metric: Counter | Histogram, *labels: str):
         """`metric.labels(*labels)`, cached (for metrics whose labels are never cleared)."""

@@ -14,10 +14,9 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,44 +26,35 @@ from dispatcher.observe.dashboard import (
     RATE_WINDOW_S,
     WATCHED_S,
     QueueWatch,
-    Snapshot,
+    Watched,
 )
 from producers.client import Client
 from producers.errors import RequestFailed
 from tests.conftest import service_unavailable
+from tests.observe.dashboard_support import Count, Queues, snapshot, watched
 from tests.producers.test_openai_front import Up, fairq_up
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Locator, Page
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = {"acme": "enterprise", "globex": "standard", "initech": "free"}
 ORDER = ["enterprise", "standard", "free"]
-IN_FLIGHT = {"acme": 40, "globex": 20, "initech": 8}
+# umbrella is unlisted: free, like initech, with the same weight.
+IN_FLIGHT = {"acme": 40, "globex": 20, "initech": 8, "umbrella": 16}
 # Where to keep the page's screenshot (docs/img/dashboard.png for the docs); a
 # temporary directory otherwise.
 SCREENSHOT_ENV = "FQ_DASHBOARD_SCREENSHOT"
 BROWSER_S = 30.0
 
 
-@dataclass
-class Count:
-    admitted: int = 0
-    rejected: int = 0
-
-
-def snapshot(watch: QueueWatch) -> Snapshot:
-    return msgspec.json.decode(watch.read(), type=Snapshot)
-
-
-def watched(endpoints: list[str]) -> QueueWatch:
-    """A watch whose page is open: it builds a snapshot at every refresh."""
-    watch = QueueWatch(endpoints)
-    watch.read()
-    return watch
+QUEUES = Queues(TIERS, ORDER)
 
 
 def test_figures_per_tenant_tier_and_endpoint() -> None:
     watch = watched(["chat", "embed"])
     counts = {("chat", "acme"): Count(), ("chat", "globex"): Count()}
-    watch.refresh([], counts, TIERS.get, ORDER, 100.0)
+    watch.refresh(Watched([], counts, QUEUES), 100.0)
     counts[("chat", "acme")].admitted = 20
     counts[("chat", "globex")] = Count(admitted=5, rejected=10)
     for n in range(1, 21):
@@ -75,7 +65,7 @@ def test_figures_per_tenant_tier_and_endpoint() -> None:
         DepthRow("chat", "enterprise", "acme", 7, 3, 1.0),
         DepthRow("chat", "standard", "globex", 1, 0, 0.5),
     ]
-    watch.refresh(rows, counts, TIERS.get, ORDER, 105.0)
+    watch.refresh(Watched(rows, counts, QUEUES), 105.0)
     view = snapshot(watch)
     assert (view.at, view.rate_window_s, view.latency_window_s) == (
         105.0,
@@ -104,33 +94,33 @@ def test_old_samples_and_forgotten_tenants_leave_the_page() -> None:
     watch = watched(["chat"])
     counts = {("chat", "acme"): Count(admitted=1)}
     watch.waited("chat", "acme", 1.0, 0.0)
-    watch.refresh([], counts, TIERS.get, ORDER, 1.0)
+    watch.refresh(Watched([], counts, QUEUES), 1.0)
     assert snapshot(watch).endpoints[0].tiers[0].tenants[0].p95_queue_wait_s == 1.0
-    watch.refresh([], counts, TIERS.get, ORDER, LATENCY_WINDOW_S + 1.0)
+    watch.refresh(Watched([], counts, QUEUES), LATENCY_WINDOW_S + 1.0)
     (tier,) = snapshot(watch).endpoints[0].tiers
     assert tier.tenants[0].p95_queue_wait_s is None  # the sample fell out of the window
-    watch.refresh([], {}, TIERS.get, ORDER, LATENCY_WINDOW_S + 2.0)  # admission forgot it
+    watch.refresh(Watched([], {}, QUEUES), LATENCY_WINDOW_S + 2.0)  # admission forgot it
     assert snapshot(watch).endpoints[0].tiers == []
 
 
 def test_counts_that_start_over_give_no_negative_rate() -> None:
     watch = watched(["chat"])
-    watch.refresh([], {("chat", "acme"): Count(admitted=50)}, TIERS.get, ORDER, 0.0)
-    watch.refresh([], {("chat", "acme"): Count(admitted=2)}, TIERS.get, ORDER, 1.0)
-    watch.refresh([], {("chat", "acme"): Count(admitted=4)}, TIERS.get, ORDER, 2.0)
+    watch.refresh(Watched([], {("chat", "acme"): Count(admitted=50)}, QUEUES), 0.0)
+    watch.refresh(Watched([], {("chat", "acme"): Count(admitted=2)}, QUEUES), 1.0)
+    watch.refresh(Watched([], {("chat", "acme"): Count(admitted=4)}, QUEUES), 2.0)
     assert snapshot(watch).endpoints[0].tiers[0].tenants[0].admitted_per_s == 2.0
 
 
 def test_nobody_watching_costs_no_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     watch = QueueWatch(["chat"])
     rows = [DepthRow("chat", "free", "t0", 3, 1, 0.0)]
-    watch.refresh(rows, {}, TIERS.get, ORDER, 1.0)
+    watch.refresh(Watched(rows, {}, QUEUES), 1.0)
     assert snapshot(watch).at == 0.0  # built at start, not since: nobody read it
-    watch.refresh(rows, {}, TIERS.get, ORDER, 2.0)  # read just now
+    watch.refresh(Watched(rows, {}, QUEUES), 2.0)  # read just now
     assert snapshot(watch).at == 2.0
     later = time.monotonic() + WATCHED_S + 1
     monkeypatch.setattr("dispatcher.observe.dashboard.time.monotonic", lambda: later)
-    watch.refresh(rows, {}, TIERS.get, ORDER, 3.0)
+    watch.refresh(Watched(rows, {}, QUEUES), 3.0)
     assert snapshot(watch).at == 2.0
 
 
@@ -139,7 +129,7 @@ def test_the_busiest_tenants_come_first_and_unknown_tenants_are_left_out() -> No
     tiers = {f"t{n}": "free" for n in range(5)}
     rows = [DepthRow("chat", "free", f"t{n}", n, 0, 0.0) for n in range(5)]
     watch.waited("chat", "gone", 1.0, 0.0)  # no tier: no longer in the registry
-    watch.refresh(rows, {}, tiers.get, ORDER, 1.0)
+    watch.refresh(Watched(rows, {}, Queues(tiers, ORDER)), 1.0)
     (tier,) = snapshot(watch).endpoints[0].tiers
     assert [t.name for t in tier.tenants] == ["t4", "t3", "t2", "t1", "t0"]
 
@@ -228,7 +218,9 @@ def test_the_page_shows_the_queues_move_in_a_real_browser(
                 expect(acme_ttft).not_to_have_text("–", timeout=BROWSER_S * 1000)
                 tiers = chat.locator("tr.tier")
                 assert tiers.evaluate_all("rows => rows.map(row => row.dataset.tier)") == ORDER
-                page.wait_for_timeout(3000)  # a few seconds of history in the chart
+                expect_waits_and_shares(chat)
+                expect_the_history_to_outlive_a_reload(page, chat)
+                page.wait_for_timeout(3000)  # a few more seconds of figures
                 screenshot.parent.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(screenshot), full_page=True)
             finally:
@@ -238,6 +230,57 @@ def test_the_page_shows_the_queues_move_in_a_real_browser(
         finally:
             browser.close()
     assert screenshot.stat().st_size > 10_000
+
+
+def expect_waits_and_shares(chat: Locator) -> None:
+    """The oldest wait of what is queued, and each tenant's share of its tier's service
+    next to its weight's (initech shares the free tier with umbrella, of equal weight)."""
+    from playwright.sync_api import expect
+
+    timeout = BROWSER_S * 1000
+    oldest = chat.locator('.summary [data-field="oldest_wait_s"] b')
+    expect(oldest).not_to_have_text("–", timeout=timeout)
+    acme = chat.locator('tr.tenant[data-tenant="acme"]')
+    for field in ("service_share", "weight_share"):
+        expect(acme.locator(f'td[data-field="{field}"]')).to_have_text(
+            re.compile(r"^\d+%$"), timeout=timeout
+        )
+    initech = chat.locator('tr.tenant[data-tenant="initech"] td[data-field="weight_share"]')
+    expect(initech).to_have_text("50%", timeout=timeout)
+    headers = set(chat.locator("th").all_text_contents())
+    assert {
+        "oldest queued wait",
+        "p95 wait (dispatched)",
+        "served model units/s",
+        "service share",
+        "weight share",
+        "fairness (Jain)",
+    } <= headers
+
+
+def expect_the_history_to_outlive_a_reload(page: Page, chat: Locator) -> None:
+    """Charts with a time axis, value axes in their units and legends, drawn from the
+    dispatcher's history: a reloaded page shows it at once."""
+    from playwright.sync_api import expect
+
+    requests = chat.locator('figure.history[data-chart="requests"]')
+    waits = chat.locator('figure.history[data-chart="waits"]')
+    for figure, title in ((requests, "requests"), (waits, "wait")):
+        expect(figure.locator("g.axis.x text")).to_have_count(6)
+        expect(figure.locator("g.axis.y text")).to_have_count(3)
+        assert figure.locator("text.axis-title").all_text_contents() == [title, "time"]
+    assert re.fullmatch(r"[\d.]+ (s|ms)", waits.locator("g.axis.y text").last.text_content() or "")
+    assert requests.locator("figcaption span").all_text_contents() == ["queued", "running"]
+    assert waits.locator("figcaption span").all_text_contents() == [
+        f"{tier} {line}"
+        for tier in ORDER
+        for line in ("oldest queued wait", "p95 wait (dispatched)")
+    ]
+    points = requests.locator("svg")
+    expect(points).to_have_attribute("data-points", re.compile(r"^([3-9]|\d\d+)$"))
+    page.reload()
+    expect(page.locator("#status")).to_contain_text("updated", timeout=BROWSER_S * 1000)
+    assert int(points.get_attribute("data-points") or 0) >= 3
 
 
 # -- the Grafana dashboard -------------------------------------------------------------------
