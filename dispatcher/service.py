@@ -207,7 +207,7 @@ class Dispatcher:
             DirectBatchGet(self.nc, self.subjects.parked_stream)
         )
         self.admission = Admission(parts, self.endings)
-        self.dispatch = Dispatch(parts, self.endings, self._top_up)
+        self.dispatch = Dispatch(parts, self.endings, self._top_up, self._on_the_way)
         self.probes = Probes(parts)
         self.autoscaling = Autoscaling(parts)
         self.drift = DriftWatch(parts)
@@ -372,6 +372,21 @@ class Dispatcher:
 
     def _backlog(self) -> dict[tuple[str, str], int]:
         return self.intake.backlog if self.intake is not None else {}
+
+    def _on_the_way(self, endpoint: str) -> list[str]:
+        """Tenants with requests to `endpoint` that the intake has not queued yet: the
+        intake still has some of theirs to read or admit, and the streams held more of
+        them for `endpoint`, at the last listing, than are queued or running here."""
+        if self.intake is None:
+            return []
+        backlog = self.intake.backlog
+        tenants = []
+        for tenant in self.intake.arriving():
+            flow = self.scheduler.flow(endpoint, tenant)
+            here = len(flow.queue) + flow.running if flow is not None else 0
+            if backlog.get((endpoint, tenant), 0) > here:
+                tenants.append(tenant)
+        return tenants
 
     def _in_hand(self) -> Counter[tuple[bool, str]]:
         """(parked?, tenant) -> the messages held, for the intake's estimates."""

@@ -6,7 +6,9 @@ reorders tenants. One pass over one worker (`Placement.single`) is `next_batch`'
 classic batch fill.
 
 Among the workers the request fits (sequences, KV tokens, model units, and the newcomer
-reserve unless its tenant is below its share):
+reserve unless its tenant is below its share; while a higher tier has work waiting, a
+lower tier's request may use only the reserve, and holds one of its sequences until it
+completes, `Request.in_reserve`: so lower tiers run at most the reserve meanwhile):
 
 - **affinity**: a request with an affinity key (its `session`, else a hash of its
   prompt's leading block; `affinity_key`) walks the endpoint's consistent-hash `Ring`
@@ -38,7 +40,7 @@ from dispatcher.core.types import Request
 
 # What `Placement.place` says of a request.
 PLACED = 0
-HELD = 1  # fits only inside the newcomer reserve
+HELD = 1  # fits, in room it may not use: the newcomer reserve, or kept for a higher tier
 MISFIT = 2  # fits a whole batch, not the room left
 BLOCKED = 3  # larger than any whole batch, and no idle worker to run it alone
 
@@ -133,6 +135,8 @@ class Slot:
         "units",
         "total",
         "reserve",
+        "whole_reserve",
+        "reserve_in_use",
         "idle",
         "load",
         "size",
@@ -140,12 +144,19 @@ class Slot:
     )
 
     def __init__(
-        self, worker_id: str, free: Capacity, total: Capacity, load: float = 0.0, size: float = 1.0
+        self,
+        worker_id: str,
+        free: Capacity,
+        total: Capacity,
+        load: float = 0.0,
+        size: float = 1.0,
+        reserve_in_use: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.sequences, self.tokens, self.units = free.sequences, free.tokens, free.model_units
         self.total = total
-        self.reserve = NO_CAPACITY
+        self.reserve = self.whole_reserve = NO_CAPACITY  # what is left of it, and all of it
+        self.reserve_in_use = reserve_in_use  # its sequences taken by running requests
         self.idle = free == total
         self.load = load  # model units in flight
         self.size = size
@@ -156,6 +167,21 @@ class Slot:
             self.sequences > reserve.sequences
             and tokens <= self.tokens - reserve.tokens
             and units <= self.units - reserve.model_units
+        )
+
+    def set_reserve(self, whole: Capacity) -> None:
+        """The reserve of `whole` less the sequences running requests took, each with
+        its share of the reserve's tokens and model units."""
+        self.whole_reserve = whole
+        left = whole.sequences - self.reserve_in_use
+        self.reserve = (
+            NO_CAPACITY
+            if left <= 0
+            else Capacity(
+                left,
+                whole.tokens * left // whole.sequences,
+                whole.model_units * left / whole.sequences,
+            )
         )
 
 
@@ -176,24 +202,24 @@ class Placement:
         self._load = sum(slot.load for slot in self.slots)
 
     @classmethod
-    def single(cls, free: Capacity, total: Capacity) -> Placement:
-        return cls([Slot("", free, total)])
+    def single(cls, free: Capacity, total: Capacity, reserve_in_use: int = 0) -> Placement:
+        return cls([Slot("", free, total, reserve_in_use=reserve_in_use)])
 
     @classmethod
     def of_fleet(
         cls,
-        workers: Iterable[tuple[str, Capacity, Capacity, float]],
+        workers: Iterable[tuple[str, Capacity, Capacity, float, int]],
         sizes: Mapping[str, float],
         ring: Ring | None = None,
         load_bound: float = DEFAULT_LOAD_BOUND,
     ) -> Placement:
-        """A pass over (worker id, free, total, model units in flight) of every healthy
-        worker of one endpoint, full ones included (they count in the fleet's load),
-        with their `sizes` (`fleet_sizes`)."""
+        """A pass over (worker id, free, total, model units in flight, reserve sequences
+        in use) of every healthy worker of one endpoint, full ones included (they count
+        in the fleet's load), with their `sizes` (`fleet_sizes`)."""
         return cls(
             [
-                Slot(worker_id, free, total, load, sizes[worker_id])
-                for worker_id, free, total, load in workers
+                Slot(worker_id, free, total, load, sizes[worker_id], in_reserve)
+                for worker_id, free, total, load, in_reserve in workers
             ],
             ring,
             load_bound,
@@ -201,31 +227,41 @@ class Placement:
 
     def set_reserves(self, reserve_of: Callable[[Capacity], Capacity]) -> None:
         for slot in self.slots:
-            slot.reserve = reserve_of(slot.total)
+            slot.set_reserve(reserve_of(slot.total))
 
     def lift_reserves(self) -> None:
         for slot in self.slots:
-            slot.reserve = NO_CAPACITY
+            slot.reserve = slot.whole_reserve = NO_CAPACITY
 
     def has_room(self) -> bool:
         return any(slot.sequences > 0 for slot in self.slots)
 
-    def place(self, request: Request, respect_reserve: bool) -> int:
-        """Place `request` on a worker if it fits one; PLACED, HELD, MISFIT or BLOCKED."""
+    def place(self, request: Request, respect_reserve: bool, confined: bool = False) -> int:
+        """Place `request` on a worker if it fits one; PLACED, HELD, MISFIT or BLOCKED.
+
+        `respect_reserve`: its tenant is at or above its share, so it may not use the
+        newcomer reserve. `confined`: a higher tier has work this room is kept for, so
+        it may use only the reserve (and only if it may use the reserve at all)."""
         tokens = request.input_tokens + request.max_tokens
         units = request.model_units
         fitting = []
-        held = False
         for slot in self.slots:
-            if slot.fits(tokens, units, NO_CAPACITY):
-                if not respect_reserve or slot.fits(tokens, units, slot.reserve):
+            if not slot.fits(tokens, units, NO_CAPACITY):
+                continue
+            if confined:
+                if not respect_reserve and slot.reserve.sequences > 0:
                     fitting.append(slot)
-                else:
-                    held = True
+            elif not respect_reserve or slot.fits(tokens, units, slot.reserve):
+                fitting.append(slot)
         if fitting:
-            self._take(self._choose(request, fitting), request, tokens, units)
+            slot = self._choose(request, fitting)
+            self._take(slot, request, tokens, units)
+            request.in_reserve = confined
+            if confined:
+                slot.reserve_in_use += 1
+                slot.set_reserve(slot.whole_reserve)
             return PLACED
-        if held:
+        if any(slot.fits(tokens, units, NO_CAPACITY) for slot in self.slots):
             return HELD
         if any(slot.total.fits(Capacity(1, tokens, units)) for slot in self.slots):
             return MISFIT
@@ -234,6 +270,7 @@ class Placement:
             if slot.idle and not slot.requests:
                 self._take(slot, request, tokens, units)
                 slot.sequences = 0
+                request.in_reserve = False
                 return PLACED
         return BLOCKED
 

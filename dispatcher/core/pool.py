@@ -88,6 +88,7 @@ class Worker:
     # Totals over `assigned`, kept as it changes: read on every dispatch pass.
     assigned_tokens: int = 0
     assigned_units: float = 0.0
+    assigned_in_reserve: int = 0  # those placed in its newcomer reserve
     # When it last showed its engine works: work started on it idle, a completion, an
     # answered probe. Probes are due from here.
     progress_at: float = 0.0
@@ -121,6 +122,7 @@ class Worker:
         self.assigned[(request.tenant, request.id)] = (request, now)
         self.assigned_tokens += request.input_tokens + request.max_tokens
         self.assigned_units += request.model_units
+        self.assigned_in_reserve += request.in_reserve
 
     def _release(self, key: Key) -> Request | None:
         entry = self.assigned.pop(key, None)
@@ -129,6 +131,7 @@ class Worker:
             return None
         request = entry[0]
         self.assigned_tokens -= request.input_tokens + request.max_tokens
+        self.assigned_in_reserve -= request.in_reserve
         # Float sums drift: back to exactly zero when nothing is assigned.
         self.assigned_units = self.assigned_units - request.model_units if self.assigned else 0.0
         return request
@@ -391,7 +394,10 @@ class WorkerPool:
             return None
         sizes = fleet_sizes((w.worker_id, w.sequences, w.mu_per_s) for w in fleet)
         return Placement.of_fleet(
-            ((w.worker_id, free, w.capacity, w.assigned_units) for w, free in offers),
+            (
+                (w.worker_id, free, w.capacity, w.assigned_units, w.assigned_in_reserve)
+                for w, free in offers
+            ),
             sizes,
             self._ring(endpoint, sizes) if affinity else None,
             load_bound,

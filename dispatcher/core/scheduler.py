@@ -17,6 +17,7 @@ with a synchronous store.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -208,21 +209,33 @@ class Scheduler(SchedulerView):
     # -- dispatch ----------------------------------------------------------------
 
     def next_batch(
-        self, endpoint_name: str, free: Capacity, now: float, total: Capacity | None = None
+        self,
+        endpoint_name: str,
+        free: Capacity,
+        now: float,
+        total: Capacity | None = None,
+        reserve_in_use: int = 0,
     ) -> Selection:
         """Fill one worker's `free` room with the next requests (`place` on a single
         worker). `total` is the worker's whole capacity (default: the endpoint's batch
-        setting)."""
+        setting); `reserve_in_use`, its reserve's sequences running requests hold."""
         total = total or self.endpoints[endpoint_name].default_total
-        return self.place(endpoint_name, Placement.single(free, total), now)
+        return self.place(endpoint_name, Placement.single(free, total, reserve_in_use), now)
 
-    def place(self, endpoint_name: str, room: Placement, now: float) -> Selection:
+    def place(
+        self, endpoint_name: str, room: Placement, now: float, on_the_way: Iterable[str] = ()
+    ) -> Selection:
         """Place the next requests, in tier -> DRR -> priority order, on the workers of
         `room`, until none has room; `room` records which went where.
 
         Each worker's whole capacity sizes its newcomer reserve and recognises a request
         larger than a whole batch, which is sent alone once a worker is idle rather than
-        starved.
+        starved. `on_the_way`: tenants with requests to this endpoint not queued here yet
+        (in the broker, being read or admitted).
+
+        Tiers are strict wherever work waits: once a tier has work the room must be kept
+        for (queued here or on its way, and not placed in this pass), lower tiers may
+        use only the newcomer reserve (docs/architecture.md, "Strict tiers").
         """
         endpoint = self.endpoints[endpoint_name]
         selector = endpoint.selector
@@ -230,19 +243,21 @@ class Scheduler(SchedulerView):
         room.set_reserves(endpoint.reserve)
         batch = Selection()
         set_aside, set_aside_limit = 0, MAX_SET_ASIDE * len(room.slots)
+        kept_for = self._rank_on_the_way(on_the_way) if selector.strict_tiers else math.inf
         # A flow held back by the reserve (at or above its share) can fall below its
         # share when another flow starts a request: it gets another look.
-        held_by_reserve = recheck = False
+        held_by_reserve = recheck = lifted = False
         while room.has_room():
             flow = selector.select()
             if flow is None:
                 # Only the reserve holds work back and no newcomer is likely: lift it.
-                lift = not recheck and held_by_reserve and not endpoint.reserve_can_matter(now)
+                lift = not (recheck or lifted) and held_by_reserve
+                lift = lift and not endpoint.reserve_can_matter(now)
                 if not (recheck or lift):
                     break
                 if lift:
                     room.lift_reserves()
-                    set_aside = 0
+                    set_aside, lifted = 0, True
                 selector.restore_set_aside()
                 held_by_reserve = recheck = False
                 continue
@@ -256,13 +271,16 @@ class Scheduler(SchedulerView):
             below_share = flow.running * endpoint.present_weight < flow.weight * max(
                 endpoint.running, 1
             )
-            outcome = room.place(request, respect_reserve=not below_share)
+            confined = flow.tier_rank > kept_for
+            outcome = room.place(request, respect_reserve=not below_share, confined=confined)
             if outcome == BLOCKED:
                 break  # hold the workers until one is idle for an oversized head
             if outcome != PLACED:
-                held_by_reserve = held_by_reserve or outcome == HELD
+                held_by_reserve = held_by_reserve or (outcome == HELD and not confined)
                 if selector.blocks_on_misfit:
                     break
+                if selector.strict_tiers:  # what frees is its, not a lower tier's
+                    kept_for = min(kept_for, flow.tier_rank)
                 selector.set_aside(flow)
                 set_aside += 1
                 if set_aside >= set_aside_limit:
@@ -401,6 +419,15 @@ class Scheduler(SchedulerView):
         return reconfigure(self, config, now)
 
     # -- internals -------------------------------------------------------------------
+
+    def _rank_on_the_way(self, tenants: Iterable[str]) -> float:
+        """The highest tier (lowest rank) of `tenants`, inf if none is known."""
+        ranks = [
+            policy.tier_rank
+            for tenant in tenants
+            if (policy := self.registry.tenant(tenant)) is not None
+        ]
+        return min(ranks, default=math.inf)
 
     def _flow(self, endpoint: EndpointQueues, tenant: str) -> TenantFlow | None:
         """The tenant's flow, made if need be; None for a tenant the registry rejects."""

@@ -87,6 +87,10 @@ class Request:
     # engine to schedule it ahead of the rest (engine priority), so a newcomer's first
     # token does not wait behind a flooding tenant's prefills.
     expedited: bool = False
+    # Placed in a worker's newcomer reserve (it fitted nowhere else): it holds one of
+    # the reserve's sequences until it completes, so the reserve lets in a bounded
+    # number of requests at a time.
+    in_reserve: bool = False
     # The limiter checks admission charged it (dispatcher.core.limits.charged), which
     # its completion settles: in their month, at what they really took.
     charges: tuple[Any, ...] = ()

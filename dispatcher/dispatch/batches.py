@@ -30,12 +30,19 @@ log = logging.getLogger("fairq.dispatcher")
 
 class Dispatch:
     def __init__(
-        self, parts: Parts, endings: Endings, top_up: Callable[[str], Awaitable[None]]
+        self,
+        parts: Parts,
+        endings: Endings,
+        top_up: Callable[[str], Awaitable[None]],
+        on_the_way: Callable[[str], list[str]] = lambda endpoint: [],
     ) -> None:
         self.nc, self.subjects, self.scheduler = parts.nc, parts.subjects, parts.scheduler
         self.pool, self.metrics, self.wake = parts.pool, parts.metrics, parts.wake
         self.endings = endings
         self.top_up = top_up  # intake pulls more for a tenant whose window has room
+        # endpoint -> tenants with requests to it still in the broker or being admitted:
+        # the room is kept for them over lower tiers (`Scheduler.place`).
+        self.on_the_way = on_the_way
         self.epoch = 0  # the lease epoch batches carry
         # Checked again before each endpoint's placement: a lease that lapsed ends a pass.
         self.may_send: Callable[[], bool] = lambda: True
@@ -61,7 +68,7 @@ class Dispatch:
             if room is None:
                 continue
             offered = {slot.worker_id: slot.sequences for slot in room.slots}
-            selection = self.scheduler.place(name, room, now)
+            selection = self.scheduler.place(name, room, now, self.on_the_way(name))
             # Taken before any await: the pool may change while batches go out.
             batches = [(self.pool.workers[slot.worker_id], slot.requests) for slot in room.placed()]
             await self.endings.drop_expired(selection.expired, now)

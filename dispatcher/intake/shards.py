@@ -334,6 +334,15 @@ class Intake:
 
     # -- pulls ---------------------------------------------------------------------------
 
+    def arriving(self) -> list[str]:
+        """Tenants with requests not handed to the dispatcher yet, as far as known: in
+        their shard, parked, being moved, arrived or being handed over."""
+        return [
+            tenant.name
+            for tenant in self.tenants.values()
+            if tenant.waiting or tenant.parked or tenant.moving or self._holding(tenant)
+        ]
+
     def _holding(self, tenant: Tenant) -> int:
         return len(tenant.arrived) + tenant.handing_over
 

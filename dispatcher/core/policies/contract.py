@@ -71,6 +71,9 @@ class Selector(Protocol):
     # True for the naive queue: a head request that does not fit stops the batch, and
     # `set_aside` is never called.
     blocks_on_misfit: bool
+    # True if tiers are strict: a lower tier may use only the newcomer reserve while a
+    # higher tier has work waiting (the scheduler keeps the rest of the room for it).
+    strict_tiers: bool
     # True if the policy charges output as it is generated (`progress`) instead of an
     # estimate at dispatch.
     charges_output_as_generated: bool

@@ -15,6 +15,7 @@ from dispatcher.core.types import Request
 class TierLadder:
     """One DRR ring per tier, asked in strict tier order."""
 
+    strict_tiers = True
     blocks_on_misfit = False
     charges_output_as_generated = True
 

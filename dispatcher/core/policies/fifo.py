@@ -16,6 +16,7 @@ from dispatcher.core.types import Request
 class FifoSelector:
     """Global arrival order across tenants: a k-way merge of the tenants' queues."""
 
+    strict_tiers = False
     blocks_on_misfit = True
     charges_output_as_generated = False
 
