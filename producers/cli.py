@@ -20,6 +20,7 @@ COMMANDS = {
     "calibrate": "workers.calibrate",
     "front-key": "producers.openai_front.keys",
     "auth": "producers.auth_command",
+    "demo": "producers.demo",
 }
 
 
