@@ -32,7 +32,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(a new tenant's imports work after the second), then the dispatchers "
         "(`fairq reload`).",
     )
-    parser.add_argument("--config", type=Path, default=EXAMPLE_CONFIG)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=EXAMPLE_CONFIG,
+        metavar="FILE",
+        help="the fairq config whose tenants get broker users (default: configs/example.toml)",
+    )
     parser.add_argument(
         "--out",
         type=Path,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from broker_config.config import Config, Registry
+from broker_config.wire import ErrorEvent
 from costmodel.units import ModelProfile
 from producers.cli_options import (
     EXIT_FAILED,
@@ -38,7 +39,7 @@ from producers.cli_options import (
     runner,
 )
 from producers.client import Client
-from producers.errors import FairqError, RequestFailed
+from producers.errors import FairqError
 
 TTFT_BOUND = 2.0  # beside the flood, at most this many times the solo p95
 # The small tenants chat with about 500 tokens of context (a system prompt, a document);
@@ -66,16 +67,21 @@ QUICK = DemoSettings(flood_requests=250, flood_max_tokens=128, solo_s=5.0, besid
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One request as its final event told it (times in seconds, wall clock)."""
+    """One request as its final event told it (times in seconds, wall clock). Its
+    timings count from its broker timestamp, which lies between `submitted_at` (the
+    publish began) and `sent_at` (the broker's ack came back); `started_at` and
+    `ended_at` count from `submitted_at`, so they may be early by that much."""
 
     tenant: str
     submitted_at: float
     outcome: str  # "done" or the error code (then `ended_at` is when it came)
+    sent_at: float | None = None
     ttft_s: float | None = None
     started_at: float | None = None
     ended_at: float | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+    message: str = ""  # an error's
 
 
 async def ask(
@@ -84,16 +90,23 @@ async def ask(
     """Send one request and wait for its end."""
     at = time.time()
     try:
-        done = await client.run(
-            endpoint, tenant, prompt=prompt, max_tokens=max_tokens, id=request_id, timeout_s=120
+        submitted = await client.submit(
+            endpoint, tenant, prompt=prompt, max_tokens=max_tokens, id=request_id
         )
-    except RequestFailed as exc:
-        return Answer(tenant, at, exc.code, ended_at=time.time())
-    timings, usage = done.timings, done.usage
+        sent_at = time.time()
+        async with contextlib.aclosing(client.stream(submitted, timeout_s=120)) as events:
+            final = [event async for event in events][-1]
+    except FairqError as exc:  # not sent (a full backlog, a broken connection)
+        code = getattr(exc, "code", type(exc).__name__)
+        return Answer(tenant, at, code, ended_at=time.time(), message=str(exc))
+    if isinstance(final, ErrorEvent):
+        return Answer(tenant, at, final.code, sent_at, ended_at=time.time(), message=final.message)
+    timings, usage = final.timings, final.usage
     return Answer(
         tenant,
         at,
         "done",
+        sent_at,
         timings.ttft_s,
         at + timings.queued_s,
         at + timings.total_s,

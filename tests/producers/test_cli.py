@@ -39,7 +39,9 @@ from tests.producers.test_client import fairq, play_worker, respond
 
 REPO = Path(__file__).resolve().parents[2]
 S = Subjects()
-PRODUCER_COMMANDS = ("submit", "status", "cancel", "top", "reload", "up")
+PRODUCER_COMMANDS = ("submit", "status", "cancel", "top", "reload", "up", "demo", "auth")
+# Those that start their own server or connect to none.
+NO_NATS_OPTION = ("up", "auth")
 
 
 @pytest.fixture
@@ -77,7 +79,7 @@ def test_help_names_nats_url_but_never_shows_its_value(monkeypatch: pytest.Monke
     for name, parser in command_parsers().items():
         text = parser.format_help()
         assert "s3cret" not in text, f"fairq {name} --help shows $NATS_URL's value"
-        if name != "up":  # fairq up starts its own server
+        if name not in NO_NATS_OPTION:
             assert "(default: $NATS_URL, else nats://127.0.0.1:4222)" in " ".join(text.split())
 
 
