@@ -51,6 +51,7 @@ from broker_config.wire import DoneEvent, ErrorCode, ErrorEvent
 from dispatcher.service import Dispatcher
 from producers.client import Client
 from producers.errors import ConnectionFailed
+from producers.request_commands import EXIT_UNKNOWN
 
 REPO = Path(__file__).resolve().parents[2]
 S = Subjects()
@@ -756,7 +757,8 @@ async def test_the_sdk_and_cli_connect_with_a_creds_file(nats_binary: Path, tmp_
             code, out, err = await fairq_cli(
                 "status", "--nats", server.url, "--creds", str(acme), "--tenant", "acme", "r1"
             )
-            assert code == 0 and json.loads(out)["state"] == "unknown", err
+            # Connected and answered: the dispatcher knows no such request (exit 3).
+            assert code == EXIT_UNKNOWN and json.loads(out)["state"] == "unknown", err
             code, out, err = await fairq_cli(
                 "status",
                 "--nats",
