@@ -7,7 +7,7 @@ its holder stopped renewing ages out, so a standby's create succeeds. Its *epoch
 revision of the create that began the tenure (stream sequences only grow, so a later
 tenure always has a larger epoch); renewals carry it in the record.
 
-Dispatchers put their epoch in every batch, abort and eviction (`wire.Batch.epoch`...);
+Dispatchers put their epoch in every batch, abort and eviction (`wire_internal.Batch.epoch`...);
 a worker watches the key and refuses what carries an epoch older than the newest it has
 seen (`EpochWatch`), so a dispatcher that was paused past its lease and wakes up cannot
 send work a second time. Epoch 0 means unfenced (a dispatcher run without a lease).

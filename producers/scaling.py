@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from broker_config import wire
+from broker_config import wire_internal
 from broker_config.config import Config
 from costmodel.capacity import ScalingPolicy
 from producers.supervisor import Child, Supervisor
@@ -82,7 +82,7 @@ class ScaleFollower:
 
     async def _on_event(self, msg: Msg) -> None:
         try:
-            event = wire.SCALE_EVENT.decode(msg.data)
+            event = wire_internal.SCALE_EVENT.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("ignoring a malformed scale event on %s: %s", msg.subject, exc)
             return

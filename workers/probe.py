@@ -15,7 +15,8 @@ import asyncio
 import logging
 import time
 
-from broker_config.wire import BatchItem, Completion, ErrorCode
+from broker_config.wire import ErrorCode
+from broker_config.wire_internal import BatchItem, Completion
 from costmodel.units import Capacity, Usage
 from workers.engine import PROBE, Engine, EngineError, EngineRequest
 

@@ -25,7 +25,8 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from broker_config.jetstream import kv_stream, kv_subject
 from broker_config.subjects import Subjects
-from broker_config.wire import STORED_RESULT, BatchItem, FinalEvent, StoredResult, encode
+from broker_config.wire import FinalEvent, encode
+from broker_config.wire_internal import STORED_RESULT, BatchItem, StoredResult
 
 log = logging.getLogger(__name__)
 

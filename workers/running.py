@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from broker_config.wire import (
-    BatchItem,
     DoneEvent,
     ErrorCode,
     ErrorEvent,
@@ -20,6 +19,7 @@ from broker_config.wire import (
     Timings,
     TokenLogprob,
 )
+from broker_config.wire_internal import BatchItem
 from costmodel.units import Usage
 from workers.engine import EXPEDITED, Delta, EngineRequest
 from workers.images import ImagePool

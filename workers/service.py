@@ -39,20 +39,22 @@ from broker_config.config import WorkerOptions
 from broker_config.lease_key import EpochWatch
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, check_token
 from broker_config.wire import (
+    Encoding,
+    ErrorCode,
+    FinalEvent,
+    TokenEvent,
+    WireError,
+    encode,
+    header,
+)
+from broker_config.wire_internal import (
     ABORT,
     BATCH,
     EVICT,
     BatchItem,
     Completion,
     Completions,
-    Encoding,
-    ErrorCode,
-    FinalEvent,
     Heartbeat,
-    TokenEvent,
-    WireError,
-    encode,
-    header,
 )
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
 from workers.engine import Delta, Engine, EngineError, EngineRequest

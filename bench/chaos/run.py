@@ -59,7 +59,7 @@ from bench.harness.cli import bench_parser, write_json
 from bench.harness.machine import command_line, machine_facts, with_overrides
 from bench.harness.paths import RESULTS_DIR
 from bench.harness.stack import ENDPOINT, connected
-from broker_config import jetstream, wire
+from broker_config import jetstream, wire_internal
 from broker_config.connection import server_urls
 from broker_config.direct_get import DirectBatchGet
 from dispatcher.core.pool import Key
@@ -150,10 +150,10 @@ async def _until_answered(watch: Watch, keys: list[Key], timeout_s: float) -> No
         await asyncio.sleep(0.5)
 
 
-async def _stored(nc, keys: list[Key]) -> dict[Key, wire.StoredResult]:
+async def _stored(nc, keys: list[Key]) -> dict[Key, wire_internal.StoredResult]:
     subjects = SUBJECTS
     bucket = subjects.results_bucket
-    found: dict[Key, wire.StoredResult] = {}
+    found: dict[Key, wire_internal.StoredResult] = {}
     async with DirectBatchGet(nc, jetstream.kv_stream(bucket)) as reader:
         for start in range(0, len(keys), LOOKUP_BATCH):
             chunk = {
@@ -161,7 +161,7 @@ async def _stored(nc, keys: list[Key]) -> dict[Key, wire.StoredResult]:
                 for k in keys[start : start + LOOKUP_BATCH]
             }
             for subject, data in (await reader.last(list(chunk))).items():
-                found[chunk[subject]] = wire.STORED_RESULT.decode(data)
+                found[chunk[subject]] = wire_internal.STORED_RESULT.decode(data)
     return found
 
 

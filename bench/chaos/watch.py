@@ -20,7 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bench.harness.machine import table
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from dispatcher.core.pool import Key
 
@@ -59,11 +59,13 @@ class Watch:
         self.endpoint = endpoint
         self.inbox = inbox
         self.dispatches: dict[Key, list[_Dispatch]] = defaultdict(list)
-        self.completions: dict[Key, list[tuple[float, wire.Completion]]] = defaultdict(list)
+        self.completions: dict[Key, list[tuple[float, wire_internal.Completion]]] = defaultdict(
+            list
+        )
         self.finals: dict[Key, list[wire.FinalEvent]] = defaultdict(list)
         self.final_at: dict[Key, float] = {}
         self.runs: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (seen, started)
-        self.evictions: list[tuple[float, wire.Evict]] = []
+        self.evictions: list[tuple[float, wire_internal.Evict]] = []
         # Per healthy heartbeat: the larger of its sequence and KV token shares in use.
         self.fullness: list[float] = []
         self.probes_sent = 0
@@ -101,7 +103,7 @@ class Watch:
     # -- handlers ------------------------------------------------------------------------
 
     async def _on_batch(self, msg: Msg) -> None:
-        batch = self._decode(msg, wire.BATCH.decode)
+        batch = self._decode(msg, wire_internal.BATCH.decode)
         if batch is None:
             return
         if self.epoch_first_batch and batch.epoch < max(self.epoch_first_batch):
@@ -117,7 +119,7 @@ class Watch:
                 )
 
     async def _on_completions(self, msg: Msg) -> None:
-        completions = self._decode(msg, wire.COMPLETIONS.decode)
+        completions = self._decode(msg, wire_internal.COMPLETIONS.decode)
         if completions is None:
             return
         for done in completions.items:
@@ -130,7 +132,7 @@ class Watch:
                 self.completions[(done.tenant, done.id)].append((done.finished_at, done))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        beat = self._decode(msg, wire.HEARTBEAT.decode)
+        beat = self._decode(msg, wire_internal.HEARTBEAT.decode)
         if beat is None:
             return
         runs = self.runs[beat.worker_id]
@@ -145,7 +147,7 @@ class Watch:
             )
 
     async def _on_evict(self, msg: Msg) -> None:
-        evict = self._decode(msg, wire.EVICT.decode)
+        evict = self._decode(msg, wire_internal.EVICT.decode)
         if evict is not None:
             self.evictions.append((time.time(), evict))
 
@@ -220,7 +222,10 @@ class Watch:
 
 
 def verdict(
-    watch: Watch, faults: list[Fault], submitted: list[Key], stored: dict[Key, wire.StoredResult]
+    watch: Watch,
+    faults: list[Fault],
+    submitted: list[Key],
+    stored: dict[Key, wire_internal.StoredResult],
 ) -> dict[str, Any]:
     """The run's figures: delivery (lost, two results, repeats, run twice), and per fault
     the times to detection, re-dispatch and a replacement serving."""
@@ -299,7 +304,7 @@ def verdict(
     }
 
 
-def _results_of(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) -> int:
+def _results_of(watch: Watch, stored: dict[Key, wire_internal.StoredResult], key: Key) -> int:
     """How many different final events the request has, stored or delivered."""
     events = list(watch.finals.get(key, ()))
     if key in stored:
@@ -307,7 +312,9 @@ def _results_of(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) ->
     return len({msgspec.json.encode(e) for e in events})
 
 
-def _final(watch: Watch, stored: dict[Key, wire.StoredResult], key: Key) -> wire.FinalEvent | None:
+def _final(
+    watch: Watch, stored: dict[Key, wire_internal.StoredResult], key: Key
+) -> wire.FinalEvent | None:
     result = stored.get(key)
     return result.event if result is not None else (watch.finals.get(key) or [None])[0]
 

@@ -43,7 +43,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from bench.harness.consumers import endpoint_consumer, pull_subscription
-from broker_config import jetstream, wire
+from broker_config import jetstream, wire, wire_internal
 from broker_config.config import ConfigError, load_config
 from broker_config.streams import ConsumerLimits
 from broker_config.subjects import HDR_CONTENT_TYPE
@@ -166,7 +166,7 @@ class SharedQueueFeeder:
             key = self._subjects.result_key(submission.tenant, submission.id)
             self._held[key] = msg
             items.append(
-                wire.BatchItem(
+                wire_internal.BatchItem(
                     id=submission.id,
                     tenant=submission.tenant,
                     endpoint=submission.endpoint,
@@ -183,7 +183,7 @@ class SharedQueueFeeder:
             )
         if not items:
             return
-        batch = wire.Batch(
+        batch = wire_internal.Batch(
             worker_id=service.worker_id, endpoint=service.endpoint, items=items, sent_at=now
         )
         await self._nc.publish(
@@ -193,7 +193,7 @@ class SharedQueueFeeder:
         )
 
     async def _on_completions(self, msg: Msg) -> None:
-        completions = wire.COMPLETIONS.decode(
+        completions = wire_internal.COMPLETIONS.decode(
             msg.data, wire.Encoding.from_content_type(wire.header(msg.headers, HDR_CONTENT_TYPE))
         )
         for done in completions.items:

@@ -61,7 +61,8 @@ from bench.harness.measured import (
     to_measure,
 )
 from broker_config.config import BrokerSettings
-from broker_config.wire import STORED_RESULT, DoneEvent, StoredResult, TokenEvent
+from broker_config.wire import DoneEvent, TokenEvent
+from broker_config.wire_internal import STORED_RESULT, StoredResult
 from producers.client import Client
 from producers.errors import FairqError
 from producers.submission import Submitted

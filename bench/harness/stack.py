@@ -51,7 +51,7 @@ from bench.harness.recorder import WellBehaved, replay
 from broker_config.config import EXAMPLE_CONFIG, BrokerSettings, Config, Tenant, load_config
 from broker_config.server import EmbeddedNatsServer
 from broker_config.streams import provision
-from broker_config.wire import HEARTBEAT
+from broker_config.wire_internal import HEARTBEAT
 from costmodel.engine_model import EngineParams
 from dispatcher.core.endpoint import sequences_outside_reserve
 from dispatcher.core.limits import scheduling_only

@@ -47,7 +47,7 @@ from nats.aio.client import Client as NATS
 from bench.harness.cli import write_json
 from bench.harness.machine import ran_on, table
 from bench.harness.stack import connected
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.config import Config, DispatcherOptions, WorkerOptions, parse_config
 from broker_config.server import EmbeddedNatsServer
 from dispatcher.service import Dispatcher
@@ -165,7 +165,7 @@ async def chats(nc: NATS, run: str, sessions: int, turns: int) -> dict[str, Any]
     workers: dict[str, str] = {}
 
     async def on_batch(msg) -> None:
-        batch = wire.BATCH.decode(
+        batch = wire_internal.BATCH.decode(
             msg.data, wire.Encoding.from_content_type((msg.headers or {}).get("Content-Type"))
         )
         workers.update((item.id, batch.worker_id) for item in batch.items)

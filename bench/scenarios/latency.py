@@ -70,7 +70,8 @@ from bench.scenarios.rate import (
     stack_rate,
     tenant_names,
 )
-from broker_config.wire import DoneEvent, StoredResult
+from broker_config.wire import DoneEvent
+from broker_config.wire_internal import StoredResult
 from dispatcher.sim.fairness import latency_summary
 
 TITLE = "End to end: latency added at half the sustained rate"

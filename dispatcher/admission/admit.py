@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import nats.errors
 from nats.aio.msg import Msg
 
-from broker_config import jetstream, wire
+from broker_config import jetstream, wire, wire_internal
 from broker_config.direct_get import DirectGetError
 from broker_config.limits import over_limits
 from dispatcher.admission.redis_store import LimiterUnavailable
@@ -115,7 +115,7 @@ class Admission:
             )
 
     async def _take(
-        self, msg: Msg, submission: wire.Submission, stored: wire.StoredResult | None
+        self, msg: Msg, submission: wire.Submission, stored: wire_internal.StoredResult | None
     ) -> None:
         now = time.time()
         key = (submission.tenant, submission.id)

@@ -11,7 +11,7 @@ done event, the scheduler's charge correction), `ChatMessage`.
 
 from __future__ import annotations
 
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.subjects import HDR_CONTENT_TYPE, message_bytes
 from costmodel.units import approx_tokens
 from dispatcher.core.placement import DEFAULT_AFFINITY_BLOCK_TOKENS, affinity_key
@@ -64,10 +64,12 @@ def to_request(
     )
 
 
-def to_batch_item(request: Request, submission: wire.Submission, now: float) -> wire.BatchItem:
+def to_batch_item(
+    request: Request, submission: wire.Submission, now: float
+) -> wire_internal.BatchItem:
     """What a worker receives for a dispatched request: the body as submitted plus the
     dispatcher's decisions (the capped `max_tokens`, the engine priority)."""
-    return wire.BatchItem(
+    return wire_internal.BatchItem(
         id=request.id,
         tenant=request.tenant,
         endpoint=request.endpoint,
@@ -92,7 +94,7 @@ BATCH_SLACK_BYTES = 64
 def encode_batches(
     worker_id: str,
     endpoint: str,
-    items: list[wire.BatchItem],
+    items: list[wire_internal.BatchItem],
     sent_at: float,
     max_payload: int,
     epoch: int = 0,
@@ -102,9 +104,9 @@ def encode_batches(
     item too large for a message of its own stays alone in one (admission refuses such
     requests, `too_large_to_dispatch`)."""
 
-    def encoded(chunk: list[wire.BatchItem]) -> bytes:
+    def encoded(chunk: list[wire_internal.BatchItem]) -> bytes:
         return wire.encode(
-            wire.Batch(
+            wire_internal.Batch(
                 worker_id=worker_id, endpoint=endpoint, items=chunk, sent_at=sent_at, epoch=epoch
             ),
             BATCH_ENCODING,
@@ -115,7 +117,7 @@ def encode_batches(
     if len(whole) <= max_bytes:
         return [whole]
     room = max_bytes - len(encoded([])) - BATCH_SLACK_BYTES
-    chunks: list[list[wire.BatchItem]] = [[]]
+    chunks: list[list[wire_internal.BatchItem]] = [[]]
     used = 0
     for item in items:
         size = len(wire.encode(item, BATCH_ENCODING))

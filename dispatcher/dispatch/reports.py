@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.direct_get import DirectGetError
 from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError
 from costmodel.units import Usage
@@ -84,7 +84,7 @@ class WorkerReports:
             self._update_serving(endpoint, healthy=0)
 
     async def on_heartbeat(self, msg: Msg) -> None:
-        beat = wire.HEARTBEAT.decode(msg.data, _encoding(msg))
+        beat = wire_internal.HEARTBEAT.decode(msg.data, _encoding(msg))
         counts = beat.output_tokens
         if len(counts) != len(beat.in_flight):
             if counts:
@@ -224,7 +224,7 @@ class WorkerReports:
                 ended.append(self.held.adopted.pop(key))
         return ended
 
-    async def _lookup(self, keys: list[Key]) -> dict[Key, wire.StoredResult] | None:
+    async def _lookup(self, keys: list[Key]) -> dict[Key, wire_internal.StoredResult] | None:
         """The stored results among `keys`; None if the lookup failed."""
         if not keys:
             return {}
@@ -235,7 +235,11 @@ class WorkerReports:
             return None
 
     async def _run_again(
-        self, key: Key, worker_id: str, stored: dict[Key, wire.StoredResult] | None, now: float
+        self,
+        key: Key,
+        worker_id: str,
+        stored: dict[Key, wire_internal.StoredResult] | None,
+        now: float,
     ) -> None:
         """A request that streamed nothing (as far as the heartbeats said) runs again,
         keeping its place by arrival; but it may have finished between two heartbeats
@@ -263,11 +267,13 @@ class WorkerReports:
             held.worker = None
             await self.admission.admit(held, now, charged_before=True)
 
-    async def _answer_stored(self, worker_id: str, held: Held, found: wire.StoredResult) -> None:
+    async def _answer_stored(
+        self, worker_id: str, held: Held, found: wire_internal.StoredResult
+    ) -> None:
         """Complete a request from its stored result, as its lost completion would have,
         and send the client its final event (the worker's may have been lost too)."""
         event = found.event
-        done = wire.Completion(
+        done = wire_internal.Completion(
             id=held.submission.id,
             tenant=held.submission.tenant,
             endpoint=held.submission.endpoint,
@@ -343,7 +349,7 @@ class WorkerReports:
     async def on_completions(self, msg: Msg) -> None:
         settlements = []
         async with self._lock:
-            for done in wire.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
+            for done in wire_internal.COMPLETIONS.decode(msg.data, _encoding(msg)).items:
                 if not done.probe:
                     settlements.append(await self._complete(done))
                 elif (eviction := await self.probes.answered(done, time.time())) is not None:
@@ -358,7 +364,7 @@ class WorkerReports:
             time.time(),
         )
 
-    async def _complete(self, done: wire.Completion) -> Settlement:
+    async def _complete(self, done: wire_internal.Completion) -> Settlement:
         """Release a finished request; the settlement of its token limits, for the
         caller to apply (every way it was held has one)."""
         key = (done.tenant, done.id)
@@ -392,7 +398,7 @@ class WorkerReports:
             self._observe(completed.request.endpoint, completed.request.arrival, done)
         return settled
 
-    async def _abort_rerun(self, worker_id: str, done: wire.Completion) -> None:
+    async def _abort_rerun(self, worker_id: str, done: wire_internal.Completion) -> None:
         """It finished on a worker thought lost while it runs again on `worker_id`: stop
         that run (its result could not be stored anyway, the first one stands)."""
         log.info(
@@ -404,7 +410,7 @@ class WorkerReports:
         )
         await self.results.abort(done.endpoint, (done.tenant, done.id), wire.ErrorCode.INTERNAL)
 
-    def _observe(self, endpoint: str, received_at: float, done: wire.Completion) -> None:
+    def _observe(self, endpoint: str, received_at: float, done: wire_internal.Completion) -> None:
         self.metrics.child(self.metrics.input_tokens, endpoint).inc(done.usage.input_tokens)
         self.metrics.child(self.metrics.cached_input_tokens, endpoint).inc(
             done.usage.cached_input_tokens

@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError
 
-from broker_config import jetstream, wire
+from broker_config import jetstream, wire, wire_internal
 from broker_config.direct_get import DirectBatchGet, DirectGetError
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
@@ -61,14 +61,14 @@ class Results:
     def _subject(self, key: Key) -> str:
         return jetstream.kv_subject(self.bucket, self.subjects.result_key(*key))
 
-    async def lookup(self, keys: list[Key]) -> dict[Key, wire.StoredResult]:
+    async def lookup(self, keys: list[Key]) -> dict[Key, wire_internal.StoredResult]:
         """The stored results among `keys`, in one round trip. Raises DirectGetError."""
         subjects = {self._subject(key): key for key in keys}
         found = await self._reader.last(list(subjects))
         results = {}
         for subject, data in found.items():
             try:
-                results[subjects[subject]] = wire.STORED_RESULT.decode(data)
+                results[subjects[subject]] = wire_internal.STORED_RESULT.decode(data)
             except msgspec.DecodeError:  # one bad entry must not fail the whole batch
                 log.error(
                     "results bucket: %s holds no stored result (%d bytes); treated as absent",
@@ -77,7 +77,7 @@ class Results:
                 )
         return results
 
-    async def get(self, key: Key) -> wire.StoredResult | None:
+    async def get(self, key: Key) -> wire_internal.StoredResult | None:
         return (await self.lookup([key])).get(key)
 
     async def store(
@@ -86,7 +86,7 @@ class Results:
         """Store `event` as the request's result unless it has one: create-only, so a
         worker that finished it meanwhile keeps its result. The result that stands."""
         value = wire.encode(
-            wire.StoredResult(tenant=tenant, endpoint=endpoint, event=event, stored_at=now)
+            wire_internal.StoredResult(tenant=tenant, endpoint=endpoint, event=event, stored_at=now)
         )
         key = self.subjects.result_key(tenant, event.id)
         for _ in range(STORE_ATTEMPTS):
@@ -113,7 +113,7 @@ class Results:
     async def abort(self, endpoint: str, key: Key, code: wire.ErrorCode) -> None:
         """Stop a running request wherever it runs: its worker ends it with `code` (and
         stores that only if it has no result yet)."""
-        abort = wire.Abort(
+        abort = wire_internal.Abort(
             endpoint=endpoint, tenant=key[0], ids=[key[1]], code=code, epoch=self.epoch
         )
         await self.nc.publish(

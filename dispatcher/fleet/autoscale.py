@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from broker_config import wire
+from broker_config import wire, wire_internal
 from costmodel.capacity import Autoscaler
 from dispatcher.parts import Parts
 
@@ -61,7 +61,7 @@ class Autoscaling:
             last = self._published.get(name)
             if last is None or last[0] != decision.desired or now - last[1] >= REPUBLISH_S:
                 self._published[name] = (decision.desired, now)
-                event = wire.ScaleEvent(
+                event = wire_internal.ScaleEvent(
                     endpoint=name,
                     desired=decision.desired,
                     serving=serving,

@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.subjects import HDR_CONTENT_TYPE
 from dispatcher.core.pool import Lost, Worker
 from dispatcher.parts import Parts
@@ -54,7 +54,9 @@ class Probes:
             await self._send(worker, now)
         return evicted
 
-    async def answered(self, done: wire.Completion, now: float) -> tuple[Worker, Lost] | None:
+    async def answered(
+        self, done: wire_internal.Completion, now: float
+    ) -> tuple[Worker, Lost] | None:
         """A worker's answer to a probe; the worker and its work if it is evicted."""
         worker = self.pool.get(done.worker_id)
         if worker is None or worker.probe_id != done.id:
@@ -67,7 +69,7 @@ class Probes:
 
     async def _failed(self, worker: Worker, lost: Lost | None) -> bool:
         """Count a failed probe; True if it evicted the worker, which is then told to
-        abandon its work and make way for a fresh run (`wire.Evict`)."""
+        abandon its work and make way for a fresh run (`wire_internal.Evict`)."""
         self.metrics.child(self.metrics.probe_failures, worker.endpoint).inc()
         if lost is None:
             return False
@@ -78,7 +80,7 @@ class Probes:
             len(lost.requests) + len(lost.adopted),
         )
         self.metrics.child(self.metrics.evictions, worker.endpoint).inc()
-        evict = wire.Evict(
+        evict = wire_internal.Evict(
             endpoint=worker.endpoint,
             worker_id=worker.worker_id,
             started_at=worker.started_at,
@@ -96,7 +98,7 @@ class Probes:
         body = wire.SubmitRequest(
             id=probe_id, prompt="ping", max_tokens=1, deadline=now + self.options.probe_timeout_s
         )
-        item = wire.BatchItem(
+        item = wire_internal.BatchItem(
             id=probe_id,
             tenant=PROBE_TENANT,
             endpoint=worker.endpoint,
@@ -106,7 +108,7 @@ class Probes:
             dispatched_at=now,
             probe=True,
         )
-        batch = wire.Batch(
+        batch = wire_internal.Batch(
             worker_id=worker.worker_id,
             endpoint=worker.endpoint,
             items=[item],

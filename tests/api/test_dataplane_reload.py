@@ -16,7 +16,7 @@ import msgspec
 import nats
 import pytest
 
-from broker_config import wire
+from broker_config import wire_internal
 from broker_config.config import DispatcherOptions, WorkerOptions, load_config
 from broker_config.subjects import Subjects
 from dispatcher.api.reload import install_reload_signal
@@ -281,7 +281,7 @@ async def test_nothing_is_lost_or_run_twice_across_reloads_under_load(nats_url, 
         dispatched: list[str] = []
 
         async def observe(msg) -> None:
-            batch = msgspec.msgpack.decode(msg.data, type=wire.Batch)
+            batch = msgspec.msgpack.decode(msg.data, type=wire_internal.Batch)
             dispatched.extend(f"{i.tenant}/{i.id}" for i in batch.items if not i.probe)
 
         await client.subscribe("fq.int.work.chat.*", cb=observe)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from bench.chaos.ha import HaFault, ha_failures, ha_figures
 from bench.chaos.run import failures
 from bench.chaos.watch import Fault, Watch, _Dispatch, verdict
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.subjects import Subjects
 from costmodel.units import Usage
 
@@ -26,8 +26,8 @@ def done(rid: str, text: str = "ok") -> wire.DoneEvent:
 
 def completion(
     rid: str, worker: str, at: float, code: wire.ErrorCode | None = None
-) -> tuple[float, wire.Completion]:
-    return at, wire.Completion(
+) -> tuple[float, wire_internal.Completion]:
+    return at, wire_internal.Completion(
         id=rid,
         tenant="A",
         endpoint="chat",
@@ -39,8 +39,8 @@ def completion(
     )
 
 
-def stored(event: wire.FinalEvent) -> wire.StoredResult:
-    return wire.StoredResult(tenant="A", endpoint="chat", event=event, stored_at=0.0)
+def stored(event: wire.FinalEvent) -> wire_internal.StoredResult:
+    return wire_internal.StoredResult(tenant="A", endpoint="chat", event=event, stored_at=0.0)
 
 
 def test_verdict_counts_lost_two_results_repeats_and_runs_to_completion() -> None:
@@ -78,8 +78,12 @@ def test_fault_figures_time_detection_redispatch_and_replacement() -> None:
     watch.final_at[streamed] = 16.0  # ended by the dispatcher 6 s after
     watch.completions[stayed] = [completion("stayed", "w1", 11.0)]
     watch.runs["w1"] = [(0.0, 100.0), (19.5, 200.0)]  # a new process 9.5 s after
-    watch.evictions.append((16.0, wire.Evict(endpoint="chat", worker_id="w1", started_at=100.0)))
-    watch.evictions.append((30.0, wire.Evict(endpoint="chat", worker_id="w3", started_at=300.0)))
+    watch.evictions.append(
+        (16.0, wire_internal.Evict(endpoint="chat", worker_id="w1", started_at=100.0))
+    )
+    watch.evictions.append(
+        (30.0, wire_internal.Evict(endpoint="chat", worker_id="w3", started_at=300.0))
+    )
     assert watch.held_by("w1", 10.0) == {moved, streamed, stayed}
     assert watch.held_by("w1", 12.0) == {moved, streamed}  # `stayed` finished at 11
     fault = Fault("hang", "w1", 42, 100.0, 10.0, watch.held_by("w1", 10.0))

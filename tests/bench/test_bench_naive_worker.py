@@ -18,7 +18,8 @@ from bench.harness.naive_worker import FeederSettings, SharedQueueFeeder, main
 from broker_config.config import EXAMPLE_CONFIG, BrokerSettings
 from broker_config.streams import provision
 from broker_config.subjects import SubjectError
-from broker_config.wire import BATCH, COMPLETIONS, EVENT, DoneEvent, Encoding
+from broker_config.wire import EVENT, DoneEvent, Encoding
+from broker_config.wire_internal import BATCH, COMPLETIONS
 from costmodel.engine_model import EngineParams
 from workers.service import WorkerService
 from workers.sim_engine import SimEngine

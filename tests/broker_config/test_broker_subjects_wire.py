@@ -29,31 +29,18 @@ from broker_config.subjects import (
     shard_of,
 )
 from broker_config.wire import (
-    ABORT,
-    BATCH,
     CANCEL_REPLY,
-    COMPLETIONS,
     EVENT,
-    HEARTBEAT,
     STATUS_REPLY,
-    STORED_RESULT,
-    Abort,
-    Batch,
-    BatchItem,
     CancelReply,
-    Capacity,
     ChatMessage,
-    Completion,
-    Completions,
     DepthEntry,
     DepthReply,
     DoneEvent,
     Encoding,
     ErrorCode,
     ErrorEvent,
-    Heartbeat,
     StatusReply,
-    StoredResult,
     SubmitRequest,
     Timings,
     TokenEvent,
@@ -66,6 +53,21 @@ from broker_config.wire import (
     encode,
     parse_submission,
 )
+from broker_config.wire_internal import (
+    ABORT,
+    BATCH,
+    COMPLETIONS,
+    HEARTBEAT,
+    STORED_RESULT,
+    Abort,
+    Batch,
+    BatchItem,
+    Completion,
+    Completions,
+    Heartbeat,
+    StoredResult,
+)
+from costmodel.units import Capacity
 from dispatcher.core.types import Outcome
 from tests.wire_support import image_b64
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.subjects import Subjects, message_bytes
 from costmodel.units import Usage
 from dispatcher.core.types import Decision, Outcome
@@ -67,9 +67,9 @@ def test_a_submission_round_trips_to_the_worker(encoding: wire.Encoding) -> None
     request.max_tokens = 512  # what the scheduler's cap leaves
     request.expedited = True
     item = to_batch_item(request, sub, now=101.5)
-    decoded = wire.BATCH.decode(
+    decoded = wire_internal.BATCH.decode(
         wire.encode(
-            wire.Batch(worker_id="w", endpoint="chat", items=[item], sent_at=101.5),
+            wire_internal.Batch(worker_id="w", endpoint="chat", items=[item], sent_at=101.5),
             wire.Encoding.MSGPACK,
         ),
         wire.Encoding.MSGPACK,
@@ -118,7 +118,7 @@ def test_usage_is_one_type_from_worker_to_client_and_scheduler() -> None:
         "model_units": 0.5,
     }
     with_images = Usage(3, 4, 0.5, other_units=2.0)
-    completion = wire.Completion(
+    completion = wire_internal.Completion(
         id="r",
         tenant="acme",
         endpoint="chat",
@@ -128,12 +128,14 @@ def test_usage_is_one_type_from_worker_to_client_and_scheduler() -> None:
         finished_at=1.0,
     )
     assert (
-        wire.COMPLETIONS.decode(wire.encode(wire.Completions([completion]))).items[0].usage
+        wire_internal.COMPLETIONS.decode(wire.encode(wire_internal.Completions([completion])))
+        .items[0]
+        .usage
         == with_images
     )
 
 
-def batch_items(sizes: list[int]) -> list[wire.BatchItem]:
+def batch_items(sizes: list[int]) -> list[wire_internal.BatchItem]:
     """Items whose image is `size` characters of base64 each."""
     items = []
     for n, size in enumerate(sizes):
@@ -151,7 +153,7 @@ def test_batches_are_split_to_fit_the_brokers_largest_message() -> None:
     items = batch_items([400_000, 400_000, 300_000, 10, 800_000])
     messages = encode_batches("w1", "chat", items, 3.0, 1 << 20)
     assert all(message_bytes(m, BATCH_HEADERS) <= 1 << 20 for m in messages)
-    decoded = [msgspec.msgpack.decode(m, type=wire.Batch) for m in messages]
+    decoded = [msgspec.msgpack.decode(m, type=wire_internal.Batch) for m in messages]
     assert [[item.id for item in batch.items] for batch in decoded] == [
         ["r0", "r1"],
         ["r2", "r3"],

@@ -26,7 +26,8 @@ from broker_config.config import (
     parse_config,
 )
 from broker_config.subjects import Subjects, shard_of
-from broker_config.wire import STORED_RESULT, ErrorCode, ErrorEvent
+from broker_config.wire import ErrorCode, ErrorEvent
+from broker_config.wire_internal import STORED_RESULT
 from costmodel.engine_model import load_engine_params
 from dispatcher.service import Dispatcher
 from tests.local_stack import DELIVERY_CONFIG

@@ -35,17 +35,8 @@ from broker_config.config import (
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.streams import provision
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from broker_config.wire import (
-    BATCH,
-    COMPLETIONS,
-    EVENT,
-    STORED_RESULT,
-    DoneEvent,
-    Encoding,
-    ErrorCode,
-    ErrorEvent,
-    TokenEvent,
-)
+from broker_config.wire import EVENT, DoneEvent, Encoding, ErrorCode, ErrorEvent, TokenEvent
+from broker_config.wire_internal import BATCH, COMPLETIONS, STORED_RESULT
 from costmodel.engine_model import load_engine_params
 from dispatcher.dispatch.stored_results import Results
 from tests.local_stack import LocalStack, StackOptions

@@ -14,17 +14,15 @@ from broker_config.config import BrokerSettings, ConfigError, DispatcherOptions,
 from broker_config.direct_get import DirectGetError
 from broker_config.kv_writer import PutError
 from broker_config.wire import (
-    Completion,
-    Completions,
     DoneEvent,
     Encoding,
     ErrorCode,
-    StoredResult,
     Submission,
     SubmitRequest,
     Timings,
     encode,
 )
+from broker_config.wire_internal import Completion, Completions, StoredResult
 from costmodel.units import NO_CAPACITY, Capacity, Usage
 from dispatcher.__main__ import build_parser, with_flags
 from dispatcher.admission.admit import Admission

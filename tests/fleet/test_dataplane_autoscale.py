@@ -10,7 +10,7 @@ import asyncio
 import msgspec
 import pytest
 
-from broker_config import wire
+from broker_config import wire_internal
 from broker_config.config import load_config
 from costmodel.capacity import ScalingPolicy
 from tests.dispatch.test_dataplane_e2e import collect, stack_options, submit
@@ -39,10 +39,10 @@ async def test_an_endpoint_without_workers_is_asked_for_one_by_its_first_request
         },
     )
     async with LocalStack(config, stack_options(workers=0), nats_url=nats_url) as stack:
-        events: asyncio.Queue[wire.ScaleEvent] = asyncio.Queue()
+        events: asyncio.Queue[wire_internal.ScaleEvent] = asyncio.Queue()
 
         async def on_event(msg) -> None:
-            await events.put(wire.SCALE_EVENT.decode(msg.data))
+            await events.put(wire_internal.SCALE_EVENT.decode(msg.data))
 
         await stack.nc.subscribe(stack.config.subjects.scale("chat"), cb=on_event)
         first = await asyncio.wait_for(events.get(), 5.0)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from broker_config import wire
+from broker_config import wire, wire_internal
 from broker_config.config import load_config
 from tests.dispatch.test_dataplane_e2e import collect, stack_options, submit
 from tests.local_stack import LocalStack
@@ -26,7 +26,7 @@ class BatchLog:
         self.worker_of: dict[str, str] = {}
 
     async def on_batch(self, msg) -> None:
-        batch = wire.BATCH.decode(
+        batch = wire_internal.BATCH.decode(
             msg.data, wire.Encoding.from_content_type((msg.headers or {}).get("Content-Type"))
         )
         for item in batch.items:

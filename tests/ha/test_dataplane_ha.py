@@ -31,7 +31,8 @@ import pytest
 from broker_config.config import EXAMPLE_ENGINE, WorkerOptions
 from broker_config.lease_key import LEASE_KEY, EpochWatch, LeaseRecord
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
-from broker_config.wire import BATCH, Batch, BatchItem, Encoding, Sampling, SubmitRequest, encode
+from broker_config.wire import Encoding, Sampling, SubmitRequest, encode
+from broker_config.wire_internal import BATCH, Batch, BatchItem
 from costmodel.engine_model import load_engine_params
 from tests.local_stack import DELIVERY_CONFIG, CountingEngine
 from workers.engine import EngineRequest

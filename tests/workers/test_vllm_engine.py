@@ -437,7 +437,8 @@ async def test_a_busy_worker_answers_a_probe_in_the_slot_it_keeps_free(model_dir
     import time
 
     from broker_config.config import DispatcherOptions
-    from broker_config.wire import BatchItem, SubmitRequest
+    from broker_config.wire import SubmitRequest
+    from broker_config.wire_internal import BatchItem
     from workers.probe import advertised, answer_probe
 
     config = VLLMEngineConfig(

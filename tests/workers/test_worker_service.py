@@ -33,26 +33,28 @@ from broker_config.config import (
 from broker_config.streams import provision
 from broker_config.subjects import HDR_CONTENT_TYPE, Subjects
 from broker_config.wire import (
-    COMPLETIONS,
     EVENT,
-    HEARTBEAT,
-    STORED_RESULT,
-    Abort,
-    Batch,
-    BatchItem,
     ChatMessage,
-    Completion,
     DoneEvent,
     Encoding,
     ErrorCode,
     ErrorEvent,
     Event,
-    Evict,
-    Heartbeat,
-    StoredResult,
     SubmitRequest,
     TokenEvent,
     encode,
+)
+from broker_config.wire_internal import (
+    COMPLETIONS,
+    HEARTBEAT,
+    STORED_RESULT,
+    Abort,
+    Batch,
+    BatchItem,
+    Completion,
+    Evict,
+    Heartbeat,
+    StoredResult,
 )
 from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile, Usage
