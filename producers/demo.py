@@ -27,7 +27,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from broker_config.config import Config, Registry
+from broker_config.config import Config
+from broker_config.registry import Registry
 from broker_config.wire import ErrorEvent
 from costmodel.units import ModelProfile
 from producers.cli_options import (

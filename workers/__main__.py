@@ -35,13 +35,7 @@ import nats
 import nats.errors
 from nats.js.errors import BucketNotFoundError
 
-from broker_config.config import (
-    DEFAULT_NATS_URL,
-    EndpointKind,
-    Registry,
-    WorkerOptions,
-    load_config,
-)
+from broker_config.config import DEFAULT_NATS_URL, EndpointKind, WorkerOptions, load_config
 from broker_config.config_errors import error_path
 from broker_config.connection import (
     ConnectionOptionsError,
@@ -52,6 +46,7 @@ from broker_config.connection import (
 from broker_config.health import HealthServer
 from broker_config.kv_writer import KeyValueWriter
 from broker_config.lease_key import EpochWatch
+from broker_config.registry import Registry
 from broker_config.runtime import freeze_startup_heap
 from broker_config.subjects import SubjectError, Subjects, check_token
 from costmodel.engine_model import EngineParams, load_engine_params

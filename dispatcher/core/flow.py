@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from broker_config.config import TenantPolicy
+from broker_config.registry import TenantPolicy
 from dispatcher.core.queues import OrderKey, TenantQueue, priority_order
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from broker_config.config import Config, Registry
+from broker_config.config import Config
+from broker_config.registry import Registry
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.policies.fairq import TierLadder
 from dispatcher.core.types import Request

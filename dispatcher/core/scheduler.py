@@ -21,7 +21,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from broker_config.config import Config, Registry
+from broker_config.config import Config
+from broker_config.registry import Registry
 from costmodel.estimate import OutputEstimator
 from costmodel.units import Capacity, Usage
 from dispatcher.core.endpoint import EndpointQueues

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker_config.config import Config, Registry
+from broker_config.config import Config
+from broker_config.registry import Registry
 from dispatcher.core.endpoint import EndpointQueues
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.types import Request

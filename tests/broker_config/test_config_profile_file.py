@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from bench.harness.stack import benchmark_config
-from broker_config.config import EXAMPLE_CONFIG, ConfigError, Registry, load_config
+from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
+from broker_config.registry import Registry
 from costmodel.units import ModelProfile, dump_profile
 from workers.__main__ import _from_fairq_config
 

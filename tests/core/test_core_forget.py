@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_config.config import Config, Registry, UnlistedTenants
+from broker_config.config import Config, UnlistedTenants
+from broker_config.registry import Registry
 from costmodel.units import Capacity, Usage
 from dispatcher.core.endpoint import DEBT_MEMORY_S
 from dispatcher.core.limits import MemoryLimiterStore

@@ -11,12 +11,12 @@ from broker_config.config import (
     BrokerSettings,
     ConfigError,
     DispatcherOptions,
-    Registry,
     WorkerOptions,
     load_config,
     parse_config,
 )
 from broker_config.limits import InputLimits
+from broker_config.registry import Registry
 from costmodel.units import Capacity, Usage
 from dispatcher.core.limits import MemoryLimiterStore, month_end, month_key
 from dispatcher.core.scheduler import Scheduler

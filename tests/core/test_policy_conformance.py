@@ -20,7 +20,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from broker_config.config import Registry
+from broker_config.registry import Registry
 from costmodel.units import Usage
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.policies import POLICIES, Policy, selector_for
