@@ -6,7 +6,8 @@ its final event (`done` or `error`) is stored in the results bucket before anyth
 learns that the request finished. Heartbeats advertise capacity and load; aborts for the
 endpoint stop matching requests.
 
-Per request, in this order:
+Per request, in this order (`workers.execution.Execution` runs it, `workers.outbox.Outbox`
+sends what it produces):
 
 1. token events to `item.reply` (seq from 0), in the request's encoding;
 2. the final event stored under `Subjects.result_key(tenant, id)` (bounded retries),
@@ -41,10 +42,7 @@ from broker_config.subjects import HDR_CONTENT_TYPE, SubjectError, Subjects, che
 from broker_config.wire import (
     Encoding,
     ErrorCode,
-    FinalEvent,
-    TokenEvent,
     WireError,
-    encode,
     header,
 )
 from broker_config.wire_internal import (
@@ -53,21 +51,18 @@ from broker_config.wire_internal import (
     EVICT,
     BatchItem,
     Completion,
-    Completions,
     Heartbeat,
 )
-from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
-from workers.engine import Delta, Engine, EngineError, EngineRequest
+from costmodel.units import NO_CAPACITY, Capacity, ModelProfile
+from workers.engine import Engine, EngineError
+from workers.execution import Execution
 from workers.images import ImagePool
+from workers.outbox import Outbox
 from workers.probe import advertised, answer_probe
 from workers.results import FinalResults, ResultStore
 from workers.running import (
     Ending,
     Running,
-    close_stream,
-    conclude,
-    engine_request,
-    final_event,
 )
 
 log = logging.getLogger(__name__)
@@ -76,7 +71,6 @@ log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
-_INTERNAL_ENCODING = Encoding.JSON
 
 
 class WorkerService:
@@ -132,9 +126,7 @@ class WorkerService:
         self.started_at = time.time()
         self._nc = nc
         self._engine = engine
-        self._results = FinalResults(nc, subjects, results)
         self._profile = profile
-        self._embed = embed  # an embedding endpoint's worker
         self._fence = fence
         self.fenced = 0  # messages refused for an older lease epoch
         self._heartbeat_interval_s = settings.heartbeat_interval_s
@@ -144,7 +136,18 @@ class WorkerService:
         self._running: dict[str, Running] = {}
         self._heartbeat_seq = 0
         self._beat_at = time.time()  # when the last heartbeat went out
-        self._completions: list[Completion] = []
+        self._outbox = Outbox(nc, subjects.completion(endpoint, worker_id))
+        self._execution = Execution(
+            engine,
+            worker_id=worker_id,
+            embed=embed,
+            images=self.image_pool,
+            profile=profile,
+            results=FinalResults(nc, subjects, results),
+            outbox=self._outbox,
+            report=self._report,
+            expire=self._expire,
+        )
         self._draining = False
         self._tg: asyncio.TaskGroup | None = None
         self._work_sub: Subscription | None = None
@@ -224,7 +227,7 @@ class WorkerService:
             await asyncio.wait(pending, timeout=self._drain_timeout_s)
         await self._abandon_unfinished()
         # Before the final heartbeat: requests it no longer lists must have completed.
-        await self._send_completions()
+        await self._outbox.send_completions()
         await self._unsubscribe()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
@@ -321,7 +324,10 @@ class WorkerService:
         assert self._tg is not None
         input_tokens = item.request.input_tokens or 0  # counted when the request starts
         running = Running(
-            key, item, input_tokens, self._model_units(item, input_tokens, item.max_tokens)
+            key,
+            item,
+            input_tokens,
+            self._execution.model_units(item, input_tokens, item.max_tokens),
         )
         self._running[key] = running
         running.task = self._tg.create_task(self._serve(running), name=f"request-{key}")
@@ -394,188 +400,18 @@ class WorkerService:
 
     async def _serve(self, running: Running) -> None:
         try:
-            ending = await self._execute(running)
-            running.finalizing = True
-            await self._finish(running, ending)
+            await self._execution.run(running)
         finally:
             del self._running[running.key]
 
-    async def _execute(self, running: Running) -> Ending:
-        item = running.item
-        deadline = item.request.deadline
-
-        def wanted() -> bool:  # checked when its images' turn in the pool comes
-            return running.stop is None and (deadline is None or time.time() < deadline)
-
-        try:
-            if item.request.images and not self._engine.accepts_images:
-                raise ValueError("it has images, and this endpoint's model takes text only")
-            request = await engine_request(
-                running.key, item, embed=self._embed, images=self.image_pool, wanted=wanted
-            )
-            if request is not None and item.request.input_tokens is None:
-                # With images an engine may run the model's image processor to count.
-                count = self._engine.count_tokens
-                running.input_tokens = (
-                    await asyncio.to_thread(count, request) if request.images else count(request)
-                )
-                running.footprint_mu = self._model_units(
-                    item, running.input_tokens, item.max_tokens
-                )
-        except ValueError as exc:
-            return Ending(ErrorCode.INVALID_REQUEST, str(exc))
-        if running.stop is not None:  # cancelled while its images waited for the pool
-            return running.stop
-        if deadline is not None and time.time() >= deadline or request is None:
-            return Ending(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the start")
-        timer = self._deadline_timer(running)
-        try:
-            final = await self._stream(running, request)
-        except EngineError as exc:
-            return Ending(ErrorCode.INTERNAL, str(exc))
-        except ValueError as exc:
-            return Ending(ErrorCode.INVALID_REQUEST, str(exc))
-        except Exception as exc:
-            log.exception("engine failed request %s", running.key)
-            return Ending(ErrorCode.INTERNAL, f"engine failure: {exc!r}")
-        finally:
-            if timer is not None:
-                timer.cancel()
-        return conclude(running, final)
-
-    def _deadline_timer(self, running: Running) -> asyncio.TimerHandle | None:
-        deadline = running.item.request.deadline
-        if deadline is None:
-            return None
-        loop = asyncio.get_running_loop()
-        return loop.call_at(loop.time() + (deadline - time.time()), self._expire, running)
-
-    async def _stream(self, running: Running, request: EngineRequest) -> Delta | None:
-        """Publish the engine's output; the final delta, or None if stopped before it."""
-        if running.stop is not None:
-            return None
-        running.in_engine = True
-        deltas = self._engine.generate(request)
-        try:
-            async for delta in deltas:
-                if delta.finished:
-                    await self._emit(running, delta)
-                    return delta
-                if running.stop is not None:
-                    return None
-                await self._emit(running, delta)
-            return None
-        finally:
-            await close_stream(deltas)
-
-    async def _emit(self, running: Running, delta: Delta) -> None:
-        running.output_tokens += delta.token_count
-        if delta.logprobs is not None:
-            running.pending_logprobs = (running.pending_logprobs or []) + delta.logprobs
-        if not delta.text and not (delta.finished and running.pending_logprobs):
-            # Its logprobs, if any, go with the next piece of text, or with an empty
-            # one at the end, so that every generated token's are sent.
-            return
-        if running.first_token_at is None:
-            running.first_token_at = time.time()
-        running.parts.append(delta.text)
-        event = TokenEvent(
-            id=running.item.id, seq=running.seq, text=delta.text, logprobs=running.pending_logprobs
-        )
-        running.pending_logprobs = None
-        running.seq += 1
-        await self._send_event(running.item, event)
-
-    async def _finish(self, running: Running, ending: Ending) -> None:
-        item = running.item
-        cost = (
-            self._model_units(
-                item, running.input_tokens, running.output_tokens, running.cached_input_tokens
-            )
-            if running.in_engine
-            else 0.0
-        )
-        images = len(item.request.images)
-        # Only when there are some: msgspec omits a default by identity, not by value,
-        # and the contract's usage has no `other_units` otherwise.
-        usage = Usage(
-            running.input_tokens,
-            running.output_tokens,
-            cost,
-            **({"other_units": float(images)} if images else {}),
-            cached_input_tokens=running.cached_input_tokens,
-        )
-        event = final_event(running, ending, usage)
-        stored, result = await self._results.store(running.key, item, event)
-        if result is not None:
-            await self._send_event(item, result)
-        self._report(
-            Completion(
-                id=item.id,
-                tenant=item.tenant,
-                endpoint=item.endpoint,
-                worker_id=self.worker_id,
-                usage=usage,
-                code=ending.code,
-                stored=stored,
-                finished_at=time.time(),
-                first_token_at=running.first_token_at,
-            )
-        )
-
     def _report(self, completion: Completion) -> None:
-        """Queue a completion; the requests finishing in this turn of the event loop are
-        reported in one message (one NATS message per request was a real share of both
-        the worker's and the dispatcher's CPU when many finish together)."""
-        self._completions.append(completion)
-        if len(self._completions) == 1 and self._tg is not None:
-            self._tg.create_task(self._send_completions(), name="worker-completions")
-
-    async def _send_completions(self) -> None:
-        await asyncio.sleep(0)  # let the other requests finishing now join
-        if not self._completions:
-            return  # sent already by the drain
-        items, self._completions = self._completions, []
-        await self._publish_internal(
-            self.subjects.completion(self.endpoint, self.worker_id), Completions(items)
+        tg = self._tg
+        spawn = (
+            (lambda send: tg.create_task(send, name="worker-completions"))
+            if tg is not None
+            else None
         )
-
-    def _model_units(
-        self, item: BatchItem, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0
-    ) -> float:
-        if self._profile is None:
-            return 0.0
-        return self._profile.model_units(
-            input_tokens,
-            output_tokens,
-            other=len(item.request.images),
-            cached_input_tokens=cached_input_tokens,
-        )
-
-    # -- publishing ---------------------------------------------------------------------
-
-    async def _send_event(self, item: BatchItem, event: TokenEvent | FinalEvent) -> None:
-        if item.reply is None:
-            return
-        try:
-            await self._nc.publish(
-                item.reply,
-                encode(event, item.encoding),
-                headers={HDR_CONTENT_TYPE: item.encoding.content_type},
-            )
-        except nats.errors.Error as exc:
-            # Events are at-most-once; the final one is also in the results bucket.
-            log.warning("publishing an event of %s to %s failed: %r", item.id, item.reply, exc)
-
-    async def _publish_internal(self, subject: str, message: object) -> None:
-        try:
-            await self._nc.publish(
-                subject,
-                encode(message, _INTERNAL_ENCODING),
-                headers={HDR_CONTENT_TYPE: _INTERNAL_ENCODING.content_type},
-            )
-        except nats.errors.Error as exc:
-            log.error("publishing to %s failed: %r", subject, exc)
+        self._outbox.report(completion, spawn)
 
     # -- heartbeats ---------------------------------------------------------------------
 
@@ -586,7 +422,7 @@ class WorkerService:
 
     async def _heartbeat(self, *, final: bool = False) -> None:
         self._beat_at = time.time()
-        await self._publish_internal(
+        await self._outbox.internal(
             self.subjects.heartbeat(self.endpoint, self.worker_id),
             self._heartbeat_message(final=final),
         )
