@@ -106,28 +106,7 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
         help="what the endpoint does (default: its `kind` in --config, else generate)",
     )
     parser.add_argument("--worker-id", required=True, help="unique among the endpoint's workers")
-    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
-    parser.add_argument(
-        "--engine-config",
-        type=Path,
-        metavar="TOML",
-        help="sim: EngineParams (e.g. configs/engine.toml); vllm: VLLMEngineConfig fields",
-    )
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        metavar="X",
-        help="sim only: multiplies simulated step times (default 1.0)",
-    )
-    parser.add_argument("--seed", type=int, help="sim only: output text and lengths (default 0)")
-    parser.add_argument(
-        "--slow-fault",
-        type=float,
-        metavar="X",
-        help="sim only: SIGUSR2 makes every step X times longer, and "
-        "SIGUSR2 again undoes it (default 10; SIGUSR1 toggles a hang)",
-    )
-    parser.add_argument("--model", metavar="DIR", help="vllm only: the model directory")
+    _add_engine_options(parser.add_argument_group("engine"))
     parser.add_argument(
         "--config",
         type=Path,
@@ -166,6 +145,31 @@ def build_parser(prog: str = "python -m workers") -> argparse.ArgumentParser:
         "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
     )
     return parser
+
+
+def _add_engine_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    group.add_argument(
+        "--engine-config",
+        type=Path,
+        metavar="TOML",
+        help="sim: EngineParams (e.g. configs/engine.toml); vllm: VLLMEngineConfig fields",
+    )
+    group.add_argument(
+        "--time-scale",
+        type=float,
+        metavar="X",
+        help="sim only: multiplies simulated step times (default 1.0)",
+    )
+    group.add_argument("--seed", type=int, help="sim only: output text and lengths (default 0)")
+    group.add_argument(
+        "--slow-fault",
+        type=float,
+        metavar="X",
+        help="sim only: SIGUSR2 makes every step X times longer, and "
+        "SIGUSR2 again undoes it (default 10; SIGUSR1 toggles a hang)",
+    )
+    group.add_argument("--model", metavar="DIR", help="vllm only: the model directory")
 
 
 def parse_options(args: argparse.Namespace) -> Options:

@@ -241,24 +241,18 @@ def verdict(
         for k in submitted
         if sum(1 for _, c in watch.completions.get(k, ()) if c.code is None) > 1
     ]
-    outcomes: Counter[str] = Counter()
-    for key in submitted:
-        outcomes[_outcome(_final(watch, stored, key))] += 1
+    finals = {key: _final(watch, stored, key) for key in submitted}
+    outcomes = Counter(_outcome(event) for event in finals.values())
     # `internal` ends a request whose worker was lost after it streamed: only requests
     # sent to a worker that was killed, stopped or hung may end so.
     lost_workers = {f.worker_id for f in faults if f.kind in LOSES_THE_WORKER}
     internal_elsewhere = [
         k
         for k in submitted
-        if _outcome(_final(watch, stored, k)) == wire.ErrorCode.INTERNAL.value
+        if _outcome(finals[k]) == wire.ErrorCode.INTERNAL.value
         and not any(d.worker_id in lost_workers for d in watch.dispatches.get(k, ()))
     ]
-    totals = sorted(
-        e.timings.total_s
-        for key in submitted
-        for e in [_final(watch, stored, key)]
-        if isinstance(e, wire.DoneEvent)
-    )
+    totals = sorted(e.timings.total_s for e in finals.values() if isinstance(e, wire.DoneEvent))
     answers = sorted(watch.probe_answer_s)
     expected = {(f.worker_id, f.started_at) for f in faults if f.kind in ("hang", "stop")}
     healthy_evictions = [
@@ -276,10 +270,7 @@ def verdict(
         "outcomes": dict(outcomes),
         "error_messages": dict(
             Counter(
-                e.message
-                for key in submitted
-                for e in [_final(watch, stored, key)]
-                if isinstance(e, wire.ErrorEvent)
+                e.message for e in finals.values() if isinstance(e, wire.ErrorEvent)
             ).most_common(5)
         ),
         "internal_elsewhere": len(internal_elsewhere),
