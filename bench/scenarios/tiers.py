@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     names = list(runs) if args.run == "both" else [args.run]
     summary = {"machine": machine_facts(command_line("bench.scenarios.tiers", argv)), "runs": []}
     with contextlib.ExitStack() as stack:
-        url = args.nats_url or stack.enter_context(
-            fairq_up(Path(tempfile.mkdtemp(prefix="tiers-")))
-        )
+        if args.nats_url is None:
+            up = stack.enter_context(fairq_up(Path(tempfile.mkdtemp(prefix="tiers-"))))
+        url = args.nats_url or up.values["NATS_URL"]
         for name in names:
             result = asyncio.run(run_one(url, name, runs[name]))
             print(json.dumps(result), flush=True)

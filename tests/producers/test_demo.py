@@ -22,11 +22,11 @@ pytestmark = pytest.mark.integration
 def test_the_quick_demo_shows_small_tenants_near_their_solo_ttft_and_no_rate_limit(
     nats_binary: Path, tmp_path: Path
 ) -> None:
-    with fairq_up(tmp_path / "logs") as nats_url:
+    with fairq_up(tmp_path / "logs") as up:
         demo = subprocess.run(
             [sys.executable, "-m", "producers.cli", "demo", "--quick"],
             cwd=REPO,
-            env={**os.environ, "NATS_URL": nats_url},
+            env={**os.environ, "NATS_URL": up.values["NATS_URL"]},
             capture_output=True,
             text=True,
             timeout=120,

@@ -11,13 +11,11 @@ import contextlib
 import hashlib
 import json
 import os
-import queue
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +26,7 @@ import openai
 import pytest
 
 from bench.harness.procstat import worker_pid
+from bench.harness.up import fairq_up as harness_up
 from broker_config.config import EXAMPLE_CONFIG, load_config
 from broker_config.wire import ChatMessage, Sampling
 from producers.client import Client
@@ -39,7 +38,6 @@ from workers.sim_engine import SimEngine
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-START_S = 60.0
 GRACE_S = 1.0  # [dispatcher] no_worker_grace_s: the `lonely` endpoint has no worker
 IDLE_S = 1.0  # [front] idle_timeout_s
 MAX_BODY = 65536
@@ -105,57 +103,9 @@ def fairq_up(directory: Path, time_scale: float) -> Iterator[Up]:
     stopped with Ctrl-C on leaving."""
     config = directory / "fairq.toml"
     config.write_text(EXAMPLE_CONFIG.read_text() + EXTRA_CONFIG)
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "producers.cli",
-            "up",
-            "--port",
-            "0",
-            "--config",
-            str(config),
-            "--workers",
-            "chat=1,embed=1,lonely=0",
-            "--time-scale",
-            str(time_scale),
-            "--metrics-port",
-            "0",
-            "--front-port",
-            "0",
-            "--log-dir",
-            str(directory / "logs"),
-        ],
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(
-        target=lambda: [lines.put(line) for line in process.stdout or ()], daemon=True
-    ).start()
-    values: dict[str, str] = {}
-    deadline = time.monotonic() + START_S
-    seen: list[str] = []
-    try:
-        while not (seen and seen[-1].startswith("fairq is up")):
-            try:
-                seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())).strip())
-            except queue.Empty:
-                pytest.fail(f"fairq up did not start within {START_S:g}s: {seen}")
-            name, sep, value = seen[-1].partition("=")
-            if sep and name.isupper():
-                values[name] = value
-        yield Up(process, values)
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+    flags = ["--config", str(config), "--workers", "chat=1,embed=1,lonely=0"]
+    with harness_up(directory / "logs", *flags, "--time-scale", str(time_scale)) as running:
+        yield Up(running.process, running.values)
 
 
 def chat(**fields: object) -> dict[str, object]:
