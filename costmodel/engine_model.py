@@ -23,7 +23,14 @@ A request alone therefore takes exactly
 so `calibrate` timing single requests recovers alpha = 1 / prefill_tokens_per_s,
 beta = decode_step_base_s + decode_step_per_seq_s and gamma = image_s (the
 `EngineParams.alpha/beta/gamma` properties). Batching amortises `decode_step_base_s`
-over the batch, which is why a replica's capacity in model units per second exceeds 1.
+over the batch.
+
+Attribution: every step's duration is split over the sequences in it, by the model's
+own terms: the prefill part in proportion to each sequence's prefill tokens in the step,
+the image part per image, and the decode part evenly over the n sequences that emit a
+token. A sequence's engine time (`StepResult.engine_s` when it finishes, `engine_s()`
+while it runs) is what it was attributed; over all sequences it adds up to the steps'
+durations. This is the unit fairness is judged in (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from pathlib import Path
 
 import msgspec
 
-from costmodel.units import read_toml
+from costmodel.units import ModelProfile, read_toml
 
 SeqId = Hashable
 
@@ -98,6 +105,20 @@ class EngineParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.decode_step_base_s + self.decode_step_per_seq_s * sequences
 
 
+def engine_time_profile(params: EngineParams, name: str = "engine-time") -> ModelProfile:
+    """The profile that prices work in this engine's own time: its prefill rate, image
+    time and batched decode curve, at a full replica's batch (what `fairq calibrate`
+    fits on the simulated engine)."""
+    return ModelProfile(
+        name=name,
+        alpha=params.alpha,
+        decode_base_s=params.decode_step_base_s,
+        decode_per_seq_s=params.decode_step_per_seq_s,
+        operating_batch=params.max_sequences,
+        gamma=params.image_s,
+    )
+
+
 def load_engine_params(path: str | Path) -> EngineParams:
     """Read engine parameters from TOML (top-level keys, as in configs/engine.toml)."""
     return read_toml(path, EngineParams)
@@ -114,6 +135,8 @@ class StepResult:
     tokens: list[SeqId] = field(default_factory=list)
     # Sequences that emitted their last token in this step and left the engine.
     finished: list[SeqId] = field(default_factory=list)
+    # The engine time attributed to each finished sequence over its whole run.
+    engine_s: dict[SeqId, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -124,6 +147,11 @@ class _Sequence:
     images: int
     priority: int
     prefilled: int = 0
+    # Engine seconds of its prefill chunks and images so far.
+    prefill_s: float = 0.0
+    # The engine's running sum of decode shares before its first token (None until
+    # then): its decode time is what the sum grew by since.
+    shares_before: float | None = None
 
     @property
     def kv_tokens(self) -> int:
@@ -155,6 +183,10 @@ class BatchingEngineModel:
         self._finish_at: dict[int, list[_Sequence]] = {}
         self._step = 0
         self._kv_used = 0
+        # The sum over steps of one emitting sequence's share of the decode part: every
+        # decoding sequence emits a token in every step, so each one's decode time is a
+        # difference of two readings, and a step costs O(1) to attribute.
+        self._decode_shares = 0.0
 
     # -- state ------------------------------------------------------------------------
 
@@ -251,19 +283,30 @@ class BatchingEngineModel:
         self._step += 1
         # Captured before this step's prefills complete: those emit first tokens instead.
         tokens = list(self._decoding)
-        prefill_tokens, images, first_tokens, finished = self._prefill(step)
+        prefill_tokens, images, first_tokens, done = self._prefill(step)
+        emitting = len(tokens) + len(first_tokens)
+        decode_s = self.params.decode_step_s(emitting)
+        if emitting:
+            self._decode_shares += decode_s / emitting
         for seq in self._finish_at.pop(step, ()):
             if self._decoding.get(seq.id) is seq:  # not aborted (or re-added) meanwhile
                 del self._decoding[seq.id]
                 self._kv_used -= seq.kv_tokens
-                finished.append(seq.id)
+                done.append(seq)
         params = self.params
-        duration = (
-            prefill_tokens / params.prefill_tokens_per_s
-            + images * params.image_s
-            + params.decode_step_s(len(tokens) + len(first_tokens))
-        )
-        return StepResult(duration, first_tokens, tokens, finished)
+        duration = prefill_tokens / params.prefill_tokens_per_s + images * params.image_s + decode_s
+        engine_s = {seq.id: self._attributed(seq) for seq in done}
+        return StepResult(duration, first_tokens, tokens, [seq.id for seq in done], engine_s)
+
+    def engine_s(self, seq_id: SeqId) -> float:
+        """Engine time attributed so far to a sequence in the engine (0 if unknown)."""
+        seq = self._prefilling.get(seq_id) or self._decoding.get(seq_id)
+        return 0.0 if seq is None else self._attributed(seq)
+
+    def _attributed(self, seq: _Sequence) -> float:
+        if seq.shares_before is None:
+            return seq.prefill_s
+        return seq.prefill_s + self._decode_shares - seq.shares_before
 
     # -- internals --------------------------------------------------------------------
 
@@ -285,9 +328,11 @@ class BatchingEngineModel:
             self._prefilling[seq.id] = seq
             self._kv_used += seq.kv_tokens
 
-    def _prefill(self, step: int) -> tuple[int, int, list[SeqId], list[SeqId]]:
-        """Prefill chunks within the budget; returns tokens, images, first tokens, finished."""
-        budget = self.params.max_batched_tokens
+    def _prefill(self, step: int) -> tuple[int, int, list[SeqId], list[_Sequence]]:
+        """Prefill chunks within the budget; returns tokens, images, first tokens, and
+        the sequences whose only output token that was."""
+        params = self.params
+        budget = params.max_batched_tokens
         used = images = 0
         completed: list[_Sequence] = []
         prefilling = self._prefilling.values()
@@ -299,20 +344,24 @@ class BatchingEngineModel:
             if used == budget:
                 break
             images += seq.images  # encoded in the step its prefill starts
-            seq.images = 0
             chunk = min(seq.input_tokens - seq.prefilled, budget - used)
+            seq.prefill_s += chunk / params.prefill_tokens_per_s + seq.images * params.image_s
+            seq.images = 0
             seq.prefilled += chunk
             used += chunk
             if seq.prefilled == seq.input_tokens:
                 completed.append(seq)
         first_tokens: list[SeqId] = []
-        finished: list[SeqId] = []
+        finished: list[_Sequence] = []
         for seq in completed:
             del self._prefilling[seq.id]
             first_tokens.append(seq.id)
+            # This step's share is added after the prefill: the first token's share
+            # counts from the reading before it.
+            seq.shares_before = self._decode_shares
             if seq.output_tokens == 1:
                 self._kv_used -= seq.kv_tokens
-                finished.append(seq.id)
+                finished.append(seq)
             else:
                 self._decoding[seq.id] = seq
                 # Token k (1-based) comes in step `step + k - 1`.

@@ -1,7 +1,8 @@
 """`fairq sim`: run a trace (or a generated scenario) through the virtual-clock simulator.
 
     fairq sim --trace TRACE.csv --policy fairq|fifo|vtc [--config C.toml] [--engine E.toml]
-              [--replicas N] [--seed N] --out RESULT.json [--plot RESULT.png]
+              [--replicas N] [--seed N] [--service-unit vtc|engine|model_units]
+              --out RESULT.json [--plot RESULT.png]
     fairq sim --scenario noisy-neighbour ...
 
 RESULT.json is `{"records": [...], "summary": {...}}` (see dispatcher.sim.fairness for
@@ -20,13 +21,26 @@ from typing import Any
 
 from broker_config.config import EXAMPLE_CONFIG, ConfigError, load_config
 from costmodel.engine_model import EngineParams, load_engine_params
+from costmodel.units import ModelProfile
 from dispatcher.core.limits import scheduling_only
 from dispatcher.core.policies import POLICIES
-from dispatcher.sim.fairness import RequestRecord, service_over_time
+from dispatcher.sim.fairness import (
+    DEFAULT_METRICS,
+    SERVICE_UNITS,
+    MetricOptions,
+    RequestRecord,
+    service_over_time,
+    service_unit,
+)
 from dispatcher.sim.simulator import SimResult, simulate
 from producers.loadgen import TraceError, noisy_neighbour, read_trace
 
 SCENARIOS = {"noisy-neighbour": noisy_neighbour}
+UNIT_LABELS = {
+    "vtc": "input + 2 x output tokens / s",
+    "engine": "engine-seconds / s",
+    "model_units": "model units / s",
+}
 # Tenants drawn individually in the plot; beyond this, the ones with the most requests.
 PLOT_TENANTS = 10
 
@@ -78,6 +92,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--seed", type=int, default=1, help="seed of the generated scenario (default 1)"
     )
+    parser.add_argument(
+        "--service-unit",
+        choices=SERVICE_UNITS,
+        default="vtc",
+        help="the unit service and fairness are measured in: vtc = input + 2 x output "
+        "tokens (default), engine = the engine time attributed to each request, "
+        "model_units = the first endpoint's profile price at its operating batch",
+    )
     parser.add_argument("--out", type=Path, required=True, help="RESULT.json to write")
     parser.add_argument("--plot", type=Path, help="also write this PNG")
     parser.set_defaults(run=run)
@@ -100,7 +122,12 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"fairq sim: {exc}", file=sys.stderr)
         return 2
-    result = simulate(trace, config, engine, replicas=args.replicas, policy=args.policy)
+    first_endpoint = next(iter(config.endpoints.values()))
+    profile = config.profiles.get(first_endpoint.profile) or ModelProfile()
+    metrics = service_unit(args.service_unit, profile)
+    result = simulate(
+        trace, config, engine, replicas=args.replicas, policy=args.policy, metrics=metrics
+    )
     result.summary["simulation"].update(
         source=str(args.trace) if args.trace else f"scenario:{args.scenario}",
         seed=args.seed,
@@ -109,7 +136,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         write_result(result, args.out)
         if args.plot:
-            plot_result(result.records, args.plot, title=f"{args.policy}, {len(trace)} requests")
+            plot_result(
+                result.records,
+                args.plot,
+                title=f"{args.policy}, {len(trace)} requests",
+                metrics=metrics,
+            )
     except OSError as exc:
         print(f"fairq sim: cannot write output: {exc}", file=sys.stderr)
         return 1
@@ -133,13 +165,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"{tenant:<12} {row['count']:>6} {row['served']:>6} "
             f"{_seconds(ttft['p50'])} {_seconds(ttft['p95'])} "
-            f"{_seconds(ttft['p99'])} {row['service']:>12.0f}"
+            f"{_seconds(ttft['p99'])} {row['service']:>12.6g}"
         )
     jain = summary["jain_index_mean"]
     lines.append(
         f"throughput {summary['throughput_tokens_per_s']:.0f} tokens/s, "
-        f"service difference max {summary['service_diff_max']:.1f} "
-        f"avg {summary['service_diff_avg']:.1f} units/s, "
+        f"service difference max {summary['service_diff_max']:.4g} "
+        f"avg {summary['service_diff_avg']:.4g} ({summary['service_unit']}/s), "
         f"Jain mean {'-' if jain is None else f'{jain:.3f}'}"
     )
     return "\n".join(lines)
@@ -154,6 +186,7 @@ def plot_result(
     path: Path,
     title: str = "",
     tenants: Sequence[str] | None = None,
+    metrics: MetricOptions = DEFAULT_METRICS,
 ) -> None:
     """Per-tenant service rate over time and per-tenant TTFT CDFs, as one PNG.
 
@@ -174,7 +207,7 @@ def plot_result(
         else sorted(sorted(counts, key=lambda t: (-counts[t], t))[:PLOT_TENANTS])
     )
     end = max((r.finished for r in served), default=1.0)
-    starts, rates = service_over_time(served, max(1.0, end / 60), end)
+    starts, rates = service_over_time(served, max(1.0, end / 60), end, metrics)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8))
     for tenant in shown:
         top.plot(starts, rates.get(tenant, [0.0] * len(starts)), label=tenant, linewidth=1)
@@ -189,7 +222,7 @@ def plot_result(
             )
     top.set(
         xlabel="time (s)",
-        ylabel="service (input + 2 x output tokens / s)",
+        ylabel=f"service ({UNIT_LABELS[metrics.unit]})",
         title=f"Service per tenant over time{' - ' + title if title else ''}",
     )
     bottom.set(

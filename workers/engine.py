@@ -59,6 +59,9 @@ class Delta:
     # One entry per token of this delta, when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
     embedding: list[float] | None = None  # final delta of an embedding request
+    # Engine seconds the engine itself attributed to the request, unscaled (final delta
+    # only); 0 when it does not know, and the worker measures instead (workers.engine_time).
+    engine_s: float = 0.0
 
 
 class EngineError(RuntimeError):

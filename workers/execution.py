@@ -14,6 +14,7 @@ from broker_config.wire import ErrorCode, TokenEvent
 from broker_config.wire_internal import BatchItem, Completion
 from costmodel.units import ModelProfile, Usage
 from workers.engine import Delta, Engine, EngineError, EngineRequest
+from workers.engine_time import EngineTimeMeter
 from workers.images import ImagePool
 from workers.outbox import Outbox
 from workers.results import FinalResults
@@ -42,6 +43,8 @@ class Execution:
         self._embed = embed  # an embedding endpoint's worker
         self._images = images
         self._profile = profile
+        # Measures engine time for engines that do not report it (vLLM).
+        self._meter = EngineTimeMeter(profile)
         self._results = results
         self._outbox = outbox
         self._report = report
@@ -116,10 +119,12 @@ class Execution:
                 await self._emit(running, delta)
             return None
         finally:
+            self._meter.ended(running.key)
             await close_stream(deltas)
 
     async def _emit(self, running: Running, delta: Delta) -> None:
         running.output_tokens += delta.token_count
+        running.decode_s += self._meter.emitted(running.key, delta.token_count)
         if delta.logprobs is not None:
             running.pending_logprobs = (running.pending_logprobs or []) + delta.logprobs
         if not delta.text and not (delta.finished and running.pending_logprobs):
@@ -146,14 +151,16 @@ class Execution:
             else 0.0
         )
         images = len(item.request.images)
+        engine_s = self._engine_s(running, images) if running.in_engine else 0.0
         # Only when there are some: msgspec omits a default by identity, not by value,
-        # and the contract's usage has no `other_units` otherwise.
+        # and the contract's usage has no `other_units` (or `engine_s`) otherwise.
         usage = Usage(
             running.input_tokens,
             running.output_tokens,
             cost,
             **({"other_units": float(images)} if images else {}),
             cached_input_tokens=running.cached_input_tokens,
+            **({"engine_s": engine_s} if engine_s > 0 else {}),
         )
         event = final_event(running, ending, usage)
         stored, result = await self._results.store(running.key, item, event)
@@ -171,6 +178,15 @@ class Execution:
                 finished_at=time.time(),
                 first_token_at=running.first_token_at,
             )
+        )
+
+    def _engine_s(self, running: Running, images: int) -> float:
+        """The request's engine time: the engine's exact attribution when it gave one,
+        else the worker's measure (0 when the profile has no curve to measure with)."""
+        if running.engine_s > 0:
+            return running.engine_s
+        return self._meter.engine_s(
+            running.decode_s, running.input_tokens, running.cached_input_tokens, images
         )
 
     def model_units(

@@ -59,6 +59,10 @@ class Running:
     parts: list[str] = field(default_factory=list)
     output_tokens: int = 0
     cached_input_tokens: int = 0  # of input_tokens, those in the engine's prefix cache
+    # Engine seconds: the engine's own attribution (its final delta; 0 if it gives none),
+    # and the worker's measure of the decode part (workers.engine_time).
+    engine_s: float = 0.0
+    decode_s: float = 0.0
     first_token_at: float | None = None  # unix time of the first token event
     # What the final delta says: why the output ended and, for embeddings, the vector.
     finish_reason: str | None = None
@@ -106,6 +110,7 @@ def conclude(running: Running, final: Delta | None) -> Ending:
         running.input_tokens = final.input_tokens
         running.output_tokens = final.output_tokens
         running.cached_input_tokens = final.cached_input_tokens
+        running.engine_s = final.engine_s
         running.finish_reason = final.finish_reason
         running.embedding = final.embedding
         if final.finish_reason != "abort":

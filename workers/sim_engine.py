@@ -12,6 +12,11 @@ temperature 0, draws from its prompt instead of its id, so the same prompt gives
 text; stop strings end the output where they appear; logprobs are made up, but
 consistent. An embedding request runs its prompt only and returns a deterministic unit
 vector of EMBEDDING_DIM numbers drawn from its text.
+
+A request's final delta carries the engine time the model attributed to it
+(`Delta.engine_s`: its prefill, images and share of every decode step it was in), in the
+model's unscaled seconds: neither `time_scale` nor the slow fault changes what a request
+costs.
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ class _Stream:
     queue: asyncio.Queue[Delta | _End] = field(default_factory=asyncio.Queue)
     output_tokens: int = 0
     first_token_at: float | None = None
+    # The engine time the model attributed to it, unscaled, read when it leaves the model.
+    engine_s: float = 0.0
     ended: bool = False
 
     def __repr__(self) -> str:
@@ -143,6 +150,7 @@ class _Stream:
             ttft_s=ttft,
             finish_reason=finish_reason,
             embedding=self.embedding,
+            engine_s=self.engine_s,
         )
 
 
@@ -171,6 +179,7 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._step_end = 0.0  # loop time at which the step being paced ends
+        self._engine_time_s = 0.0
 
     # -- state ------------------------------------------------------------------------
 
@@ -203,6 +212,12 @@ class SimEngine:
     def waiting(self) -> int:
         """Requests queued in the engine and not yet admitted to the batch."""
         return self._model.waiting
+
+    @property
+    def engine_time_s(self) -> float:
+        """Engine seconds of all steps run, unscaled: what the requests' `engine_s` add up
+        to (with those of requests still running)."""
+        return self._engine_time_s
 
     @property
     def active_requests(self) -> int:
@@ -301,6 +316,8 @@ class SimEngine:
 
     def _stop(self, stream: _Stream, finish_reason: str, error: str | None = None) -> None:
         if not stream.ended:
+            if stream in self._model:  # else it finished in a step, which recorded its time
+                stream.engine_s = self._model.engine_s(stream)
             self._model.abort(stream)
             stream.end(finish_reason, error)
 
@@ -331,6 +348,10 @@ class SimEngine:
                 self._step_end = loop.time()
             else:
                 result = model.step()
+                self._engine_time_s += result.duration_s
+                # Recorded before pacing: an abort meanwhile finds them gone from the model.
+                for stream, engine_s in result.engine_s.items():
+                    cast("_Stream", stream).engine_s = engine_s
                 await self._pace(loop, result.duration_s)
                 self._deliver(result)
 

@@ -332,6 +332,8 @@ class _Usage:
             # What vLLM's prefix cache held of the prompt (absent: prefix caching off).
             cached_input_tokens=getattr(out, "num_cached_tokens", None) or 0,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.accepted,
+            # No engine_s: vLLM attributes no engine time per request, so the worker
+            # measures it from its own occupancy (workers.engine_time).
             logprobs=logprobs,
             embedding=embedding,
         )

@@ -92,7 +92,10 @@ def vtc_weights(config: Config, records: Records) -> tuple[Config, Records]:
     return msgspec.structs.replace(
         config,
         profiles={
-            name: msgspec.structs.replace(profile, beta=2 * profile.alpha)
+            # A flat decode price (no curve) of two prompt tokens: VTC's weights.
+            name: msgspec.structs.replace(
+                profile, beta=2 * profile.alpha, decode_base_s=None, decode_per_seq_s=None
+            )
             for name, profile in config.profiles.items()
         },
     ), records
@@ -111,6 +114,8 @@ METRICS = (
     "service_diff_max",
     "mu_service_diff_avg",
     "mu_service_diff_max",
+    "engine_service_diff_avg",
+    "engine_service_diff_max",
     "jain_index_mean",
     "throughput_tokens_per_s",
     "light_tenants_p95_ttft_s",

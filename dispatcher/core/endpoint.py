@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from broker_config.config import Endpoint
+from costmodel.estimate import Ema
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.policies.contract import Selector
@@ -16,6 +17,9 @@ from dispatcher.core.policies.contract import Selector
 # tenants that come once must not stay for ever. By pausing this long, a tenant could be
 # let off the output its requests generated after its queue emptied.
 DEBT_MEMORY_S = 600.0
+# Weight of one busy worker's report (a heartbeat, a simulated step) in the endpoint's
+# occupancy reading: over tens of reports, so one odd batch does not move prices.
+OCCUPANCY_SMOOTHING = 0.05
 
 
 def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
@@ -60,6 +64,9 @@ class EndpointQueues:
             spec.batch.sequences, spec.batch.tokens, spec.batch.model_units
         )
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
+        # Sequences a busy worker of the endpoint decodes at once: the batch work is
+        # priced at (`occupancy`), read from the workers' reports.
+        self._occupancy = Ema(OCCUPANCY_SMOOTHING)
         self.startup_wait_s = 0.0  # scaled to zero: the first replica's cold start
         # Since when no worker serves it and none is coming (no autoscaling); None while
         # one serves, or where nobody says (the simulator).
@@ -88,6 +95,25 @@ class EndpointQueues:
         """How long no worker has served it (0 while one does, or nobody says)."""
         return 0.0 if self.unserved_since is None else now - self.unserved_since
 
+    @property
+    def occupancy(self) -> float | None:
+        """The batch the endpoint's workers run at; None (the profile's operating batch)
+        until a busy worker said."""
+        return self._occupancy.value
+
+    def observe_occupancy(self, sequences: int) -> None:
+        """A busy worker runs `sequences` at once (ignored when 0: an idle worker says
+        nothing about the batch work runs at)."""
+        if sequences > 0:
+            self._occupancy.update(sequences)
+
+    def model_units(
+        self, input_tokens: float, output_tokens: float, other: float = 0.0, cached: float = 0.0
+    ) -> float:
+        """A request's engine time at the batch the endpoint runs at: what admission, the
+        autoscaler, routing and drift price work with."""
+        return self.profile.model_units(input_tokens, output_tokens, other, cached, self.occupancy)
+
     def cost(self, input_tokens: int, output_tokens: int, other: float) -> float:
         """A request's cost in the endpoint's DRR unit."""
         mode = self.spec.cost
@@ -95,20 +121,38 @@ class EndpointQueues:
             return 1.0
         if mode == "token":
             return float(max(input_tokens, 1))
-        return self.profile.model_units(input_tokens, output_tokens, other)
+        return self.model_units(input_tokens, output_tokens, other)
 
-    def output_cost(self, tokens: int) -> float:
+    def output_cost(self, tokens: int, occupancy: float | None = None) -> float:
         """What `tokens` more output tokens of a running request add to its charge: their
-        model units if the policy charges output as it is generated, else 0. Only model
-        units price output (request and token modes charge at dispatch alone)."""
+        engine time at `occupancy` (the sequences its worker runs; the profile's operating
+        batch if unknown) if the policy charges output as it is generated, else 0. Only
+        model units price output (request and token modes charge at dispatch alone)."""
         if self.spec.cost == "model_units" and self.selector.charges_output_as_generated:
-            return self.profile.beta * tokens
+            return self.profile.decode_token_s(occupancy or self.occupancy) * tokens
         return 0.0
+
+    def settled_cost(self, usage: Usage) -> float:
+        """A finished request's cost in the DRR unit: in model units of a batched profile,
+        the engine time its worker attributed to it, else (a flat profile, or a worker
+        that does not measure) its real usage
+        priced by the profile at the batch the endpoint runs at."""
+        if self.spec.cost == "model_units":
+            # A flat profile (no decode curve) prices in its own unit, not engine time.
+            if usage.engine_s > 0 and self.profile.batched:
+                return usage.engine_s
+            return self.model_units(
+                usage.input_tokens,
+                usage.output_tokens,
+                usage.other_units,
+                usage.cached_input_tokens,
+            )
+        return self.cost(usage.input_tokens, usage.output_tokens, usage.other_units)
 
     def count_completed(self, usage: Usage) -> None:
         """Add a finished request's model units, priced from its real usage (also one
         adopted after a restart, which the scheduler does not track)."""
-        self.completed_mu += self.profile.model_units(
+        self.completed_mu += self.model_units(
             usage.input_tokens, usage.output_tokens, usage.other_units, usage.cached_input_tokens
         )
 

@@ -309,10 +309,7 @@ class Scheduler(SchedulerView):
         endpoint = self.endpoints[request.endpoint]
         endpoint.clock = now
         endpoint.count_completed(usage)
-        correction = (
-            endpoint.cost(usage.input_tokens, usage.output_tokens, usage.other_units)
-            - request.charged_cost
-        )
+        correction = endpoint.settled_cost(usage) - request.charged_cost
         flow.served_cost += correction
         endpoint.selector.complete(flow, request, usage, correction)
         self._stop(endpoint, flow, request)
@@ -322,10 +319,13 @@ class Scheduler(SchedulerView):
             settlement(request.charges, request_tokens(usage.input_tokens, usage.output_tokens)),
         )
 
-    def progress(self, reports: Iterable[tuple[RequestKey, int]]) -> None:
-        """Running requests' output so far, (key, output tokens), from the workers'
-        heartbeats or the simulator's steps: a tenant pays for output as it is served,
-        not for an estimate up front. A count at or below the last changes nothing."""
+    def progress(
+        self, reports: Iterable[tuple[RequestKey, int]], occupancy: float | None = None
+    ) -> None:
+        """Running requests' output so far, (key, output tokens), from one worker's
+        heartbeat or one simulated step: a tenant pays for output as it is served, not
+        for an estimate up front, at the engine time of a decode token at `occupancy`
+        (the sequences that worker runs). A count at or below the last changes nothing."""
         for key, generated in reports:
             entry = self._running.get(key)
             if entry is None or generated <= entry[0].output_charged:
@@ -334,7 +334,7 @@ class Scheduler(SchedulerView):
             endpoint = self.endpoints[request.endpoint]
             tokens = generated - request.output_charged
             request.output_charged = generated
-            cost = endpoint.output_cost(tokens)
+            cost = endpoint.output_cost(tokens, occupancy)
             request.charged_cost += cost
             flow.served_cost += cost
             endpoint.selector.progress(flow, request, tokens, cost)
@@ -408,6 +408,11 @@ class Scheduler(SchedulerView):
                 )
         return rows
 
+    def observe_occupancy(self, endpoint: str, sequences: int) -> None:
+        """One worker of `endpoint` runs `sequences` at once (a heartbeat, a simulated
+        step): the batch its work is priced at."""
+        self.endpoints[endpoint].observe_occupancy(sequences)
+
     def set_capacity(self, endpoint: str, mu_per_s: float, startup_wait_s: float = 0.0) -> None:
         """Model units per second the endpoint's workers complete, and how long a request
         waits for the first of them to start (scaled to zero), for the throttle."""
@@ -444,7 +449,7 @@ class Scheduler(SchedulerView):
 
     def _estimate(self, endpoint: EndpointQueues, request: Request) -> None:
         output = self.estimator.estimate((request.tenant, request.endpoint), request.max_tokens)
-        request.model_units = endpoint.profile.model_units(
+        request.model_units = endpoint.model_units(
             request.input_tokens, output, request.other_units
         )
         # fairq charges output as it is generated (`progress`): an estimate charged up

@@ -128,7 +128,9 @@ class WorkerReports:
                     len(lost.requests) + len(lost.adopted),
                 )
                 self._lose(beat.worker_id, lost)
-            self.scheduler.progress(generated)
+            # Its output so far, priced at the batch it runs: its in-flight requests.
+            self.scheduler.observe_occupancy(beat.endpoint, len(in_flight))
+            self.scheduler.progress(generated, occupancy=len(in_flight))
             # The scheduler does not track adopted requests' output: marked here. Only
             # after a dispatcher restart are there any, so most heartbeats skip the loop.
             for key, count in generated if self.held.adopted else ():
@@ -297,11 +299,11 @@ class WorkerReports:
     async def _settle_streamed(self, request: Request, now: float) -> Held | None:
         """Settle a streamed request of a lost worker at what it generated; its held
         message, to end."""
-        profile = self.scheduler.endpoints[request.endpoint].profile
+        queues = self.scheduler.endpoints[request.endpoint]
         usage = Usage(
             request.input_tokens,
             request.output_charged,
-            profile.model_units(request.input_tokens, request.output_charged, request.other_units),
+            queues.model_units(request.input_tokens, request.output_charged, request.other_units),
         )
         completed = self.scheduler.complete(request.tenant, request.id, usage, now)
         if completed is not None:

@@ -3,11 +3,17 @@
 Pure functions over `RequestRecord`s, so the simulator and the end-to-end benchmarks
 (records measured through the real stack) report the same figures the same way.
 
-Service. A served request delivers `cost = input_weight * input_tokens +
-output_weight * output_tokens` (default 1 and 2, as in the VTC paper), spread evenly
-from its first token to its finish (a request whose first token is also its last
-delivers it all at that instant). Service in a window is the part of that spread
-inside the window.
+Service. A served request delivers its cost, spread evenly from its first token to its
+finish (a request whose first token is also its last delivers it all at that instant).
+Service in a window is the part of that spread inside the window. The cost is in one of
+three units (`SERVICE_UNITS`, `service_unit`):
+- `vtc`: `input_weight * input_tokens + output_weight * output_tokens` with weights 1
+  and 2, as in the VTC paper;
+- `model_units`: the same with the profile's prices at its operating batch;
+- `engine`: the engine time the replica attributed to the request (its prefill, images
+  and share of every decode step: costmodel/engine_model.py), the judge of fairness in
+  engine time. A request that was not served has no attribution; its demand is priced
+  as in `model_units`.
 
 Windows. Fixed windows of `window_s` (default 60 s) start after `warmup_s` (default
 30 s) and cover the arrival period (up to the last arrival), so the drain of a backlog
@@ -49,6 +55,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from costmodel.units import ModelProfile
+
 PERCENTILES = (50, 95, 99)
 
 
@@ -73,6 +81,7 @@ class RequestRecord:
     endpoint: str = ""
     cached_tokens: int = 0  # input tokens found in the replica's prefix cache
     worker: str = ""  # the replica that ran it
+    engine_s: float = 0.0  # the engine time its replica attributed to it
 
     @property
     def served(self) -> bool:
@@ -90,6 +99,9 @@ class MetricOptions:
     output_weight: float = 2.0
     window_s: float = 60.0
     warmup_s: float = 30.0
+    # A served request's cost is its attributed engine time (the weights price the rest).
+    engine_time: bool = False
+    unit: str = "vtc"  # the name reports give the unit
 
     def __post_init__(self) -> None:
         for name in ("input_weight", "output_weight", "warmup_s"):
@@ -100,10 +112,31 @@ class MetricOptions:
             raise ValueError(f"window_s must be finite and > 0, got {self.window_s!r}")
 
     def cost(self, record: RequestRecord) -> float:
+        if self.engine_time and record.served:
+            return record.engine_s
         return self.input_weight * record.input_tokens + self.output_weight * record.output_tokens
 
 
 DEFAULT_METRICS = MetricOptions()
+SERVICE_UNITS = ("vtc", "engine", "model_units")
+
+
+def service_unit(unit: str, profile: ModelProfile, **options: float) -> MetricOptions:
+    """Metric options that cost service in `unit` (one of `SERVICE_UNITS`), with the
+    prices of `profile` at its operating batch where the unit needs them."""
+    if unit == "vtc":
+        return MetricOptions(**options)
+    if unit not in SERVICE_UNITS:
+        raise ValueError(f"service unit must be one of {', '.join(SERVICE_UNITS)}, got {unit!r}")
+    return MetricOptions(
+        input_weight=profile.alpha,
+        output_weight=profile.decode_token_s(),
+        engine_time=unit == "engine",
+        unit=unit,
+        **options,
+    )
+
+
 Window = tuple[float, float]
 
 
@@ -358,6 +391,7 @@ def summarize(
     )
     measured = [j for j in jains if j is not None]
     return {
+        "service_unit": options.unit,
         "throughput_tokens_per_s": throughput_tokens_per_s(records),
         "service_diff_max": max(diffs, default=0.0),
         "service_diff_avg": _mean(diffs) or 0.0,

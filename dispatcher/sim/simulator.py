@@ -97,6 +97,7 @@ class _Entry:
     finished: float | None = None
     cached_tokens: int = 0  # input tokens its replica's prefix cache held
     worker: str = ""  # the replica it ran on
+    engine_s: float = 0.0  # the engine time its replica attributed to it
 
 
 class Simulation:
@@ -394,16 +395,22 @@ class Simulation:
         # The engine's sequence ids are the trace indexes (`Request.payload`).
         for seq in step.first_tokens:
             self.entries[seq].first_token = self.now
+        emitting = len(step.first_tokens) + len(step.tokens)
+        self.scheduler.observe_occupancy(replica.worker.endpoint, emitting)
         if self._reports_tokens:  # every step's token, as a worker's heartbeat would
             self.scheduler.progress(
-                ((r.tenant, r.id), r.output_charged + 1)
-                for r in (self.entries[s].request for s in (*step.first_tokens, *step.tokens))
+                (
+                    ((r.tenant, r.id), r.output_charged + 1)
+                    for r in (self.entries[s].request for s in (*step.first_tokens, *step.tokens))
+                ),
+                occupancy=emitting,
             )
         for seq in step.finished:
             entry = self.entries[seq]
             entry.finished = self.now
             request = entry.request
             self.pool.complete(replica.worker.worker_id, (request.tenant, request.id), self.now)
+            entry.engine_s = step.engine_s[seq]
             completed = self.scheduler.complete(
                 request.tenant, request.id, self._usage(entry), self.now
             )
@@ -415,12 +422,16 @@ class Simulation:
         """What the request consumed, as a worker reports it: its other units (images)
         too, else the correction of its charge would refund their cost."""
         request = entry.request
-        profile = self.scheduler.endpoints[request.endpoint].profile
+        queues = self.scheduler.endpoints[request.endpoint]
         return Usage(
             request.input_tokens,
             entry.output_tokens,
-            profile.model_units(request.input_tokens, entry.output_tokens, request.other_units),
+            queues.model_units(
+                request.input_tokens, entry.output_tokens, request.other_units, entry.cached_tokens
+            ),
             other_units=request.other_units,
+            cached_input_tokens=entry.cached_tokens,
+            engine_s=entry.engine_s,
         )
 
     @staticmethod
@@ -439,6 +450,7 @@ class Simulation:
             endpoint=request.endpoint,
             cached_tokens=entry.cached_tokens,
             worker=entry.worker,
+            engine_s=entry.engine_s,
         )
 
 

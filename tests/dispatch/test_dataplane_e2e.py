@@ -116,7 +116,7 @@ async def test_request_streams_ordered_tokens_and_a_done_event(stack, client, ms
     assert all(t["type"] == "token" and t["id"] == rid for t in tokens)
     assert done["id"] == rid and done["seq"] == len(tokens)
     assert done["text"] == "".join(t["text"] for t in tokens)
-    assert set(done["usage"]) == {"input_tokens", "output_tokens", "model_units"}
+    assert set(done["usage"]) == {"input_tokens", "output_tokens", "model_units", "engine_s"}
     assert done["usage"]["output_tokens"] == len(tokens) >= 1
     assert done["usage"]["input_tokens"] >= 1 and done["usage"]["model_units"] > 0
     assert set(done["timings"]) == {"queued_s", "ttft_s", "total_s"}
