@@ -412,6 +412,14 @@ def _check_references(config: Config, source: str) -> None:
             if endpoint not in config.endpoints:
                 fail(f"tiers[{i}].endpoint_limits", endpoint, "unknown endpoint")
     for name, endpoint in config.endpoints.items():
+        if endpoint.cost == "token" and endpoint.kind == "generate":
+            fail(
+                f"endpoints.{name}.cost",
+                endpoint.cost,
+                "token mode charges input tokens alone and this endpoint generates "
+                'output nobody would pay for: use cost = "model_units" (engine time, '
+                'output included) or "request", or kind = "embed"',
+            )
         if endpoint.profile not in config.profiles and endpoint.cost == "model_units":
             fail(
                 f"endpoints.{name}.profile",

@@ -29,6 +29,8 @@ def make_config(
         "beta = 2.0",
         "gamma = 0.0",
         "[endpoints.ep]",
+        # Token mode charges input alone: only an endpoint that generates nothing has it.
+        f'kind = "{"embed" if cost == "token" else "generate"}"',
         'profile = "p"',
         f'cost = "{cost}"',
         f"quantum = {quantum}",

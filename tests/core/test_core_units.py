@@ -96,6 +96,15 @@ def test_config_errors_name_file_field_and_value(body, field, value):
     assert value in message
 
 
+def test_token_mode_on_an_endpoint_that_generates_is_refused_naming_the_mode_to_use():
+    with pytest.raises(ConfigError) as info:
+        parse_config('[endpoints.chat]\ncost = "token"\n[[tiers]]\nname = "a"', source="c.toml")
+    assert "`endpoints.chat.cost`" in str(info.value)
+    assert "model_units" in str(info.value)
+    embed = '[endpoints.e]\nkind = "embed"\ncost = "token"\n[[tiers]]\nname = "a"'
+    assert parse_config(embed, source="c.toml").endpoints["e"].cost == "token"
+
+
 MINIMAL = '[endpoints.chat]\n[[tiers]]\nname = "a"\n'
 
 
