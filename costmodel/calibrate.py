@@ -1,12 +1,17 @@
 """Fit model-unit coefficients from engine timings.
 
-The `calibrate` command times single requests over a grid of input and output lengths
-(`grid`) and hands the timings to `fit_profile`, which fits
+Two fits, both by non-negative least squares (a negative cost would let a tenant earn
+budget):
 
-    seconds ~ alpha * input_tokens + beta * output_tokens + gamma * other
-
-by non-negative least squares, without an intercept: a request of no tokens costs nothing,
-and no coefficient may be negative (a negative cost would let a tenant earn budget).
+- `fit_profile`, over requests timed one at a time on a grid of input and output lengths
+  (`grid`): `seconds ~ alpha * input_tokens + beta * output_tokens + gamma * other`,
+  without an intercept (a request of no tokens costs nothing). Its alpha and gamma do not
+  batch; `fairq calibrate` runs one output token per request, which makes beta the
+  constant every request pays besides (its first token, overheads) and keeps that out
+  of alpha and gamma.
+- `fit_decode_curve`, over decode steps timed with n identical requests running together
+  at several n: `step_seconds ~ base + per_seq * n`, the batched decode curve of a
+  `ModelProfile`, which prices a decode token at `base / n + per_seq`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from scipy.optimize import nnls
 from costmodel.units import ModelProfile
 
 MIN_SAMPLES = 3
+# Batch sizes a decode curve (two coefficients) needs to be fitted at all.
+MIN_BATCH_SIZES = 2
 # Relative residual below which a fit counts as exact when the timings do not vary.
 _EXACT_TOLERANCE = 1e-12
 
@@ -53,13 +60,27 @@ class Fit:
     r2: float
     n: int
 
-    def to_profile(self, name: str, capacity_mu_per_s: float) -> ModelProfile:
+    def to_profile(
+        self,
+        name: str,
+        capacity_mu_per_s: float,
+        curve: DecodeCurve | None = None,
+        operating_batch: int = 1,
+    ) -> ModelProfile:
+        """The profile of these coefficients: decode tokens priced on `curve`, or at
+        `beta` at every occupancy without one."""
+        decode: dict[str, float] = (
+            {"beta": self.beta}
+            if curve is None
+            else {"decode_base_s": curve.base_s, "decode_per_seq_s": curve.per_seq_s}
+        )
         return ModelProfile(
             name=name,
             alpha=self.alpha,
-            beta=self.beta,
             gamma=self.gamma,
+            operating_batch=operating_batch,
             capacity_mu_per_s=capacity_mu_per_s,
+            **decode,
         )
 
 
@@ -102,6 +123,71 @@ def fit_profile(samples: Iterable[Sample]) -> Fit:
         beta=float(coefficients[1]),
         gamma=float(coefficients[2]),
         r2=_r_squared(residual, total, seconds),
+        n=len(samples),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One timed decode step: `batch` sequences each emitting a token, in `seconds`."""
+
+    batch: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"step sample batch must be an integer >= 1, got {self.batch!r}")
+        # A step takes time: a zero would make every relative residual meaningless.
+        if not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"step sample seconds must be finite and > 0, got {self.seconds!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCurve:
+    """A fitted decode step time `base_s + per_seq_s * n` for n sequences, with its
+    coefficient of determination, its largest residual relative to the measured step, and
+    the batch sizes and sample count it was fitted on."""
+
+    base_s: float
+    per_seq_s: float
+    r2: float
+    max_residual: float
+    batches: tuple[int, ...]
+    n: int
+
+    def step_s(self, batch: int) -> float:
+        return self.base_s + self.per_seq_s * batch
+
+
+def fit_decode_curve(samples: Iterable[StepSample]) -> DecodeCurve:
+    """Non-negative least squares of step seconds on (1, batch).
+
+    A step time that falls with the batch clamps the slope to 0 (the mean step time is
+    the base); one that would need a negative base clamps the base to 0. Raises
+    ValueError unless the samples cover at least two batch sizes.
+    """
+    samples = list(samples)
+    batches = tuple(sorted({s.batch for s in samples}))
+    if len(batches) < MIN_BATCH_SIZES:
+        got = f"only batch {batches[0]}" if batches else "no samples"
+        raise ValueError(
+            f"the decode curve needs steps timed at {MIN_BATCH_SIZES} or more batch sizes, "
+            f"got {got}: time more batch sizes (fairq calibrate --batches 1,8,32,64)"
+        )
+    design = np.array([[1.0, s.batch] for s in samples])
+    seconds = np.array([s.seconds for s in samples])
+    # Unit-norm columns: batch sizes run to hundreds, the intercept column is ones.
+    norms = np.linalg.norm(design, axis=0)
+    solution, _ = nnls(design / norms, seconds)
+    base, per_seq = (float(c) for c in solution / norms)
+    residuals = design @ np.array([base, per_seq]) - seconds
+    total = float(np.sum((seconds - seconds.mean()) ** 2))
+    return DecodeCurve(
+        base_s=base,
+        per_seq_s=per_seq,
+        r2=_r_squared(float(np.sum(residuals**2)), total, seconds),
+        max_residual=float(np.max(np.abs(residuals) / seconds)),
+        batches=batches,
         n=len(samples),
     )
 

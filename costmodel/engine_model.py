@@ -20,10 +20,10 @@ A request alone therefore takes exactly
 
     input / prefill_tokens_per_s + images * image_s + output * (base + per_seq)
 
-so `calibrate` timing single requests recovers alpha = 1 / prefill_tokens_per_s,
-beta = decode_step_base_s + decode_step_per_seq_s and gamma = image_s (the
-`EngineParams.alpha/beta/gamma` properties). Batching amortises `decode_step_base_s`
-over the batch.
+Batching amortises `decode_step_base_s` over the batch. `calibrate` recovers the model
+from outside: one-token requests alone give alpha = 1 / prefill_tokens_per_s and gamma =
+image_s as slopes, and identical requests decoding together at several batch sizes give
+the curve (`engine_time_profile` is the exact result).
 
 Attribution: every step's duration is split over the sequences in it, by the model's
 own terms: the prefill part in proportion to each sequence's prefill tokens in the step,

@@ -54,24 +54,25 @@ class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit
     cached_input_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        self._settle_curve()
         for name in (
             "alpha",
+            "beta",
             "decode_base_s",
             "decode_per_seq_s",
-            "beta",
             "gamma",
             "capacity_mu_per_s",
             "cached_input_factor",
         ):
             value = getattr(self, name)
-            # `not value >= 0` also catches NaN, which compares false with everything.
-            if not (value >= 0 and math.isfinite(value)):
+            # `not value >= 0` also catches NaN, which compares false with everything;
+            # a form not given (None) is settled from the other below.
+            if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(
                     f"profile {self.name!r}: {name} must be finite and >= 0, got {value!r}"
                 )
         if self.capacity_mu_per_s == 0:
             raise ValueError(f"profile {self.name!r}: capacity_mu_per_s must be > 0")
+        self._settle_curve()
         if self.operating_batch < 1:
             raise ValueError(
                 f"profile {self.name!r}: operating_batch must be >= 1, got {self.operating_batch!r}"

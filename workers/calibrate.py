@@ -1,27 +1,40 @@
-"""`fairq calibrate`: time an engine over a grid of request shapes and write its cost profile.
+"""`fairq calibrate`: time an engine and write its cost profile.
 
     fairq calibrate --engine sim|vllm [--engine-config TOML] [--model DIR]
-                    [--inputs 64,256,1024] [--outputs 16,64,256] [--images 0] [--repeats 1]
-                    [--name NAME] [--capacity-mu-per-s X | --capacity-shape IN,OUT[,IMAGES]]
+                    [--inputs 64,256,1024] [--images 0] [--batches 1,4,16,64]
+                    [--decode-shape IN,OUT] [--repeats 1] [--name NAME]
+                    [--capacity-mu-per-s X | --capacity-shape IN,OUT[,IMAGES]]
                     [--time-scale X] --out PROFILE.toml
 
-Coefficients. Every grid point (input length, output length, images) runs `repeats` times,
-one request at a time: a model unit is a replica-second at batch size 1. A request's wall
-seconds, from calling `generate()` to its final delta, are one `Sample`, and
-`costmodel.calibrate.fit_profile` fits alpha, beta and gamma to them. One untimed warm-up
-request runs first (vLLM's first request pays one-off costs). Prompts are random words, a
-new draw per request so that a prefix cache never shortens a prefill, with exactly the
-target count of the engine's own tokens (`count_tokens`). The output length is forced:
-the simulated engine gets `target_output_tokens`, vLLM runs with `ignore_eos`. A request
-that comes back with other counts fails the calibration.
+One untimed warm-up request runs first (vLLM's first request pays one-off costs); the
+runs themselves are in workers/calibrate_runs.py.
 
-Capacity (`capacity_mu_per_s`, unless --capacity-mu-per-s sets it): as many requests as the
-engine runs at once (its `max_sequences`, fewer if their KV-cache reservations do not fit),
-all of one shape (--capacity-shape, by default the grid's median input and output lengths
-with the fewest images), submitted together; capacity is the model units they cost under
-the fitted coefficients divided by the wall seconds until the last one finishes. Batching
-amortises decode steps, so it exceeds 1 where decoding dominates; prefill gains little.
-It therefore depends on the shape: give the shape of your real traffic.
+Prefill and images (alpha, gamma). For every input length and image count (--inputs x
+--images), one request alone generates one token, `repeats` times; the fastest counts,
+since a busy host only ever adds time. Its wall seconds are its prefill, its images and
+a constant (the first token's decode step and the per-request overhead of the engine and
+of this client). `costmodel.calibrate.fit_profile` fits them with the output column, one
+token everywhere, as that constant: alpha and gamma are slopes, so a fixed overhead does
+not leak into them. Prefill and image encoding do not batch, so these are the profile's.
+
+Decode (the curve). For each batch size n (--batches; by default 1, 4, 16, ... and the
+engine's room), n requests of the decode shape (a short prompt and a long forced output)
+run at once; the time of a decode step of n sequences is the per-token time in the
+window where all n decode, from their token timestamps (`measure_decode_step`), which
+keeps prefill, staggered admission and per-request overheads out of it and averages over
+the window's steps (a longer decode output averages over more).
+`costmodel.calibrate.fit_decode_curve` fits `decode_base_s + decode_per_seq_s * n` to
+the steps. A batch size above the engine's room for the decode shape (its sequence
+slots, fewer if the requests' KV-cache reservations do not fit) runs at the room.
+
+Operating point and capacity. `operating_batch` is the engine's room for the capacity
+shape (--capacity-shape, by default the median input length, the decode shape's output
+length and the fewest images). Unless --capacity-mu-per-s sets it, `capacity_mu_per_s`
+is measured by running that many requests of the capacity shape at once: the model units
+they cost under the fitted profile (priced at the operating batch) over the wall seconds
+until the last one finishes. A model unit is an engine-second at the operating point, so
+it comes out near 1; what it falls short says how long the run spent off that point
+(filling and draining the batch, prefill beside decode).
 
 `--time-scale X` (simulated engine only) makes every simulated step last X times its
 modelled duration; measured seconds are divided by X, so the profile stays in unscaled
@@ -33,51 +46,51 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import random
-import string
 import sys
-import time
-from collections.abc import Callable, Sequence
-from contextlib import aclosing
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache, partial
-from itertools import count
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from costmodel.calibrate import Fit, Sample, fit_profile, grid
+from costmodel.calibrate import (
+    MIN_BATCH_SIZES,
+    DecodeCurve,
+    Fit,
+    Sample,
+    StepSample,
+    fit_decode_curve,
+    fit_profile,
+    grid,
+)
 from costmodel.engine_model import EngineParams, load_engine_params
 from costmodel.units import ModelProfile, dump_profile, read_toml
-from workers.engine import Delta, Engine, EngineError, EngineRequest
-from workers.images import PreparedImage
+from workers.calibrate_runs import (
+    CalibrationError,
+    CapacityRun,
+    DecodeRun,
+    Requests,
+    Shape,
+    batch_room,
+    measure_capacity,
+    measure_decode_step,
+    run_request,
+    timed_request,
+)
+from workers.engine import Engine, EngineError
 from workers.sim_engine import SimEngine
 
 DEFAULT_INPUTS = (64, 256, 1024)
-# Per engine. The simulated engine's are short, so that its default run takes seconds (a
-# decode step lasts 25 ms at time scale 1).
-DEFAULT_OUTPUTS = {"sim": (1, 4, 16), "vllm": (16, 64, 256)}
-# What a simulated image is made of: the simulated engine only counts images.
-SYNTHETIC_IMAGE = PreparedImage(1, 1, bytes(3))
-# Word lists tried per prompt before giving up on an exact token count.
-PROMPT_ATTEMPTS = 8
-# A prompt search gives up beyond this many words per token asked for: the engine's count
-# then does not grow with the prompt.
-MAX_WORDS_PER_TOKEN = 16
-
-
-class CalibrationError(RuntimeError):
-    """The engine did not run a calibration request as asked."""
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """One request shape of the grid."""
-
-    input_tokens: int
-    output_tokens: int
-    images: int = 0
+# The decode runs' requests, per engine: a short prompt, so that nearly all of a run is
+# decoding. The simulated engine's output is short, so that its default run takes
+# seconds (a decode step lasts 25 to 45 ms at time scale 1).
+DEFAULT_DECODE_SHAPES = {"sim": Shape(16, 32), "vllm": Shape(16, 128)}
+# Decode outputs shorter than this leave too few shared steps once a batch's first and
+# last tokens are cut off (MIN_DECODE_STEPS in calibrate_runs).
+MIN_DECODE_OUTPUT = 16
+# Default batch sizes grow by this factor from 1 up to the engine's room.
+BATCH_GROWTH = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +98,14 @@ class Plan:
     """What to measure; every value is checked on construction (ValueError)."""
 
     inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
     images: tuple[int, ...] = (0,)
+    # Decode batch sizes; None: 1, 4, 16, ... and the engine's room (`batch_sizes`).
+    batches: tuple[int, ...] | None = None
+    decode_shape: Shape = DEFAULT_DECODE_SHAPES["sim"]
     repeats: int = 1
     # The time scale the (simulated) engine runs at: measured seconds are divided by it.
     time_scale: float = 1.0
-    # None: measure it with a batched run of `capacity_shape` (None: the grid's middle).
+    # None: measure it with a batched run of `capacity_shape` (None: see capacity_run_shape).
     capacity_mu_per_s: float | None = None
     capacity_shape: Shape | None = None
 
@@ -104,191 +119,100 @@ class Plan:
             raise ValueError(
                 f"capacity_mu_per_s must be finite and > 0, got {self.capacity_mu_per_s!r}"
             )
-        if self.capacity_shape is not None:  # a one-point grid checks it like the others
-            shape = self.capacity_shape
-            grid([shape.input_tokens], [shape.output_tokens], [shape.images])
+        for shape in (self.capacity_shape, self.decode_shape):
+            if shape is not None:  # a one-point grid checks it like the others
+                grid([shape.input_tokens], [shape.output_tokens], [shape.images])
+        if self.decode_shape.output_tokens < MIN_DECODE_OUTPUT or self.decode_shape.images:
+            raise ValueError(
+                f"the decode shape needs at least {MIN_DECODE_OUTPUT} output tokens and no "
+                f"images, got {self.decode_shape.output_tokens} and {self.decode_shape.images}"
+            )
+        if self.batches is not None and not (
+            all(type(batch) is int and batch >= 1 for batch in self.batches)
+            and len(set(self.batches)) >= MIN_BATCH_SIZES
+        ):
+            raise ValueError(
+                f"batches must be {MIN_BATCH_SIZES} or more different integers >= 1 to fit "
+                f"the decode curve, got {_joined(self.batches)} (e.g. --batches 1,8,32,64)"
+            )
 
     def shapes(self) -> list[Shape]:
-        return [Shape(*point) for point in grid(self.inputs, self.outputs, self.images)]
+        """The prefill runs' shapes: every input length and image count, one output token."""
+        return [Shape(*point) for point in grid(self.inputs, [1], self.images)]
 
     def capacity_run_shape(self) -> Shape:
-        """The given capacity shape, else median input and output lengths, fewest images."""
+        """The given capacity shape, else the median input length, the decode shape's
+        output length and the fewest images."""
         if self.capacity_shape is not None:
             return self.capacity_shape
-        return Shape(_median(self.inputs), _median(self.outputs), min(self.images))
+        return Shape(_median(self.inputs), self.decode_shape.output_tokens, min(self.images))
 
-
-@dataclass(frozen=True, slots=True)
-class CapacityRun:
-    """A batched run: `requests` of `shape` at once, finished in `seconds`."""
-
-    shape: Shape
-    requests: int
-    seconds: float
-    model_units: float
-
-    @property
-    def mu_per_s(self) -> float:
-        return self.model_units / self.seconds
+    def batch_sizes(self, room: int) -> list[int]:
+        """The decode batch sizes to run on an engine that holds `room` decode requests:
+        the plan's, each capped at the room, else 1, 4, 16, ... and the room itself."""
+        if self.batches is not None:
+            return sorted({min(batch, room) for batch in self.batches})
+        sizes = [1]
+        while sizes[-1] * BATCH_GROWTH < room:
+            sizes.append(sizes[-1] * BATCH_GROWTH)
+        return sorted({*sizes, room})
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
+    # alpha and gamma; its beta is the constant of a one-token request (module docstring).
     fit: Fit
+    curve: DecodeCurve
     profile: ModelProfile
     samples: list[Sample]
+    decode_runs: list[DecodeRun]
     capacity_run: CapacityRun | None  # None when the capacity was given
 
 
 async def calibrate(engine: Engine, plan: Plan, name: str) -> Calibration:
-    """Time a running engine over the plan's grid, fit the coefficients, find capacity.
+    """Time a running engine as the plan says, fit the profile, find capacity.
 
     Raises ValueError for a plan the engine cannot run (a prompt longer than its context,
-    images on a text-only engine), CalibrationError when it runs a request otherwise than
-    asked, EngineError when it fails.
+    images on a text-only engine, fewer than two batch sizes it can hold),
+    CalibrationError when it runs a request otherwise than asked, EngineError when it
+    fails.
     """
-    requests = _Requests(engine)
+    requests = Requests(engine)
     shapes = plan.shapes()
-    await _run(engine, requests.make(shapes[0]), shapes[0])  # warm-up, not timed
-    samples = [
-        await _timed(engine, requests, shape, plan.time_scale)
-        for _ in range(plan.repeats)
-        for shape in shapes
+    batches = plan.batch_sizes(batch_room(engine, plan.decode_shape))
+    if len(batches) < MIN_BATCH_SIZES:
+        raise ValueError(
+            f"the engine runs only {batches[-1]} request(s) of the decode shape at once: "
+            "the decode curve needs two batch sizes (more sequence slots or KV cache)"
+        )
+    operating_batch = batch_room(engine, plan.capacity_run_shape())
+    await run_request(engine, requests.make(shapes[0]), shapes[0])  # warm-up, not timed
+    samples = [await _fastest(engine, requests, shape, plan) for shape in shapes]
+    fit = fit_profile(samples)  # before the decode runs: a grid it refuses ends it early
+    decode_runs = [
+        await measure_decode_step(engine, requests, plan.decode_shape, batch, plan.time_scale)
+        for batch in batches
     ]
-    fit = fit_profile(samples)
+    curve = fit_decode_curve(StepSample(run.batch, run.step_s) for run in decode_runs)
     run = None
     capacity = plan.capacity_mu_per_s
     if capacity is None:
-        run = await _measure_capacity(
-            engine, requests, fit.to_profile(name, 1.0), plan.capacity_run_shape(), plan.time_scale
+        priced = fit.to_profile(name, 1.0, curve, operating_batch)
+        run = await measure_capacity(
+            engine, requests, priced, plan.capacity_run_shape(), operating_batch, plan.time_scale
         )
         capacity = run.mu_per_s
-    return Calibration(fit, fit.to_profile(name, capacity), samples, run)
+    profile = fit.to_profile(name, capacity, curve, operating_batch)
+    return Calibration(fit, curve, profile, samples, decode_runs, run)
 
 
-async def _measure_capacity(
-    engine: Engine, requests: _Requests, profile: ModelProfile, shape: Shape, time_scale: float
-) -> CapacityRun:
-    """Run as many requests of `shape` at once as the engine holds; model units per second."""
-    limits = engine.capacity
-    n = min(limits.sequences, limits.tokens // (shape.input_tokens + shape.output_tokens))
-    if n < 1:
-        raise ValueError(
-            f"a request of {shape.input_tokens} input and {shape.output_tokens} "
-            f"output tokens does not fit the engine's KV cache of "
-            f"{limits.tokens} tokens"
-        )
-    units = profile.model_units(shape.input_tokens, shape.output_tokens, shape.images)
-    if units <= 0:
-        raise CalibrationError(
-            "the fitted coefficients give a request no model units, so "
-            "capacity cannot be measured in them"
-        )
-    batch = [requests.make(shape) for _ in range(n)]  # prompts built before the clock runs
-    start = time.perf_counter()
-    async with asyncio.TaskGroup() as tg:
-        for request in batch:
-            tg.create_task(_run(engine, request, shape))
-    seconds = (time.perf_counter() - start) / time_scale
-    return CapacityRun(shape, n, seconds, n * units)
-
-
-def synthetic_prompt(engine: Engine, tokens: int, seed: int = 0) -> str:
-    """A prompt of exactly `tokens` input tokens by `engine.count_tokens`, words drawn
-    from `seed`; ValueError if the engine's tokenizer admits none."""
-    for attempt in range(PROMPT_ATTEMPTS):
-        words = _Words(f"{seed}/{attempt}")
-        length = _exact_length(cache(partial(_prompt_tokens, engine, words)), tokens)
-        if length is not None:
-            return words.text(length)
-    raise ValueError(
-        f"cannot build a prompt of exactly {tokens} input tokens for this engine's tokenizer"
-    )
-
-
-class _Words:
-    """One-letter words drawn from a seed; `text(n)` is the first n of the same sequence."""
-
-    def __init__(self, seed: str) -> None:
-        self._rng = random.Random(seed)
-        self._words: list[str] = []
-
-    def text(self, n: int) -> str:
-        while len(self._words) < n:
-            self._words.append(" " + self._rng.choice(string.ascii_lowercase))
-        return "".join(self._words[:n])
-
-
-def _prompt_tokens(engine: Engine, words: _Words, n: int) -> int:
-    return engine.count_tokens(
-        EngineRequest(id="calibration-prompt", max_tokens=1, prompt=words.text(n))
-    )
-
-
-def _exact_length(tokens_of: Callable[[int], int], target: int) -> int | None:
-    """The fewest words with exactly `target` tokens, given tokens_of(words) grows with
-    words; None if it jumps over the target or does not reach it."""
-    limit = MAX_WORDS_PER_TOKEN * target
-    below, words = 0, max(1, target)
-    while (tokens := tokens_of(words)) < target:
-        if words >= limit:
-            return None
-        below = words
-        # Proportional step: about the right length at once when tokens ~ rate * words.
-        words = min(limit, max(words + 1, words * target // max(tokens, 1)))
-    above = words
-    while above - below > 1:  # tokens_of(below) < target <= tokens_of(above)
-        middle = (below + above) // 2
-        if tokens_of(middle) >= target:
-            above = middle
-        else:
-            below = middle
-    return above if tokens_of(above) == target else None
-
-
-class _Requests:
-    """Engine requests of given shapes, each with its own prompt and id."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._numbers = count()
-
-    def make(self, shape: Shape) -> EngineRequest:
-        n = next(self._numbers)
-        return EngineRequest(
-            id=f"calibration-{n}",
-            max_tokens=shape.output_tokens,
-            prompt=synthetic_prompt(self._engine, shape.input_tokens, seed=n),
-            target_output_tokens=shape.output_tokens,
-            images=[SYNTHETIC_IMAGE] * shape.images,
-        )
-
-
-async def _timed(engine: Engine, requests: _Requests, shape: Shape, time_scale: float) -> Sample:
-    request = requests.make(shape)
-    start = time.perf_counter()
-    await _run(engine, request, shape)
-    seconds = (time.perf_counter() - start) / time_scale
-    return Sample(shape.input_tokens, shape.output_tokens, shape.images, seconds)
-
-
-async def _run(engine: Engine, request: EngineRequest, shape: Shape) -> Delta:
-    """Run a request to its end; its final delta, checked to have the asked-for counts."""
-    final = None
-    async with aclosing(engine.generate(request)) as deltas:
-        async for delta in deltas:
-            if delta.finished:
-                final = delta
-    if final is None:
-        raise CalibrationError(f"request {request.id}: the engine sent no final delta")
-    ran = (final.input_tokens, final.output_tokens)
-    if ran != (shape.input_tokens, shape.output_tokens) or final.finish_reason == "abort":
-        raise CalibrationError(
-            f"request {request.id}: asked for {shape.input_tokens} input and "
-            f"{shape.output_tokens} output tokens, the engine ran {ran[0]} and {ran[1]} "
-            f"(finish reason {final.finish_reason!r})"
-        )
-    return final
+async def _fastest(engine: Engine, requests: Requests, shape: Shape, plan: Plan) -> Sample:
+    """The fastest of `repeats` runs of a request alone: delays only ever add time, so it
+    is the closest to what the engine itself took."""
+    runs = [
+        await timed_request(engine, requests, shape, plan.time_scale) for _ in range(plan.repeats)
+    ]
+    return min(runs, key=lambda sample: sample.seconds)
 
 
 def _median(values: Sequence[int]) -> int:
@@ -303,11 +227,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "calibrate",
         help="fit a model-unit cost profile by timing an engine",
-        description="Time an engine over a grid of input and output lengths, one request "
-        "at a time, fit alpha/beta/gamma (non-negative least squares), measure "
-        "the batched capacity, and write the profile TOML.",
+        description="Time an engine's prefill over input lengths, one request at a time "
+        "(alpha, gamma), and its decode steps at several batch sizes (the decode "
+        "curve), both fitted by non-negative least squares; measure the batched "
+        "capacity, and write the profile TOML.",
     )
-    parser.add_argument("--engine", choices=sorted(DEFAULT_OUTPUTS), default="sim")
+    parser.add_argument("--engine", choices=sorted(DEFAULT_DECODE_SHAPES), default="sim")
     parser.add_argument(
         "--engine-config",
         type=Path,
@@ -316,32 +241,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "VLLMEngineConfig fields (ignore_eos is always on)",
     )
     parser.add_argument("--model", metavar="DIR", help="vllm: the model directory")
-    parser.add_argument(
-        "--inputs",
-        type=_lengths,
-        default=DEFAULT_INPUTS,
-        metavar="N,N,...",
-        help=f"input lengths in tokens (default {_joined(DEFAULT_INPUTS)})",
-    )
-    defaults = "; ".join(
-        f"{engine}: {_joined(outputs)}" for engine, outputs in DEFAULT_OUTPUTS.items()
-    )
-    parser.add_argument(
-        "--outputs",
-        type=_lengths,
-        metavar="N,N,...",
-        help=f"output lengths in tokens (default {defaults})",
-    )
-    parser.add_argument(
-        "--images",
-        type=_lengths,
-        default=(0,),
-        metavar="N,N,...",
-        help="images per request (default 0; vLLM runs text only)",
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=1, metavar="N", help="runs per grid point (default 1)"
-    )
+    _add_run_options(parser)
     parser.add_argument(
         "--name",
         help="profile name (default: the name of --model's directory, else the engine's name)",
@@ -357,8 +257,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--capacity-shape",
         type=_lengths,
         metavar="IN,OUT[,IMAGES]",
-        help="the request shape of the capacity run (default: median "
-        "input and output lengths of the grid, fewest images)",
+        help="the request shape of the capacity run (default: the median input "
+        "length, the decode shape's output length, the fewest images)",
     )
     parser.add_argument(
         "--time-scale",
@@ -370,6 +270,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--out", type=Path, required=True, metavar="PROFILE.toml", help="where to write the profile"
     )
     parser.set_defaults(run=run)
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The prefill and decode runs' options."""
+    parser.add_argument(
+        "--inputs",
+        type=_lengths,
+        default=DEFAULT_INPUTS,
+        metavar="N,N,...",
+        help="input lengths in tokens of the prefill runs, one request at a time "
+        f"(default {_joined(DEFAULT_INPUTS)})",
+    )
+    parser.add_argument(
+        "--images",
+        type=_lengths,
+        default=(0,),
+        metavar="N,N,...",
+        help="images per request of the prefill runs (default 0; vLLM runs text only)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="runs per input length and image count, the fastest counting (default 1)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=_lengths,
+        metavar="N,N,...",
+        help="decode batch sizes, each capped at what the engine holds (default 1, 4, "
+        "16, ... and the engine's max_sequences, fewer if the KV cache runs out first)",
+    )
+    decode_defaults = "; ".join(
+        f"{engine}: {shape.input_tokens},{shape.output_tokens}"
+        for engine, shape in DEFAULT_DECODE_SHAPES.items()
+    )
+    parser.add_argument(
+        "--decode-shape",
+        type=_lengths,
+        metavar="IN,OUT",
+        help=f"input and output tokens of the decode runs' requests (default {decode_defaults})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -400,14 +343,26 @@ async def _calibrate(engine: Engine, plan: Plan, name: str) -> Calibration:
 
 
 def format_report(result: Calibration) -> str:
-    fit, profile, run = result.fit, result.profile, result.capacity_run
-    lines = [
-        f"profile {profile.name!r} from {fit.n} timed requests",
-        f"alpha = {fit.alpha:.6g} s per input token",
-        f"beta  = {fit.beta:.6g} s per output token",
-        f"gamma = {fit.gamma:.6g} s per image",
-        f"R^2   = {fit.r2:.6f}",
+    fit, curve, profile = result.fit, result.curve, result.profile
+    steps = [
+        f"  n = {run.batch:>3}: {run.step_s:.6g} s measured over {run.steps} steps, "
+        f"{curve.step_s(run.batch):.6g} fitted"
+        for run in result.decode_runs
     ]
+    lines = [
+        f"profile {profile.name!r} from {fit.n} requests prefilled alone and decode steps "
+        f"at {len(curve.batches)} batch sizes",
+        f"alpha = {fit.alpha:.6g} s per input token",
+        f"gamma = {fit.gamma:.6g} s per image",
+        f"R^2   = {fit.r2:.6f} (prefill fit, plus {fit.beta:.6g} s per request)",
+        f"decode step = {curve.base_s:.6g} + {curve.per_seq_s:.6g} * n s",
+        *steps,
+        f"R^2   = {curve.r2:.6f} (decode curve; largest residual "
+        f"{curve.max_residual:.2%} of a measured step)",
+        f"decode token = {profile.decode_token_s(1):.6g} s alone, "
+        f"{profile.decode_token_s():.6g} s at operating_batch = {profile.operating_batch}",
+    ]
+    run = result.capacity_run
     if run is None:
         lines.append(f"capacity_mu_per_s = {profile.capacity_mu_per_s:.6g} (given)")
     else:
@@ -430,11 +385,17 @@ def _plan(args: argparse.Namespace) -> Plan:
                 f"got {_joined(args.capacity_shape)}"
             )
         capacity_shape = Shape(*args.capacity_shape)
+    decode_shape = DEFAULT_DECODE_SHAPES[args.engine]
+    if args.decode_shape is not None:
+        if len(args.decode_shape) != 2:
+            raise ValueError(f"--decode-shape takes IN,OUT, got {_joined(args.decode_shape)}")
+        decode_shape = Shape(*args.decode_shape)
     return Plan(
         inputs=args.inputs,
-        outputs=args.outputs or DEFAULT_OUTPUTS[args.engine],
         images=args.images,
         repeats=args.repeats,
+        batches=args.batches,
+        decode_shape=decode_shape,
         time_scale=1.0 if args.time_scale is None else args.time_scale,
         capacity_mu_per_s=args.capacity_mu_per_s,
         capacity_shape=capacity_shape,

@@ -6,18 +6,19 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from broker_config.config import EXAMPLE_CONFIG
 from costmodel.engine_model import BatchingEngineModel, EngineParams, load_engine_params
 from costmodel.units import load_profile
 from producers import cli
-from workers.calibrate import CalibrationError, Plan, Shape, calibrate, synthetic_prompt
+from workers.calibrate import Plan, calibrate
+from workers.calibrate_runs import CalibrationError, Shape, synthetic_prompt
 from workers.engine import Delta, EngineRequest
 from workers.sim_engine import SimEngine
 
@@ -29,8 +30,19 @@ if VLLM_PRESENT:
 pytestmark = pytest.mark.timeout(60)
 
 ENGINE_TOML = EXAMPLE_CONFIG.parent / "engine.toml"
-# The shipped engine, with few sequence slots so the capacity run takes a fraction of a second.
-PARAMS = msgspec.structs.replace(load_engine_params(ENGINE_TOML), max_sequences=8)
+# The shipped engine: 64 sequence slots, which the decode curve's slope needs to show.
+PARAMS = load_engine_params(ENGINE_TOML)
+# Another engine, whose KV cache holds fewer capacity-run requests than it has slots.
+OTHER = EngineParams(
+    max_sequences=64,
+    kv_cache_tokens=4200,
+    prefill_tokens_per_s=4000.0,
+    decode_step_base_s=0.04,
+    decode_step_per_seq_s=0.001,
+    image_s=0.1,
+)
+# Steps last a fifth of their modelled time: a test takes about two seconds.
+TIME_SCALE = 0.2
 
 
 def batch_seconds(params: EngineParams, shape: Shape, requests: int) -> float:
@@ -44,30 +56,57 @@ def batch_seconds(params: EngineParams, shape: Shape, requests: int) -> float:
     return seconds
 
 
-async def test_calibration_recovers_the_simulated_engines_parameters() -> None:
-    plan = Plan(inputs=(64, 256, 1024), outputs=(1, 4, 16), images=(0, 2))
-    async with SimEngine(PARAMS) as engine:
+@pytest.mark.parametrize(
+    "params, inputs, images, room",
+    [
+        (PARAMS, (256, 1024, 4096), 8, 64),
+        # 4200 KV tokens hold 43 requests of 64 + 32 tokens.
+        (OTHER, (128, 512, 2048), 4, 43),
+    ],
+    ids=["shipped", "other"],
+)
+async def test_calibration_recovers_the_simulated_engines_parameters(
+    params: EngineParams, inputs: tuple[int, ...], images: int, room: int
+) -> None:
+    capacity_shape = Shape(64, 32)
+    # Prefill and images take about half a second more at the longest input and with
+    # images, and each point runs twice, the faster counting: a busy test machine then
+    # rarely moves a figure by a percent.
+    plan = Plan(
+        inputs=inputs,
+        images=(0, images),
+        repeats=2,
+        time_scale=TIME_SCALE,
+        capacity_shape=capacity_shape,
+    )
+    async with SimEngine(params, time_scale=TIME_SCALE) as engine:
         result = await calibrate(engine, plan, "sim-7b")
-    fit = result.fit
-    assert fit.n == len(result.samples) == 18
-    assert fit.alpha == pytest.approx(PARAMS.alpha, rel=0.05)
-    assert fit.beta == pytest.approx(PARAMS.beta, rel=0.05)
-    assert fit.gamma == pytest.approx(PARAMS.gamma, rel=0.05)
-    assert fit.r2 > 0.999
+    fit, curve, profile = result.fit, result.curve, result.profile
+    assert fit.n == len(result.samples) == 6  # the faster of each point's two runs
+    assert fit.alpha == pytest.approx(params.alpha, rel=0.05)
+    assert fit.gamma == pytest.approx(params.gamma, rel=0.05)
+    # Batch sizes 1, 4, 16 and the decode shape's room, 64 sequence slots in both.
+    assert [run.batch for run in result.decode_runs] == [1, 4, 16, 64]
+    assert curve.base_s == pytest.approx(params.decode_step_base_s, rel=0.05)
+    assert curve.per_seq_s == pytest.approx(params.decode_step_per_seq_s, rel=0.05)
+    assert curve.r2 > 0.999 and curve.max_residual < 0.02
+    assert profile.operating_batch == room
     run = result.capacity_run
     assert run is not None
-    # The grid's middle shape, as many at once as the engine has sequence slots.
-    assert (run.shape, run.requests) == (Shape(256, 4, 0), 8)
-    assert run.seconds == pytest.approx(batch_seconds(PARAMS, run.shape, 8), rel=0.05)
-    assert run.mu_per_s > 1, "batching should complete more than one model unit per second"
-    assert result.profile == fit.to_profile("sim-7b", run.mu_per_s)
+    assert (run.shape, run.requests) == (capacity_shape, room)
+    assert run.seconds == pytest.approx(batch_seconds(params, capacity_shape, room), rel=0.05)
+    # A model unit is an engine-second at the operating point: a full replica completes
+    # about one per second.
+    assert 0.9 < run.mu_per_s < 1.1
+    assert profile == fit.to_profile("sim-7b", run.mu_per_s, curve, room)
 
 
 def test_the_command_writes_a_loadable_profile(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "profiles" / "sim.toml"
-    # At time scale 0.5 the engine runs twice as fast; the profile must still be unscaled.
+    # At time scale 0.25 the engine runs four times as fast; the profile must still be
+    # unscaled.
     code = cli.main(
         [
             "calibrate",
@@ -77,10 +116,13 @@ def test_the_command_writes_a_loadable_profile(
             str(ENGINE_TOML),
             "--inputs",
             "256,1024,4096",
-            "--outputs",
-            "4,8,16",
+            # 100 is more than the engine's 64 sequence slots: it runs at 64.
+            "--batches",
+            "1,8,100",
+            "--repeats",
+            "2",
             "--time-scale",
-            "0.5",
+            "0.25",
             "--capacity-mu-per-s",
             "12.5",
             "--name",
@@ -93,9 +135,14 @@ def test_the_command_writes_a_loadable_profile(
     assert code == 0
     profile = load_profile(out)
     assert (profile.name, profile.capacity_mu_per_s, profile.gamma) == ("llama-7b-sim", 12.5, 0)
+    assert profile.operating_batch == PARAMS.max_sequences
     assert profile.alpha == pytest.approx(PARAMS.alpha, rel=0.05)
+    assert profile.decode_base_s == pytest.approx(PARAMS.decode_step_base_s, rel=0.05)
+    assert profile.decode_per_seq_s == pytest.approx(PARAMS.decode_step_per_seq_s, rel=0.05)
     assert profile.beta == pytest.approx(PARAMS.beta, rel=0.05)
     assert "R^2" in printed and f"wrote {out}" in printed
+    measured = re.findall(r"^  n = +(\d+): ", printed, re.MULTILINE)
+    assert measured == ["1", "8", "64"]
 
 
 @pytest.mark.parametrize(
@@ -111,8 +158,13 @@ def test_the_command_writes_a_loadable_profile(
         (["--engine", "vllm"], "needs --model DIR"),
         (["--engine", "vllm", "--model", "m", "--time-scale", "0.5"], "--time-scale is for"),
         (["--engine", "vllm", "--model", "m", "--images", "0,1"], "runs text requests only"),
-        # Found by the fit, after the engine ran: one grid point cannot separate coefficients.
-        (["--inputs", "64", "--outputs", "1"], "at least 3 samples"),
+        (["--batches", "8"], "batches must be 2 or more different integers >= 1"),
+        (["--batches", "0,8"], "batches must be 2 or more different integers >= 1"),
+        (["--decode-shape", "16"], "--decode-shape takes IN,OUT"),
+        (["--decode-shape", "16,8"], "the decode shape needs at least 16 output tokens"),
+        # Found by the fit, after the engine ran: one input length cannot separate alpha
+        # from the per-request constant.
+        (["--inputs", "64"], "at least 3 samples"),
     ],
 )
 def test_unusable_input_exits_2_without_writing(
@@ -190,13 +242,26 @@ class StopsEarly(SimEngine):
 
 
 async def test_an_engine_that_cuts_outputs_short_fails_the_calibration() -> None:
-    plan = Plan(inputs=(64, 128, 256), outputs=(2, 3, 4), capacity_mu_per_s=1.0)
+    # The prefill runs ask for one token; the decode runs are the first to be cut short.
+    plan = Plan(inputs=(64, 128, 256), capacity_mu_per_s=1.0)
     async with StopsEarly(PARAMS, time_scale=0) as engine:
         with pytest.raises(
             CalibrationError,
-            match="asked for 64 input and 2 output tokens, the engine ran 64 and 1",
+            match="asked for 16 input and 32 output tokens, the engine ran 16 and 1",
         ):
             await calibrate(engine, plan, "x")
+
+
+def test_an_engine_with_room_for_one_decode_request_cannot_fit_the_curve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "engine.toml"
+    config.write_text("max_sequences = 1\n")
+    out = tmp_path / "p.toml"
+    code = cli.main(["calibrate", "--engine-config", str(config), "--out", str(out)])
+    assert code == 2
+    assert "the decode curve needs two batch sizes" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def require_vllm() -> None:
@@ -217,7 +282,7 @@ def test_the_command_calibrates_the_tiny_model_on_vllm(
     require_vllm()
     model: Path = request.getfixturevalue("model_dir")
     config = tmp_path / "engine.toml"
-    config.write_text("max_num_seqs = 4\nmax_model_len = 2048\nkv_cache_bytes = 67108864\n")
+    config.write_text("max_num_seqs = 8\nmax_model_len = 2048\nkv_cache_bytes = 67108864\n")
     out = tmp_path / "tiny.toml"
     code = cli.main(
         [
@@ -228,8 +293,11 @@ def test_the_command_calibrates_the_tiny_model_on_vllm(
             str(model),
             "--engine-config",
             str(config),
-            "--outputs",
-            "8,32,64",
+            "--decode-shape",
+            "16,64",
+            # The faster of two: prefill slopes on a CPU are small beside its noise.
+            "--repeats",
+            "2",
             "--out",
             str(out),
         ]
@@ -238,12 +306,26 @@ def test_the_command_calibrates_the_tiny_model_on_vllm(
     assert code == 0
     profile = load_profile(out)
     assert profile.name == model.name
-    # Decoding a token costs a whole engine step; prefilling one is a share of a step.
+    # Decode batches of 1, 4 and the engine's 8 slots; 8 requests of the capacity shape
+    # fit its KV cache of 32768 tokens.
+    assert re.findall(r"^  n = +(\d+): ", printed, re.MULTILINE) == ["1", "4", "8"]
+    assert profile.operating_batch == 8
+    assert profile.decode_base_s is not None and profile.decode_per_seq_s is not None
+    assert profile.decode_base_s > 0 and profile.decode_per_seq_s >= 0
+    # Batching amortises a step's fixed cost: a token at batch 8 costs less than alone.
+    assert profile.decode_token_s(8) < profile.decode_token_s(1)
+    # Decoding a token alone costs a whole engine step; prefilling one is a share of a step.
     assert 0 < profile.alpha < profile.beta
+    # The steps lie near a line: no measured step is more than a quarter off the fit.
+    residual = re.search(r"largest residual ([\d.]+)% of a measured step", printed)
+    assert residual is not None and float(residual.group(1)) < 25
+    # Priced at the operating batch, a full replica completes about an engine-second per
+    # second (loosely: on a CPU, overheads weigh a lot beside a tiny model's steps).
+    assert 0.25 < profile.capacity_mu_per_s < 4
     with capsys.disabled():
         report = [
             line
             for line in printed.splitlines()
-            if line.startswith(("alpha", "beta", "R^2", "capacity"))
+            if line.startswith(("alpha", "decode", "  n =", "R^2", "capacity"))
         ]
         print("\nfairq calibrate on the tiny model:", *report, sep="\n  ")
