@@ -35,9 +35,9 @@ Pricing, over the requests that finish inside the window:
 - engine time at the operating batch (64): the same profile with no occupancy reading
   (what a batched profile prices before any worker has reported), recomputed from the
   records;
-- flat model units: the legacy `llama-7b-sim` profile of configs/example.toml (alpha
-  0.000125, beta 0.025, today's unit), from the records' usage (a flat profile does not
-  read the occupancy, so this is what its drift reading would say);
+- flat model units: the same engine priced at batch 1 (alpha 0.000125, beta 0.025: the
+  unit before issue 36), from the records' usage (a flat profile does not read the
+  occupancy, so this is what its drift reading would say);
 - the sanity columns: what the worker attributed to those requests (`engine_s`) per
   second, which adds up to the busy time by construction, and the busy fraction (step
   time inside the window).
@@ -129,10 +129,11 @@ def engine_profile(params: EngineParams) -> ModelProfile:
     return engine_time_profile(params, name="llama-7b-sim")
 
 
-def flat_profile() -> ModelProfile:
-    """The example config's chat profile: the flat batch-1 price of today's unit."""
-    config = load_config(EXAMPLE_CONFIG)
-    return config.profiles[config.endpoints["chat"].profile]
+def flat_profile(params: EngineParams) -> ModelProfile:
+    """The engine's flat batch-1 price list: the unit before issue 36."""
+    return msgspec.structs.replace(
+        engine_profile(params), beta=params.beta, decode_base_s=None, decode_per_seq_s=None
+    )
 
 
 def capacity_config(profile: ModelProfile) -> Config:
@@ -242,7 +243,7 @@ def run_all(settings: Settings, trace_flag: Path | None, command: str) -> dict[s
 def measure_all(settings: Settings, trace_flag: Path | None) -> dict[str, Any]:
     """Every shape and seed of `settings`: settings, skipped shapes, cells, invariance."""
     params = load_engine_params(EXAMPLE_ENGINE)
-    engine, flat = engine_profile(params), flat_profile()
+    engine, flat = engine_profile(params), flat_profile(params)
     trace, skipped = None, {}
     if AZURE in settings.shapes:
         try:

@@ -20,6 +20,8 @@ DEBT_MEMORY_S = 600.0
 # Weight of one busy worker's report (a heartbeat, a simulated step) in the endpoint's
 # occupancy reading: over tens of reports, so one odd batch does not move prices.
 OCCUPANCY_SMOOTHING = 0.05
+# A worker with less than this share of its KV cache free is full, whatever its slots.
+FULL_KV_SHARE = 0.1
 
 
 def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
@@ -64,7 +66,7 @@ class EndpointQueues:
             spec.batch.sequences, spec.batch.tokens, spec.batch.model_units
         )
         self.capacity_mu_per_s = 0.0  # unknown until workers report: no throttling
-        # Sequences a busy worker of the endpoint decodes at once: the batch work is
+        # Sequences a full worker of the endpoint decodes at once: the batch work is
         # priced at (`occupancy`), read from the workers' reports.
         self._occupancy = Ema(OCCUPANCY_SMOOTHING)
         self.startup_wait_s = 0.0  # scaled to zero: the first replica's cold start
@@ -97,14 +99,22 @@ class EndpointQueues:
 
     @property
     def occupancy(self) -> float | None:
-        """The batch the endpoint's workers run at; None (the profile's operating batch)
-        until a busy worker said."""
+        """The batch the endpoint's full workers run at; None (the profile's operating
+        batch) until a full worker said."""
         return self._occupancy.value
 
-    def observe_occupancy(self, sequences: int) -> None:
-        """A busy worker runs `sequences` at once (ignored when 0: an idle worker says
-        nothing about the batch work runs at)."""
-        if sequences > 0:
+    def observe_occupancy(self, sequences: int, total: Capacity, free: Capacity) -> None:
+        """A worker of capacity `total` with `free` room left runs `sequences` at once.
+        Only a full one counts (no sequence slot free beyond the newcomer reserve, or
+        under a tenth of its KV cache): the price of work is a full replica's, what
+        capacity and the autoscaler's demand are measured in. A half-idle replica's
+        small batch would price each token dearer, the autoscaler would ask for more
+        replicas, and their smaller batches would raise the price again."""
+        full = (
+            free.sequences <= self.reserve(total).sequences
+            or free.tokens < total.tokens * FULL_KV_SHARE
+        )
+        if sequences > 0 and full:
             self._occupancy.update(sequences)
 
     def model_units(

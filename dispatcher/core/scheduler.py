@@ -408,10 +408,12 @@ class Scheduler(SchedulerView):
                 )
         return rows
 
-    def observe_occupancy(self, endpoint: str, sequences: int) -> None:
-        """One worker of `endpoint` runs `sequences` at once (a heartbeat, a simulated
-        step): the batch its work is priced at."""
-        self.endpoints[endpoint].observe_occupancy(sequences)
+    def observe_occupancy(
+        self, endpoint: str, sequences: int, total: Capacity, free: Capacity
+    ) -> None:
+        """One worker of `endpoint` (capacity `total`, `free` left) runs `sequences` at
+        once (a heartbeat, a simulated step): the batch work is priced at, if full."""
+        self.endpoints[endpoint].observe_occupancy(sequences, total, free)
 
     def set_capacity(self, endpoint: str, mu_per_s: float, startup_wait_s: float = 0.0) -> None:
         """Model units per second the endpoint's workers complete, and how long a request

@@ -129,7 +129,9 @@ class WorkerReports:
                 )
                 self._lose(beat.worker_id, lost)
             # Its output so far, priced at the batch it runs: its in-flight requests.
-            self.scheduler.observe_occupancy(beat.endpoint, len(in_flight))
+            self.scheduler.observe_occupancy(
+                beat.endpoint, len(in_flight), beat.capacity, beat.capacity.minus(beat.used)
+            )
             self.scheduler.progress(generated, occupancy=len(in_flight))
             # The scheduler does not track adopted requests' output: marked here. Only
             # after a dispatcher restart are there any, so most heartbeats skip the loop.

@@ -396,7 +396,8 @@ class Simulation:
         for seq in step.first_tokens:
             self.entries[seq].first_token = self.now
         emitting = len(step.first_tokens) + len(step.tokens)
-        self.scheduler.observe_occupancy(replica.worker.endpoint, emitting)
+        worker = replica.worker
+        self.scheduler.observe_occupancy(worker.endpoint, emitting, worker.capacity, worker.free())
         if self._reports_tokens:  # every step's token, as a worker's heartbeat would
             self.scheduler.progress(
                 (

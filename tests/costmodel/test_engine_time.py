@@ -166,11 +166,17 @@ def test_queued_work_is_priced_at_the_batch_the_workers_report() -> None:
     scheduler = batched_scheduler()
     scheduler.admit(req("a", 1, input_tokens=100, max_tokens=50), 0.0, MemoryLimiterStore())
     operating = scheduler.endpoints["ep"].queued_model_units()
+    full, room = Capacity(8, 10_000, 1e12), Capacity(0, 2_000, 1e12)
     for _ in range(200):
-        scheduler.observe_occupancy("ep", 8)
-    scheduler.observe_occupancy("ep", 0)  # an idle worker says nothing
+        scheduler.observe_occupancy("ep", 8, full, room)
+    scheduler.observe_occupancy("ep", 0, full, full)  # an idle worker says nothing
+    # Half idle: its small batch is not the price of a full replica's work.
+    scheduler.observe_occupancy("ep", 2, full, Capacity(6, 8_000, 1e12))
     assert scheduler.endpoints["ep"].occupancy == pytest.approx(8)
     scheduler.admit(req("a", 2, input_tokens=100, max_tokens=50), 0.0, MemoryLimiterStore())
     queued = scheduler.endpoints["ep"].queued_model_units() - operating
     output = queued - 0.1  # the estimate's output part, at the reported batch
     assert output / (operating - 0.1) == pytest.approx((0.02 / 8 + 0.001) / (0.02 / 64 + 0.001))
+    # A worker whose KV cache is all but taken is full at fewer sequences.
+    scheduler.observe_occupancy("ep", 4, full, Capacity(4, 500, 1e12))
+    assert scheduler.endpoints["ep"].occupancy < 8
