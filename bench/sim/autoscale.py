@@ -2,7 +2,8 @@
 
     python -m bench.sim.autoscale [--trace CSV] [--seed 1] [--cold-start 60] [--quiet 300]
                                   [--fleet-min-replicas 0] [--warmup 600]
-                                  [--out-dir bench/results/autoscale] [--smoke]
+                                  [--unit engine|flat] [--out-dir bench/results/autoscale]
+                                  [--smoke]
 
 Two fleets, each run three ways:
 
@@ -19,8 +20,11 @@ been running when the hour starts, as a production one has);
 **static for peak** (per endpoint, the replicas its busiest minute needs at the target
 utilisation, all hour); and the **oracle**, computed rather than run: every minute
 exactly the replicas that minute's demand needs at the target utilisation, with no
-cold start (reported also at 100% utilisation). Demand is the model units (the
-example profile's) of the requests arriving in the minute.
+cold start (reported also at 100% utilisation). Demand is the model units of the
+requests arriving in the minute, in the unit --unit names: `engine` (the default),
+engine time at the batch a replica runs, priced by the simulated engine's own decode
+curve (`costmodel.engine_model.engine_time_profile`); `flat`, the example profile's
+batch-1 model units (the unit before issue 36), as a baseline.
 
 Reported: GPU-seconds (replica lifetimes within the hour, cold starts included) and SLO
 attainment, the share of requests whose time to first token is at most 2 s, for each
@@ -48,7 +52,7 @@ from bench.harness.machine import ran_on, table
 from bench.harness.traces import add_trace_argument, azure_trace
 from broker_config.config import EXAMPLE_CONFIG, EXAMPLE_ENGINE, Config, load_config
 from costmodel.capacity import ScalingPolicy
-from costmodel.engine_model import load_engine_params
+from costmodel.engine_model import engine_time_profile, load_engine_params
 from dispatcher.core.limits import scheduling_only
 from dispatcher.sim.simulator import Simulation, simulate
 from dispatcher.sim.trace import TraceRecord
@@ -61,6 +65,17 @@ HOUR_S = 3600.0
 SCALES = (1.0, 0.5, 2.0, 0.25, 1.5, 3.0, 0.75, 1.0)
 IDLE_ENDPOINTS = (1, 4, 7)  # 0-based: endpoints 2, 5 and 8
 IDLE_BLOCK_S = 600.0
+UNITS = ("engine", "flat")
+
+
+def priced_in(config: Config, unit: str) -> Config:
+    """`config` with its first endpoint's profile in `unit`: the engine's batched decode
+    curve (`engine`) or the example's flat batch-1 price list as it is (`flat`)."""
+    if unit == "flat":
+        return config
+    key = next(iter(config.endpoints.values())).profile
+    curve = engine_time_profile(load_engine_params(EXAMPLE_ENGINE), name=key)
+    return msgspec.structs.replace(config, profiles={**config.profiles, key: curve})
 
 
 def fleet_config(base: Config, endpoints: Sequence[str]) -> Config:
@@ -279,7 +294,8 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     command = (
         f"python -m bench.sim.autoscale --seed {args.seed} --cold-start {args.cold_start} "
         f"--quiet {args.quiet} --warmup {args.warmup} "
-        f"--fleet-min-replicas {args.fleet_min_replicas}{' --smoke' if args.smoke else ''}"
+        f"--fleet-min-replicas {args.fleet_min_replicas} --unit {args.unit}"
+        f"{' --smoke' if args.smoke else ''}"
     )
     scaled, oracle = results["eight endpoints"]["autoscaled"], results["eight endpoints"]["oracle"]
     per_endpoint = []
@@ -350,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         default=600.0,
         help="seconds of run-up (the hour's end) before the measured hour",
     )
+    parser.add_argument(
+        "--unit",
+        choices=UNITS,
+        default="engine",
+        help="what demand and capacity are priced in (engine: engine time at the batch a "
+        "replica runs; flat: batch-1 model units, the baseline)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/autoscale"))
     parser.add_argument(
         "--smoke", action="store_true", help="the first 5 minutes of the trace, for CI"
@@ -362,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.smoke:
         rows = [r for r in rows if r.arrival_s < 300.0]
-    base = calibrated(load_config(EXAMPLE_CONFIG), rows)
+    base = calibrated(priced_in(load_config(EXAMPLE_CONFIG), args.unit), rows)
     rng = random.Random(f"{args.seed}:fleet")
     names = [f"ep{k + 1}" for k in range(len(SCALES))]
     fleets = {
@@ -400,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{fleet}: {len(records):,} requests ({results[fleet]['seconds']:.0f} s)",
             file=sys.stderr,
         )
-    write_json(args.out_dir / ("smoke.json" if args.smoke else "autoscale.json"), results, 2)
+    name = "smoke" if args.smoke else "autoscale" if args.unit == "engine" else "autoscale-flat"
+    write_json(args.out_dir / f"{name}.json", {**results, "unit": args.unit}, 2)
     print(report(results, args))
     return 0
 
