@@ -22,7 +22,9 @@ engine's room), n requests of the decode shape (a short prompt and a long forced
 run at once; the time of a decode step of n sequences is the per-token time in the
 window where all n decode, from their token timestamps (`measure_decode_step`), which
 keeps prefill, staggered admission and per-request overheads out of it and averages over
-the window's steps (a longer decode output averages over more).
+the window's steps (a longer decode output averages over more). Each batch size runs
+`repeats` times too and the fastest counts: one step slowed by a busy host would
+otherwise bend the line.
 `costmodel.calibrate.fit_decode_curve` fits `decode_base_s + decode_per_seq_s * n` to
 the steps. A batch size above the engine's room for the decode shape (its sequence
 slots, fewer if the requests' KV-cache reservations do not fit) runs at the room.
@@ -47,10 +49,10 @@ import argparse
 import asyncio
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -187,10 +189,23 @@ async def calibrate(engine: Engine, plan: Plan, name: str) -> Calibration:
         )
     operating_batch = batch_room(engine, plan.capacity_run_shape())
     await run_request(engine, requests.make(shapes[0]), shapes[0])  # warm-up, not timed
-    samples = [await _fastest(engine, requests, shape, plan) for shape in shapes]
+    samples = [
+        await _fastest(
+            plan.repeats,
+            lambda shape=shape: timed_request(engine, requests, shape, plan.time_scale),
+            lambda sample: sample.seconds,
+        )
+        for shape in shapes
+    ]
     fit = fit_profile(samples)  # before the decode runs: a grid it refuses ends it early
     decode_runs = [
-        await measure_decode_step(engine, requests, plan.decode_shape, batch, plan.time_scale)
+        await _fastest(
+            plan.repeats,
+            lambda batch=batch: measure_decode_step(
+                engine, requests, plan.decode_shape, batch, plan.time_scale
+            ),
+            lambda run: run.step_s,
+        )
         for batch in batches
     ]
     curve = fit_decode_curve(StepSample(run.batch, run.step_s) for run in decode_runs)
@@ -206,13 +221,16 @@ async def calibrate(engine: Engine, plan: Plan, name: str) -> Calibration:
     return Calibration(fit, curve, profile, samples, decode_runs, run)
 
 
-async def _fastest(engine: Engine, requests: Requests, shape: Shape, plan: Plan) -> Sample:
-    """The fastest of `repeats` runs of a request alone: delays only ever add time, so it
-    is the closest to what the engine itself took."""
-    runs = [
-        await timed_request(engine, requests, shape, plan.time_scale) for _ in range(plan.repeats)
-    ]
-    return min(runs, key=lambda sample: sample.seconds)
+Timed = TypeVar("Timed")
+
+
+async def _fastest(
+    repeats: int, measure: Callable[[], Awaitable[Timed]], seconds: Callable[[Timed], float]
+) -> Timed:
+    """The fastest of `repeats` measurements: delays only ever add time, so it is the
+    closest to what the engine itself took."""
+    runs = [await measure() for _ in range(repeats)]
+    return min(runs, key=seconds)
 
 
 def _median(values: Sequence[int]) -> int:
@@ -294,7 +312,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="runs per input length and image count, the fastest counting (default 1)",
+        help="runs per input length and image count, and per decode batch size, the "
+        "fastest counting (default 1)",
     )
     parser.add_argument(
         "--batches",
