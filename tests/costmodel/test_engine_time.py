@@ -180,3 +180,27 @@ def test_queued_work_is_priced_at_the_batch_the_workers_report() -> None:
     # A worker whose KV cache is all but taken is full at fewer sequences.
     scheduler.observe_occupancy("ep", 4, full, Capacity(4, 500, 1e12))
     assert scheduler.endpoints["ep"].occupancy < 8
+
+
+def test_completions_teach_the_output_estimate_that_prices_queued_work() -> None:
+    """The scheduler feeds each completion to its output estimator, per tenant: a
+    tenant whose answers come out short has its next requests priced by what it really
+    generates (the backlog admission and the autoscaler read), another keeps the prior."""
+    scheduler = Scheduler(make_config(cost="model_units", quantum=1e6))  # alpha 1, beta 2
+    store, queues = MemoryLimiterStore(), scheduler.endpoints["ep"]
+
+    def priced(tenant: str, index: int) -> float:
+        before = queues.queued_model_units()
+        request = req(tenant, index, input_tokens=10, max_tokens=100)
+        assert scheduler.admit(request, 0.0, store).admitted
+        return queues.queued_model_units() - before
+
+    assert priced("a", 0) == priced("b", 0) == 10 + 2 * 50  # the prior: half of max_tokens
+    for index in range(1, 30):
+        priced("a", index)
+    while batch := scheduler.next_batch("ep", Capacity(64, 10**6, 1e12), 0.0).requests:
+        for request in batch:
+            if request.tenant == "a":
+                scheduler.complete("a", request.id, Usage(10, 5, 0.0), 0.0)
+    assert priced("a", 100) == pytest.approx(10 + 2 * 5, abs=2)  # about 5 tokens now
+    assert priced("b", 100) == 10 + 2 * 50
