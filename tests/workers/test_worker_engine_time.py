@@ -8,13 +8,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-import nats
 import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from broker_config.config import BrokerSettings, WorkerOptions
-from broker_config.streams import provision
+from broker_config.config import WorkerOptions
 from broker_config.wire import DoneEvent, Sampling
 from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile
@@ -193,29 +191,6 @@ def test_meter_counts_the_requests_decoding_when_each_token_arrives() -> None:
 
 
 # -- through a worker service on a real nats-server --------------------------------------
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
-    yield client
-    await client.close()
-
-
-@pytest.fixture
-async def results(nc: Client) -> KeyValue:
-    provisioned = await provision(nc.jetstream(timeout=5), BrokerSettings(storage="memory"))
-    return provisioned.results
-
-
-@pytest.fixture
-async def inbox(nc: Client) -> Recorder:
-    return await Recorder().start(nc, "_INBOX.t.>")
-
-
-@pytest.fixture
-async def internal(nc: Client) -> Recorder:
-    return await Recorder().start(nc, S.internal)
 
 
 def done_of(rec: Recorder, request_id: str) -> DoneEvent:

@@ -213,31 +213,6 @@ async def stored_event(results: KeyValue, request_id: str) -> DoneEvent | ErrorE
     return stored.event
 
 
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
-    yield client
-    await client.close()
-
-
-@pytest.fixture
-async def results(nc: Client) -> KeyValue:
-    provisioned = await provision(nc.jetstream(timeout=5), BrokerSettings(storage="memory"))
-    return provisioned.results
-
-
-@pytest.fixture
-async def inbox(nc: Client) -> Recorder:
-    """Every event published to the test items' reply subjects."""
-    return await Recorder().start(nc, "_INBOX.t.>")
-
-
-@pytest.fixture
-async def internal(nc: Client) -> Recorder:
-    """Heartbeats and completions, in the order the worker sent them."""
-    return await Recorder().start(nc, S.internal)
-
-
 @asynccontextmanager
 async def running_worker(
     nc: Client, results: KeyValue | Any, *, faults: Faults | None = None, **options: Any
