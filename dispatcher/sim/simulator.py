@@ -49,7 +49,7 @@ from broker_config.config import Config
 from costmodel.capacity import ScalingPolicy
 from costmodel.engine_model import BatchingEngineModel, EngineParams
 from costmodel.prefix_cache import BLOCK_TOKENS, PrefixCache
-from costmodel.units import Capacity, Usage
+from costmodel.units import Capacity
 from dispatcher.core.endpoint import sequences_outside_reserve
 from dispatcher.core.limits import MemoryLimiterStore
 from dispatcher.core.placement import affinity_key
@@ -58,6 +58,7 @@ from dispatcher.core.pool import WorkerPool
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Outcome, Request
 from dispatcher.sim.clients import Client, ClosedLoop
+from dispatcher.sim.entries import Entry
 from dispatcher.sim.fairness import (
     DEFAULT_METRICS,
     MetricOptions,
@@ -83,21 +84,6 @@ class SimResult:
     def to_dict(self) -> dict[str, Any]:
         """The RESULT.json shape: {"records": [...], "summary": {...}}."""
         return {"records": [r.to_dict() for r in self.records], "summary": self.summary}
-
-
-@dataclass(slots=True)
-class _Entry:
-    """The simulator's mutable view of one trace record while it runs."""
-
-    request: Request
-    output_tokens: int  # what the engine will generate
-    record: TraceRecord
-    outcome: Outcome = Outcome.ADMITTED
-    first_token: float | None = None
-    finished: float | None = None
-    cached_tokens: int = 0  # input tokens its replica's prefix cache held
-    worker: str = ""  # the replica it ran on
-    engine_s: float = 0.0  # the engine time its replica attributed to it
 
 
 class Simulation:
@@ -207,7 +193,7 @@ class Simulation:
                 entry.request.arrival = self.now
                 self._arrive(entry)
 
-    def _entry(self, index: int, record: TraceRecord) -> _Entry:
+    def _entry(self, index: int, record: TraceRecord) -> Entry:
         endpoint = record.endpoint or self.default_endpoint
         spec = self.config.endpoints.get(endpoint)
         asked = record.max_tokens or (spec.max_tokens_cap if spec else record.output_tokens)
@@ -235,7 +221,7 @@ class Simulation:
                 and record.prefix_tokens >= spec.affinity_block_tokens
                 else None
             )
-        return _Entry(request, min(record.output_tokens, max_tokens), record)
+        return Entry(request, min(record.output_tokens, max_tokens), record)
 
     def _add_replica(
         self, endpoint: str, params: EngineParams, now: float, ready: bool = True
@@ -328,9 +314,9 @@ class Simulation:
                 f"simulation ended with {self.scheduler.queued_count()} requests queued "
                 "and every replica idle: the scheduler withheld admissible work"
             )
-        return [self._record(e) for e in self.entries]
+        return [e.to_record() for e in self.entries]
 
-    def _arrive(self, entry: _Entry) -> None:
+    def _arrive(self, entry: Entry) -> None:
         request = entry.request
         if (
             request.endpoint in self.config.endpoints
@@ -413,46 +399,14 @@ class Simulation:
             self.pool.complete(replica.worker.worker_id, (request.tenant, request.id), self.now)
             entry.engine_s = step.engine_s[seq]
             completed = self.scheduler.complete(
-                request.tenant, request.id, self._usage(entry), self.now
+                request.tenant,
+                request.id,
+                entry.usage(self.scheduler.endpoints[request.endpoint]),
+                self.now,
             )
             if completed is not None:
                 self.store.settle(completed.settlement, self.now)
         replica.retire_if_drained(self.now)
-
-    def _usage(self, entry: _Entry) -> Usage:
-        """What the request consumed, as a worker reports it: its other units (images)
-        too, else the correction of its charge would refund their cost."""
-        request = entry.request
-        queues = self.scheduler.endpoints[request.endpoint]
-        return Usage(
-            request.input_tokens,
-            entry.output_tokens,
-            queues.model_units(
-                request.input_tokens, entry.output_tokens, request.other_units, entry.cached_tokens
-            ),
-            other_units=request.other_units,
-            cached_input_tokens=entry.cached_tokens,
-            engine_s=entry.engine_s,
-        )
-
-    @staticmethod
-    def _record(entry: _Entry) -> RequestRecord:
-        request = entry.request
-        return RequestRecord(
-            id=request.id,
-            tenant=request.tenant,
-            arrival=request.arrival,
-            dispatched=request.dispatched_at,
-            first_token=entry.first_token,
-            finished=entry.finished,
-            input_tokens=request.input_tokens,
-            output_tokens=entry.output_tokens,
-            outcome=entry.outcome.value,
-            endpoint=request.endpoint,
-            cached_tokens=entry.cached_tokens,
-            worker=entry.worker,
-            engine_s=entry.engine_s,
-        )
 
 
 def simulate(
