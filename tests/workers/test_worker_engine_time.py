@@ -6,21 +6,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 
 import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from broker_config.config import WorkerOptions
 from broker_config.wire import DoneEvent, Sampling
 from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile
 from tests.workers.test_worker_service import (
-    ENDPOINT,
     PARAMS,
     PROFILE,
-    WORKER,
     Recorder,
     S,
     completion_of,
@@ -30,6 +26,7 @@ from tests.workers.test_worker_service import (
     running_worker,
     send_batch,
     tokens_of,
+    worker_service,
 )
 from workers.engine import Delta, EngineRequest
 from workers.engine_time import (
@@ -39,7 +36,6 @@ from workers.engine_time import (
     prefill_engine_s,
 )
 from workers.images import PreparedImage
-from workers.service import WorkerService
 from workers.sim_engine import Faults, SimEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -289,19 +285,7 @@ async def test_worker_measures_engine_time_for_an_engine_that_reports_none(
 ) -> None:
     engine = ScriptedEngine()
     a, b = S.result_key("acme", "a"), S.result_key("acme", "b")
-    async with AsyncExitStack() as stack:
-        await stack.enter_async_context(
-            WorkerService(
-                nc,
-                engine,
-                endpoint=ENDPOINT,
-                worker_id=WORKER,
-                subjects=S,
-                results=results,
-                profile=profile,
-                settings=WorkerOptions(heartbeat_interval_s=10.0, drain_timeout_s=5.0),
-            )
-        )
+    async with worker_service(nc, engine, results, profile=profile):
         await send_batch(nc, [item("a"), item("b")])
 
         async def step(key: str, delta: Delta, request_id: str, events: int) -> None:

@@ -60,7 +60,7 @@ from costmodel.engine_model import EngineParams
 from costmodel.units import UNLIMITED_MODEL_UNITS, Capacity, ModelProfile, Usage
 from workers import __main__ as worker_main
 from workers import results as results_module
-from workers.engine import EXPEDITED, PROBE, EngineRequest
+from workers.engine import EXPEDITED, PROBE, Engine, EngineRequest
 from workers.probe import PROBE_ROOM
 from workers.service import WorkerService
 from workers.sim_engine import Faults, SimEngine
@@ -213,25 +213,33 @@ async def stored_event(results: KeyValue, request_id: str) -> DoneEvent | ErrorE
     return stored.event
 
 
+def worker_service(
+    nc: Client, engine: Engine, results: KeyValue | Any, **options: Any
+) -> WorkerService:
+    """The test worker on `engine`. `options`: `profile`, and the WorkerOptions fields
+    (heartbeat_interval_s...)."""
+    profile = options.pop("profile", PROFILE)
+    settings = WorkerOptions(**({"heartbeat_interval_s": 10.0, "drain_timeout_s": 5.0} | options))
+    return WorkerService(
+        nc,
+        engine,
+        endpoint=ENDPOINT,
+        worker_id=WORKER,
+        subjects=S,
+        results=results,
+        profile=profile,
+        settings=settings,
+    )
+
+
 @asynccontextmanager
 async def running_worker(
     nc: Client, results: KeyValue | Any, *, faults: Faults | None = None, **options: Any
 ) -> AsyncIterator[tuple[WorkerService, SimEngine]]:
-    """`options`: `profile`, and the WorkerOptions fields (heartbeat_interval_s...)."""
-    profile = options.pop("profile", PROFILE)
-    settings = WorkerOptions(**({"heartbeat_interval_s": 10.0, "drain_timeout_s": 5.0} | options))
+    """A worker on the simulated engine; `options` as `worker_service`'s."""
     async with (
         SimEngine(PARAMS, time_scale=SCALE, seed=1, faults=faults) as engine,
-        WorkerService(
-            nc,
-            engine,
-            endpoint=ENDPOINT,
-            worker_id=WORKER,
-            subjects=S,
-            results=results,
-            profile=profile,
-            settings=settings,
-        ) as service,
+        worker_service(nc, engine, results, **options) as service,
     ):
         yield service, engine
 
