@@ -34,7 +34,8 @@ shape (--capacity-shape, by default the median input length, the decode shape's 
 length and the fewest images). Unless --capacity-mu-per-s sets it, `capacity_mu_per_s`
 is measured by running that many requests of the capacity shape at once: the model units
 they cost under the fitted profile (priced at the operating batch) over the wall seconds
-until the last one finishes. A model unit is an engine-second at the operating point, so
+until the last one finishes (the fastest of `repeats` such runs). A model unit is an
+engine-second at the operating point, so
 it comes out near 1; what it falls short says how long the run spent off that point
 (filling and draining the batch, prefill beside decode).
 
@@ -213,8 +214,17 @@ async def calibrate(engine: Engine, plan: Plan, name: str) -> Calibration:
     capacity = plan.capacity_mu_per_s
     if capacity is None:
         priced = fit.to_profile(name, 1.0, curve, operating_batch)
-        run = await measure_capacity(
-            engine, requests, priced, plan.capacity_run_shape(), operating_batch, plan.time_scale
+        run = await _fastest(
+            plan.repeats,
+            lambda: measure_capacity(
+                engine,
+                requests,
+                priced,
+                plan.capacity_run_shape(),
+                operating_batch,
+                plan.time_scale,
+            ),
+            lambda run: run.seconds,
         )
         capacity = run.mu_per_s
     profile = fit.to_profile(name, capacity, curve, operating_batch)
@@ -312,8 +322,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="runs per input length and image count, and per decode batch size, the "
-        "fastest counting (default 1)",
+        help="runs per input length and image count, per decode batch size and of the "
+        "capacity batch, the fastest counting (default 1)",
     )
     parser.add_argument(
         "--batches",

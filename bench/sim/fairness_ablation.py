@@ -167,8 +167,10 @@ def render(summary: dict[str, Any]) -> str:
                     f"{means[2]:.2f}",
                     f"{means[3]:.2f}",
                     f"{means[4]:.3f}",
-                    f"{means[5]:,.0f}",
-                    f"{means[6]:.2f}",
+                    f"{means[5]:.3f}",
+                    f"{means[6]:.3f}",
+                    f"{means[7]:,.0f}",
+                    f"{means[8]:.2f}",
                 ]
             )
     seeds = ", ".join(map(str, summary["settings"]["seeds"]))
