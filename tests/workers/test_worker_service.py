@@ -404,15 +404,7 @@ async def test_engine_priority_comes_from_expedited_never_from_the_body(
     ]
     async with (
         PrioritySpy(PARAMS, time_scale=SCALE, seed=1) as engine,
-        WorkerService(
-            nc,
-            engine,
-            endpoint=ENDPOINT,
-            worker_id=WORKER,
-            subjects=S,
-            results=results,
-            profile=PROFILE,
-        ),
+        worker_service(nc, engine, results),
     ):
         await send_batch(nc, items)
         await internal.until(lambda _: len(completions(internal)) == 3)
