@@ -35,9 +35,9 @@ length and the fewest images). Unless --capacity-mu-per-s sets it, `capacity_mu_
 is measured by running that many requests of the capacity shape at once: the model units
 they cost under the fitted profile (priced at the operating batch) over the wall seconds
 until the last one finishes (the fastest of `repeats` such runs). A model unit is an
-engine-second at the operating point, so
-it comes out near 1; what it falls short says how long the run spent off that point
-(filling and draining the batch, prefill beside decode).
+engine-second at the operating point, so it comes out near 1; what it falls short says
+how long the run spent off that point (filling and draining the batch, prefill beside
+decode).
 
 `--time-scale X` (simulated engine only) makes every simulated step last X times its
 modelled duration; measured seconds are divided by X, so the profile stays in unscaled
