@@ -11,6 +11,7 @@ value, so a typo in production config is found from the message alone.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Annotated, Literal
@@ -89,7 +90,9 @@ class Endpoint(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # each request's input tokens with it instead of trusting the declared count.
     tokenizer: str | None = None
     cost: CostMode = "request"
-    quantum: Positive = 1.0
+    # Deprecated and ignored: tenants are served by least charge per unit of weight, which
+    # needs no quantum (docs/architecture.md, stage 3). Accepted so old configs load.
+    quantum: Positive | None = None
     latency_target_s: Positive = 30.0
     max_tokens_cap: PositiveInt = 4096
     batch: BatchCapacity = msgspec.field(default_factory=BatchCapacity)
@@ -352,7 +355,19 @@ def parse_config(
     config = _with_profile_files(config, source, base_dir or Path.cwd())
     config = _with_tokenizer_paths(config, base_dir or Path.cwd())
     _check_references(config, source)
+    _warn_deprecated(config, source)
     return config
+
+
+def _warn_deprecated(config: Config, source: str) -> None:
+    for name, spec in config.endpoints.items():
+        if spec.quantum is not None:
+            logging.getLogger(__name__).warning(
+                "%s: field `endpoints.%s.quantum` is deprecated and ignored: tenants are "
+                "served by least charge per unit of weight; remove it",
+                source,
+                name,
+            )
 
 
 def _with_profile_files(config: Config, source: str, base_dir: Path) -> Config:

@@ -12,7 +12,6 @@ ONE_SLOT = Capacity(1, 10**9, 1e12)
 def make_config(
     *,
     cost: str = "token",
-    quantum: float = 100.0,
     reserve: float = 0.0,
     tenants: dict[str, tuple[str, float]] | None = None,
     tiers: tuple[str, ...] = ("gold", "silver", "bronze"),
@@ -33,7 +32,6 @@ def make_config(
         f'kind = "{"embed" if cost == "token" else "generate"}"',
         'profile = "p"',
         f'cost = "{cost}"',
-        f"quantum = {quantum}",
         f"latency_target_s = {latency_target_s}",
         "max_tokens_cap = 100000",
         f"newcomer_reserve = {reserve}",

@@ -46,7 +46,6 @@ capacity_mu_per_s = 30.0
 [endpoints.chat]
 profile = "p"
 cost = "model_units"
-quantum = 8.0
 latency_target_s = 600.0
 [[tiers]]
 name = "all"

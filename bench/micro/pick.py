@@ -26,9 +26,7 @@ BATCH = 64
 
 def run(policy: str, tenants: int, picks: int) -> tuple[float, float]:
     names = {f"t{i}": ("gold", 1.0 + i % 3) for i in range(tenants)}
-    scheduler = Scheduler(
-        make_config(cost="model_units", quantum=50.0, tenants=names), policy=policy
-    )
+    scheduler = Scheduler(make_config(cost="model_units", tenants=names), policy=policy)
     store = MemoryLimiterStore()
     serial = 0
     for name in names:

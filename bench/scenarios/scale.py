@@ -68,9 +68,8 @@ from producers.client import Client
 TITLE = "End to end: 10, 100 and 1,000 active tenants"
 RESULTS = RESULTS_DIR / "scale"
 BACKLOG_MAX_TOKENS = 64
-# Well over a DRR round of each backlogged tenant (the example config's quantum of 8
-# model units is 5 requests of 64 tokens as estimated, about 10 once charges are
-# corrected to the real output), so the backlog outlasts the first newcomer.
+# Enough that each backlogged tenant stays backlogged while the newcomers arrive, so the
+# backlog outlasts the first newcomer.
 MIN_BACKLOG_PER_TENANT = 20
 NEWCOMER_GAP_S = 0.2
 SHARDS = RAW_SETTINGS.intake_shards

@@ -17,10 +17,8 @@ reproduced with `fairq sim`:
 - no reserve: the newcomer reserve off;
 - reserve never lifted: `newcomer_window_s` infinite, so the reserve is held even when
   every present tenant is backlogged (fairq before the adaptive reserve);
-- quantum 8: the DRR quantum at 8 model units (the example's until issue 18) instead
-  of 1;
 - VTC weights: beta = 2 x alpha, so a model unit weighs prompt and output tokens as
-  VTC's service metric does (1 : 2) instead of the profile's batch-1 timing (1 : 200).
+  VTC's service metric does (1 : 2) instead of the profile's engine time.
 
 Writes bench/results/fairness_ablation/summary.json and prints markdown.
 """
@@ -84,10 +82,6 @@ def reserve_never_lifted(config: Config, records: Records) -> tuple[Config, Reco
     return _endpoints(config, newcomer_window_s=math.inf), records
 
 
-def quantum_8(config: Config, records: Records) -> tuple[Config, Records]:
-    return _endpoints(config, quantum=8.0), records
-
-
 def vtc_weights(config: Config, records: Records) -> tuple[Config, Records]:
     return msgspec.structs.replace(
         config,
@@ -106,7 +100,6 @@ VARIANTS: dict[str, Variant] = {
     "exact estimates": exact_estimates,
     "no reserve": no_reserve,
     "reserve never lifted": reserve_never_lifted,
-    "quantum 8": quantum_8,
     "VTC weights": vtc_weights,
 }
 METRICS = (

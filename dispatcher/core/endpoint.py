@@ -12,16 +12,22 @@ from costmodel.estimate import Ema
 from costmodel.units import NO_CAPACITY, Capacity, ModelProfile, Usage
 from dispatcher.core.flow import TenantFlow
 from dispatcher.core.policies.contract import Selector
+from dispatcher.core.types import Request
 
-# An idle tenant's DRR debt (or VTC excess) is forgotten after this long: the state of
-# tenants that come once must not stay for ever. By pausing this long, a tenant could be
-# let off the output its requests generated after its queue emptied.
+# An idle tenant's debt (a standing above its tier's floor) is forgotten after this long:
+# the state of tenants that come once must not stay for ever. By pausing this long, a
+# tenant could be let off the output its requests generated after its queue emptied.
 DEBT_MEMORY_S = 600.0
 # Weight of one busy worker's report (a heartbeat, a simulated step) in the endpoint's
 # occupancy reading: over tens of reports, so one odd batch does not move prices.
 OCCUPANCY_SMOOTHING = 0.05
 # A worker with less than this share of its KV cache free is full, whatever its slots.
 FULL_KV_SHARE = 0.1
+# Weight of one completion in a tenant's share of cost charged at dispatch.
+PAYMENT_SMOOTHING = 0.2
+# A tenant charged at least this share of its requests' cost at dispatch is judged by its
+# standing for the newcomer reserve, not by its sequences (`may_use_reserve`).
+PAID_AT_DISPATCH = 0.7
 
 
 def newcomer_reserve(total: Capacity, fraction: float) -> Capacity:
@@ -215,6 +221,29 @@ class EndpointQueues:
         """Runs fewer sequences than its weighted share of what the endpoint runs now
         (inlined in `Scheduler.next_batch`, the hot path)."""
         return flow.running * self.present_weight < flow.weight * max(self.running, 1)
+
+    def may_use_reserve(self, flow: TenantFlow) -> bool:
+        """May `flow`, below its share of sequences, take the newcomer reserve? Sequences
+        tell a tenant's share only where its requests cost about what they hold a
+        sequence for: a tenant of long prompts and short answers runs few sequences
+        while taking more engine time than its share, and through the reserve it would
+        take more still. Its charges come at dispatch, so its standing is current: it
+        may only at the floor (no backlogged tenant charged less), as a newcomer is. A
+        tenant paid for mostly as it generates has a standing that lags what it runs:
+        its sequences tell. Before its first completion it is taken for the first kind
+        (a newcomer is at the floor anyway).
+        """
+        paid = flow.paid_at_dispatch
+        return (paid is not None and paid < PAID_AT_DISPATCH) or self.selector.at_floor(flow)
+
+    def observe_payment(self, flow: TenantFlow, request: Request, settled: float) -> None:
+        """A request of `flow` completed at cost `settled`: fold in the share of that
+        cost charged at dispatch."""
+        if settled <= 0:
+            return
+        share = min(self.cost(request.input_tokens, 0, request.other_units) / settled, 1.0)
+        paid = flow.paid_at_dispatch
+        flow.paid_at_dispatch = share if paid is None else paid + PAYMENT_SMOOTHING * (share - paid)
 
     def mark_present(self, flow: TenantFlow) -> None:
         """Call before queueing work for `flow`."""

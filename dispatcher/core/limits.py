@@ -311,7 +311,7 @@ def scheduling_only(config: Config) -> Config:
 
     No rate limits, quotas or queue caps and no latency target (a request's own
     deadline still applies); every tenant is admitted into one tier with weight 1.
-    Endpoints (profile, cost mode, quantum, caps, newcomer reserve) stay as they are.
+    Endpoints (profile, cost mode, caps, newcomer reserve) stay as they are.
     """
     endpoints = {
         name: msgspec.structs.replace(spec, latency_target_s=math.inf)

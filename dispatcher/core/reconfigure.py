@@ -7,10 +7,10 @@ workers' and front's settings): a change there needs a restart, and the reload i
 refused whole, naming those sections, with the running configuration left in force.
 
 Applied, nothing queued is lost or reordered: a tenant keeps its flow (its queue, its
-running requests, its DRR debt) and only the policy on it changes. A tenant moved to
-another tier leaves its old tier's ring and joins the new one's; a new weight sets the
-quantum of its next DRR visits; limits are read from the new registry at the next
-admission. The queued requests of a tenant the registry now rejects (removed, or
+running requests, its debt) and only the policy on it changes. A tenant moved to
+another tier leaves its old tier and joins the new one, its debt carried across; a new
+weight divides its charges from then on; limits are read from the new registry at the
+next admission. The queued requests of a tenant the registry now rejects (removed, or
 unlisted when unlisted tenants are now rejected) are taken out and returned for the
 caller to end; its running ones finish, on a flow kept only for their accounting.
 """
@@ -109,11 +109,10 @@ def reconfigure(scheduler: Scheduler, config: Config, now: float) -> list[Reques
             else:
                 flow.tier_rank = policy.tier_rank
             flow.policy, flow.weight = policy, policy.weight
-            flow.quantum = endpoint.spec.quantum * policy.weight
         kept = set(endpoint.flows.values())
         moved = {flow for flow, _ in moves}
         # Flows of tenants removed by an earlier reload, still running: nothing queued,
-        # in no ring; their rank only has to stay valid for their accounting.
+        # held by no selector; their rank only has to stay valid for their accounting.
         earlier = [
             flow
             for flow in running.get(endpoint.name, ())

@@ -273,7 +273,8 @@ class Scheduler(SchedulerView):
                 endpoint.running, 1
             )
             confined = flow.tier_rank > kept_for
-            outcome = room.place(request, respect_reserve=not below_share, confined=confined)
+            may_use_reserve = below_share and endpoint.may_use_reserve(flow)
+            outcome = room.place(request, respect_reserve=not may_use_reserve, confined=confined)
             if outcome == BLOCKED:
                 break  # hold the workers until one is idle for an oversized head
             if outcome != PLACED:
@@ -309,7 +310,9 @@ class Scheduler(SchedulerView):
         endpoint = self.endpoints[request.endpoint]
         endpoint.clock = now
         endpoint.count_completed(usage)
-        correction = endpoint.settled_cost(usage) - request.charged_cost
+        settled = endpoint.settled_cost(usage)
+        correction = settled - request.charged_cost
+        endpoint.observe_payment(flow, request, settled)
         flow.served_cost += correction
         endpoint.selector.complete(flow, request, usage, correction)
         self._stop(endpoint, flow, request)
@@ -444,7 +447,7 @@ class Scheduler(SchedulerView):
             policy = self.registry.tenant(tenant)
             if policy is None:
                 return None
-            flow = TenantFlow(policy, endpoint.spec.quantum, self._order)
+            flow = TenantFlow(policy, self._order)
             flow.idle_since = endpoint.clock
             endpoint.flows[tenant] = flow
         return flow

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.integration
 CONFIG = """
 [endpoints.chat]
 cost = "request"
-quantum = 1.0
 latency_target_s = 1e6  # no throttling: these tests count what is served
 max_tokens_cap = 64
 newcomer_reserve = 0.0

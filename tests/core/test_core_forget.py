@@ -32,7 +32,7 @@ def run(policy: str, cost: str, seed: int, *, forget: bool) -> list[list[str]]:
     With `forget`, idle flows are swept after every step, as the dispatcher does now and
     then, before any debt is old enough to be forgiven."""
     rng = random.Random(seed)
-    scheduler = Scheduler(make_config(cost=cost, quantum=50.0, tenants=TENANTS), policy=policy)
+    scheduler = Scheduler(make_config(cost=cost, tenants=TENANTS), policy=policy)
     store = MemoryLimiterStore()
     running: list[tuple[str, str, int]] = []
     admitted: list[tuple[str, str]] = []
@@ -91,21 +91,23 @@ def churn(scheduler: Scheduler, tenants: int, now: float) -> None:
 
 
 def test_tenants_that_come_once_leave_no_flow_behind() -> None:
-    config = make_config(quantum=100.0, tenants={"a": ("gold", 1.0)})
+    config = make_config(tenants={"a": ("gold", 1.0)})
     scheduler = Scheduler(with_unlisted(config), policy="fairq")
     churn(scheduler, 500, 0.0)
     queues = scheduler.endpoints["ep"]
     assert len(queues.flows) == 500
-    # Each cost 10 tokens of its quantum of 100: no debt, nothing to keep.
+    # Token mode charges at dispatch alone: each left at the floor the next joined at.
     assert queues.forget_idle(1.0) == 500 and not queues.flows
 
 
 def test_a_debt_is_kept_until_repaid_or_old() -> None:
-    config = make_config(cost="token", quantum=5.0, tenants={"a": ("gold", 1.0)})
+    config = make_config(cost="model_units", tenants={"a": ("gold", 1.0)})
     scheduler = Scheduler(with_unlisted(config), policy="fairq")
-    churn(scheduler, 3, 0.0)  # 10 tokens each on a quantum of 5: a debt of 5
+    # Each left at its prompt's charge, then owed its output, charged at completion.
+    churn(scheduler, 3, 0.0)
     queues = scheduler.endpoints["ep"]
-    assert all(flow.deficit < 0 for flow in queues.flows.values())
+    floor = queues.selector.tiers[0].floor()
+    assert all(queues.selector.standing(flow) > floor for flow in queues.flows.values())
     assert queues.forget_idle(DEBT_MEMORY_S - 1) == 0
     assert queues.forget_idle(DEBT_MEMORY_S) == 3 and not queues.flows
 

@@ -18,6 +18,7 @@ from broker_config.config import (
 from broker_config.limits import InputLimits
 from broker_config.registry import Registry
 from costmodel.units import Capacity, Usage
+from dispatcher.core.endpoint import PAID_AT_DISPATCH
 from dispatcher.core.limits import MemoryLimiterStore, month_end, month_key
 from dispatcher.core.scheduler import Scheduler
 from dispatcher.core.types import Outcome
@@ -390,42 +391,43 @@ def test_requeue_puts_a_running_request_back_in_its_place():
 
 def test_model_units_charge_the_prompt_at_dispatch_and_output_as_it_is_generated():
     # Profile p: alpha 1, beta 2. The estimate (half of max_tokens 10) is not charged.
-    scheduler = Scheduler(make_config(cost="model_units", quantum=100.0))
-    # a's second request keeps it in the ring, so its deficit is kept.
+    scheduler = Scheduler(make_config(cost="model_units"))
+    standing = scheduler.endpoints["ep"].selector.standing
     admit_all(scheduler, [req("a", 1, input_tokens=10, max_tokens=10), req("a", 2)])
     request = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
     flow = scheduler.flow("ep", "a")
-    assert (request.charged_cost, flow.deficit) == (10.0, 90.0)
+    assert (request.charged_cost, standing(flow)) == (10.0, 10.0)
     scheduler.progress([(("a", "1"), 3)])  # three tokens: 6 more
     scheduler.progress([(("a", "1"), 2), (("b", "1"), 5)])  # stale, unknown: nothing
-    assert (request.charged_cost, request.output_charged, flow.deficit) == (16.0, 3, 84.0)
+    assert (request.charged_cost, request.output_charged, standing(flow)) == (16.0, 3, 16.0)
     assert flow.served_cost == 16.0
     scheduler.complete("a", "1", Usage(10, 7, 0.0), 1.0)  # 10 + 2 x 7: 8 more
-    assert (flow.deficit, flow.served_cost) == (76.0, 24.0)
+    assert (standing(flow), flow.served_cost) == (24.0, 24.0)
 
 
 def test_a_requeued_request_is_charged_afresh_when_it_runs_again():
-    scheduler = Scheduler(make_config(cost="model_units", quantum=100.0))
+    scheduler = Scheduler(make_config(cost="model_units"))
+    standing = scheduler.endpoints["ep"].selector.standing
     admit_all(scheduler, [req("a", 1, input_tokens=10, max_tokens=10), req("a", 2)])
     request = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
     scheduler.progress([(("a", "1"), 4)])
     flow = scheduler.flow("ep", "a")
-    assert flow.deficit == 100.0 - 10 - 8
+    assert standing(flow) == 10 + 8
     assert scheduler.requeue("a", "1") is request
-    assert (request.charged_cost, request.output_charged, flow.deficit) == (10.0, 0, 100.0)
+    assert (request.charged_cost, request.output_charged, standing(flow)) == (10.0, 0, 0.0)
 
 
 def test_token_and_request_modes_charge_no_output():
     for cost, charged in (("token", 10.0), ("request", 1.0)):
-        scheduler = Scheduler(make_config(cost=cost, quantum=100.0))
+        scheduler = Scheduler(make_config(cost=cost))
         admit_all(scheduler, [req("a", 1, input_tokens=10, max_tokens=10)])
         request = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests[0]
         scheduler.progress([(("a", "1"), 5)])
         assert request.charged_cost == charged, cost
 
 
-def test_a_cancelled_tenant_leaves_the_ring_without_breaking_rotation():
-    scheduler = Scheduler(make_config(quantum=10.0))
+def test_a_cancelled_tenant_is_let_go_without_breaking_the_order():
+    scheduler = Scheduler(make_config())
     admit_all(scheduler, [req("a", 1), req("b", 1), req("b", 2)])
     scheduler.cancel("a", "1")
     batch = scheduler.next_batch("ep", Capacity(8, 10**6, 1e9), 0.0)
@@ -436,7 +438,7 @@ def test_a_cancelled_tenant_leaves_the_ring_without_breaking_rotation():
 
 
 def test_a_request_larger_than_a_whole_batch_goes_alone_when_the_worker_is_idle():
-    scheduler = Scheduler(make_config(tokens=100, quantum=1000.0))
+    scheduler = Scheduler(make_config(tokens=100))
     total = Capacity(4, 100, 1e12)
     admit_all(scheduler, [req("a", "big", input_tokens=500), req("b", "small")])
     busy = scheduler.next_batch("ep", Capacity(3, 80, 1e12), 0.0, total)
@@ -448,7 +450,7 @@ def test_a_request_larger_than_a_whole_batch_goes_alone_when_the_worker_is_idle(
 
 
 def test_a_head_that_does_not_fit_is_set_aside_and_keeps_its_turn():
-    scheduler = Scheduler(make_config(quantum=1000.0))
+    scheduler = Scheduler(make_config())
     total = Capacity(4, 100, 1e12)
     admit_all(
         scheduler,
@@ -516,11 +518,10 @@ def test_unknown_policy_is_refused():
 
 def _sparse_tenant_with_debt(picks_while_away: int) -> list[str]:
     """b sends one request (5 MU of prompt), leaves, and is charged 40 MU of output
-    afterwards; a and c stay backlogged with 5 MU requests (quantum 10: two per
-    visit). After `picks_while_away` single-slot dispatches b sends again; returns who
-    gets the next 8 slots."""
+    afterwards; a and c stay backlogged with 5 MU requests. After `picks_while_away`
+    single-slot dispatches b sends again; returns who gets the next 8 slots."""
     tenants = {name: ("gold", 1.0) for name in "abc"}
-    scheduler = Scheduler(make_config(cost="model_units", quantum=10.0, tenants=tenants))
+    scheduler = Scheduler(make_config(cost="model_units", tenants=tenants))
     admit_all(scheduler, [req("b", "b1", input_tokens=5, max_tokens=20)])
     admit_all(
         scheduler,
@@ -537,14 +538,33 @@ def _sparse_tenant_with_debt(picks_while_away: int) -> list[str]:
 
 
 def test_a_sparse_tenant_returning_at_once_waits_out_its_debt():
-    # -40 + 10 on its return: four more rounds of a's and c's before b sends again.
+    # b stands at 45 on its return, a and c at 0: nine requests each before b's turn.
     assert "b" not in _sparse_tenant_with_debt(picks_while_away=0)
 
 
-def test_a_sparse_tenant_repays_its_debt_while_the_ring_turns_without_it():
-    # Twenty picks while b was away: ten visits of a and c, five rounds, 50 MU of
-    # credit for 40 MU of debt; b is back in the new lane and goes first.
+def test_a_sparse_tenant_repays_its_debt_while_the_others_are_served():
+    # Twenty picks while b was away: a and c stand at 50, above b's 45; b is lifted to
+    # their floor and, joining, goes first on the tie.
     assert _sparse_tenant_with_debt(picks_while_away=20)[0] == "b"
+
+
+def test_the_reserve_follows_the_standing_of_a_tenant_paid_at_dispatch():
+    """Below its share of sequences, a tenant whose requests are charged mostly at
+    dispatch (long prompts) may take the newcomer reserve only at the floor; one charged
+    mostly as it generates, whatever its standing."""
+    scheduler = Scheduler(make_config(cost="model_units"))  # alpha 1, beta 2
+    endpoint = scheduler.endpoints["ep"]
+    admit_all(scheduler, [req(t, i, input_tokens=10) for i in (1, 2) for t in "ab"])
+    a, b = scheduler.flow("ep", "a"), scheduler.flow("ep", "b")
+    assert endpoint.may_use_reserve(a) and endpoint.may_use_reserve(b)  # both at the floor
+    (first,) = scheduler.next_batch("ep", ONE_SLOT, 0.0).requests
+    assert first.tenant == "a"  # a now stands 10 above b, who was charged nothing
+    assert not endpoint.may_use_reserve(a) and endpoint.may_use_reserve(b)
+    scheduler.complete("a", "1", Usage(10, 0, 0.0), 1.0)  # all of it paid at dispatch
+    assert a.paid_at_dispatch == 1.0 and not endpoint.may_use_reserve(a)
+    for n in range(4):  # 10 of 210 at dispatch, the rest as generated
+        endpoint.observe_payment(a, req("a", f"x{n}", input_tokens=10), 210.0)
+    assert a.paid_at_dispatch < PAID_AT_DISPATCH and endpoint.may_use_reserve(a)
 
 
 def test_input_limits_come_from_the_dispatcher_input_table():

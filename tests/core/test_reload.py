@@ -73,8 +73,8 @@ def mixed():
 
 def test_a_tenant_moved_up_a_tier_keeps_its_order_and_runs_ahead_of_its_old_tier():
     tenants = {"a": ("bronze", 1.0), "b": ("bronze", 1.0), "c": ("silver", 1.0)}
-    config = make_config(cost="request", quantum=1.0, tenants=tenants)
-    moved = make_config(cost="request", quantum=1.0, tenants={**tenants, "a": ("gold", 1.0)})
+    config = make_config(cost="request", tenants=tenants)
+    moved = make_config(cost="request", tenants={**tenants, "a": ("gold", 1.0)})
     reference, scheduler = Scheduler(config), Scheduler(config)
     for each in (reference, scheduler):
         admit(
@@ -98,12 +98,12 @@ def test_a_tenant_moved_up_a_tier_keeps_its_order_and_runs_ahead_of_its_old_tier
 
 def test_a_request_running_across_a_tier_move_is_accounted_in_its_new_tier():
     tenants = {"a": ("bronze", 2.0), "b": ("gold", 1.0)}
-    config = make_config(cost="request", quantum=1.0, tenants=tenants)
+    config = make_config(cost="request", tenants=tenants)
     scheduler = Scheduler(config)
     admit(scheduler, [req("a", 1), req("a", 2)])
     assert dispatch_one(scheduler, complete=False) == "a/1"
     scheduler.reconfigure(
-        make_config(cost="request", quantum=1.0, tenants={**tenants, "a": ("silver", 3.0)}), 1.0
+        make_config(cost="request", tenants={**tenants, "a": ("silver", 3.0)}), 1.0
     )
     endpoint = scheduler.endpoints["ep"]
     assert endpoint.present_weight_by_rank == [0.0, 3.0, 0.0]
@@ -123,12 +123,12 @@ def served_shares(scheduler: Scheduler, rounds: int, now: float) -> dict[str, in
 
 def test_a_new_weight_changes_the_served_shares_from_the_next_rounds():
     tenants = {"a": ("gold", 1.0), "b": ("gold", 1.0)}
-    config = make_config(cost="request", quantum=1.0, tenants=tenants)
+    config = make_config(cost="request", tenants=tenants)
     scheduler = Scheduler(config)
     admit(scheduler, [req(t, n, arrival=n) for n in range(1000) for t in "ab"])
     assert served_shares(scheduler, 200, 0.0) == {"a": 100, "b": 100}
     scheduler.reconfigure(
-        make_config(cost="request", quantum=1.0, tenants={"a": ("gold", 3.0), "b": ("gold", 1.0)}),
+        make_config(cost="request", tenants={"a": ("gold", 3.0), "b": ("gold", 1.0)}),
         1.0,
     )
     after = served_shares(scheduler, 400, 1.0)
@@ -225,20 +225,19 @@ tier = "free"
 """
 
 
-def test_tiers_added_and_reordered_keep_each_tiers_ring():
+def test_tiers_added_and_reordered_keep_each_tiers_standings():
     tenants = {"a": ("gold", 1.0), "b": ("silver", 1.0)}
-    scheduler = Scheduler(make_config(cost="request", quantum=1.0, tenants=tenants))
+    scheduler = Scheduler(make_config(cost="request", tenants=tenants))
     admit(scheduler, [req("a", 1), req("a", 2), req("b", 1)])
-    gold_ring = scheduler.endpoints["ep"].selector.rings[0]
+    gold = scheduler.endpoints["ep"].selector.tiers[0]
     # silver above gold now, and a new top tier with a new tenant.
     new = make_config(
         cost="request",
-        quantum=1.0,
         tiers=("platinum", "silver", "gold"),
         tenants={**tenants, "p": ("platinum", 1.0)},
     )
     assert scheduler.reconfigure(new, 1.0) == []
-    assert scheduler.endpoints["ep"].selector.rings[2] is gold_ring
+    assert scheduler.endpoints["ep"].selector.tiers[2] is gold
     admit(scheduler, [req("p", 1)], 1.0)
     assert drain(scheduler, 1.0) == ["p/1", "b/1", "a/1", "a/2"]
     assert_counts_consistent(scheduler)
@@ -250,7 +249,7 @@ def test_a_reload_outside_tenants_and_tiers_is_refused_whole():
     scheduler = Scheduler(config)
     admit(scheduler, [req("a", 1), req("b", 1)])
     registry = scheduler.registry
-    changed = make_config(tenants={"a": ("bronze", 5.0)}, quantum=7.0)
+    changed = make_config(tenants={"a": ("bronze", 5.0)}, latency_target_s=7.0)
     changed = msgspec.structs.replace(
         changed, broker=msgspec.structs.replace(changed.broker, prefix="other")
     )
@@ -297,7 +296,7 @@ steps = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(first=tenant_sets, steps=steps)
 def test_reloads_lose_repeat_and_reorder_nothing(first, steps):
-    scheduler = Scheduler(make_config(cost="request", quantum=1.0, tenants=first))
+    scheduler = Scheduler(make_config(cost="request", tenants=first))
     store = MemoryLimiterStore()
     admitted: list[str] = []
     ended: list[str] = []  # every request that left: completed or removed
@@ -334,9 +333,7 @@ def test_reloads_lose_repeat_and_reorder_nothing(first, steps):
                         (-request.priority, request.arrival, request.id)
                     )
         elif step[0] == "reload":
-            for request in scheduler.reconfigure(
-                make_config(cost="request", quantum=1.0, tenants=step[1]), now
-            ):
+            for request in scheduler.reconfigure(make_config(cost="request", tenants=step[1]), now):
                 ended.append(request.id)
                 queued_order[request.tenant].remove(
                     (-request.priority, request.arrival, request.id)

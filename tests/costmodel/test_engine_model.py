@@ -57,7 +57,9 @@ def test_defaults_match_example_profile() -> None:
     example = msgspec.toml.decode((CONFIGS / "example.toml").read_bytes())
     profile = example["profiles"]["llama-7b-sim"]
     assert PARAMS.alpha == pytest.approx(profile["alpha"], rel=1e-12)
-    assert PARAMS.beta == pytest.approx(profile["beta"], rel=1e-12)
+    assert PARAMS.decode_step_base_s == pytest.approx(profile["decode_base_s"], rel=1e-12)
+    assert PARAMS.decode_step_per_seq_s == pytest.approx(profile["decode_per_seq_s"], rel=1e-12)
+    assert PARAMS.max_sequences == profile["operating_batch"]
     assert PARAMS.gamma == pytest.approx(profile["gamma"], rel=1e-12)
 
 

@@ -131,7 +131,7 @@ def test_a_bad_curve_is_refused_naming_the_field(fields: dict, message: str) -> 
 
 
 def batched_scheduler() -> Scheduler:
-    config = make_config(cost="model_units", quantum=10.0)
+    config = make_config(cost="model_units")
     profile = ModelProfile(
         name="p", alpha=0.001, decode_base_s=0.02, decode_per_seq_s=0.001, operating_batch=64
     )
@@ -156,7 +156,7 @@ def test_output_is_charged_at_the_batch_its_worker_runs_and_settled_in_engine_ti
 
 
 def test_a_flat_profile_settles_in_its_own_unit_not_engine_time() -> None:
-    scheduler = Scheduler(make_config(cost="model_units", quantum=1e6))  # alpha 1, beta 2
+    scheduler = Scheduler(make_config(cost="model_units"))  # alpha 1, beta 2
     dispatch_one(scheduler)
     scheduler.complete("a", "1", Usage(100, 30, 0.0, engine_s=0.25), 1.0)
     assert scheduler.endpoints["ep"].flows["a"].served_cost == pytest.approx(100 + 2 * 30)
@@ -186,7 +186,7 @@ def test_completions_teach_the_output_estimate_that_prices_queued_work() -> None
     """The scheduler feeds each completion to its output estimator, per tenant: a
     tenant whose answers come out short has its next requests priced by what it really
     generates (the backlog admission and the autoscaler read), another keeps the prior."""
-    scheduler = Scheduler(make_config(cost="model_units", quantum=1e6))  # alpha 1, beta 2
+    scheduler = Scheduler(make_config(cost="model_units"))  # alpha 1, beta 2
     store, queues = MemoryLimiterStore(), scheduler.endpoints["ep"]
 
     def priced(tenant: str, index: int) -> float:

@@ -208,7 +208,6 @@ capacity_mu_per_s = 30.0
 [endpoints.chat]
 profile = "p"
 cost = "model_units"
-quantum = 8.0
 latency_target_s = 1.0
 max_tokens_cap = 64
 [[tiers]]

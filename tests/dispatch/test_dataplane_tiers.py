@@ -29,7 +29,6 @@ capacity_mu_per_s = 30.0
 [endpoints.chat]
 profile = "p"
 cost = "model_units"
-quantum = 1.0
 latency_target_s = 600.0
 newcomer_reserve = 0.08        # 1 of the worker's 12 sequences
 [[tiers]]

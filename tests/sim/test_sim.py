@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -624,32 +625,39 @@ def test_the_ablation_reruns_fairq_with_each_suspect_removed(tmp_path: Path) -> 
         assert cells[name]["mu_service_diff_avg"] * 2 < cells["FIFO"]["mu_service_diff_avg"]
 
 
-def test_fairq_is_at_least_as_fair_as_vtc_in_the_units_it_charges(tmp_path: Path) -> None:
-    """Issue 18's matrix, four shapes, seed 1 (the Azure one where the public trace is
-    present): fairq's average service difference in model units is at most VTC's;
-    sequence slots sit empty while queued work would fit at most 1% of the time beyond
-    the 3% newcomer reserve; the lighter tenants get their first token no later than
-    with VTC where tenants come and go; and where every tenant stays backlogged the
-    adaptive reserve keeps throughput within 0.5% of FIFO's (on Azure traffic the
-    reserve stays held for the small tenants and costs 0.8%: docs/benchmarks.md)."""
+def test_fairq_is_at_least_as_fair_as_vtc_in_engine_time(tmp_path: Path) -> None:
+    """Issue 36's goal on four shapes of its matrix (the Azure one where the public trace
+    is present), seeds 1-3: fairq's average service difference in engine time (the judge,
+    and the unit fairq charges on the example's batched profile) is at most VTC's on the
+    mean over the seeds and on at least two of them (one seed alone is a coin toss: two
+    fair orders that break one tie differently part ways for good); sequence slots sit
+    empty while queued work would fit at most 1% of the time beyond the 3% newcomer
+    reserve; the lighter tenants get their first token no later than with VTC where
+    tenants come and go; and where every tenant stays backlogged the adaptive reserve
+    keeps throughput within 0.5% of FIFO's (on Azure traffic the reserve stays held for
+    the small tenants and costs 0.7%: docs/benchmarks.md)."""
     out = tmp_path / "matrix.json"
     shapes = ("prefill-heavy", "decode-heavy", "heavy-tailed", "azure-conversation")
-    assert fairness_matrix.main(["--shapes", *shapes, "--seeds", "1", "--out", str(out)]) == 0
+    seeds = ("1", "2", "3")
+    assert fairness_matrix.main(["--shapes", *shapes, "--seeds", *seeds, "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert set(summary["shapes"]) | set(summary["skipped"]) == set(shapes)
+
+    def mean(cells: dict, policy: str, metric: str) -> float:
+        return statistics.fmean(cells[seed][policy][metric] for seed in seeds)
+
     for shape, cells in summary["shapes"].items():
-        fairq, vtc, fifo = (cells["1"][policy] for policy in ("fairq", "vtc", "fifo"))
-        assert fairq["mu_service_diff_avg"] <= vtc["mu_service_diff_avg"], (shape, fairq, vtc)
-        assert fairq["idle_while_waiting"] <= 0.01 + 0.03, (shape, fairq)
+        metric = "engine_service_diff_avg"
+        wins = sum(cells[seed]["fairq"][metric] <= cells[seed]["vtc"][metric] for seed in seeds)
+        assert mean(cells, "fairq", metric) <= mean(cells, "vtc", metric) and wins >= 2, (
+            shape,
+            {seed: (cells[seed]["fairq"][metric], cells[seed]["vtc"][metric]) for seed in seeds},
+        )
+        for seed in seeds:
+            assert cells[seed]["fairq"]["idle_while_waiting"] <= 0.01 + 0.03, (shape, seed)
         if shape in ("heavy-tailed", "azure-conversation"):
-            assert fairq["light_tenants_p95_ttft_s"] <= vtc["light_tenants_p95_ttft_s"], (
-                shape,
-                fairq,
-                vtc,
-            )
+            light = "light_tenants_p95_ttft_s"
+            assert mean(cells, "fairq", light) <= mean(cells, "vtc", light), shape
         if shape != "azure-conversation":
-            assert fairq["throughput_tokens_per_s"] >= 0.995 * fifo["throughput_tokens_per_s"], (
-                shape,
-                fairq,
-                fifo,
-            )
+            tokens = "throughput_tokens_per_s"
+            assert mean(cells, "fairq", tokens) >= 0.995 * mean(cells, "fifo", tokens), shape

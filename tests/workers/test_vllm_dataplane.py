@@ -60,7 +60,6 @@ capacity_mu_per_s = 4.0
 [endpoints.chat]
 profile = "tiny"
 cost = "model_units"
-quantum = 1.0
 latency_target_s = 600.0
 max_tokens_cap = 8000
 
@@ -107,6 +106,7 @@ async def serving(
     engine: Engine,
     options: DispatcherOptions = OPTIONS,
     metrics: DispatcherMetrics | None = None,
+    config: str = CONFIG,
 ) -> AsyncIterator[Dispatcher]:
     """A dispatcher and one worker on `engine`, on this test's nats-server."""
     async with contextlib.AsyncExitStack() as stack:
@@ -115,7 +115,7 @@ async def serving(
         running = await stack.enter_async_context(
             Dispatcher(
                 nc,
-                msgspec.structs.replace(parse_config(CONFIG), dispatcher=options),
+                msgspec.structs.replace(parse_config(config), dispatcher=options),
                 metrics=metrics,
             )
         )

@@ -21,11 +21,22 @@ from broker_config.config import DispatcherOptions
 from dispatcher.observe.metrics import DispatcherMetrics
 from dispatcher.service import Dispatcher
 from tests.dispatch.test_dataplane_e2e import collect, submit
-from tests.workers.test_vllm_dataplane import KV_CACHE_BYTES, OPTIONS, WAIT_S, client, serving  # noqa: F401
+from tests.workers.test_vllm_dataplane import (  # noqa: F401
+    CONFIG,
+    KV_CACHE_BYTES,
+    OPTIONS,
+    WAIT_S,
+    client,
+    serving,
+)
 from tests.workers.test_vllm_engine import model_dir, vllm_env  # noqa: F401
 from workers.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+NO_RESERVE = CONFIG.replace(
+    "max_tokens_cap = 8000", "max_tokens_cap = 8000\nnewcomer_reserve = 0.0"
+)
+assert NO_RESERVE != CONFIG
 
 
 async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted(
@@ -37,7 +48,11 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
     full through the dispatcher by long requests, and probed as often as the dispatcher
     can (stall 0.05 s: a probe whenever one heartbeat reports no new token and the last
     probe was answered). The dispatcher's default probe timeout and failure count apply:
-    every probe is answered in time, and the worker is never evicted."""
+    every probe is answered in time, and the worker is never evicted.
+
+    No newcomer reserve: the two tenants alternate, each exactly at its share, and
+    neither may take a reserved slot (it is kept for a tenant below its share, for the
+    newcomer window), so the worker would run two of three."""
     config = VLLMEngineConfig(
         model=str(model_dir),
         max_num_seqs=4,
@@ -65,7 +80,7 @@ async def test_a_vllm_worker_under_full_load_answers_probes_and_is_never_evicted
 
     async with (
         VLLMEngine(config) as engine,
-        serving(nats_url, engine, options, metrics) as dispatcher,
+        serving(nats_url, engine, options, metrics, NO_RESERVE) as dispatcher,
     ):
         submitted = await asyncio.gather(
             *(

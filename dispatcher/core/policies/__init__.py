@@ -1,7 +1,7 @@
 """Dispatch policies: which tenant's request goes next, each behind one `Selector`
 contract (contract.py, with its MUST clauses). By name:
 
-    fairq   fairq.py   strict tiers, Deficit Round Robin (drr.py) inside each tier
+    fairq   fairq.py   strict tiers, least charge per weight (standing.py) inside each
     fifo    fifo.py    one shared queue in arrival order: the naive baseline
     vtc     vtc.py     the Virtual Token Counter (OSDI 2024): the fair-serving baseline
 

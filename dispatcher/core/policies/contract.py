@@ -3,8 +3,8 @@
 A selector answers one question for batch assembly: which tenant's flow sends its head
 request next. The scheduler owns the flows' queues and running work, prices every
 request in the endpoint's cost unit (`request.charged_cost`) and keeps each flow's
-`served_cost`; the selector owns its fairness state (DRR's deficit and rings, VTC's
-counters, FIFO's heap of heads) and changes it only when the scheduler calls it.
+`served_cost`; the selector owns its fairness state (fairq's and VTC's standings,
+FIFO's heap of heads) and changes it only when the scheduler calls it.
 `tests/core/test_policy_conformance.py` runs every policy of `POLICIES` through the
 clauses below.
 
@@ -23,39 +23,39 @@ What a selector MUST do:
 2. Holding. `flow.in_ring` is True from `activate` until the selector lets the flow go
    because its queue is empty: at once in `charge` and `drop_if_empty`, or when
    `select` passes a flow that cancels emptied (and when a reload moves its tenant to
-   another tier). A flow not in the ring with nothing queued or running is idle.
+   another tier). A flow not held with nothing queued or running is idle.
 3. Charges. A charge is an amount in the endpoint's cost unit, priced by the scheduler:
    `request.charged_cost` at dispatch (`charge`; it includes an output estimate unless
    `charges_output_as_generated`), the cost of output as it is generated (`progress`;
    its model units on a model-units endpoint where `charges_output_as_generated`, else
    0), and at completion the correction: the real cost of the usage minus what the
    request was charged so far (`complete`; negative if it was overcharged). Each policy
-   charges in its own measure (DRR: these amounts, off the deficit; VTC: weighted
-   prompt and output tokens; FIFO: nothing), but a charge never favours the flow
-   charged: charged more, it is served no sooner. Output reported by `progress` and
-   output first seen at completion weigh the same once the request completed.
-   `refund` gives back what a request that returns to its queue was charged, in the
-   policy's measure (DRR: its `charged_cost`; VTC and FIFO keep what they charged).
+   charges in its own measure (fairq: these amounts; VTC: weighted prompt and output
+   tokens; FIFO: nothing), but a charge never favours the flow charged: charged
+   more, it is served no sooner. Output reported by `progress` and output first seen
+   at completion weigh the same once the request completed. `refund` gives back what
+   a request that returns to its queue was charged, in the policy's measure (fairq:
+   its `charged_cost`; VTC and FIFO keep what they charged).
 4. Reset. A flow that leaves keeps no credit: activated again, it is served no sooner
-   than a new flow would be (VTC apart, on an exact tie: the heap entry it left behind
-   is valid again and wins the tie). A debt may be kept. Nor does a flow that joins
-   gain from the service the others had before it came. DRR: a flow that leaves the
-   ring keeps min(deficit, 0), and a correction while it is out is clamped the same
-   way; on its return it is credited one quantum per round the ring turned meanwhile,
-   up to its debt, then given a fresh quantum, as a new flow is. A backlogged flow
-   keeps its deficit from one visit to the next; a flow that a reload moves to another
-   tier leaves its ring as above and joins the new one as if it had just left it. VTC:
-   a flow that becomes backlogged has its counter lifted to the smallest backlogged
-   counter (to the last that left when none is backlogged).
+   than a new flow would be, ties included. A debt may be kept. Nor does a flow that
+   joins gain from the service the others had before it came. fairq and VTC
+   (standing.py): a flow that becomes backlogged has its standing lifted to a floor
+   that never falls (the least backlogged standing, or the last that left when none
+   is backlogged); a standing above the floor is a debt, kept. A flow that a reload
+   moves to another tier carries its debt over that tier's floor to the new one.
 5. Set aside. After `set_aside(flow)` (the selected flow's head does not fit),
    `select` does not return that flow until `restore_set_aside`, which puts back every
-   flow set aside with its standing (VTC: its counter, though it may now lose a tie it
-   won before); with nothing set aside it changes nothing. Setting aside charges
+   flow set aside with its standing (though it may now lose a tie it won before); with
+   nothing set aside it changes nothing. Setting aside charges
    nothing.
 6. Forget. `forget(idle, forgive)` returns the flows of `idle` that the endpoint may
    drop, a returning tenant getting a new flow: every flow of `forgive` (idle for
    `DEBT_MEMORY_S`, whatever it owes), and otherwise only flows a new flow would be
    indistinguishable from (no debt left). The selector drops its own state for them.
+7. Floor. `at_floor(flow)`, for a held flow: True if no held flow was charged less
+   per unit of weight, in the policy's measure (where a flow that joins now would
+   stand); a flow just activated with no debt is at the floor. FIFO keeps no
+   standing: always True.
 """
 
 from __future__ import annotations
@@ -112,3 +112,6 @@ class Selector(Protocol):
 
     def forget(self, idle: list[TenantFlow], forgive: set[TenantFlow]) -> list[TenantFlow]:
         """Of the idle flows, those that may be dropped (clause 6)."""
+
+    def at_floor(self, flow: TenantFlow) -> bool:
+        """No held flow was charged less per unit of weight than `flow` (clause 7)."""

@@ -24,6 +24,9 @@ class FifoSelector:
         # (arrival, counter, flow): the counter is unique, so flows are never compared.
         self._heads: list[tuple[float, int, TenantFlow]] = []
 
+    def at_floor(self, flow: TenantFlow) -> bool:
+        return True  # arrival order keeps no standing: no flow is ahead of another
+
     def activate(self, flow: TenantFlow) -> None:
         if not flow.in_ring:
             flow.in_ring = True
