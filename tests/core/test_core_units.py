@@ -197,6 +197,19 @@ def test_cross_field_checks_of_service_tables_are_config_errors(table, match):
         parse_config(MINIMAL + table, source="bad.toml")
 
 
+def test_a_config_that_still_sets_a_quantum_loads_with_a_warning(caplog):
+    """The quantum went with the ring of quanta (issue 36): old configs keep loading."""
+    body = '[endpoints.chat]\nquantum = 8.0\n[[tiers]]\nname = "a"\n'
+    with caplog.at_level("WARNING", logger="broker_config.config"):
+        config = parse_config(body, source="old.toml")
+    assert config.endpoints["chat"].quantum == 8.0
+    assert "old.toml: field `endpoints.chat.quantum` is deprecated and ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="broker_config.config"):
+        parse_config(MINIMAL)
+    assert "deprecated" not in caplog.text
+
+
 def test_config_file_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="missing.toml"):
         load_config(tmp_path / "missing.toml")
